@@ -1,0 +1,96 @@
+"""One validated configuration object for tierstore.
+
+Built from vLLM's ``kv_connector_extra_config`` dict or from CLI options with
+``TierStoreConfig.from_dict``. Unknown keys and bad values raise ``ConfigError`` naming the
+setting and what to do; nothing is silently ignored. Defaults are documented here and in
+README.md. Immutable once built; safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tierstore.errors import ConfigError
+
+_CODECS = ("none", "zstd")
+_ODIRECT = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class TierStoreConfig:
+    # Where pages live. With only ``root`` set, tierstore is a single tier (local or shared).
+    root: str
+    # Optional faster tiers in front of ``root`` (see tierstore/tiers).
+    local_root: str | None = None
+    local_max_bytes: int | None = None  # cap of the local tier; None = no cap
+    host_bytes: int = 0  # host-memory tier; 0 = off
+    max_bytes: int | None = None  # cap of ``root`` kept by gc; None = no cap
+    # Page encoding.
+    codec: str = "none"  # "none" or "zstd"
+    zstd_level: int = 1
+    # I/O engine.
+    io_threads: int = 4
+    queue_depth: int = 256  # bounded depth of each of the load and store queues
+    fsync: bool = False  # fsync each page before publishing it
+    odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
+    deadline_ms: int = 10_000  # per operation on local disk
+    shared_deadline_ms: int = 5_000  # per operation on the shared tier
+    flush_timeout_s: float = 30.0  # how long shutdown waits for queued stores
+    # Identity.
+    model_id: str | None = None  # override the model name recorded in the namespace
+    namespace_tag: str | None = None  # extra user-chosen identity (e.g. a deployment)
+    # vLLM adapter.
+    chunk_tokens: int | None = None  # tokens per stored page; None = the engine's block size
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown tierstore setting(s) {unknown}; known settings: {sorted(known)}"
+            )
+        if not d.get("root"):
+            raise ConfigError(
+                'tierstore needs a cache directory: set "root" in kv_connector_extra_config '
+                '(for example {"root": "/mnt/kvcache"})'
+            )
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.codec not in _CODECS:
+            raise ConfigError(f'setting "codec" must be one of {_CODECS}, got {self.codec!r}')
+        if self.odirect not in _ODIRECT:
+            raise ConfigError(f'setting "odirect" must be one of {_ODIRECT}, got {self.odirect!r}')
+        for name in ("io_threads", "queue_depth", "deadline_ms", "shared_deadline_ms"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f'setting "{name}" must be a positive integer, got {v!r}')
+        for name in ("local_max_bytes", "max_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ConfigError(f'setting "{name}" must be a positive number of bytes, got {v!r}')
+        if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
+            raise ConfigError(f'setting "host_bytes" must be >= 0, got {self.host_bytes!r}')
+        if self.local_max_bytes is not None and self.local_root is None:
+            raise ConfigError('setting "local_max_bytes" needs "local_root" (the local tier\'s directory)')
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f'setting "zstd_level" must be 1..22, got {self.zstd_level}')
+        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
+            raise ConfigError(f'setting "chunk_tokens" must be positive, got {self.chunk_tokens}')
+        if self.flush_timeout_s < 0:
+            raise ConfigError('setting "flush_timeout_s" must be >= 0')
+
+    @property
+    def root_path(self) -> Path:
+        return Path(self.root)
+
+    def replace(self, **changes: Any) -> TierStoreConfig:
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg

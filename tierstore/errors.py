@@ -1,0 +1,121 @@
+"""Typed errors of tierstore.
+
+Contract: every failure a user or the engine can meet is one of these classes. Page errors
+carry a short machine-readable ``kind`` (used as a metrics label and in fsck reports), the
+path and the key when known. Readers never return partial data: they raise one of these.
+No threading rules: these are plain values.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from pathlib import Path
+
+
+class TierStoreError(Exception):
+    """Base class of every tierstore error."""
+
+    kind = "error"
+
+
+class ConfigError(TierStoreError, ValueError):
+    """A setting is missing or invalid; the message names the setting and what to do."""
+
+    kind = "config"
+
+
+class PageError(TierStoreError):
+    """A page could not be read or written; ``kind`` says why."""
+
+    kind = "page"
+
+    def __init__(self, message: str, *, path: str | Path | None = None, key: bytes | None = None):
+        super().__init__(message)
+        self.path = str(path) if path is not None else None
+        self.key = key
+
+    def __str__(self) -> str:
+        where = f" [{self.path}]" if self.path else ""
+        return f"{self.kind}: {super().__str__()}{where}"
+
+
+class PageMissing(PageError):
+    """No page file under the expected name (ENOENT or ESTALE)."""
+
+    kind = "missing"
+
+
+class PageTruncated(PageError):
+    """The file is shorter than its header says (or too short to hold a header)."""
+
+    kind = "truncated"
+
+
+class PageCorrupt(PageError):
+    """A checksum did not match: header or one section."""
+
+    kind = "checksum"
+
+
+class PageFormatError(PageError):
+    """Not a tierstore page, an unsupported format version, or an inconsistent header."""
+
+    kind = "format"
+
+
+class PageForeign(PageError):
+    """The page belongs to another namespace (model, dtype, layout, ...)."""
+
+    kind = "foreign"
+
+
+class PageKeyMismatch(PageError):
+    """The page's key, group or rank disagrees with the name it was read under."""
+
+    kind = "key_mismatch"
+
+
+class PageTimeout(PageError):
+    """The operation did not finish before its deadline."""
+
+    kind = "timeout"
+
+
+class PageCancelled(PageError):
+    """The engine was closed before the operation ran."""
+
+    kind = "cancelled"
+
+
+class PageQueueFull(PageError):
+    """The engine could not take the job (its queue is full or no staging slot is free)."""
+
+    kind = "queue_full"
+
+
+class PageStoreError(PageError):
+    """A store failed at the file system (no space, read-only, permissions, I/O error)."""
+
+    kind = "store"
+
+    def __init__(self, message: str, *, errno: int | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.errno = errno
+        if errno == _errno.ENOSPC or errno == _errno.EDQUOT:
+            self.kind = "enospc"
+        elif errno == _errno.EROFS:
+            self.kind = "readonly"
+        elif errno in (_errno.EACCES, _errno.EPERM):
+            self.kind = "permission"
+        elif errno is not None:
+            self.kind = "io"
+
+
+class PageIOError(PageError):
+    """A read failed at the file system with an error other than 'not found'."""
+
+    kind = "io"
+
+    def __init__(self, message: str, *, errno: int | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.errno = errno

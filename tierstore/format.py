@@ -1,0 +1,422 @@
+"""Page file format v1: the bytes of one page file, and nothing about where it lives.
+
+A page is one KV-cache group x one stored chunk x all layers of that group (x one rank's
+slice). Its payload is the concatenation of named, typed sections (``PageLayout``); the
+header describes everything needed to check the file without vLLM. Byte layout (all
+integers little-endian; documented in docs/DESIGN.md):
+
+    preamble (72 bytes)
+      0  8  magic  b"TSKVPAGE"
+      8  2  format version (1)
+     10  2  flags (0; readers reject unknown bits)
+     12  4  header_len: payload starts here; a multiple of HEADER_ALIGN (4096)
+     16  8  payload_len
+     24 16  namespace digest
+     40  4  group index        44 1 group kind         45 1 codec
+     46  2  key length         48 4 token count        52 4 rank
+     56  4  head start         60 4 head count         64 2 number of sections
+     66  6  reserved (0)
+     72  .  key bytes
+      .  .  section table: per section u16 name length, name (utf-8), u8 dtype code, u8 ndim,
+            ndim x u32 dims, u64 raw length, u64 stored offset (from payload start),
+            u64 stored length, u64 xxh3-64 of the raw (uncompressed) bytes
+      .  .  zero padding up to header_len - 8
+      header_len - 8  8  xxh3-64 of header[0 : header_len - 8]
+    payload: each section at its stored offset (multiples of SECTION_ALIGN), gaps zero.
+
+With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (same offsets),
+so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame.
+There are no timestamps or host names in a page: the same tokens give the same bytes.
+
+Nothing here executes code from a file: the header is parsed with ``struct`` only.
+Threading: pure functions over immutable values; safe from any thread. A ZSTD compressor or
+decompressor object must not be shared between threads (callers pass their own).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from functools import cached_property
+
+import xxhash
+
+from tierstore.errors import (
+    PageCorrupt,
+    PageForeign,
+    PageFormatError,
+    PageKeyMismatch,
+    PageTruncated,
+)
+
+MAGIC = b"TSKVPAGE"
+FORMAT_VERSION = 1
+HEADER_ALIGN = 4096
+SECTION_ALIGN = 64
+MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page
+_PREAMBLE = struct.Struct("<8sHHIQ16sIBBHIIIIH6x")
+_SECTION_FIXED = struct.Struct("<BB")
+_SECTION_TAIL = struct.Struct("<QQQQ")
+_CHECKSUM = struct.Struct("<Q")
+PREAMBLE_LEN = _PREAMBLE.size  # 72
+
+
+class Codec(IntEnum):
+    NONE = 0
+    ZSTD = 1
+
+
+class GroupKind(IntEnum):
+    """Kind of KV-cache group a page belongs to; decides how hits are computed."""
+
+    ATTENTION = 0
+    SLIDING_WINDOW = 1
+    MAMBA = 2
+    MLA = 3
+
+
+# dtype name -> (code, itemsize). Codes are part of the format: never renumber.
+DTYPES: dict[str, tuple[int, int]] = {
+    "uint8": (1, 1),
+    "int8": (2, 1),
+    "float16": (3, 2),
+    "bfloat16": (4, 2),
+    "float32": (5, 4),
+    "float8_e4m3fn": (6, 1),
+    "float8_e5m2": (7, 1),
+    "int32": (8, 4),
+    "int64": (9, 8),
+    "float64": (10, 8),
+    "int16": (11, 2),
+    "float8_e4m3fnuz": (12, 1),
+    "float8_e5m2fnuz": (13, 1),
+}
+_DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """xxh3-64 of ``data`` (the checksum used for sections and headers)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    """One named tensor of a page: for example one layer's K/V block or one Mamba state."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise PageFormatError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPES)}")
+        if not self.name or len(self.name.encode()) > 0xFFFF:
+            raise PageFormatError(f"bad section name {self.name!r}")
+        if len(self.shape) > 255 or any(d < 0 or d > 0xFFFFFFFF for d in self.shape):
+            raise PageFormatError(f"bad section shape {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The ordered sections of a page and their offsets in a page buffer."""
+
+    sections: tuple[SectionSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sections", tuple(self.sections))
+        names = [s.name for s in self.sections]
+        if len(set(names)) != len(names):
+            raise PageFormatError(f"duplicate section names in layout: {names}")
+        if len(self.sections) > 0xFFFF:
+            raise PageFormatError("too many sections in one page")
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, pos = [], 0
+        for s in self.sections:
+            out.append(pos)
+            pos = _align(pos + s.nbytes, SECTION_ALIGN)
+        return tuple(out)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes of a page buffer (sections at ``offsets``, the last one unpadded)."""
+        if not self.sections:
+            return 0
+        return self.offsets[-1] + self.sections[-1].nbytes
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data, without alignment padding."""
+        return sum(s.nbytes for s in self.sections)
+
+    def index(self, name: str) -> int:
+        for i, s in enumerate(self.sections):
+            if s.name == name:
+                return i
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class PageMeta:
+    """Identity of one page: whose it is and which tokens it holds."""
+
+    namespace: bytes  # 16-byte digest (identity.Namespace.digest_bytes)
+    key: bytes  # full chunk key (the block hash that ends the chunk)
+    group_index: int
+    group_kind: GroupKind
+    token_count: int
+    rank: int = 0
+    head_start: int = 0
+    head_count: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != 16:
+            raise PageFormatError("namespace digest must be 16 bytes")
+        if not 0 < len(self.key) <= 0xFFFF:
+            raise PageFormatError("key must be 1..65535 bytes")
+
+
+@dataclass(frozen=True)
+class SectionEntry:
+    spec: SectionSpec
+    stored_offset: int
+    stored_len: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    meta: PageMeta
+    codec: Codec
+    sections: tuple[SectionEntry, ...]
+    header_len: int
+    payload_len: int
+    layout: PageLayout = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", PageLayout(tuple(e.spec for e in self.sections)))
+
+    @property
+    def file_size(self) -> int:
+        return self.header_len + self.payload_len
+
+
+@dataclass(frozen=True)
+class PageExpectation:
+    """What a reader expects a file to be; any disagreement is a typed error."""
+
+    namespace: bytes
+    key: bytes
+    group_index: int
+    rank: int = 0
+    layout: PageLayout | None = None
+
+
+def encode_header(meta: PageMeta, codec: Codec, sections: Sequence[SectionEntry], payload_len: int) -> bytes:
+    """Serialize a header, padded to HEADER_ALIGN, with its checksum in the last 8 bytes."""
+    table = bytearray()
+    for e in sections:
+        name = e.spec.name.encode()
+        code = DTYPES[e.spec.dtype][0]
+        table += struct.pack("<H", len(name)) + name
+        table += _SECTION_FIXED.pack(code, len(e.spec.shape))
+        table += struct.pack(f"<{len(e.spec.shape)}I", *e.spec.shape)
+        table += _SECTION_TAIL.pack(e.spec.nbytes, e.stored_offset, e.stored_len, e.checksum)
+    body_len = PREAMBLE_LEN + len(meta.key) + len(table) + _CHECKSUM.size
+    header_len = _align(body_len, HEADER_ALIGN)
+    pre = _PREAMBLE.pack(
+        MAGIC, FORMAT_VERSION, 0, header_len, payload_len, meta.namespace, meta.group_index,
+        int(meta.group_kind), int(codec), len(meta.key), meta.token_count, meta.rank,
+        meta.head_start, meta.head_count, len(sections),
+    )
+    buf = bytearray(header_len)
+    pos = 0
+    for part in (pre, meta.key, table):
+        buf[pos : pos + len(part)] = part
+        pos += len(part)
+    buf[-8:] = _CHECKSUM.pack(checksum(memoryview(buf)[:-8]))
+    return bytes(buf)
+
+
+def header_len_of(prefix: bytes | memoryview, *, path: str | None = None) -> int:
+    """Header length announced by a file's first bytes; raises if they are not a page."""
+    if len(prefix) < PREAMBLE_LEN:
+        if len(prefix) == 0 or bytes(prefix[:len(MAGIC)]) == MAGIC[:len(prefix)]:
+            raise PageTruncated(f"file has {len(prefix)} bytes, shorter than a page preamble", path=path)
+        raise PageFormatError("not a tierstore page (bad magic)", path=path)
+    magic, version, flags, header_len = struct.unpack_from("<8sHHI", prefix)
+    if magic != MAGIC:
+        raise PageFormatError("not a tierstore page (bad magic)", path=path)
+    if version != FORMAT_VERSION:
+        raise PageFormatError(f"unsupported page format version {version}; this tierstore reads {FORMAT_VERSION}", path=path)
+    if flags != 0:
+        raise PageFormatError(f"unknown header flags {flags:#x}", path=path)
+    if header_len % HEADER_ALIGN or not PREAMBLE_LEN < header_len <= MAX_HEADER_LEN:
+        raise PageFormatError(f"bad header length {header_len}", path=path)
+    return header_len
+
+
+def decode_header(buf: bytes | memoryview, *, path: str | None = None) -> PageHeader:
+    """Parse and verify a header. ``buf`` holds at least the whole header."""
+    buf = memoryview(buf)
+    header_len = header_len_of(buf, path=path)
+    if len(buf) < header_len:
+        raise PageTruncated(f"file ends inside its {header_len}-byte header", path=path)
+    (stored_sum,) = _CHECKSUM.unpack_from(buf, header_len - 8)
+    if checksum(buf[: header_len - 8]) != stored_sum:
+        raise PageCorrupt("header checksum mismatch", path=path)
+    try:
+        return _parse_header(buf, header_len)
+    except (struct.error, UnicodeDecodeError, ValueError, PageFormatError) as exc:
+        # The checksum matched, so this is a writer bug or a crafted file, not bit rot.
+        raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
+
+
+def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
+    (_, _, _, _, payload_len, ns, group_index, kind, codec, key_len, token_count, rank,
+     head_start, head_count, nsec) = _PREAMBLE.unpack_from(buf, 0)
+    pos = PREAMBLE_LEN
+    key = bytes(buf[pos : pos + key_len])
+    pos += key_len
+    entries = []
+    for _ in range(nsec):
+        (name_len,) = struct.unpack_from("<H", buf, pos)
+        pos += 2
+        name = bytes(buf[pos : pos + name_len]).decode()
+        pos += name_len
+        code, ndim = _SECTION_FIXED.unpack_from(buf, pos)
+        pos += _SECTION_FIXED.size
+        shape = struct.unpack_from(f"<{ndim}I", buf, pos)
+        pos += 4 * ndim
+        raw_len, off, stored_len, csum = _SECTION_TAIL.unpack_from(buf, pos)
+        pos += _SECTION_TAIL.size
+        if code not in _DTYPE_BY_CODE:
+            raise ValueError(f"unknown dtype code {code}")
+        spec = SectionSpec(name, _DTYPE_BY_CODE[code], tuple(shape))
+        if spec.nbytes != raw_len:
+            raise ValueError(f"section {name!r}: raw length {raw_len} != shape size {spec.nbytes}")
+        if off + stored_len > payload_len:
+            raise ValueError(f"section {name!r} runs past the payload")
+        entries.append(SectionEntry(spec, off, stored_len, csum))
+    if pos > header_len - 8:
+        raise ValueError("section table runs past the header")
+    meta = PageMeta(ns, key, group_index, GroupKind(kind), token_count, rank, head_start, head_count)
+    header = PageHeader(meta, Codec(codec), tuple(entries), header_len, payload_len)
+    if header.codec == Codec.NONE:
+        lay = header.layout
+        if any(e.stored_offset != o or e.stored_len != e.spec.nbytes for e, o in zip(entries, lay.offsets, strict=True)):
+            raise ValueError("uncompressed sections are not at their layout offsets")
+        if payload_len != lay.nbytes:
+            raise ValueError("payload length disagrees with the layout")
+    return header
+
+
+def check_expectation(header: PageHeader, expect: PageExpectation, *, path: str | None = None) -> None:
+    """Raise unless the header is the page the reader asked for."""
+    m = header.meta
+    if m.namespace != expect.namespace:
+        raise PageForeign(f"page belongs to namespace {m.namespace.hex()}, expected {expect.namespace.hex()}", path=path, key=expect.key)
+    if m.key != expect.key or m.group_index != expect.group_index or m.rank != expect.rank:
+        raise PageKeyMismatch(
+            f"file holds key {m.key.hex()[:16]}.. group {m.group_index} rank {m.rank}, "
+            f"expected key {expect.key.hex()[:16]}.. group {expect.group_index} rank {expect.rank}",
+            path=path, key=expect.key,
+        )
+    if expect.layout is not None and header.layout != expect.layout:
+        raise PageFormatError("page layout differs from the namespace's layout", path=path, key=expect.key)
+
+
+def encode_page(
+    meta: PageMeta,
+    layout: PageLayout,
+    data: bytes | memoryview,
+    codec: Codec = Codec.NONE,
+    compressor: object | None = None,
+) -> tuple[bytes, list[memoryview | bytes]]:
+    """Build the header and payload pieces of a page from a page buffer of ``layout``.
+
+    With codec NONE the payload is ``data`` itself (zero-copy). ``compressor`` is a
+    ``zstandard.ZstdCompressor`` owned by the calling thread (required for ZSTD).
+    """
+    data = memoryview(data).cast("B")
+    if len(data) != layout.nbytes:
+        raise ValueError(f"page buffer has {len(data)} bytes, layout needs {layout.nbytes}")
+    entries: list[SectionEntry] = []
+    pieces: list[memoryview | bytes] = []
+    if codec == Codec.NONE:
+        for spec, off in zip(layout.sections, layout.offsets, strict=True):
+            entries.append(SectionEntry(spec, off, spec.nbytes, checksum(data[off : off + spec.nbytes])))
+        pieces.append(data)
+        payload_len = layout.nbytes
+    elif codec == Codec.ZSTD:
+        if compressor is None:
+            raise ValueError("codec ZSTD needs a compressor")
+        pos = 0
+        for spec, off in zip(layout.sections, layout.offsets, strict=True):
+            raw = data[off : off + spec.nbytes]
+            frame = compressor.compress(raw)  # type: ignore[attr-defined]
+            start = _align(pos, SECTION_ALIGN)
+            if start != pos:
+                pieces.append(bytes(start - pos))
+            entries.append(SectionEntry(spec, start, len(frame), checksum(raw)))
+            pieces.append(frame)
+            pos = start + len(frame)
+        payload_len = pos
+    else:
+        raise ValueError(f"unknown codec {codec!r}")
+    return encode_header(meta, codec, entries, payload_len), pieces
+
+
+def decode_payload(
+    header: PageHeader,
+    payload: memoryview | None,
+    out: memoryview,
+    decompressor: object | None = None,
+    *,
+    path: str | None = None,
+) -> None:
+    """Verify every section of ``payload`` and leave the page buffer in ``out``.
+
+    With codec NONE, ``payload=None`` means the payload was read straight into ``out``
+    (verify in place, no copy). Raises
+    PageCorrupt on the first bad section; ``out`` then holds garbage and must not be used.
+    """
+    out = memoryview(out).cast("B")
+    if len(out) != header.layout.nbytes:
+        raise ValueError(f"output buffer has {len(out)} bytes, page needs {header.layout.nbytes}")
+    for e, off in zip(header.sections, header.layout.offsets, strict=True):
+        raw_len = e.spec.nbytes
+        if header.codec == Codec.NONE:
+            if payload is not None:
+                out[off : off + raw_len] = payload[e.stored_offset : e.stored_offset + raw_len]
+        else:
+            if decompressor is None or payload is None:
+                raise ValueError("codec ZSTD needs a decompressor")
+            try:
+                raw = decompressor.decompress(payload[e.stored_offset : e.stored_offset + e.stored_len], max_output_size=raw_len)  # type: ignore[attr-defined]
+            except Exception as exc:  # zstd.ZstdError: a damaged frame
+                raise PageCorrupt(f"section {e.spec.name!r}: bad zstd frame ({exc})", path=path) from exc
+            if len(raw) != raw_len:
+                raise PageCorrupt(f"section {e.spec.name!r}: decompressed to {len(raw)} bytes, expected {raw_len}", path=path)
+            out[off : off + raw_len] = raw
+        if checksum(out[off : off + raw_len]) != e.checksum:
+            raise PageCorrupt(f"section {e.spec.name!r} checksum mismatch", path=path)

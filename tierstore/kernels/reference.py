@@ -1,0 +1,101 @@
+"""torch reference copy path: canonical pages <-> engine KV views, on any device.
+
+This is the path used on CPU (vLLM's CPU platform) and the oracle the Triton kernels are
+tested against. ``gather`` copies ``block_ids`` [n_pages, blocks_per_page] of every source view
+into page buffers at the layout's section offsets; ``scatter`` is the inverse. Every copy is a
+bit copy (sources are reinterpreted as same-size integers), so fp8 and bf16 need no arithmetic
+support from the device. One ``index_select`` per section per call; no Python loop over pages
+when ``pages`` is one 2-D tensor.
+
+Threading: a ReferenceCopier holds no mutable state; concurrent calls on disjoint pages and
+blocks are safe (the caller orders them against the engine's own use of the blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierstore.format import PageLayout
+from tierstore.kernels.geometry import (
+    INT_DTYPE_BY_SIZE,
+    SectionCopy,
+    check_block_ids,
+    check_pages,
+    plan_sections,
+)
+
+PagesArg = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _gather_section(sec: SectionCopy, ids: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """The section's canonical bytes for each page: uint8 [n_pages, section nbytes]."""
+    src = sec.int_source
+    rows = torch.index_select(src, 0, ids)  # [n_pages * bpp, *B], contiguous
+    if sec.concat_dim is not None:
+        d = sec.concat_dim
+        rows = rows.view(n_pages, sec.blocks_per_page, *sec.block_shape).movedim(1, d + 1)
+    return rows.reshape(n_pages, -1).contiguous().view(torch.uint8)
+
+
+def _scatter_section(sec: SectionCopy, raw: torch.Tensor, ids: torch.Tensor, n_pages: int) -> None:
+    """Inverse of ``_gather_section``: ``raw`` uint8 [n_pages, section nbytes] into the source."""
+    src = sec.int_source
+    vals = raw.contiguous().view(INT_DTYPE_BY_SIZE[sec.spec.itemsize])
+    shape = sec.spec.shape
+    if sec.concat_dim is not None:
+        d = sec.concat_dim
+        bd = sec.block_shape[d]
+        vals = vals.view(n_pages, *shape[:d], sec.blocks_per_page, bd, *shape[d + 1 :]).movedim(d + 1, 1)
+    vals = vals.reshape(n_pages * sec.blocks_per_page, *sec.block_shape)
+    src.index_copy_(0, ids, vals.to(src.device))
+
+
+class ReferenceCopier:
+    """GroupCopier implemented with torch indexing (see ``tierstore.kernels.GroupCopier``)."""
+
+    backend = "torch"
+
+    def __init__(
+        self,
+        sources: Sequence[torch.Tensor],
+        layout: PageLayout,
+        blocks_per_page: int,
+        concat_dims: Sequence[int | None],
+    ) -> None:
+        self.layout = layout
+        self.blocks_per_page = blocks_per_page
+        self.sections = plan_sections(sources, layout, blocks_per_page, concat_dims)
+        self.device = self.sections[0].source.device
+
+    def _ids(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        n = check_block_ids(block_ids, self.blocks_per_page)
+        return block_ids.reshape(-1).to(device=self.device, dtype=torch.int64), n
+
+    def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
+        ids, n = self._ids(block_ids)
+        check_pages(pages, n, self.layout.nbytes)
+        if n == 0:
+            return
+        for sec in self.sections:
+            data = _gather_section(sec, ids, n)
+            end = sec.offset + sec.spec.nbytes
+            if isinstance(pages, torch.Tensor):
+                pages[:, sec.offset : end].copy_(data)
+            else:
+                for p, page in enumerate(pages):
+                    page[sec.offset : end].copy_(data[p])
+
+    def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
+        ids, n = self._ids(block_ids)
+        check_pages(pages, n, self.layout.nbytes)
+        if n == 0:
+            return
+        for sec in self.sections:
+            end = sec.offset + sec.spec.nbytes
+            if isinstance(pages, torch.Tensor):
+                raw = pages[:, sec.offset : end]
+            else:
+                raw = torch.stack([page[sec.offset : end] for page in pages])
+            _scatter_section(sec, raw.to(self.device), ids, n)

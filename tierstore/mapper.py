@@ -1,0 +1,122 @@
+"""FileMapper: the on-disk identity contract of one KV-cache group (and rank).
+
+    ROOT/<namespace digest>/g<group>/r<rank>/<aa>/<bb>/<key hex>.kvp
+
+``aa``/``bb`` are the first two bytes of xxh3-64(key) in hex: 65,536 leaf directories per
+group and rank, so 10^7 pages put about 150 entries in a directory (ext4 and NFS readdir
+both stay fast; flat directories hit ext4's htree limits near 7.5M entries).
+
+A page is written to a temp file in its final directory and renamed into place (rename is
+atomic on local file systems and NFS). Temp names are
+
+    .<key hex>.kvp.<host>.<pid>.<random>.tmp
+
+so fsck can tell a temp from a page, and on the writer's own host whether the writer still
+lives. Everything else in a namespace directory (besides ``manifest.json``) is foreign.
+
+Threading: immutable after construction; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+PAGE_SUFFIX = ".kvp"
+TEMP_SUFFIX = ".tmp"
+MAX_KEY_BYTES = 96  # 192 hex characters keep every file name under 255 bytes
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+_PAGE_RE = re.compile(r"^([0-9a-f]{2,192})\.kvp$")
+_TEMP_RE = re.compile(r"^\.([0-9a-f]{2,192})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
+_GROUP_RE = re.compile(r"^g(\d+)$")
+_RANK_RE = re.compile(r"^r(\d+)$")
+_FAN_RE = re.compile(r"^[0-9a-f]{2}$")
+
+
+def host_tag() -> str:
+    """This host's name as it appears in temp file names."""
+    return _HOST
+
+
+def fanout(key: bytes) -> tuple[str, str]:
+    h = xxhash.xxh3_64_hexdigest(key)
+    return h[0:2], h[2:4]
+
+
+@dataclass(frozen=True)
+class TempName:
+    key_hex: str
+    host: str
+    pid: int
+
+
+def parse_temp_name(name: str) -> TempName | None:
+    m = _TEMP_RE.match(name)
+    return TempName(m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+def parse_page_name(name: str) -> bytes | None:
+    """The key a page file name stands for, or None if it is not a page name."""
+    m = _PAGE_RE.match(name)
+    if not m or len(m.group(1)) % 2:
+        return None
+    return bytes.fromhex(m.group(1))
+
+
+@dataclass(frozen=True)
+class PageLocation:
+    """Where a page file sits, parsed back from its path (see ``locate``)."""
+
+    namespace: str
+    group_index: int
+    rank: int
+    key: bytes
+
+
+def locate(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> PageLocation | None:
+    """Parse ``path`` under ``root``; None if it is not where a page of that key belongs."""
+    try:
+        rel = Path(path).relative_to(root).parts
+    except ValueError:
+        return None
+    if len(rel) != 6:
+        return None
+    ns, g, r, aa, bb, name = rel
+    gm, rm = _GROUP_RE.match(g), _RANK_RE.match(r)
+    key = parse_page_name(name)
+    if not (gm and rm and key is not None and _FAN_RE.match(aa) and _FAN_RE.match(bb)):
+        return None
+    if fanout(key) != (aa, bb):
+        return None
+    return PageLocation(ns, int(gm.group(1)), int(rm.group(1)), key)
+
+
+class FileMapper:
+    """Key -> path for one (namespace, group, rank) under one root."""
+
+    def __init__(self, root: str | os.PathLike[str], namespace: str, group_index: int, rank: int = 0):
+        self.root = Path(root)
+        self.namespace = namespace
+        self.group_index = group_index
+        self.rank = rank
+        self.base = self.root / namespace / f"g{group_index}" / f"r{rank}"
+
+    def path_for(self, key: bytes) -> Path:
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        aa, bb = fanout(key)
+        return self.base / aa / bb / f"{key.hex()}{PAGE_SUFFIX}"
+
+    def temp_path_for(self, key: bytes) -> Path:
+        """A unique temp name beside the final path (same directory: rename stays atomic)."""
+        final = self.path_for(key)
+        return final.with_name(f".{key.hex()}{PAGE_SUFFIX}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+
+    def __repr__(self) -> str:
+        return f"FileMapper({self.base})"

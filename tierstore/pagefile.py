@@ -1,0 +1,150 @@
+"""Reading and publishing one page file (buffered I/O).
+
+- ``publish_page``: write header + payload to a unique temp file beside the final name,
+  optionally fsync, then ``os.replace`` into place. An existing final file counts as stored
+  (content-addressed: same key and namespace means the same bytes). On any error the temp
+  is removed and a ``PageStoreError`` carries the errno.
+- ``read_page``: read and verify a page into a caller-owned buffer. Verifies the header
+  checksum, namespace, key/group/rank, layout, exact file size and every section checksum;
+  raises a typed ``PageError`` and never returns partial data.
+- ``inspect_page``: the same verification with no expectation (used by fsck).
+
+ENOENT and ESTALE both mean "missing" (an NFS file deleted under us is just gone).
+Threading: functions are reentrant; each call uses only its own file descriptors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from tierstore.errors import PageIOError, PageMissing, PageStoreError, PageTruncated
+from tierstore.format import (
+    HEADER_ALIGN,
+    Codec,
+    PageExpectation,
+    PageHeader,
+    check_expectation,
+    decode_header,
+    decode_payload,
+    header_len_of,
+)
+
+_MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+
+
+def write_all(fd: int, pieces: list[bytes | memoryview]) -> None:
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+
+
+def publish_page(
+    final: Path,
+    tmp: Path,
+    header: bytes,
+    pieces: list[bytes | memoryview],
+    *,
+    fsync: bool = False,
+    key: bytes | None = None,
+) -> bool:
+    """Atomically publish a page; returns False if it already existed (nothing written)."""
+    if final.exists():
+        return False
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
+    try:
+        try:
+            write_all(fd, [header, *pieces])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+    return True
+
+
+def _open_for_read(path: Path, key: bytes | None) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in _MISSING_ERRNOS:
+            raise PageMissing("no such page", path=path, key=key) from exc
+        raise PageIOError(f"cannot open page: {exc.strerror}", errno=exc.errno, path=path, key=key) from exc
+
+
+def _read_header(fd: int, path: str, file_size: int) -> PageHeader:
+    first = os.pread(fd, HEADER_ALIGN, 0)
+    header_len = header_len_of(first, path=path)
+    buf = first if header_len <= len(first) else first + os.pread(fd, header_len - len(first), len(first))
+    header = decode_header(buf, path=path)
+    if file_size < header.file_size:
+        raise PageTruncated(f"file has {file_size} bytes, header says {header.file_size}", path=path)
+    if file_size > header.file_size:
+        raise PageTruncated(f"file has {file_size} bytes, more than the {header.file_size} its header says", path=path)
+    return header
+
+
+def _readinto_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    pos = 0
+    while pos < len(buf):
+        n = os.preadv(fd, [buf[pos:]], offset + pos)
+        if n == 0:
+            raise PageTruncated("file ended while reading the payload", path=path)
+        pos += n
+
+
+def read_page(
+    path: Path,
+    expect: PageExpectation | None,
+    out: memoryview,
+    decompressor: object | None = None,
+) -> PageHeader:
+    """Read, verify and decode a page into ``out`` (``layout.nbytes`` bytes)."""
+    spath = str(path)
+    key = expect.key if expect else None
+    fd = _open_for_read(path, key)
+    try:
+        try:
+            header = _read_header(fd, spath, os.fstat(fd).st_size)
+            if expect is not None:
+                check_expectation(header, expect, path=spath)
+            out = memoryview(out).cast("B")
+            if header.codec == Codec.NONE and len(out) == header.payload_len:
+                _readinto_exact(fd, out, header.header_len, spath)
+                decode_payload(header, None, out, path=spath)
+            else:
+                payload = memoryview(bytearray(header.payload_len))
+                _readinto_exact(fd, payload, header.header_len, spath)
+                decode_payload(header, payload, out, decompressor, path=spath)
+        except OSError as exc:
+            if exc.errno in _MISSING_ERRNOS:
+                raise PageMissing("page vanished while reading", path=path, key=key) from exc
+            raise PageIOError(f"read failed: {exc.strerror}", errno=exc.errno, path=path, key=key) from exc
+    finally:
+        os.close(fd)
+    return header
+
+
+def inspect_page(path: Path, decompressor: object | None = None) -> PageHeader:
+    """Fully verify a page with no expectation; returns its header."""
+    fd = _open_for_read(path, None)
+    try:
+        header = _read_header(fd, str(path), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    out = memoryview(bytearray(header.layout.nbytes))
+    read_page(path, None, out, decompressor)
+    return header
