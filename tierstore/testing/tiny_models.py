@@ -40,18 +40,24 @@ DEFAULT_SEED = 0
 DEFAULT_DTYPE = "bfloat16"
 # Words the tokenizer is trained on; demo prompts are built from the same words so that a
 # prompt's token count is predictable (about one token per word).
-WORDS = (
-    "the quick brown fox jumps over the lazy dog hello world this is a tiny tokenizer for "
-    "testing kv cache offload with a long shared prefix and several different questions "
-    "about pages files disks nodes restarts hits misses checksums layers heads tokens"
-).split()
+WORDS: tuple[str, ...] = (
+    "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "hello", "world",
+    "this", "is", "a", "tiny", "tokenizer", "for", "testing", "kv", "cache", "offload", "with",
+    "a", "long", "shared", "prefix", "and", "several", "different", "questions", "about",
+    "pages", "files", "disks", "nodes", "restarts", "hits", "misses", "checksums", "layers",
+    "heads", "tokens",
+)
 
 _SIZE_PRESETS: dict[str, dict[str, Any]] = {
     # head_dim 32: the smallest head size vLLM's CPU attention takes.
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 initializer_range=0.1),
+    # initializer_range above the HF default (0.02): greedy output then depends on the context
+    # instead of repeating one token, so "identical output" and negative controls mean something.
     "small": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-                  num_attention_heads=16, num_key_value_heads=4, head_dim=64),
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                 initializer_range=0.05),
 }
 
 
@@ -95,9 +101,7 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
     cfg.update(fields)
     n = cfg["num_hidden_layers"]
     if "layer_types" not in fields:
-        if kind == "gemma3":
-            cfg["layer_types"] = _layer_pattern(["sliding_attention", "full_attention"], n)
-        elif kind == "gptoss":
+        if kind in ("gemma3", "gptoss"):
             cfg["layer_types"] = _layer_pattern(["sliding_attention", "full_attention"], n)
         elif kind == "qwen3next":
             cfg["layer_types"] = _layer_pattern(["linear_attention"] * 3 + ["full_attention"], n)

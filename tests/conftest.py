@@ -1,0 +1,24 @@
+"""Shared pytest fixtures (small and generic; page helpers live in tierstore.testing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierstore.identity import Namespace
+from tierstore.testing import hybrid_namespace
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """An empty cache root directory."""
+    path = tmp_path / "root"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def hybrid_ns() -> Namespace:
+    """The hybrid test namespace: full attention, sliding window, Mamba states."""
+    return hybrid_namespace()

@@ -1,0 +1,159 @@
+"""The tierstore command line: stats, ls, dispatch of the delegated commands, entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tierstore import cli
+from tierstore.format import Codec
+from tierstore.identity import Namespace
+from tierstore.inventory import collect_stats
+from tierstore.testing import fill_pages, hybrid_namespace, page_key, simple_namespace, write_page
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    rc = cli.main(list(argv))
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_stats_counts_files_bytes_tokens_and_age(root: Path, hybrid_ns: Namespace, capsys) -> None:
+    # Group 0: 4 pages with known token counts (a partial last chunk); groups 1, 2: 2 pages.
+    counts = [32, 32, 32, 7]
+    pages = [write_page(root, hybrid_ns, 0, page_key(i), token_count=t) for i, t in enumerate(counts)]
+    pages += fill_pages(root, hybrid_ns, 2, groups=(1, 2), codec=Codec.ZSTD)
+    old = pages[0].path
+    t_old = time.time() - 86400
+    os.utime(old, (t_old, t_old))
+    dense = simple_namespace("float8_e4m3fn")
+    fill_pages(root, dense, 3)
+
+    rc, st = _run_json(capsys, "stats", str(root), "--json")
+    assert rc == 0
+    by_ns = {n["namespace"]: n for n in st["namespaces"]}
+    assert set(by_ns) == {hybrid_ns.digest, dense.digest}
+    h = by_ns[hybrid_ns.digest]
+    assert h["model"] == hybrid_ns.model and h["dtype"] == "bfloat16" and h["revision"] == "r0"
+    g = {x["group"]: x for x in h["groups"]}
+    assert [g[i]["kind"] for i in range(3)] == ["attention", "sliding_window", "mamba"]
+    assert g[0]["files"] == 4 and g[0]["tokens"] == sum(counts) and g[0]["tokens_source"] == "headers"
+    assert g[0]["bytes"] == sum(p.path.stat().st_size for p in pages[:4])
+    assert g[1]["files"] == 2 and g[1]["tokens"] == 64
+    assert g[0]["oldest"] < g[0]["newest"]
+    assert h["files"] == 8 and h["bytes"] == sum(p.path.stat().st_size for p in pages)
+    assert h["tokens"] == 64  # the least-covered group bounds the servable prefix
+    assert st["totals"]["files"] == 11
+
+    # ls reads no file: the token count is estimated from tokens_per_chunk.
+    rc, ls = _run_json(capsys, "ls", str(root), "--json")
+    g_ls = {x["group"]: x for x in next(n for n in ls["namespaces"] if n["namespace"] == hybrid_ns.digest)["groups"]}
+    assert g_ls[0]["files"] == 4 and g_ls[0]["tokens"] == 4 * 32 and g_ls[0]["tokens_source"] == "estimate"
+
+
+def test_stats_text_and_ls_text(root: Path, hybrid_ns: Namespace, capsys) -> None:
+    fill_pages(root, hybrid_ns, 2)
+    (root / hybrid_ns.digest / "stray").write_text("x")
+    assert cli.main(["stats", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert hybrid_ns.model in out and "sliding_window" in out and "foreign=1" in out
+    assert cli.main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(hybrid_ns.digest) == 3  # one line per group
+
+
+def test_stats_reports_unreadable_headers_without_failing(root: Path, hybrid_ns: Namespace) -> None:
+    pages = fill_pages(root, hybrid_ns, 2)
+    pages[0].path.write_bytes(b"garbage" * 100)
+    st = collect_stats(root)
+    assert st["other"]["bad_page"] == 1
+    assert st["namespaces"][0]["files"] == len(pages) - 1
+
+
+def test_stats_of_missing_root_is_an_operational_error(tmp_path: Path, capsys) -> None:
+    assert cli.main(["stats", str(tmp_path / "nope")]) == 8
+    assert "not accessible" in capsys.readouterr().err
+
+
+def test_stats_as_dict_is_extensible(root: Path, hybrid_ns: Namespace) -> None:
+    fill_pages(root, hybrid_ns, 1)
+    st = collect_stats(root, read_headers=False)
+    st["tiers"] = {"local": {"bytes": 1}}  # other packages may add keys
+    json.dumps(st)
+
+
+def test_delegated_command_missing_module(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(cli.DELEGATED, "gc", ("tierstore.no_such_module", "x"))
+    assert cli.main(["gc", "--help"]) == 8
+    err = capsys.readouterr().err
+    assert "tierstore gc" in err and "tierstore.no_such_module" in err
+
+
+def test_delegated_command_dispatch(tmp_path: Path, monkeypatch, capsys) -> None:
+    pkg = tmp_path / "fakecmd.py"
+    pkg.write_text(textwrap.dedent('''
+        """A fake command."""
+        def add_arguments(parser):
+            parser.add_argument("--times", type=int, default=1)
+        def run(args):
+            print("ran", args.times)
+            return 3
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.BENCH, "io", ("fakecmd", "x"))
+    assert cli.main(["bench", "io", "--times", "5"]) == 3
+    assert capsys.readouterr().out.strip() == "ran 5"
+    monkeypatch.setitem(cli.DELEGATED, "demo", ("json", "x"))  # importable, but not a command
+    assert cli.main(["demo"]) == 8
+    assert "add_arguments/run missing" in capsys.readouterr().err
+
+
+def test_bench_without_subcommand_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench"])
+    assert info.value.code == 2
+
+
+def test_python_m_tierstore_and_no_heavy_imports(root: Path, hybrid_ns: Namespace) -> None:
+    pages = fill_pages(root, hybrid_ns, 2)
+    pages[0].path.write_bytes(b"x")
+    code = textwrap.dedent(f"""
+        import sys, runpy
+        sys.argv = ["tierstore", "fsck", {str(root)!r}, "--json"]
+        try:
+            runpy.run_module("tierstore", run_name="__main__")
+        except SystemExit as e:
+            heavy = sorted(m for m in ("torch", "vllm", "triton", "numpy") if m in sys.modules)
+            print("HEAVY", heavy, "RC", e.code, file=sys.stderr)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "HEAVY [] RC 4" in out.stderr, out.stderr
+    assert json.loads(out.stdout)["counts"]["bad_page"] == 1
+    out = subprocess.run([sys.executable, "-m", "tierstore", "fsck", str(root), "--repair"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 1, out.stdout + out.stderr
+
+
+def test_other_namespaces_do_not_disturb(root: Path, capsys) -> None:
+    # Two models side by side: stats keeps them apart.
+    a, b = hybrid_namespace(model="a/a"), hybrid_namespace(model="b/b")
+    fill_pages(root, a, 1)
+    fill_pages(root, b, 3)
+    rc, st = _run_json(capsys, "stats", str(root), "--json", "--namespace", b.digest[:6])
+    assert [n["model"] for n in st["namespaces"]] == ["b/b"] and st["totals"]["files"] == 9
+
+
+def test_stats_lists_groups_without_pages(root: Path, hybrid_ns: Namespace) -> None:
+    fill_pages(root, hybrid_ns, 2, groups=(0, 1))  # no Mamba states stored
+    st = collect_stats(root)
+    (ns,) = st["namespaces"]
+    assert [(g["group"], g["files"]) for g in ns["groups"]] == [(0, 2), (1, 2), (2, 0)]
+    assert ns["tokens"] == 0  # without the Mamba state nothing of this hybrid model is reusable

@@ -1,0 +1,452 @@
+"""IOEngine behaviour: round trips, publish rules, typed failures, queues, deadlines, ordering."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from tierstore import engine as engine_mod
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine, IOResult, probe_odirect
+from tierstore.errors import ConfigError
+from tierstore.format import Codec
+from tierstore.identity import MANIFEST_NAME, Namespace, read_manifest
+from tierstore.pagefile import inspect_page
+from tierstore.testing.pages import (
+    corrupt_flip_bit,
+    hybrid_namespace,
+    page_bytes,
+    page_key,
+    read_stored,
+    simple_namespace,
+    write_page,
+)
+
+
+def _engine(root: Path, ns: Namespace, group: int = 0, **cfg: object) -> IOEngine:
+    extra = {k: cfg.pop(k) for k in ("staging_slots", "deadline_s", "rank") if k in cfg}
+    config = TierStoreConfig.from_dict({"root": str(root), **cfg})
+    return IOEngine(root, ns, group, config=config, **extra)  # type: ignore[arg-type]
+
+
+def _store(eng: IOEngine, key: bytes, data: bytes, token_count: int = 16) -> IOResult:
+    slot = eng.acquire_slot(timeout=5)
+    assert slot is not None
+    slot.view[:] = data
+    [res] = eng.wait([eng.submit_store(key, slot, token_count)], timeout=10)
+    return res
+
+
+def _load(eng: IOEngine, key: bytes) -> tuple[IOResult, bytes | None]:
+    [res] = eng.wait([eng.submit_load(key)], timeout=10)
+    data = None
+    if res.slot is not None:
+        data = bytes(res.slot.view)
+        eng.release_slot(res.slot)
+    return res, data
+
+
+@pytest.mark.parametrize("odirect", ["auto", "off"])
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("group", [0, 1, 2])
+def test_round_trip_hybrid_groups(root: Path, codec: str, odirect: str, group: int) -> None:
+    ns = hybrid_namespace()
+    eng = _engine(root, ns, group, codec=codec, odirect=odirect if codec == "none" else "auto")
+    layout = ns.groups[group].layout
+    pages = {page_key(i): page_bytes(layout, page_key(i), group) for i in range(4)}
+    for key, data in pages.items():
+        res = _store(eng, key, data)
+        assert res.ok and res.stored and res.error is None, res
+    for key, data in pages.items():
+        path = eng.mapper.path_for(key)
+        header = inspect_page(path, zstandard.ZstdDecompressor())
+        assert header.codec == (Codec.ZSTD if codec == "zstd" else Codec.NONE)
+        assert header.meta.key == key and header.meta.token_count == 16
+        res, got = _load(eng, key)
+        assert res.ok, res.error
+        assert got == data
+    st = eng.stats
+    assert st["stores_ok"] == 4 and st["loads_ok"] == 4 and st["free_slots"] == st["staging_slots"]
+    eng.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_round_trip_dtypes_and_byte_identity(root: Path, tmp_path: Path, dtype: str) -> None:
+    """The engine's files are byte-identical to the reference encoder's (format + pagefile)."""
+    ns = simple_namespace(dtype)
+    eng = _engine(root, ns)
+    ref_root = tmp_path / "ref"
+    layout = ns.groups[0].layout
+    for i in range(3):
+        key = page_key(i)
+        data = page_bytes(layout, key)
+        assert _store(eng, key, data).ok
+        ref = write_page(ref_root, ns, 0, key, data=data)
+        assert eng.mapper.path_for(key).read_bytes() == ref.path.read_bytes()
+        assert read_stored(root, ns, ref) == data  # the reference reader accepts engine files
+        res, got = _load(eng, key)
+        assert res.ok and got == data
+    eng.close()
+
+
+def test_unaligned_payload_tail(root: Path) -> None:
+    """A payload that is not a multiple of 4096 bytes (O_DIRECT pads, then truncates)."""
+    ns = hybrid_namespace(conv_dim=37, ssm_state_size=5)  # Mamba sections of odd sizes
+    eng = _engine(root, ns, 2)
+    layout = ns.groups[2].layout
+    assert layout.nbytes % 4096
+    key = page_key(7)
+    data = page_bytes(layout, key, 2)
+    assert _store(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    assert path.stat().st_size == inspect_page(path).file_size
+    res, got = _load(eng, key)
+    assert res.ok and got == data
+    if engine_mod._O_DIRECT:  # drop the page from the cache so the O_DIRECT read path runs
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        res, got = _load(eng, key)
+        assert res.ok and got == data
+    eng.close()
+
+
+def test_codecs_read_each_other(root: Path) -> None:
+    ns = simple_namespace("bfloat16")
+    layout = ns.groups[0].layout
+    plain, packed = _engine(root, ns, codec="none"), _engine(root, ns, codec="zstd")
+    a, b = page_key(1), page_key(2)
+    assert _store(plain, a, page_bytes(layout, a)).ok
+    assert _store(packed, b, page_bytes(layout, b)).ok
+    assert _load(packed, a)[1] == page_bytes(layout, a)
+    assert _load(plain, b)[1] == page_bytes(layout, b)
+    plain.close()
+    packed.close()
+
+
+def test_existing_page_counts_as_stored(root: Path) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns)
+    key = page_key(0)
+    data = page_bytes(ns.groups[0].layout, key)
+    first, second = _store(eng, key, data), _store(eng, key, data)
+    assert first.ok and first.stored
+    assert second.ok and not second.stored
+    assert eng.stats["stores_existing"] == 1
+    assert [p.name for p in eng.mapper.path_for(key).parent.iterdir()] == [eng.mapper.path_for(key).name]
+    eng.close()
+
+
+def test_manifest_and_contains(root: Path) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns)
+    assert read_manifest(root / ns.digest / MANIFEST_NAME).digest == ns.digest
+    key = page_key(3)
+    assert not eng.contains(key)
+    assert _store(eng, key, page_bytes(ns.groups[0].layout, key)).ok
+    assert eng.contains(key)
+    eng.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "kind"),
+    [
+        ("payload_bit", "checksum"),
+        ("header_bit", "checksum"),
+        ("truncate", "truncated"),
+        ("zero", "format"),
+        ("foreign", "foreign"),
+        ("swapped", "key_mismatch"),
+    ],
+)
+def test_damaged_pages_are_typed_failures(root: Path, damage: str, kind: str) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns)
+    layout = ns.groups[0].layout
+    key, other = page_key(0), page_key(1)
+    for k in (key, other):
+        assert _store(eng, k, page_bytes(layout, k)).ok
+    path = eng.mapper.path_for(key)
+    if damage == "payload_bit":
+        corrupt_flip_bit(path, -100)
+    elif damage == "header_bit":
+        corrupt_flip_bit(path, 200)
+    elif damage == "truncate":
+        os.truncate(path, path.stat().st_size - 10)
+    elif damage == "zero":
+        path.write_bytes(bytes(path.stat().st_size))
+    elif damage == "foreign":
+        foreign = simple_namespace(model="someone/else")
+        ref = write_page(root / "elsewhere", foreign, 0, key)
+        os.replace(ref.path, path)
+    elif damage == "swapped":
+        os.replace(eng.mapper.path_for(other), path)
+    res, data = _load(eng, key)
+    assert not res.ok and data is None and res.slot is None
+    assert res.error is not None and res.error.kind == kind, res.error
+    assert eng.stats["loads_failed"] == {kind: 1}
+    assert eng.free_slots == eng.stats["staging_slots"]
+    eng.close()
+
+
+def test_missing_page(root: Path) -> None:
+    eng = _engine(root, simple_namespace())
+    res, _ = _load(eng, page_key(42))
+    assert not res.ok and res.error is not None and res.error.kind == "missing"
+    eng.close()
+
+
+def _block_worker(eng: IOEngine, op: str, gate: threading.Event, started: threading.Event) -> list[str]:
+    """Make the engine's ``op`` block on ``gate`` (a stuck syscall); returns the call log."""
+    calls: list[str] = []
+    real = getattr(eng, f"_do_{op}")
+
+    def blocked(*a: object) -> object:
+        calls.append(op)
+        started.set()
+        gate.wait(30)
+        return real(*a)
+
+    setattr(eng, f"_do_{op}", blocked)
+    return calls
+
+
+def test_queue_full_and_no_slot(root: Path) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns, io_threads=1, queue_depth=2, staging_slots=5)
+    layout = ns.groups[0].layout
+    gate, started = threading.Event(), threading.Event()
+    _block_worker(eng, "store", gate, started)
+    ids = []
+    for i in range(4):
+        slot = eng.acquire_slot()
+        assert slot is not None
+        slot.view[:] = page_bytes(layout, page_key(i))
+        ids.append(eng.submit_store(page_key(i), slot, 16))
+        if i == 0:
+            assert started.wait(5)  # job 0 runs (blocked); 1 and 2 fill the queue
+    # Job 3 found the queue full: completed at once, its slot back in the pool.
+    [full] = [r for r in eng.poll() if r.job_id == ids[3]]
+    assert not full.ok and full.error is not None and full.error.kind == "queue_full"
+    assert eng.free_slots == 2
+    # Loads take their own slot; with none left a load fails at once, also queue_full.
+    held = [eng.acquire_slot(), eng.acquire_slot()]
+    [noslot] = eng.wait([eng.submit_load(page_key(0))], timeout=0)
+    assert noslot.error is not None and noslot.error.kind == "queue_full"
+    for s in held:
+        eng.release_slot(s)  # type: ignore[arg-type]
+    gate.set()
+    done = eng.wait(ids[:3], timeout=10)
+    assert [r.ok for r in done] == [True, True, True]
+    assert eng.stats["stores_failed"] == {"queue_full": 1}
+    eng.close()
+
+
+def test_deadline_holds_while_worker_is_stuck(root: Path) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns, io_threads=1, staging_slots=3, deadline_s=0.3)
+    gate, started = threading.Event(), threading.Event()
+    _block_worker(eng, "store", gate, started)
+    slot = eng.acquire_slot()
+    assert slot is not None
+    key = page_key(0)
+    slot.view[:] = page_bytes(ns.groups[0].layout, key)
+    t0 = time.monotonic()
+    job = eng.submit_store(key, slot, 16)
+    assert started.wait(5)
+    queued = eng.submit_load(page_key(1))  # waits behind the stuck worker, also times out
+    res = eng.wait([job, queued], timeout=10)
+    elapsed = time.monotonic() - t0
+    assert 0.25 <= elapsed < 3.0
+    assert [r.error.kind if r.error else None for r in res] == ["timeout", "timeout"]
+    # The stuck worker still reads the store's slot: it must not be handed out again yet.
+    assert eng.free_slots == 2
+    gate.set()
+    assert eng.flush(5)
+    deadline = time.monotonic() + 5
+    while eng.free_slots != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.free_slots == 3
+    assert eng.stats["late_results_dropped"] == 1
+    assert eng.poll() == []  # the late success is dropped, never reported
+    inspect_page(eng.mapper.path_for(key))  # the late store published a complete page
+    eng.close()
+
+
+def test_deadline_with_a_fifo_blocking_open(root: Path) -> None:
+    """A real syscall that blocks: open() of a FIFO put where the page should be."""
+    ns = simple_namespace()
+    eng = _engine(root, ns, io_threads=2, deadline_s=0.3)
+    key = page_key(5)
+    path = eng.mapper.path_for(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    t0 = time.monotonic()
+    [res] = eng.wait([eng.submit_load(key)], timeout=10)
+    assert res.error is not None and res.error.kind == "timeout"
+    assert time.monotonic() - t0 < 3.0
+    # The other worker still serves: a normal store and load go through meanwhile.
+    other = page_key(6)
+    data = page_bytes(ns.groups[0].layout, other)
+    assert _store(eng, other, data).ok
+    assert _load(eng, other)[1] == data
+    # Unblock the stuck open (a writer appears and goes away); its late result is dropped.
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    os.close(fd)
+    deadline = time.monotonic() + 5
+    while eng.stats["late_results_dropped"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.stats["late_results_dropped"] == 1
+    assert eng.free_slots == eng.stats["staging_slots"]
+    eng.close()
+
+
+def test_loads_are_served_before_stores(root: Path) -> None:
+    ns = simple_namespace()
+    layout = ns.groups[0].layout
+    eng = _engine(root, ns, io_threads=1, staging_slots=12)
+    for i in range(3):  # pages to load later
+        assert _store(eng, page_key(100 + i), page_bytes(layout, page_key(100 + i))).ok
+    gate, started = threading.Event(), threading.Event()
+    order: list[str] = []
+    real_load, real_store = eng._do_load, eng._do_store
+
+    def rec_load(*a: object) -> int:
+        order.append("load")
+        return real_load(*a)  # type: ignore[arg-type]
+
+    def rec_store(*a: object) -> tuple[bool, int]:
+        order.append("store")
+        if not started.is_set():
+            started.set()
+            gate.wait(30)
+        return real_store(*a)  # type: ignore[arg-type]
+
+    eng._do_load, eng._do_store = rec_load, rec_store  # type: ignore[method-assign]
+    ids = []
+    for i in range(4):
+        slot = eng.acquire_slot()
+        assert slot is not None
+        slot.view[:] = page_bytes(layout, page_key(i))
+        ids.append(eng.submit_store(page_key(i), slot, 16))
+        if i == 0:
+            assert started.wait(5)
+    ids += [eng.submit_load(page_key(100 + i)) for i in range(3)]
+    gate.set()
+    results = eng.wait(ids, timeout=10)
+    assert all(r.ok for r in results)
+    assert order == ["store", "load", "load", "load", "store", "store", "store"]
+    for r in results:
+        if r.slot is not None:
+            eng.release_slot(r.slot)
+    eng.close()
+
+
+def test_close_cancels_queued_loads_and_later_submits(root: Path) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns, io_threads=1)
+    gate, started = threading.Event(), threading.Event()
+    _block_worker(eng, "load", gate, started)
+    first = eng.submit_load(page_key(0))
+    assert started.wait(5)
+    queued = eng.submit_load(page_key(1))
+    closer = threading.Thread(target=eng.close, kwargs={"timeout": 1.0})
+    closer.start()
+    [res] = eng.wait([queued], timeout=5)
+    assert res.error is not None and res.error.kind == "cancelled"
+    gate.set()
+    closer.join(5)
+    [after] = eng.wait([eng.submit_load(page_key(2))], timeout=1)
+    assert after.error is not None and after.error.kind == "cancelled"
+    [r0] = eng.wait([first], timeout=5)
+    assert r0.error is not None and r0.error.kind == "missing"
+
+
+def test_slot_misuse_is_a_programming_error(root: Path) -> None:
+    ns = simple_namespace()
+    a, b = _engine(root, ns), _engine(root, ns)
+    slot = a.acquire_slot()
+    assert slot is not None
+    with pytest.raises(ValueError):
+        b.submit_store(page_key(0), slot, 16)
+    a.release_slot(slot)
+    with pytest.raises(ValueError):
+        a.release_slot(slot)
+    with pytest.raises(ValueError):
+        a.submit_load(b"")
+    a.close()
+    b.close()
+
+
+def test_staging_slots_are_aligned_tensors(root: Path) -> None:
+    ns = hybrid_namespace()
+    eng = _engine(root, ns, 2, staging_slots=3)
+    slots = [eng.acquire_slot() for _ in range(3)]
+    assert eng.acquire_slot(timeout=0.01) is None
+    for s in slots:
+        assert s is not None
+        assert s.tensor.data_ptr() % 4096 == 0
+        assert s.tensor.numel() == ns.groups[2].layout.nbytes == len(s.view)
+        s.view[:3] = b"abc"
+        assert bytes(s.tensor[:3].tolist()) == b"abc"  # view and tensor share memory
+    assert len({s.tensor.data_ptr() for s in slots if s}) == 3
+    for s in slots:
+        eng.release_slot(s)  # type: ignore[arg-type]
+    eng.close()
+
+
+def test_odirect_settings(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ns = simple_namespace()
+    off = _engine(root, ns, odirect="off")
+    assert off.stats["io_mode"] == "buffered"
+    off.close()
+    with pytest.raises(ConfigError, match="odirect"):
+        _engine(root, ns, odirect="on", codec="zstd")
+    ok, reason = probe_odirect(root)
+    auto = _engine(root, ns, odirect="auto")
+    assert auto.stats["io_mode"] == ("odirect" if ok else "buffered"), reason
+    auto.close()
+
+
+def test_odirect_fallback_is_visible(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(engine_mod, "probe_odirect", lambda d: (False, "Invalid argument (errno 22)"))
+    ns = simple_namespace()
+    with caplog.at_level("WARNING", logger="tierstore.engine"):
+        eng = _engine(root, ns, odirect="auto")
+    assert eng.stats["io_mode"] == "buffered"
+    assert "Invalid argument" in eng.stats["odirect_reason"]
+    assert any("O_DIRECT does not work" in r.getMessage() for r in caplog.records)
+    key = page_key(0)
+    assert _store(eng, key, page_bytes(ns.groups[0].layout, key)).ok
+    eng.close()
+    with pytest.raises(ConfigError, match='"odirect" is "on"'):
+        _engine(root, ns, odirect="on")
+
+
+def test_store_error_is_per_key_and_temp_removed(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = simple_namespace()
+    eng = _engine(root, ns)
+    layout = ns.groups[0].layout
+    good = page_key(0)
+    assert _store(eng, good, page_bytes(layout, good)).ok
+    real = os.pwritev
+
+    def failing(fd: int, bufs: object, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(engine_mod.os, "pwritev", failing)
+    bad = page_key(1)
+    res = _store(eng, bad, page_bytes(layout, bad))
+    monkeypatch.setattr(engine_mod.os, "pwritev", real)
+    assert not res.ok and res.error is not None and res.error.kind == "io"
+    assert not eng.mapper.path_for(bad).exists()
+    assert not [p for p in eng.mapper.path_for(bad).parent.iterdir() if p.name.endswith(".tmp")]
+    assert _load(eng, good)[1] == page_bytes(layout, good)
+    eng.close()

@@ -1,0 +1,95 @@
+"""Copy kernels on CPU: torch reference path everywhere, Triton under the interpreter.
+
+Triton runs interpreted only where no CUDA device exists (TRITON_INTERPRET must be set
+before tierstore.kernels.triton_kernels is imported); on a GPU host the compiled runs live in
+tests/test_kernels_gpu.py and the Triton cases here are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernel_cases import (  # noqa: E402
+    AttentionCase,
+    check_attention_canonical,
+    check_attention_round_trip,
+    check_mamba,
+    check_mla,
+    check_page_list,
+)
+
+from tierstore.errors import ConfigError  # noqa: E402
+from tierstore.kernels import GroupCopier  # noqa: E402
+from tierstore.kernels.views import make_attention_caches  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(
+        not (HAVE_TRITON and INTERPRETED),
+        reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (compiled runs: test_kernels_gpu.py)")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_attention_pages_identical_across_layouts_and_block_sizes(dtype_name: str, backend: str) -> None:
+    check_attention_canonical(dtype_name, "cpu", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+def test_attention_round_trip_into_other_layout(dtype_name: str, backend: str) -> None:
+    check_attention_round_trip(dtype_name, "cpu", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mamba_conv_orientation_normalized_and_padding_skipped(backend: str) -> None:
+    check_mamba("cpu", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mla_latent_pages(backend: str) -> None:
+    check_mla("cpu", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_separate_page_buffers(backend: str) -> None:
+    check_page_list("cpu", backend)
+
+
+def test_auto_backend_is_torch_on_cpu() -> None:
+    case = AttentionCase("bfloat16")
+    views, ids = case.build("LBHNC", 8, "cpu")
+    assert GroupCopier(views, case.layout, 1, [1, 1]).backend == "torch"
+
+
+def test_rejects_views_that_do_not_fit_the_layout() -> None:
+    case = AttentionCase("bfloat16")
+    _, views = make_attention_caches("LBHNC", 2, 4, 2, 4, 8, torch.bfloat16)
+    with pytest.raises(ConfigError, match="joined on dim 1"):
+        GroupCopier(views, case.layout, 1, [1, 1], backend="torch")  # 1 block of 4 tokens != 8
+    with pytest.raises(ConfigError, match="one source view"):
+        GroupCopier(views[:1], case.layout, 2, [1, 1], backend="torch")
+    with pytest.raises(ConfigError, match="dtype"):
+        GroupCopier([v.view(torch.float16) for v in views], case.layout, 2, [1, 1], backend="torch")
+    with pytest.raises(ConfigError, match="backend"):
+        GroupCopier(views, case.layout, 2, [1, 1], backend="cuda")
+    copier = GroupCopier(views, case.layout, 2, [1, 1], backend="torch")
+    with pytest.raises(ValueError, match="block_ids"):
+        copier.gather(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, case.layout.nbytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="pages"):
+        copier.gather(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 5, dtype=torch.uint8))

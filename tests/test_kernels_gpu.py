@@ -1,0 +1,179 @@
+"""Copy kernels compiled on a CUDA GPU: the CPU cases again, larger random cases against the
+torch reference, and the GPU transfer path (side stream, pinned slots, events).
+
+Skipped without CUDA. Must not run with TRITON_INTERPRET=1 (the kernels would be interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 is set"),
+]
+
+from kernel_cases import (  # noqa: E402
+    AttentionCase,
+    bits,
+    check_attention_canonical,
+    check_attention_round_trip,
+    check_mamba,
+    check_mla,
+    check_page_list,
+    random_values,
+)
+
+from tierstore.format import GroupKind  # noqa: E402
+from tierstore.identity import GroupSpec, Namespace  # noqa: E402
+from tierstore.kernels import GroupCopier  # noqa: E402
+from tierstore.kernels.transfer import PageTransfer  # noqa: E402
+from tierstore.kernels.views import ATTENTION_LAYOUTS, make_attention_caches  # noqa: E402
+from tierstore.layout import attention_layout  # noqa: E402
+
+BACKENDS = ["triton", "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_attention_pages_identical_across_layouts_and_block_sizes(dtype_name: str, backend: str) -> None:
+    check_attention_canonical(dtype_name, "cuda", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_attention_round_trip_into_other_layout(dtype_name: str, backend: str) -> None:
+    check_attention_round_trip(dtype_name, "cuda", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mamba_conv_orientation_normalized_and_padding_skipped(backend: str) -> None:
+    check_mamba("cuda", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mla_latent_pages(backend: str) -> None:
+    check_mla("cuda", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_separate_page_buffers(backend: str) -> None:
+    check_page_list("cuda", backend)
+
+
+def test_auto_backend_is_triton_on_cuda() -> None:
+    case = AttentionCase("bfloat16")
+    views, ids = case.build("LBHNC", 8, "cuda")
+    assert GroupCopier(views, case.layout, 1, [1, 1]).backend == "triton"
+
+
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("bpp", [1, 2, 4])
+def test_real_sized_pages_match_reference(layout: str, bpp: int) -> None:
+    """8 heads x 128 dims x 16-token kernel blocks, bf16, 4 layers: Triton == torch, both ways."""
+    H, D, N, L, pages = 8, 128, 16, 4, 24
+    nb = pages * bpp + 17
+    gen = torch.Generator().manual_seed(bpp)
+    _, views = make_attention_caches(layout, L, nb, H, N, D, torch.bfloat16, "cuda")
+    for v in views:
+        v.copy_(random_values(tuple(v.shape), torch.bfloat16, gen).cuda())
+    lay = attention_layout([f"l{i}" for i in range(L)], H, N * bpp, D, "bfloat16")
+    ids = torch.randperm(nb, generator=gen)[: pages * bpp].view(pages, bpp).cuda()
+    tri = GroupCopier(views, lay, bpp, [1] * L, backend="triton")
+    ref = GroupCopier(views, lay, bpp, [1] * L, backend="torch")
+    a = torch.full((pages, lay.nbytes), 0xA5, dtype=torch.uint8, device="cuda")
+    b = torch.full_like(a, 0x5A)
+    tri.gather(ids, a)
+    ref.gather(ids, b)
+    for s, off in zip(lay.sections, lay.offsets, strict=True):
+        assert torch.equal(a[:, off : off + s.nbytes], b[:, off : off + s.nbytes])
+    # scatter back into a zeroed copy of the caches: the gathered blocks come back
+    _, views2 = make_attention_caches(layout, L, nb, H, N, D, torch.bfloat16, "cuda")
+    GroupCopier(views2, lay, bpp, [1] * L, backend="triton").scatter(a, ids)
+    flat = ids.reshape(-1)
+    for v, v2 in zip(views, views2, strict=True):
+        assert torch.equal(bits(v2[flat]), bits(v[flat]))
+        keep = torch.ones(nb, dtype=torch.bool, device="cuda")
+        keep[flat] = False
+        assert not bits(v2[keep]).any()
+
+
+def _engine(root: Path, layout, tokens: int, slots: int, dtype_name: str):
+    engine_mod = pytest.importorskip("tierstore.engine")
+    group = GroupSpec(GroupKind.ATTENTION, tokens, tokens, tuple(s.name for s in layout.sections), layout)
+    ns = Namespace(model="test/kernels-gpu", dtype=dtype_name, groups=(group,), hash_algo="sha256")
+    return engine_mod.IOEngine(root, ns, 0, staging_slots=slots, pin=True)
+
+
+def test_transfer_store_waits_for_producer_and_does_not_block(tmp_path: Path) -> None:
+    """KV written on the current stream behind a long GPU op is what the store gathers; the
+    start call returns before the GPU gets there; load scatters back through pinned slots."""
+    case = AttentionCase("bfloat16", layers=2, heads=8, head_size=128, tokens=64, n_pages=4, seed=3)
+    views, ids = case.build("LBNHC", 16, "cuda")
+    copier = GroupCopier(views, case.layout, 4, [1] * case.layers)
+    transfer = PageTransfer(copier, scratch_pages=8)
+    with _engine(tmp_path, case.layout, case.tokens, 8, "bfloat16") as engine:
+        assert engine.pinned
+        slots = [engine.acquire_slot() for _ in range(case.n_pages)]
+        assert all(s.tensor.is_pinned() for s in slots)
+        # the "forward pass": a long sleep, then it writes the KV that will be stored
+        saved = [v[ids.reshape(-1).cuda()].clone() for v in views]
+        for v in views:
+            v.zero_()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream
+        for v, s in zip(views, saved, strict=True):
+            v[ids.reshape(-1).cuda()] = s
+        t0 = time.perf_counter()
+        h = transfer.start_store(ids, slots)
+        start_s = time.perf_counter() - t0
+        assert h is not None
+        assert not h.done(), "the store finished before the producer's queued work"
+        assert start_s < 0.05, f"start_store blocked for {start_s:.3f} s"
+        transfer.wait()
+        assert h.done() and h.blocks_free()
+        got = torch.stack([s.tensor.clone() for s in slots])
+        want = case.expected_pages()
+        for sec, off in zip(case.layout.sections, case.layout.offsets, strict=True):
+            assert torch.equal(got[:, off : off + sec.nbytes], want[:, off : off + sec.nbytes])
+        keys = [bytes([i + 7]) * 16 for i in range(case.n_pages)]
+        res = engine.wait([engine.submit_store(k, s, case.tokens) for k, s in zip(keys, slots, strict=True)], 60)
+        assert all(r.ok for r in res), [r.error for r in res]
+        loaded = engine.wait([engine.submit_load(k) for k in keys], 60)
+        assert all(r.ok for r in loaded), [r.error for r in loaded]
+        by_key = {r.key: r.slot for r in loaded}
+        lslots = [by_key[k] for k in keys]
+        _, views2 = make_attention_caches("SPLIT_NHD", case.layers, 40, case.heads, 32, case.head_size,
+                                          case.dtype, "cuda")
+        ids2 = torch.randperm(40)[: case.n_pages * 2].view(case.n_pages, 2)
+        lt = PageTransfer(GroupCopier(views2, case.layout, 2, [1] * case.layers), scratch_pages=4)
+        h2 = lt.start_load(lslots, ids2)
+        assert h2 is not None
+        h2.wait_on(torch.cuda.current_stream())
+        out = case.logical_from(views2, ids2)  # runs on the current stream, after the load
+        lt.wait()
+        assert h2.slots_free()
+        for s in lslots:
+            engine.release_slot(s)
+    assert torch.equal(bits(out), bits(case.logical))
+
+
+def test_transfer_rejects_batch_over_scratch_and_defers_when_full() -> None:
+    case = AttentionCase("bfloat16", n_pages=3)
+    views, ids = case.build("LBHNC", 8, "cuda")
+    transfer = PageTransfer(GroupCopier(views, case.layout, 1, [1] * case.layers), scratch_pages=4)
+    slots = [torch.empty(case.layout.nbytes, dtype=torch.uint8).pin_memory() for _ in range(3)]
+    with pytest.raises(ValueError, match="exceeds the transfer scratch"):
+        transfer.start_store(torch.zeros(5, 1, dtype=torch.int64), [slots[0]] * 5)
+    torch.cuda._sleep(100_000_000)
+    first = transfer.start_store(ids, slots)
+    assert first is not None
+    assert transfer.start_store(ids[:2], slots[:2]) is None  # 3 of 4 rows held, 2 asked
+    transfer.wait()
+    assert transfer.start_store(ids[:2], slots[:2]) is not None
+    transfer.wait()

@@ -1,0 +1,106 @@
+"""FileMapper: path layout, fan-out distribution, locate round trip, temp names."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tierstore.mapper import (
+    MAX_KEY_BYTES,
+    FileMapper,
+    fanout,
+    host_tag,
+    locate,
+    parse_page_name,
+    parse_temp_name,
+)
+
+NS = "0123456789abcdef0123456789abcdef"
+
+
+def test_path_layout(tmp_path: Path) -> None:
+    m = FileMapper(tmp_path, NS, 2, rank=3)
+    key = bytes(range(32))
+    aa, bb = fanout(key)
+    assert m.path_for(key) == tmp_path / NS / "g2" / "r3" / aa / bb / f"{key.hex()}.kvp"
+
+
+def test_fanout_spreads_keys_evenly() -> None:
+    rng = random.Random(1234)
+    keys = [rng.randbytes(32) for _ in range(100_000)]
+    leaves = Counter(fanout(k) for k in keys)
+    tops = Counter(aa for aa, _ in leaves.elements())
+    # 10^5 keys over 65,536 leaves: Poisson(1.53). The fullest leaf holds about 8;
+    # a skewed hash would show up as leaves with dozens of entries.
+    assert max(leaves.values()) <= 14
+    assert 50_000 < len(leaves) < 53_500  # expected 65536 * (1 - e^-1.53) = 51,600
+    # Each top-level directory gets about 1/256 of the keys (390 +- 20).
+    assert len(tops) == 256
+    assert min(tops.values()) > 290 and max(tops.values()) < 500
+
+
+def test_fanout_of_sequential_keys_is_spread() -> None:
+    # Keys that differ only in their last byte (or are small integers) still spread.
+    leaves = Counter(fanout(i.to_bytes(8, "big")) for i in range(20_000))
+    assert max(leaves.values()) <= 8
+
+
+@pytest.mark.parametrize("key_len", [1, 8, 32, MAX_KEY_BYTES])
+def test_locate_round_trip(tmp_path: Path, key_len: int) -> None:
+    rng = random.Random(key_len)
+    for group, rank in [(0, 0), (3, 7), (12, 0)]:
+        m = FileMapper(tmp_path, NS, group, rank)
+        key = rng.randbytes(key_len)
+        loc = locate(tmp_path, m.path_for(key))
+        assert loc is not None
+        assert (loc.namespace, loc.group_index, loc.rank, loc.key) == (NS, group, rank, key)
+        assert len(m.path_for(key).name.encode()) < 255
+
+
+def test_locate_rejects_wrong_places(tmp_path: Path) -> None:
+    m = FileMapper(tmp_path, NS, 0)
+    key = bytes(32)
+    path = m.path_for(key)
+    aa, bb = fanout(key)
+    wrong_bb = f"{(int(bb, 16) + 1) % 256:02x}"
+    assert locate(tmp_path, path.parent.parent / wrong_bb / path.name) is None  # wrong fan-out
+    assert locate(tmp_path, path.parent / "x.kvp") is None
+    assert locate(tmp_path, path.parent.parent / path.name) is None  # too shallow
+    assert locate(tmp_path / "elsewhere", path) is None  # not under root
+    assert locate(tmp_path, tmp_path / NS / "gx" / "r0" / aa / bb / path.name) is None
+    assert locate(tmp_path, path.with_name(f"{key.hex()}.tmp")) is None
+
+
+def test_key_length_limits(tmp_path: Path) -> None:
+    m = FileMapper(tmp_path, NS, 0)
+    with pytest.raises(ValueError):
+        m.path_for(b"")
+    with pytest.raises(ValueError):
+        m.path_for(bytes(MAX_KEY_BYTES + 1))
+
+
+def test_temp_names_parse(tmp_path: Path) -> None:
+    m = FileMapper(tmp_path, NS, 1, 2)
+    key = bytes(range(20))
+    names = {m.temp_path_for(key).name for _ in range(50)}
+    assert len(names) == 50  # unique per call
+    for name in names:
+        t = parse_temp_name(name)
+        assert t is not None
+        assert (t.key_hex, t.host, t.pid) == (key.hex(), host_tag(), os.getpid())
+        assert parse_page_name(name) is None  # a temp is never taken for a page
+    tmp = m.temp_path_for(key)
+    assert tmp.parent == m.path_for(key).parent  # same directory: rename stays atomic
+    assert locate(tmp_path, tmp) is None
+
+
+def test_page_names_parse() -> None:
+    assert parse_page_name("00ff.kvp") == b"\x00\xff"
+    for bad in ("0ff.kvp", "00FF.kvp", "00ff.kvp.tmp", ".00ff.kvp", "zz.kvp", "00ff", ".nfs000001"):
+        assert parse_page_name(bad) is None, bad
+    for bad in (".00ff.kvp.host.12.ab", "00ff.kvp.host.12.ab.tmp", ".00ff.kvp.host.x.ab.tmp"):
+        assert parse_temp_name(bad) is None, bad

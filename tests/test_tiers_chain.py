@@ -1,0 +1,109 @@
+"""Tier chain on plain directories: factory, read path with promotion, host tier, metrics."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tiers_helpers import expected, key, load, store
+
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine
+from tierstore.errors import ConfigError, PageTimeout
+from tierstore.metrics import Histogram, MetricsRegistry
+from tierstore.testing.pages import simple_namespace
+from tierstore.tiers import TierChain, close_shared_state, open_group_store
+from tierstore.tiers.deadline import DeadlineRunner
+from tierstore.tiers.host import HostTier
+
+NS = simple_namespace()
+
+
+def cfg(tmp_path: Path, **kw) -> TierStoreConfig:
+    base = {"root": str(tmp_path / "shared"), "local_root": str(tmp_path / "local"), "local_max_bytes": 1 << 20}
+    base.update(kw)
+    return TierStoreConfig.from_dict({k: v for k, v in base.items() if v is not None})
+
+
+def test_factory_single_tier_is_a_plain_engine(tmp_path: Path) -> None:
+    st = open_group_store(TierStoreConfig(root=str(tmp_path)), NS, 0)
+    try:
+        assert isinstance(st, IOEngine)
+        assert store(st, key(1)).ok and load(st, key(1))[2] == expected(st, key(1))
+    finally:
+        st.close()
+
+
+def test_read_path_promotes_shared_to_local_and_host(tmp_path: Path) -> None:
+    reg = MetricsRegistry()
+    st = open_group_store(cfg(tmp_path, host_bytes=1 << 16), NS, 0, metrics=reg)
+    assert isinstance(st, TierChain)
+    for i in range(4):
+        assert store(st, key(i)).ok
+    assert st.flush(10)
+    st.close()
+    close_shared_state()
+    shutil.rmtree(tmp_path / "local")  # a new node: nothing local, nothing in host memory
+    reg2 = MetricsRegistry()
+    st = open_group_store(cfg(tmp_path, host_bytes=1 << 16), NS, 0, metrics=reg2)
+    try:
+        assert all(load(st, key(i))[2] == expected(st, key(i)) for i in range(4))
+        snap = reg2.snapshot()
+        assert snap["shared"]["hits"] == 4 and snap["local"]["misses"] == 4 and snap["host"]["misses"] == 4
+        assert st.flush(10)
+        assert st.m_local.get("promotions") == 4
+        assert all(load(st, key(i))[0] for i in range(4))
+        assert reg2.tier("host").get("hits") == 4  # promoted into host memory
+        assert st.contains(key(0)) and not st.contains(key(99))
+        ok, kind, _ = load(st, key(99))
+        assert not ok and kind == "missing"
+        assert reg2.tier("shared").get("misses") == 1 and reg2.tier("shared").get("miss_tokens") == 16
+    finally:
+        st.close()
+        close_shared_state()
+
+
+def test_local_only_hit_after_shared_is_gone(tmp_path: Path) -> None:
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=MetricsRegistry())
+    assert store(st, key(5)).ok
+    st.flush(10)
+    shutil.rmtree(tmp_path / "shared")
+    assert load(st, key(5))[2] == expected(st, key(5))
+    st.close()
+
+
+def test_host_tier_lru_and_cap() -> None:
+    h = HostTier(300)
+    for k in (b"a", b"b", b"c"):
+        assert h.put("s", k, b"x" * 100)
+    assert h.get("s", b"a") is not None  # refresh a
+    h.put("s", b"d", b"y" * 100)
+    assert not h.contains("s", b"b") and h.contains("s", b"a") and h.used_bytes == 300
+    assert not h.put("s", b"big", b"z" * 301)
+
+
+def test_deadline_runner_bounds_stuck_calls() -> None:
+    runner = DeadlineRunner("t", max_inflight=1)
+    gate = threading.Event()
+    t = time.monotonic()
+    with pytest.raises(PageTimeout):
+        runner.call(gate.wait, 0.1)
+    with pytest.raises(PageTimeout):  # the stuck call holds the only slot: fail at once
+        runner.call(lambda: 1, 5)
+    assert time.monotonic() - t < 1.0
+    gate.set()
+    time.sleep(0.05)
+    assert runner.call(lambda: 42, 1) == 42
+
+
+def test_histogram_and_config_errors(tmp_path: Path) -> None:
+    h = Histogram()
+    for s in (0.0001, 0.002, 0.002, 3.0):
+        h.observe(s)
+    d = h.to_dict()
+    assert d["count"] == 4 and d["buckets"]["+Inf"] == 4 and h.quantile(0.5) == 0.0025
+    with pytest.raises(ConfigError, match="gc_interval_s"):
+        TierStoreConfig.from_dict({"root": str(tmp_path), "gc_interval_s": 5})

@@ -1,0 +1,109 @@
+"""Tiny offline models: every kind builds, loads, is deterministic and cached by content."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
+
+from tierstore.testing.tiny_models import (  # noqa: E402
+    KINDS,
+    STAMP_NAME,
+    build_tiny_model,
+    cached_tiny_model,
+    content_key,
+    model_spec,
+    prompt_token_ids,
+)
+
+EXPECTED_LAYER_TYPES = {
+    "gemma3": {"sliding_attention", "full_attention"},
+    "gptoss": {"sliding_attention", "full_attention"},
+    "qwen3next": {"linear_attention", "full_attention"},
+}
+
+
+def _digests(d: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_builds_and_loads(kind: str, tmp_path: Path) -> None:
+    path = build_tiny_model(kind, tmp_path / kind)
+    assert (path / "model.safetensors").is_file()
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.vocab_size == 1024
+    assert cfg.hidden_size == 128
+    if kind in EXPECTED_LAYER_TYPES:
+        assert set(cfg.layer_types) == EXPECTED_LAYER_TYPES[kind]
+        assert len(cfg.layer_types) == cfg.num_hidden_layers
+    if kind == "qwen3next":
+        assert cfg.linear_key_head_dim == 128 and cfg.linear_value_head_dim == 128
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = prompt_token_ids(tok, 100)
+    assert len(ids) == 100 and max(ids) < cfg.vocab_size
+    assert tok.decode(tok.encode("hello world", add_special_tokens=False)) == "hello world"
+
+
+def test_builds_are_deterministic(tmp_path: Path) -> None:
+    a = build_tiny_model("gemma3", tmp_path / "a")
+    b = build_tiny_model("gemma3", tmp_path / "b")
+    assert _digests(a) == _digests(b)
+    c = build_tiny_model("gemma3", tmp_path / "c", seed=1)
+    assert _digests(c)["model.safetensors"] != _digests(a)["model.safetensors"]
+
+
+def test_rebuild_is_noop_and_overrides_rebuild(tmp_path: Path) -> None:
+    path = build_tiny_model("llama", tmp_path / "m")
+    weights = path / "model.safetensors"
+    os.utime(weights, (1, 1))  # a rewrite would give it a fresh mtime
+    assert build_tiny_model("llama", tmp_path / "m") == path
+    assert weights.stat().st_mtime == 1
+    build_tiny_model("llama", tmp_path / "m", num_hidden_layers=3)
+    assert AutoConfig.from_pretrained(path).num_hidden_layers == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_cached_model_path_names_content(tmp_path: Path) -> None:
+    a = cached_tiny_model("qwen3", tmp_path)
+    assert a.parent == tmp_path and a.name.startswith("qwen3-tiny-")
+    assert cached_tiny_model("qwen3", tmp_path) == a
+    b = cached_tiny_model("qwen3", tmp_path, num_hidden_layers=1)
+    assert b != a and (b / STAMP_NAME).is_file()
+
+
+def test_small_size_and_bad_arguments() -> None:
+    spec = model_spec("llama", size="small")
+    assert spec["config"]["hidden_size"] == 1024 and spec["config"]["num_hidden_layers"] == 8
+    assert content_key(spec) != content_key(model_spec("llama"))
+    with pytest.raises(ValueError, match="kind"):
+        model_spec("gpt2")
+    with pytest.raises(ValueError, match="size"):
+        model_spec("llama", size="huge")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_llama_runs_in_vllm(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    path = build_tiny_model("llama", tmp_path / "llama")
+    script = (
+        "from vllm import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(path)!r}, dtype='bfloat16', max_model_len=512, enforce_eager=True,"
+        " num_gpu_blocks_override=16, gpu_memory_utilization=0.1, seed=0)\n"
+        "o = llm.generate([{'prompt_token_ids': list(range(3, 40))}],"
+        " SamplingParams(temperature=0, max_tokens=4))[0]\n"
+        "print('TOKENS', len(o.outputs[0].token_ids))\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "TOKENS 4" in res.stdout

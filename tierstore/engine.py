@@ -1,0 +1,909 @@
+"""IOEngine: non-blocking page loads and stores for one (root, namespace, group, rank).
+
+Contract (docs/design/engine.md, /tmp/contracts.md):
+
+- ``submit_load`` / ``submit_store`` never block and never raise for a per-page failure: they
+  return a job id at once. Every job completes exactly once, with an ``IOResult`` returned by
+  ``poll`` (non-blocking) or ``wait``. A failure is a typed ``PageError`` in the result (kind
+  ``missing``, ``checksum``, ``timeout``, ``queue_full``, ``enospc``, ``readonly`` ...), never
+  an exception in the caller's thread and never a success.
+- Two bounded queues (``queue_depth`` each); a worker always takes a queued load before a
+  queued store. A full queue completes the job at once with ``PageQueueFull``.
+- Staging: ``staging_slots`` page buffers are allocated once (one torch uint8 tensor, each slot
+  4096-byte aligned, pinned when asked and CUDA is available). A load takes a slot itself and
+  hands it to the caller with the verified page (the caller releases it); a store consumes the
+  caller's slot and releases it when the write is over.
+- Deadlines: each job has ``deadline_s``. A job not finished by then completes with
+  ``PageTimeout`` when the caller next polls/waits, even if a worker is stuck in a syscall. The
+  stuck worker's slot is not reused until the worker returns (so a late write can never read a
+  recycled buffer); its late result is dropped. A late store either publishes a complete page
+  (harmless: same bytes) or leaves a temp file for fsck.
+- Stores publish atomically: unique temp beside the final name, optional fsync, rename. An
+  existing final file counts as stored (``stored=False``). With codec none and a working
+  O_DIRECT (probed at start, ``odirect`` setting), header and payload go to disk in one
+  ``pwritev`` from aligned buffers, the payload tail padded to 4096 and the file truncated back.
+- Loads read header and payload in one ``preadv`` straight into the slot (buffered I/O: the page
+  cache is a free host tier), then verify the header checksum, namespace, key, group, rank,
+  layout, file size and every section checksum in place. Anything unusual (another codec, a
+  different header length) goes through ``pagefile.read_page``, which gives the typed error.
+
+Threading: public methods may be called from any thread; one lock guards all engine state.
+Worker threads do I/O without the lock. zstd compressor/decompressor objects are per worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import stat
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zstandard
+
+from tierstore.config import TierStoreConfig
+from tierstore.errors import (
+    ConfigError,
+    PageCancelled,
+    PageCorrupt,
+    PageError,
+    PageFormatError,
+    PageIOError,
+    PageMissing,
+    PageQueueFull,
+    PageStoreError,
+    PageTimeout,
+    PageTruncated,
+)
+from tierstore.format import (
+    HEADER_ALIGN,
+    PREAMBLE_LEN,
+    Codec,
+    PageExpectation,
+    PageLayout,
+    PageMeta,
+    SectionEntry,
+    checksum,
+    encode_header,
+    encode_page,
+)
+from tierstore.identity import Namespace, namespace_dir, write_manifest
+from tierstore.mapper import (
+    MAX_KEY_BYTES,
+    PAGE_SUFFIX,
+    TEMP_SUFFIX,
+    FileMapper,
+    fanout,
+    host_tag,
+    parse_temp_name,
+)
+from tierstore.pagefile import read_page
+
+logger = logging.getLogger("tierstore.engine")
+
+ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (and HEADER_ALIGN)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+assert HEADER_ALIGN % ALIGN == 0
+
+
+def _round_up(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(eq=False)
+class StagingSlot:
+    """A reusable page buffer owned by the engine's pool."""
+
+    index: int
+    tensor: torch.Tensor  # 1-D uint8, layout.nbytes, 4096-aligned data pointer
+    view: memoryview  # the same memory, writable bytes
+    _padded: memoryview = field(repr=False)  # the slot rounded up to 4096 (O_DIRECT I/O)
+
+
+@dataclass
+class IOResult:
+    job_id: int
+    op: str  # "load" | "store"
+    key: bytes
+    ok: bool
+    error: PageError | None
+    slot: StagingSlot | None  # load OK: the verified page; the caller releases it
+    stored: bool  # store OK: False if an identical page already existed
+    nbytes: int
+    seconds: float  # submit to completion
+
+
+class _Job:
+    __slots__ = ("id", "op", "key", "slot", "token_count", "submitted", "deadline", "queued", "started", "done")
+
+    def __init__(self, job_id: int, op: str, key: bytes, slot: StagingSlot | None, token_count: int,
+                 submitted: float, deadline: float) -> None:
+        self.id = job_id
+        self.op = op
+        self.key = key
+        self.slot = slot
+        self.token_count = token_count
+        self.submitted = submitted
+        self.deadline = deadline
+        self.queued = False  # counted in IOEngine._waiting
+        self.started = False  # a worker owns the slot from here until it returns
+        self.done = False
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # same number on every Linux architecture (new syscalls are unified)
+try:
+    _libc: Any = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not Linux
+    _libc = None
+
+
+def _cachestat_pages(fd: int, st: Any) -> int:
+    """Pages of ``fd`` in the page cache (cachestat(2)); -1 if the kernel cannot tell."""
+    if _libc is None:
+        return -1
+    rc = _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(st.cs_range), ctypes.byref(st.cs_out), 0)
+    return int(st.cs_out.nr_cache) if rc == 0 else -1
+
+
+def _cachestat_available() -> bool:
+    if not sys.platform.startswith("linux") or _libc is None:
+        return False
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        st = _WorkerState()
+        return _cachestat_pages(fd, st) >= 0
+    finally:
+        os.close(fd)
+
+
+class _WorkerState(threading.local):
+    """Per worker thread: zstd objects and an aligned header buffer (allocated once)."""
+
+    def __init__(self) -> None:
+        self.compressor: zstandard.ZstdCompressor | None = None
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.header_buf: mmap.mmap | None = None  # anonymous mmap: page aligned
+        self.cs_range = _CachestatRange(0, ALIGN)  # the first page of a file
+        self.cs_out = _Cachestat()
+
+
+def probe_odirect(directory: Path) -> tuple[bool, str]:
+    """Whether an aligned O_DIRECT write and read work in ``directory``; (ok, reason)."""
+    if not _O_DIRECT:
+        return False, "O_DIRECT is not available on this platform"
+    path = directory / f".odirect-probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        buf.write(b"tierstore-odirect-probe".ljust(ALIGN, b"\0"))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_DIRECT, 0o644)
+        try:
+            if os.pwrite(fd, buf, 0) != ALIGN:
+                return False, "short O_DIRECT write"
+            back = mmap.mmap(-1, ALIGN)
+            try:
+                if os.preadv(fd, [back], 0) != ALIGN or back[:] != buf[:]:
+                    return False, "O_DIRECT read-back differs"
+            finally:
+                back.close()
+        finally:
+            os.close(fd)
+        return True, "probe write+read ok"
+    except OSError as exc:
+        return False, f"{exc.strerror} (errno {exc.errno})"
+    finally:
+        buf.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class IOEngine:
+    """Loads and stores pages of one KV-cache group (and rank) under one root."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        namespace: Namespace,
+        group_index: int,
+        *,
+        rank: int = 0,
+        head_start: int = 0,
+        head_count: int = 0,
+        config: TierStoreConfig | None = None,
+        staging_slots: int | None = None,
+        pin: bool = False,
+        deadline_s: float | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.config = config if config is not None else TierStoreConfig(root=str(root))
+        if not 0 <= group_index < len(namespace.groups):
+            raise ConfigError(f"group index {group_index} is outside the namespace's {len(namespace.groups)} groups")
+        self.namespace = namespace
+        self.group_index = group_index
+        self.group = namespace.groups[group_index]
+        self.layout: PageLayout = self.group.layout
+        self.rank = rank
+        self.head_start = head_start
+        self.head_count = head_count
+        self.mapper = FileMapper(self.root, namespace.digest, group_index, rank)
+        self._base = str(self.mapper.base)
+        probe_key = b"\x01tierstore"
+        if (self._final_path(probe_key) != str(self.mapper.path_for(probe_key))
+                or parse_temp_name(os.path.basename(self._temp_path(self._final_path(probe_key), probe_key))) is None):
+            raise AssertionError("IOEngine's fast path names disagree with FileMapper")
+        self.codec = Codec.ZSTD if self.config.codec == "zstd" else Codec.NONE
+        self.deadline_s = deadline_s if deadline_s is not None else self.config.deadline_ms / 1000.0
+        self._ns_bytes = namespace.digest_bytes
+        self._nbytes = self.layout.nbytes
+        self._padded_nbytes = _round_up(self._nbytes)
+        self._templates: dict[int, _HeaderTemplate] = {}  # key length -> header of our pages
+        self._spans = [(o, o + sp.nbytes) for sp, o in zip(self.layout.sections, self.layout.offsets, strict=True)]
+
+        self._write_manifest()
+        self.odirect, self.odirect_reason = self._decide_odirect()
+        # Cold loads read with O_DIRECT when it works and the kernel can tell us what is cached
+        # (cachestat, Linux 6.5); cached pages are still copied from the page cache.
+        self.direct_loads = self.odirect and _cachestat_available()
+
+        n_slots = staging_slots if staging_slots is not None else 2 * self.config.io_threads + 2
+        if n_slots <= 0:
+            raise ConfigError(f"staging_slots must be positive, got {n_slots}")
+        self.pinned = bool(pin and torch.cuda.is_available())
+        self._slots = self._allocate_slots(n_slots, self.pinned)
+        self._free: deque[StagingSlot] = deque(self._slots)
+        self._free_set = {s.index for s in self._slots}
+
+        self._cv = threading.Condition(threading.Lock())
+        self._load_q: deque[_Job] = deque()
+        self._store_q: deque[_Job] = deque()
+        self._waiting = {"load": 0, "store": 0}  # queued, not started, not done
+        self._pending: dict[int, _Job] = {}  # not done, in submission order
+        self._pending_stores = 0
+        self._results: dict[int, IOResult] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._stop = False
+        self._stats: dict[str, Any] = {
+            "loads_ok": 0, "loads_failed": {}, "load_bytes": 0, "load_seconds": 0.0,
+            "stores_ok": 0, "stores_existing": 0, "stores_failed": {}, "store_bytes": 0,
+            "store_seconds": 0.0, "late_results_dropped": 0, "loads_general_reader": 0,
+        }
+        self._local = _WorkerState()
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"tierstore-io-g{group_index}-{i}", daemon=True)
+            for i in range(self.config.io_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ----------------------------------------------------------------- setup
+    def _write_manifest(self) -> None:
+        try:
+            write_manifest(self.root, self.namespace)
+        except OSError as exc:  # a read-only root can still serve loads
+            logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
+                           namespace_dir(self.root, self.namespace), exc.strerror)
+
+    def _decide_odirect(self) -> tuple[bool, str]:
+        mode = self.config.odirect
+        if mode == "off":
+            return False, 'odirect setting is "off"'
+        if self.codec != Codec.NONE:
+            if mode == "on":
+                raise ConfigError('setting "odirect" is "on" but codec "zstd" writes unaligned frames; '
+                                  'set "odirect" to "auto" or "off", or "codec" to "none"')
+            return False, "codec zstd: compressed frames are written buffered"
+        probe_dir = self.mapper.base
+        try:
+            probe_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            probe_dir = namespace_dir(self.root, self.namespace)
+            if not probe_dir.is_dir():
+                probe_dir = self.root
+        ok, reason = probe_odirect(probe_dir)
+        if ok:
+            logger.info("O_DIRECT stores enabled under %s", probe_dir)
+            return True, reason
+        if mode == "on":
+            raise ConfigError(f'setting "odirect" is "on" but O_DIRECT does not work under {probe_dir}: '
+                              f'{reason}; set "odirect" to "auto" (falls back to buffered I/O) or "off"')
+        logger.warning("O_DIRECT does not work under %s (%s): stores use buffered I/O "
+                       "(stats['io_mode'] == 'buffered')", probe_dir, reason)
+        return False, reason
+
+    def _allocate_slots(self, n: int, pinned: bool) -> list[StagingSlot]:
+        stride = self._padded_nbytes
+        base = torch.empty(n * stride + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+        skew = (-base.data_ptr()) % ALIGN
+        self._slab = base  # keeps every slot's memory alive
+        slab_view = memoryview(base.numpy()).cast("B")
+        slots = []
+        for i in range(n):
+            off = skew + i * stride
+            tensor = base[off : off + self._nbytes]
+            assert tensor.data_ptr() % ALIGN == 0
+            slots.append(StagingSlot(i, tensor, slab_view[off : off + self._nbytes],
+                                     slab_view[off : off + stride]))
+        return slots
+
+    # ----------------------------------------------------------------- slots
+    def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
+        """A free staging slot, or None if none frees up within ``timeout`` (None = forever)."""
+        with self._cv:
+            if not self._free and timeout != 0:
+                end = None if timeout is None else time.monotonic() + timeout
+                while not self._free:
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cv.wait(left)
+            return self._take_slot_locked()
+
+    def _take_slot_locked(self) -> StagingSlot | None:
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self._free_set.discard(slot.index)
+        return slot
+
+    def release_slot(self, slot: StagingSlot) -> None:
+        with self._cv:
+            self._release_locked(slot)
+
+    def _release_locked(self, slot: StagingSlot) -> None:
+        if slot.index >= len(self._slots) or self._slots[slot.index] is not slot:
+            raise ValueError("release_slot: this slot does not belong to this engine")
+        if slot.index in self._free_set:
+            raise ValueError(f"release_slot: slot {slot.index} is already free (released twice)")
+        self._free.append(slot)
+        self._free_set.add(slot.index)
+        self._cv.notify_all()
+
+    @property
+    def free_slots(self) -> int:
+        with self._cv:
+            return len(self._free)
+
+    # ----------------------------------------------------------------- submit
+    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int) -> int:
+        """Queue a store of ``slot`` under ``key``; the engine releases the slot when done."""
+        if slot.index >= len(self._slots) or self._slots[slot.index] is not slot:
+            raise ValueError("submit_store: the slot does not belong to this engine")
+        return self._submit("store", bytes(key), slot, token_count)
+
+    def submit_load(self, key: bytes) -> int:
+        """Queue a load of ``key``; on success the result carries a slot with the page."""
+        return self._submit("load", bytes(key), None, 0)
+
+    def _submit(self, op: str, key: bytes, slot: StagingSlot | None, token_count: int) -> int:
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"a page key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        now = time.monotonic()
+        with self._cv:
+            job = _Job(next(self._ids), op, key, slot, token_count, now, now + self.deadline_s)
+            self._pending[job.id] = job
+            if op == "store":
+                self._pending_stores += 1
+            if self._closed:
+                self._complete_locked(job, PageCancelled("the engine is closed", key=key))
+                return job.id
+            if self._waiting[op] >= self.config.queue_depth:
+                self._complete_locked(job, PageQueueFull(
+                    f"{op} queue is full ({self.config.queue_depth} queued); poll results faster "
+                    'or raise the "queue_depth" setting', key=key))
+                return job.id
+            if op == "load":
+                job.slot = self._take_slot_locked()
+                if job.slot is None:
+                    self._complete_locked(job, PageQueueFull(
+                        f"no free staging slot (all {len(self._slots)} in use); release the slots "
+                        "of finished loads or give the engine more staging_slots", key=key))
+                    return job.id
+            job.queued = True
+            self._waiting[op] += 1
+            (self._load_q if op == "load" else self._store_q).append(job)
+            self._cv.notify()
+            return job.id
+
+    # ----------------------------------------------------------------- results
+    def poll(self) -> list[IOResult]:
+        """Every result finished since the last poll/wait (never blocks)."""
+        with self._cv:
+            self._expire_locked(time.monotonic())
+            out = list(self._results.values())
+            self._results.clear()
+            return out
+
+    def wait(self, job_ids: Any, timeout: float | None) -> list[IOResult]:
+        """Wait until the given jobs finish (or ``timeout``); returns those that finished.
+
+        Results returned here are not returned again by ``poll``.
+        """
+        ids = list(job_ids)
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                self._expire_locked(now)
+                if all(i not in self._pending for i in ids):
+                    break
+                left = self._next_wake(now, end)
+                if left is not None and left <= 0:
+                    break
+                self._cv.wait(left)
+            return [self._results.pop(i) for i in ids if i in self._results]
+
+    def _next_wake(self, now: float, end: float | None) -> float | None:
+        """Seconds until the caller's end or the earliest pending deadline, whichever is first."""
+        first = next(iter(self._pending.values()), None)
+        wake = end
+        if first is not None:
+            wake = first.deadline if wake is None else min(wake, first.deadline)
+        return None if wake is None else max(wake - now, 0.0) + (0.001 if wake != end else 0.0)
+
+    def _expire_locked(self, now: float) -> None:
+        # All jobs share one deadline length, so _pending (insertion order) is deadline order.
+        expired = []
+        for job in self._pending.values():
+            if job.deadline > now:
+                break
+            expired.append(job)
+        for job in expired:
+            self._complete_locked(job, PageTimeout(
+                f"{job.op} did not finish within {self.deadline_s:.3f} s "
+                '(deadline_ms setting); the file system may be stalled',
+                path=self.mapper.path_for(job.key), key=job.key))
+
+    def contains(self, key: bytes) -> bool:
+        """Cheap existence check (one stat); a hit still has to be verified by a load."""
+        try:
+            return self.mapper.path_for(key).exists()
+        except (OSError, ValueError):
+            return False
+
+    def flush(self, timeout: float | None) -> bool:
+        """Wait until every submitted store has finished (ok, failed or timed out)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                self._expire_locked(now)
+                if self._pending_stores == 0:
+                    return True
+                left = self._next_wake(now, end)
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued stores (up to ``timeout``, default flush_timeout_s), cancel the rest."""
+        if timeout is None:
+            timeout = self.config.flush_timeout_s
+        end = time.monotonic() + timeout
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True  # new submits are cancelled; queued stores still run
+        if not self.flush(timeout):
+            logger.warning("closing with stores still queued after %.1f s; they are cancelled", timeout)
+        with self._cv:
+            for q in (self._load_q, self._store_q):
+                while q:
+                    job = q.popleft()
+                    if not job.done:
+                        self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(max(end - time.monotonic(), 0.05))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            logger.warning("I/O threads still blocked in a system call at close: %s", stuck)
+
+    def __enter__(self) -> IOEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            s = dict(self._stats)
+            s["loads_failed"] = dict(s["loads_failed"])
+            s["stores_failed"] = dict(s["stores_failed"])
+            s["io_mode"] = "odirect" if self.odirect else "buffered"
+            s["odirect_reason"] = self.odirect_reason
+            s["codec"] = self.codec.name.lower()
+            s["queued_loads"] = self._waiting["load"]
+            s["queued_stores"] = self._waiting["store"]
+            s["pending"] = len(self._pending)
+            s["free_slots"] = len(self._free)
+            s["staging_slots"] = len(self._slots)
+            s["pinned"] = self.pinned
+            return s
+
+    # ----------------------------------------------------------------- completion
+    def _complete_locked(self, job: _Job, error: PageError | None, stored: bool = False,
+                         nbytes: int = 0) -> bool:
+        """Complete ``job`` once; False if it was already completed (a late result)."""
+        if job.done:
+            self._stats["late_results_dropped"] += 1
+            return False
+        job.done = True
+        del self._pending[job.id]
+        if job.queued:
+            job.queued = False
+            self._waiting[job.op] -= 1
+        if job.op == "store":
+            self._pending_stores -= 1
+        seconds = time.monotonic() - job.submitted
+        ok = error is None
+        result_slot = None
+        if job.slot is not None and not job.started:
+            # Never ran: the slot is free again (a store's slot is the engine's once submitted).
+            self._release_locked(job.slot)
+        elif ok and job.op == "load":
+            result_slot = job.slot
+        s = self._stats
+        if job.op == "load":
+            if ok:
+                s["loads_ok"] += 1
+                s["load_bytes"] += nbytes
+                s["load_seconds"] += seconds
+            else:
+                s["loads_failed"][error.kind] = s["loads_failed"].get(error.kind, 0) + 1  # type: ignore[union-attr]
+        else:
+            if ok:
+                s["stores_ok" if stored else "stores_existing"] += 1
+                s["store_bytes"] += nbytes
+                s["store_seconds"] += seconds
+            else:
+                s["stores_failed"][error.kind] = s["stores_failed"].get(error.kind, 0) + 1  # type: ignore[union-attr]
+        self._results[job.id] = IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds)
+        self._cv.notify_all()
+        return True
+
+    # ----------------------------------------------------------------- workers
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._load_q and not self._store_q:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self._load_q.popleft() if self._load_q else self._store_q.popleft()
+                if job.done:  # expired or cancelled while queued; its slot is already free
+                    continue
+                job.queued = False
+                self._waiting[job.op] -= 1
+                if time.monotonic() >= job.deadline:
+                    self._complete_locked(job, PageTimeout(
+                        f"{job.op} waited in the queue past its {self.deadline_s:.3f} s deadline "
+                        "(deadline_ms setting)", key=job.key))
+                    continue
+                job.started = True
+            error: PageError | None = None
+            stored = False
+            nbytes = 0
+            try:
+                if job.op == "load":
+                    nbytes = self._do_load(job.key, job.slot)  # type: ignore[arg-type]
+                else:
+                    stored, nbytes = self._do_store(job.key, job.slot, job.token_count)  # type: ignore[arg-type]
+            except PageError as exc:
+                error = exc
+            except Exception as exc:  # a bug must still come back as a per-key failure
+                logger.exception("unexpected error in %s of key %s", job.op, job.key.hex()[:16])
+                error = PageError(f"internal error: {exc!r}", key=job.key)
+            with self._cv:
+                accepted = self._complete_locked(job, error, stored, nbytes)
+                # The worker owned the slot: hand it back unless the caller got it with a page.
+                if job.slot is not None and not (accepted and error is None and job.op == "load"):
+                    self._release_locked(job.slot)
+
+    def _template(self, key_len: int) -> _HeaderTemplate:
+        tmpl = self._templates.get(key_len)
+        if tmpl is None:
+            tmpl = _HeaderTemplate(self._ns_bytes, key_len, self.group_index, self.group.kind,
+                                   self.rank, self.head_start, self.head_count, self.layout)
+            self._templates[key_len] = tmpl
+        return tmpl
+
+    def _header_len(self, key_len: int) -> int:
+        """Header bytes of this engine's pages for a key of ``key_len`` bytes."""
+        return self._template(key_len).header_len
+
+    def _final_path(self, key: bytes) -> str:
+        """``mapper.path_for(key)`` as a string, without pathlib on the hot path."""
+        aa, bb = fanout(key)
+        return f"{self._base}/{aa}/{bb}/{key.hex()}{PAGE_SUFFIX}"
+
+    def _temp_path(self, final: str, key: bytes) -> str:
+        """A unique temp name beside ``final`` in the mapper's format (fsck parses it)."""
+        return (f"{os.path.dirname(final)}/.{key.hex()}{PAGE_SUFFIX}.{host_tag()}.{os.getpid()}."
+                f"{os.urandom(6).hex()}{TEMP_SUFFIX}")
+
+    def _header_buf(self, size: int) -> mmap.mmap:
+        st = self._local
+        if st.header_buf is None or len(st.header_buf) < size:
+            st.header_buf = mmap.mmap(-1, _round_up(size))
+        return st.header_buf
+
+    # ----------------------------------------------------------------- store
+    def _do_store(self, key: bytes, slot: StagingSlot, token_count: int) -> tuple[bool, int]:
+        final = self._final_path(key)
+        if os.path.exists(final):
+            return False, self._nbytes
+        data = slot.view
+        if self.codec == Codec.NONE:
+            tmpl = self._template(len(key))
+            hl = tmpl.header_len
+            hbuf = self._header_buf(hl)
+            tmpl.fill(hbuf, key, token_count, [checksum(data[o:e]) for o, e in self._spans])
+            hview = memoryview(hbuf)[:hl]
+            if self.odirect:
+                # Aligned buffers and lengths; the tail is padded and truncated away after.
+                pieces: list[Any] = [hview, slot._padded]
+                truncate_to = hl + self._nbytes if self._padded_nbytes != self._nbytes else 0
+            else:
+                pieces = [hview, data]
+                truncate_to = 0
+            self._publish(final, key, pieces, truncate_to=truncate_to, direct=self.odirect,
+                          exact_len=hl + self._nbytes)
+        else:
+            st = self._local
+            if st.compressor is None:
+                st.compressor = zstandard.ZstdCompressor(level=self.config.zstd_level)
+            meta = PageMeta(self._ns_bytes, key, self.group_index, self.group.kind, token_count,
+                            self.rank, self.head_start, self.head_count)
+            header, payload = encode_page(meta, self.layout, data, Codec.ZSTD, st.compressor)
+            self._publish(final, key, [header, *payload], truncate_to=0, direct=False, exact_len=0)
+        return True, self._nbytes
+
+    def _publish(self, final: str, key: bytes, pieces: list[Any], *, truncate_to: int,
+                 direct: bool, exact_len: int) -> None:
+        tmp = self._temp_path(final, key)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0)
+        try:
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
+        except OSError as exc:
+            raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
+        try:
+            try:
+                try:
+                    _pwritev_all(fd, pieces)
+                except OSError as exc:
+                    if not (direct and exc.errno == errno.EINVAL):
+                        raise
+                    # O_DIRECT refused at run time (another file system under the root?):
+                    # rewrite this page buffered, exactly sized.
+                    logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
+                    os.close(fd)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
+                    head = memoryview(pieces[0]).cast("B")
+                    _pwritev_all(fd, [head, memoryview(pieces[1])[: exact_len - len(head)]])
+                    truncate_to = 0
+                if truncate_to:
+                    os.ftruncate(fd, truncate_to)
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+
+    # ----------------------------------------------------------------- load
+    def _do_load(self, key: bytes, slot: StagingSlot) -> int:
+        spath = path = self._final_path(key)
+        tmpl = self._template(len(key))
+        hl = tmpl.header_len
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            if exc.errno in _MISSING_ERRNOS:
+                raise PageMissing("no such page", path=path, key=key) from exc
+            raise PageIOError(f"cannot open page: {exc.strerror}", errno=exc.errno, path=path, key=key) from exc
+        try:
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise PageFormatError("not a regular file", path=spath, key=key)
+                size = st.st_size
+                if size == hl + self._nbytes:
+                    hview = memoryview(self._header_buf(hl))[:hl]
+                    self._read_whole(fd, hview, slot, size, spath)
+                    sums = tmpl.parse(hview, key)
+                    if sums is not None:  # byte-exact header of the page we expect
+                        for (o, e), want, spec in zip(self._spans, sums, self.layout.sections, strict=True):
+                            if checksum(slot.view[o:e]) != want:
+                                raise PageCorrupt(f"section {spec.name!r} checksum mismatch", path=spath, key=key)
+                        return self._nbytes
+            except OSError as exc:
+                if exc.errno in _MISSING_ERRNOS:
+                    raise PageMissing("page vanished while reading", path=path, key=key) from exc
+                raise PageIOError(f"read failed: {exc.strerror}", errno=exc.errno, path=path, key=key) from exc
+        finally:
+            os.close(fd)
+        # Not byte-for-byte the header this engine writes (other codec or header length, a wrong
+        # size, a damaged header): the general reader verifies it or names the error.
+        with self._cv:
+            self._stats["loads_general_reader"] += 1
+        expect = PageExpectation(self._ns_bytes, key, self.group_index, self.rank, self.layout)
+        read_page(Path(path), expect, slot.view, self._local.decompressor)
+        return self._nbytes
+
+    def _read_whole(self, fd: int, hview: memoryview, slot: StagingSlot, size: int, spath: str) -> None:
+        """Header into ``hview`` and payload into the slot: page cache if cached, else O_DIRECT."""
+        if not self.direct_loads:
+            _preadv_all(fd, [hview, slot.view], spath)
+            return
+        # A page that is in the page cache (warm) is copied out of it. Otherwise read it with
+        # O_DIRECT in large aligned requests: no readahead windows, no page-cache copy. (A
+        # RWF_NOWAIT probe read would start readahead and read the disk twice.)
+        # Only the first page is asked about (cachestat walks the cache: cost grows with the
+        # range). Pages leave the cache oldest first, so a cached first page means a warm file;
+        # if the guess is wrong, the buffered read just waits for the missing pages.
+        if _cachestat_pages(fd, self._local) > 0:
+            _preadv_all(fd, [hview, slot.view], spath)
+            return
+        # File offsets map onto [header buffer | padded slot]; both are aligned.
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+            end = _preadv_upto(fd, [hview, slot._padded], 0)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # This file system refuses O_DIRECT here: read buffered.
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+            _preadv_all(fd, [hview, slot.view], spath)
+            return
+        if end < size:
+            raise PageTruncated("file ended while reading the page", path=spath)
+
+
+class _HeaderTemplate:
+    """The exact header this engine writes for a key length, with the variable fields known.
+
+    A page of ours differs from the template only in the key, the token count, the section
+    checksums and the header checksum, so a store patches those into a copy and a load
+    compares everything else byte for byte (``parse``); any other header takes the slow path
+    (``decode_header``), which gives the typed error.
+    """
+
+    _TOKEN_OFF = 48  # see format.py: token count (u32) in the preamble
+    _KEY_OFF = PREAMBLE_LEN
+
+    def __init__(self, ns: bytes, key_len: int, group_index: int, kind: Any, rank: int,
+                 head_start: int, head_count: int, layout: PageLayout) -> None:
+        meta = PageMeta(ns, b"\0" * key_len, group_index, kind, 0, rank, head_start, head_count)
+        sentinels = [0x5EC7_0000_0000_0000 + i for i in range(len(layout.sections))]
+        entries = [SectionEntry(sp, o, sp.nbytes, c)
+                   for sp, o, c in zip(layout.sections, layout.offsets, sentinels, strict=True)]
+        raw = encode_header(meta, Codec.NONE, entries, layout.nbytes)
+        self.header_len = len(raw)
+        self.key_len = key_len
+        # Where each section checksum sits (format v1 section table), checked against sentinels.
+        offs, pos = [], self._KEY_OFF + key_len
+        for sp in layout.sections:
+            pos += 2 + len(sp.name.encode()) + 2 + 4 * len(sp.shape) + 24
+            offs.append(pos)
+            pos += 8
+        if [_U64.unpack_from(raw, o)[0] for o in offs] != sentinels:
+            raise AssertionError("header template: section table offsets disagree with format.py")
+        self.sum_offsets = offs
+        blank = bytearray(raw)
+        for o in offs:
+            blank[o : o + 8] = bytes(8)
+        blank[-8:] = bytes(8)
+        self.blank = bytes(blank)  # key, token count, checksums all zero
+        # Byte ranges that are the same in every page of ours (all but the variable fields).
+        variable = sorted([(self._KEY_OFF, self._KEY_OFF + key_len), (self._TOKEN_OFF, self._TOKEN_OFF + 4),
+                           *[(o, o + 8) for o in offs], (self.header_len - 8, self.header_len)])
+        ranges, pos = [], 0
+        for a, b in variable:
+            if a > pos:
+                ranges.append((pos, a))
+            pos = max(pos, b)
+        self._const_ranges = ranges
+        self._const = b"".join(self.blank[a:b] for a, b in ranges)
+
+    def fill(self, buf: Any, key: bytes, token_count: int, sums: list[int]) -> None:
+        """Write the header of (key, token_count, section checksums) into ``buf``."""
+        hl = self.header_len
+        buf[:hl] = self.blank
+        buf[self._KEY_OFF : self._KEY_OFF + self.key_len] = key
+        _U32.pack_into(buf, self._TOKEN_OFF, token_count)
+        for o, c in zip(self.sum_offsets, sums, strict=True):
+            _U64.pack_into(buf, o, c)
+        _U64.pack_into(buf, hl - 8, checksum(memoryview(buf)[: hl - 8]))
+
+    def parse(self, hview: memoryview, key: bytes) -> list[int] | None:
+        """Section checksums if ``hview`` is exactly our header for ``key``; else None."""
+        hl = self.header_len
+        h = bytes(hview)
+        if checksum(memoryview(h)[: hl - 8]) != _U64.unpack_from(h, hl - 8)[0]:
+            return None
+        if h[self._KEY_OFF : self._KEY_OFF + self.key_len] != key:
+            return None
+        if b"".join([h[a:b] for a, b in self._const_ranges]) != self._const:
+            return None
+        return [_U64.unpack_from(h, o)[0] for o in self.sum_offsets]
+
+
+def _pwritev_all(fd: int, pieces: list[Any]) -> None:
+    views = [memoryview(p).cast("B") for p in pieces]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the end offset."""
+    views = [b for b in bufs if len(b)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            break
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return offset
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], path: str) -> None:
+    views = [memoryview(b).cast("B") for b in bufs]
+    offset = 0
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise PageTruncated("file ended while reading the page", path=path)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]

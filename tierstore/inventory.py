@@ -1,0 +1,796 @@
+"""What is in a tierstore root: the tree walk shared by ``fsck``, ``stats`` and ``ls``.
+
+Contract:
+
+- ``walk_root`` classifies every entry under ROOT without following a symlink (``os.scandir``
+  + ``DirEntry.is_dir/is_file(follow_symlinks=False)`` and ``lstat``): namespaces (directories
+  with a ``manifest.json``, or named like a digest), their group / rank / fan-out directories,
+  page files, temp files (live or stale), orphans (pages of a group or rank the manifest does
+  not know), NFS/FUSE silly-rename leftovers, symlinks and anything else (foreign). Each page
+  file at its proper place is handed to a ``PageVisitor`` (fsck verifies it completely,
+  ``stats`` reads only its header, ``ls`` reads nothing); the walk itself never opens a file.
+- Names skipped everywhere: ``.snapshot`` (NetApp snapshots) and names beginning with
+  ``.tierstore`` (reserved for tierstore's own state, e.g. gc bookkeeping of the tiers
+  package). Skipped at ROOT only: ``.quarantine`` (fsck's quarantine) and ``lost+found``.
+- ``collect_stats`` returns a plain dict (per namespace and group: files, bytes, token
+  coverage, oldest/newest, model info); ``format_stats`` / ``format_listing`` render it.
+  Other packages may add keys to that dict (for example per-tier metrics).
+
+Threading: the walk lists namespace, group and rank directories on the calling thread and
+hands each fan-out directory ``<aa>`` to a thread pool (``jobs`` threads); a visitor is called
+from pool threads and must be thread-safe. Results are merged on the calling thread.
+``Progress`` is thread-safe.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import os
+import re
+import socket
+import stat as _stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tierstore.errors import ConfigError, PageError, PageIOError, PageMissing
+from tierstore.format import HEADER_ALIGN, PageHeader, decode_header, header_len_of
+from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace, read_manifest
+from tierstore.mapper import host_tag, locate, parse_page_name, parse_temp_name
+
+# Finding categories. Every one except TEMP_ACTIVE is a problem for fsck.
+BAD_PAGE = "bad_page"  # a page file that fails verification (kind: the PageError kind)
+STALE_TEMP = "stale_temp"  # a temp file whose writer is gone
+TEMP_ACTIVE = "temp"  # a temp file that may still be written (not a problem)
+ORPHAN = "orphan"  # a page in a group or rank its namespace's manifest does not know
+FOREIGN = "foreign"  # anything tierstore does not write
+NFS_LEFTOVER = "nfs_leftover"  # .nfsXXXX / .fuse_hiddenXXXX older than the temp age
+SYMLINK = "symlink"  # a symbolic link (never followed)
+MANIFEST = "manifest"  # a namespace directory without a valid manifest
+UNREADABLE = "unreadable"  # a directory or file that could not be listed or stat'ed
+
+SKIP_EVERYWHERE = (".snapshot",)
+RESERVED_PREFIX = ".tierstore"
+SKIP_AT_ROOT = (".quarantine", "lost+found")
+QUARANTINE_DIR = ".quarantine"
+
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
+_FAN_RE = re.compile(r"^[0-9a-f]{2}$")
+_MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.(.+)\.(\d+)\.([0-9a-f]+)\.tmp$")
+_SILLY_PREFIXES = (".nfs", ".fuse_hidden")
+# IOEngine's O_DIRECT probe file (engine.probe_odirect); removed by the engine unless killed.
+_PROBE_RE = re.compile(r"^\.odirect-probe\.\d+\.\d+\.tmp$")
+
+
+Fingerprint = tuple[int, int, int, int, int]
+
+
+def fingerprint(st: os.stat_result) -> Fingerprint:
+    """What must not change between the scan and a repair: device, inode, size, mtime, ctime.
+
+    The inode alone is not enough: a file deleted and re-created in between often gets the
+    same inode number back.
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass
+class Finding:
+    """One entry that is not a healthy page (or a temp that may still be live)."""
+
+    path: str
+    category: str
+    kind: str
+    message: str
+    size: int = 0
+    mtime: float | None = None
+    is_dir: bool = False
+    fingerprint: Fingerprint | None = None  # identity at scan time; repair re-checks it
+    action: str | None = None  # what repair did: "deleted", "quarantined", "unlinked"
+    repair_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "category": self.category,
+            "kind": self.kind,
+            "message": self.message,
+            "size": self.size,
+            "action": self.action,
+            "repaired": self.action is not None,
+            "repair_error": self.repair_error,
+        }
+
+
+@dataclass
+class NamespaceDir:
+    """A namespace directory under ROOT and what its manifest says (if readable)."""
+
+    name: str
+    path: Path
+    namespace: Namespace | None
+    error: str | None = None
+
+    @property
+    def digest_bytes(self) -> bytes | None:
+        """The digest page headers must carry: the directory's name, when it is one."""
+        return bytes.fromhex(self.name) if _DIGEST_RE.match(self.name) else None
+
+    def group(self, index: int) -> GroupSpec | None:
+        if self.namespace is None or index >= len(self.namespace.groups):
+            return None
+        return self.namespace.groups[index]
+
+    @property
+    def world_size(self) -> int | None:
+        """Upper bound on rank numbers (product of all parallel sizes)."""
+        if self.namespace is None:
+            return None
+        p = self.namespace.parallel
+        return p.tp_size * p.pp_size * p.dcp_size * p.pcp_size
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """A page file found at a proper place, handed to the visitor."""
+
+    path: str
+    ns: NamespaceDir
+    group_index: int
+    rank: int
+    key: bytes
+    size: int
+    mtime: float
+    fingerprint: Fingerprint
+    group: GroupSpec | None  # None when the manifest is missing or unreadable
+
+
+@dataclass
+class PageVerdict:
+    """What a visitor found: the page's token count, or a problem, or that it vanished."""
+
+    token_count: int | None = None
+    problem: Finding | None = None
+    vanished: bool = False
+
+
+PageVisitor = Callable[[PageRef], PageVerdict]
+
+
+@dataclass
+class GroupTally:
+    """Healthy pages of one (namespace, group, rank)."""
+
+    files: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    tokens_from_headers: int = 0  # files whose token count came from their header
+    oldest: float | None = None
+    newest: float | None = None
+
+    def add(self, size: int, mtime: float, tokens: int, from_header: bool) -> None:
+        self.files += 1
+        self.bytes += size
+        self.tokens += tokens
+        self.tokens_from_headers += int(from_header)
+        self.oldest = mtime if self.oldest is None else min(self.oldest, mtime)
+        self.newest = mtime if self.newest is None else max(self.newest, mtime)
+
+    def merge(self, other: GroupTally) -> None:
+        self.files += other.files
+        self.bytes += other.bytes
+        self.tokens += other.tokens
+        self.tokens_from_headers += other.tokens_from_headers
+        for t in (other.oldest, other.newest):
+            if t is not None:
+                self.oldest = t if self.oldest is None else min(self.oldest, t)
+                self.newest = t if self.newest is None else max(self.newest, t)
+
+
+@dataclass
+class Inventory:
+    """The result of one walk."""
+
+    root: Path
+    namespaces: list[NamespaceDir] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    tallies: dict[tuple[str, int, int], GroupTally] = field(default_factory=dict)
+    temps_active: int = 0
+    pages_seen: int = 0  # page files handed to the visitor (healthy or not)
+    vanished: int = 0  # files deleted under the walk (by gc or a writer); not problems
+
+    def merge(self, other: Inventory) -> None:
+        self.findings.extend(other.findings)
+        for k, t in other.tallies.items():
+            self.tallies.setdefault(k, GroupTally()).merge(t)
+        self.temps_active += other.temps_active
+        self.pages_seen += other.pages_seen
+        self.vanished += other.vanished
+
+
+class Progress:
+    """A one-line progress display on a terminal (stderr); silent elsewhere.
+
+    Hand-written (a dozen lines) so that tierstore does not depend on tqdm.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None, enabled: bool | None = None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.label = label
+        self.total_dirs = 0
+        self.dirs = 0
+        self.files = 0
+        self.nbytes = 0
+        self.problems = 0
+        self._lock = threading.Lock()
+        self._last = 0.0
+        self._start = time.monotonic()
+
+    def advance(self, *, files: int = 0, nbytes: int = 0, dirs: int = 0, problems: int = 0) -> None:
+        with self._lock:
+            self.files += files
+            self.nbytes += nbytes
+            self.dirs += dirs
+            self.problems += problems
+            now = time.monotonic()
+            if self.enabled and (now - self._last >= 0.2 or (dirs and self.dirs == self.total_dirs)):
+                self._last = now
+                self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        frac = self.dirs / self.total_dirs if self.total_dirs else 0.0
+        bar = ("#" * int(frac * 20)).ljust(20)
+        rate = self.files / max(now - self._start, 1e-9)
+        self.stream.write(
+            f"\r{self.label} [{bar}] {frac * 100:5.1f}%  {self.files} files  "
+            f"{_human_bytes(self.nbytes)}  {rate:.0f} files/s  {self.problems} problems "
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            with self._lock:
+                self._draw(time.monotonic())
+                self.stream.write("\n")
+                self.stream.flush()
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (unknown counts as alive)."""
+    if pid <= 0:
+        return True  # os.kill(0, ...) would signal our own process group
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it exists, owned by someone else
+    try:  # a zombie (killed, not yet reaped by its parent) writes nothing any more
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class _Classifier:
+    """Rules that do not depend on where in the tree an entry is."""
+
+    def __init__(self, now: float, tmp_age: float):
+        self.now = now
+        self.tmp_age = tmp_age
+        self.host = host_tag()
+        self.raw_host = socket.gethostname()
+
+    def temp_is_stale(self, host: str, pid: int, mtime: float, raw_host: bool = False) -> tuple[bool, str]:
+        mine = host == (self.raw_host if raw_host else self.host)
+        if mine and not pid_alive(pid):
+            return True, f"writer pid {pid} on this host is gone"
+        age = self.now - mtime
+        if age > self.tmp_age:
+            return True, f"temp file is {age:.0f} s old (older than --tmp-age {self.tmp_age:.0f} s)"
+        return False, "may still be written"
+
+
+_GONE = (errno.ENOENT, errno.ESTALE)  # ESTALE: deleted by another NFS client
+
+
+def _lstat_entry(entry: os.DirEntry[str], inv: Inventory) -> os.stat_result | None:
+    """lstat; None (and counted) if the entry vanished or cannot be stat'ed."""
+    try:
+        return entry.stat(follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            inv.vanished += 1
+        else:
+            inv.findings.append(Finding(entry.path, UNREADABLE, "io", f"cannot stat: {exc.strerror}"))
+        return None
+
+
+def _skipped(name: str) -> bool:
+    return name in SKIP_EVERYWHERE or name.startswith(RESERVED_PREFIX)
+
+
+class _Walker:
+    def __init__(self, root: Path, visitor: PageVisitor | None, classifier: _Classifier, progress: Progress | None):
+        self.root = root
+        self.visitor = visitor
+        self.cls = classifier
+        self.progress = progress
+        self.stop = threading.Event()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _scandir(self, path: Path, inv: Inventory) -> list[os.DirEntry[str]]:
+        try:
+            with os.scandir(path) as it:
+                return sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            if exc.errno in _GONE:
+                return []
+            inv.findings.append(Finding(str(path), UNREADABLE, "io", f"cannot list directory: {exc.strerror}", is_dir=True))
+            return []
+
+    def _other(self, entry: os.DirEntry[str], inv: Inventory, expected: str) -> None:
+        """Classify an entry that is not what this level holds."""
+        st = _lstat_entry(entry, inv)
+        if st is None:
+            return
+        f = Finding(entry.path, FOREIGN, "", "", size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
+        if _stat.S_ISLNK(st.st_mode):
+            f.category, f.kind = SYMLINK, "symlink"
+            try:
+                target = os.readlink(entry.path)
+            except OSError:
+                target = "?"
+            f.message = f"symbolic link to {target!r} (never followed)"
+        elif _PROBE_RE.match(entry.name) and _stat.S_ISREG(st.st_mode):
+            stale, why = self.cls.temp_is_stale("", 0, st.st_mtime)
+            if not stale:
+                inv.temps_active += 1
+                return
+            f.category, f.kind, f.message = STALE_TEMP, "temp", f"O_DIRECT probe file of an engine; {why}"
+        elif entry.name.startswith(_SILLY_PREFIXES):
+            stale, why = self.cls.temp_is_stale("", 0, st.st_mtime)
+            if not stale:
+                inv.temps_active += 1
+                return
+            f.category, f.kind = NFS_LEFTOVER, "silly_rename"
+            f.message = f"NFS/FUSE silly-rename leftover of a deleted open file; {why}"
+        else:
+            f.is_dir = _stat.S_ISDIR(st.st_mode)
+            f.kind = "dir" if f.is_dir else ("file" if _stat.S_ISREG(st.st_mode) else "special")
+            f.message = f"not written by tierstore (expected {expected})"
+        inv.findings.append(f)
+
+    # -- levels --------------------------------------------------------------------------
+
+    def namespaces(self, inv: Inventory, only: str | None) -> list[NamespaceDir]:
+        out = []
+        for e in self._scandir(self.root, inv):
+            if _skipped(e.name) or e.name in SKIP_AT_ROOT:
+                continue
+            if only is not None and not e.name.startswith(only):
+                continue
+            if not e.is_dir(follow_symlinks=False):
+                if only is None:
+                    self._other(e, inv, "namespace directories")
+                continue
+            path = Path(e.path)
+            mpath = path / MANIFEST_NAME
+            has_manifest = mpath.is_file() and not mpath.is_symlink()
+            if not has_manifest and not _DIGEST_RE.match(e.name):
+                if only is None:
+                    self._other(e, inv, "namespace directories")
+                continue
+            nsd = NamespaceDir(e.name, path, None)
+            if not has_manifest:
+                nsd.error = f"no {MANIFEST_NAME} (run an engine of this model once to rewrite it, or delete the directory)"
+            else:
+                try:
+                    nsd.namespace = read_manifest(mpath)
+                    if nsd.namespace.digest != e.name:
+                        nsd.error = f"manifest describes namespace {nsd.namespace.digest}, not {e.name}"
+                        nsd.namespace = None
+                except ConfigError as exc:
+                    nsd.error = str(exc)
+            if nsd.error:
+                inv.findings.append(Finding(str(mpath), MANIFEST, "manifest", nsd.error))
+            out.append(nsd)
+        return out
+
+    def fan_dirs(self, nsd: NamespaceDir, inv: Inventory) -> list[tuple[Path, int, int, bool]]:
+        """(aa dir, group, rank, orphan) for every fan-out directory of a namespace."""
+        out = []
+        for e in self._scandir(nsd.path, inv):
+            if _skipped(e.name):
+                continue
+            if e.name == MANIFEST_NAME and e.is_file(follow_symlinks=False):
+                continue
+            m = _MANIFEST_TEMP_RE.match(e.name)
+            if m and e.is_file(follow_symlinks=False):
+                self._temp(e, inv, m.group(1), int(m.group(2)), raw_host=True)
+                continue
+            g = _canonical_index(e.name, "g")
+            if g is None or not e.is_dir(follow_symlinks=False):
+                self._other(e, inv, "g<group> directories and manifest.json")
+                continue
+            group_known = nsd.namespace is None or g < len(nsd.namespace.groups)
+            for r_entry in self._scandir(Path(e.path), inv):
+                if _skipped(r_entry.name):
+                    continue
+                r = _canonical_index(r_entry.name, "r")
+                if r is None or not r_entry.is_dir(follow_symlinks=False):
+                    self._other(r_entry, inv, "r<rank> directories")
+                    continue
+                world = nsd.world_size
+                orphan = not group_known or (world is not None and r >= world)
+                for a_entry in self._scandir(Path(r_entry.path), inv):
+                    if _skipped(a_entry.name):
+                        continue
+                    if not _FAN_RE.match(a_entry.name) or not a_entry.is_dir(follow_symlinks=False):
+                        self._other(a_entry, inv, "two-hex-digit fan-out directories")
+                        continue
+                    out.append((Path(a_entry.path), g, r, orphan))
+        return out
+
+    def _temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int, raw_host: bool = False) -> None:
+        st = _lstat_entry(e, inv)
+        if st is None:
+            return
+        stale, why = self.cls.temp_is_stale(host, pid, st.st_mtime, raw_host)
+        if stale:
+            inv.findings.append(Finding(e.path, STALE_TEMP, "temp", why, size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st)))
+        else:
+            inv.temps_active += 1
+
+    def fan_dir(self, nsd: NamespaceDir, aa: Path, g: int, r: int, orphan: bool) -> Inventory:
+        """Walk one ``<aa>`` directory (runs on a pool thread)."""
+        inv = Inventory(self.root)
+        group = nsd.group(g)
+        for b_entry in self._scandir(aa, inv):
+            if self.stop.is_set():
+                break
+            if _skipped(b_entry.name):
+                continue
+            if not _FAN_RE.match(b_entry.name) or not b_entry.is_dir(follow_symlinks=False):
+                self._other(b_entry, inv, "two-hex-digit fan-out directories")
+                continue
+            for e in self._scandir(Path(b_entry.path), inv):
+                if _skipped(e.name):
+                    continue
+                self._leaf_entry(e, inv, nsd, g, r, orphan, group)
+        return inv
+
+    def _leaf_entry(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
+                    orphan: bool, group: GroupSpec | None) -> None:
+        if not e.is_file(follow_symlinks=False):
+            self._other(e, inv, "page files")
+            return
+        tmp = parse_temp_name(e.name)
+        if tmp is not None:
+            self._temp(e, inv, tmp.host, tmp.pid)
+            return
+        key = parse_page_name(e.name)
+        if key is None:
+            self._other(e, inv, "page files")
+            return
+        st = _lstat_entry(e, inv)
+        if st is None:
+            return
+        if self.progress:
+            self.progress.advance(files=1, nbytes=st.st_size)
+        common = dict(size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
+        if orphan:
+            why = (f"group {g} is not in the namespace's manifest" if nsd.group(g) is None
+                   else f"rank {r} is outside the manifest's parallel layout ({nsd.world_size} ranks)")
+            inv.findings.append(Finding(e.path, ORPHAN, "orphan", why, **common))  # type: ignore[arg-type]
+            return
+        loc = locate(self.root, e.path)
+        if loc is None or (loc.namespace, loc.group_index, loc.rank, loc.key) != (nsd.name, g, r, key):
+            inv.findings.append(Finding(e.path, BAD_PAGE, "misplaced",
+                                        "page name does not belong in this fan-out directory", **common))  # type: ignore[arg-type]
+            return
+        inv.pages_seen += 1
+        ref = PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fingerprint(st), group)
+        verdict = self.visitor(ref) if self.visitor else PageVerdict()
+        if verdict.vanished:
+            inv.vanished += 1
+            return
+        if verdict.problem is not None:
+            if self.progress:
+                self.progress.advance(problems=1)
+            inv.findings.append(verdict.problem)
+            return
+        tokens = verdict.token_count
+        from_header = tokens is not None
+        if tokens is None:
+            tokens = group.tokens_per_chunk if group is not None else 0
+        inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add(st.st_size, st.st_mtime, tokens, from_header)
+
+
+def _canonical_index(name: str, prefix: str) -> int | None:
+    """``g3`` -> 3; None for anything else (including ``g03``, which no mapper writes)."""
+    if not name.startswith(prefix) or not name[1:].isdigit() or not name[1:].isascii():
+        return None
+    n = int(name[1:])
+    return n if name == f"{prefix}{n}" else None
+
+
+def resolve_namespace_filter(root: Path, namespace: str | None) -> str | None:
+    """Check a ``--namespace`` value (a digest or a unique prefix of one); returns the full name."""
+    if namespace is None:
+        return None
+    names = []
+    with os.scandir(root) as it:
+        for e in it:
+            if e.name.startswith(namespace) and e.is_dir(follow_symlinks=False) and not _skipped(e.name):
+                names.append(e.name)
+    if not names:
+        raise ConfigError(f"no namespace directory under {root} starts with {namespace!r} (see `tierstore ls {root}`)")
+    if len(names) > 1 and namespace not in names:
+        raise ConfigError(f"--namespace {namespace!r} is ambiguous: {sorted(names)}")
+    return namespace if namespace in names else names[0]
+
+
+def check_root(root: str | os.PathLike[str]) -> Path:
+    """The root to walk: resolved once (a symlinked ROOT is the user's choice), must be a directory."""
+    path = Path(os.path.realpath(root))
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"ROOT {root} is not accessible: {exc.strerror}") from exc
+    if not _stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"ROOT {root} is not a directory")
+    return path
+
+
+def walk_root(
+    root: str | os.PathLike[str],
+    *,
+    visitor: PageVisitor | None = None,
+    namespace: str | None = None,
+    jobs: int = 8,
+    tmp_age: float = 3600.0,
+    now: float | None = None,
+    progress: Progress | None = None,
+) -> Inventory:
+    """Classify everything under ``root``; see the module docstring."""
+    root_path = check_root(root)
+    only = resolve_namespace_filter(root_path, namespace)
+    walker = _Walker(root_path, visitor, _Classifier(time.time() if now is None else now, tmp_age), progress)
+    inv = Inventory(root_path)
+    inv.namespaces = walker.namespaces(inv, only)
+    units = [(nsd, *fan) for nsd in inv.namespaces for fan in walker.fan_dirs(nsd, inv)]
+    if progress:
+        progress.total_dirs = len(units)
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="tierstore-walk")
+    try:
+        futures = [pool.submit(walker.fan_dir, *u) for u in units]
+        for fut in futures:
+            inv.merge(fut.result())
+            if progress:
+                progress.advance(dirs=1)
+    except BaseException:
+        # Ctrl-C or a bug: stop the workers at their next directory instead of finishing the tree.
+        walker.stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    inv.findings.sort(key=lambda f: (f.path, f.category))
+    return inv
+
+
+# -- stats / ls ----------------------------------------------------------------------------
+
+
+def read_header(path: str) -> PageHeader:
+    """Read and verify only a page's header (usually its first 4 KiB); never follows a symlink.
+
+    Raises a typed ``PageError`` (``PageMissing`` if the file is gone, ``PageIOError`` on
+    other OS errors).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):
+            raise PageMissing("no such page", path=path) from exc
+        raise PageIOError(f"cannot open: {exc.strerror}", errno=exc.errno, path=path) from exc
+    try:
+        first = os.pread(fd, HEADER_ALIGN, 0)
+        header_len = header_len_of(first, path=path)
+        if header_len > len(first):
+            first += os.pread(fd, header_len - len(first), len(first))
+        return decode_header(first, path=path)
+    except OSError as exc:
+        raise PageIOError(f"read failed: {exc.strerror}", errno=exc.errno, path=path) from exc
+    finally:
+        os.close(fd)
+
+
+def read_header_tokens(ref: PageRef) -> PageVerdict:
+    """Visitor for ``stats``: read only the header (usually the first 4 KiB)."""
+    try:
+        header = read_header(ref.path)
+    except PageMissing:
+        return PageVerdict(vanished=True)
+    except PageError as exc:
+        return PageVerdict(problem=Finding(ref.path, BAD_PAGE, exc.kind, str(exc), size=ref.size))
+    return PageVerdict(token_count=header.meta.token_count)
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def collect_stats(
+    root: str | os.PathLike[str],
+    *,
+    namespace: str | None = None,
+    read_headers: bool = True,
+    jobs: int = 8,
+    tmp_age: float = 3600.0,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Per namespace and group: files, bytes, token coverage, oldest/newest, model info.
+
+    ``read_headers=False`` reads no file at all (``ls``): token coverage is then
+    ``tokens_per_chunk x files`` and ``tokens_source`` says "estimate".
+    """
+    inv = walk_root(root, visitor=read_header_tokens if read_headers else None, namespace=namespace,
+                    jobs=jobs, tmp_age=tmp_age, progress=progress)
+    return stats_from_inventory(inv)
+
+
+def stats_from_inventory(inv: Inventory) -> dict[str, Any]:
+    """Turn a walk into the stats dict (also used by fsck's JSON report)."""
+    namespaces = []
+    for nsd in inv.namespaces:
+        ns = nsd.namespace
+        groups: dict[int, dict[str, Any]] = {}
+
+        def group_entry(g: int, nsd: NamespaceDir = nsd, groups: dict[int, dict[str, Any]] = groups) -> dict[str, Any]:
+            spec = nsd.group(g)
+            return groups.setdefault(g, {
+                "group": g,
+                "kind": spec.kind.name.lower() if spec else None,
+                "layers": len(spec.layer_names) if spec else None,
+                "block_size": spec.block_size if spec else None,
+                "tokens_per_chunk": spec.tokens_per_chunk if spec else None,
+                "sliding_window": spec.sliding_window if spec else None,
+                "page_bytes": spec.layout.nbytes if spec else None,
+                "ranks": [], "files": 0, "bytes": 0, "tokens": 0, "_tally": GroupTally(),
+                "_from_headers": 0,
+            })
+
+        for g in range(len(ns.groups) if ns else 0):
+            group_entry(g)  # list every group of the manifest, even without pages
+        for (name, g, r), t in sorted(inv.tallies.items()):
+            if name != nsd.name:
+                continue
+            d = group_entry(g)
+            d["ranks"].append(r)
+            d["files"] += t.files
+            d["bytes"] += t.bytes
+            # Every rank stores its own slice of the same tokens: coverage is per rank.
+            d["tokens"] = max(d["tokens"], t.tokens)
+            d["_from_headers"] += t.tokens_from_headers
+            d["_tally"].merge(t)
+        glist = []
+        for g in sorted(groups):
+            d = groups[g]
+            tally: GroupTally = d.pop("_tally")
+            from_headers = d.pop("_from_headers")
+            d["tokens_source"] = "headers" if from_headers == d["files"] else ("estimate" if from_headers == 0 else "mixed")
+            d["oldest"], d["newest"] = _iso(tally.oldest), _iso(tally.newest)
+            glist.append(d)
+        all_t = GroupTally()
+        for (name, _g, _r), t in inv.tallies.items():
+            if name == nsd.name:
+                all_t.merge(t)
+        namespaces.append({
+            "namespace": nsd.name,
+            "path": str(nsd.path),
+            "manifest_error": nsd.error,
+            "model": ns.model if ns else None,
+            "revision": ns.revision if ns else None,
+            "dtype": ns.dtype if ns else None,
+            "hash_algo": ns.hash_algo if ns else None,
+            "layout_id": ns.layout_id if ns else None,
+            "format_version": ns.format_version if ns else None,
+            "parallel": ns.parallel.to_json() if ns else None,
+            "extra": dict(ns.extra) if ns else None,
+            "num_groups": len(ns.groups) if ns else None,
+            "files": all_t.files,
+            "bytes": all_t.bytes,
+            # The prefix length served is bounded by the least-covered group.
+            "tokens": min((d["tokens"] for d in glist), default=0),
+            "oldest": _iso(all_t.oldest),
+            "newest": _iso(all_t.newest),
+            "groups": glist,
+        })
+    counts: dict[str, int] = {}
+    for f in inv.findings:
+        counts[f.category] = counts.get(f.category, 0) + 1
+    return {
+        "root": str(inv.root),
+        "generated_at": _iso(time.time()),
+        "namespaces": namespaces,
+        "totals": {
+            "namespaces": len(namespaces),
+            "files": sum(n["files"] for n in namespaces),
+            "bytes": sum(n["bytes"] for n in namespaces),
+        },
+        "other": {"temps_active": inv.temps_active, **counts},
+    }
+
+
+def _table(rows: Iterable[list[str]], header: list[str]) -> str:
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """Human-readable rendering of ``collect_stats``'s dict."""
+    out = [f"root {stats['root']}: {stats['totals']['namespaces']} namespace(s), "
+           f"{stats['totals']['files']} pages, {_human_bytes(stats['totals']['bytes'])}"]
+    for n in stats["namespaces"]:
+        out.append("")
+        if n["manifest_error"]:
+            out.append(f"namespace {n['namespace']}  (manifest: {n['manifest_error']})")
+        else:
+            rev = f"@{n['revision']}" if n["revision"] else ""
+            par = ",".join(f"{k}={v}" for k, v in n["parallel"].items() if v != 1) or "single rank"
+            out.append(f"namespace {n['namespace']}  model {n['model']}{rev}  dtype {n['dtype']}  "
+                       f"hash {n['hash_algo']}  {par}")
+        rows = []
+        for g in n["groups"]:
+            rows.append([
+                f"g{g['group']}", str(g["kind"]), str(g["files"]), _human_bytes(g["bytes"]),
+                f"{g['tokens']}{'~' if g['tokens_source'] != 'headers' else ''}",
+                ",".join(map(str, g["ranks"])), g["oldest"] or "-", g["newest"] or "-",
+            ])
+        if rows:
+            out.append(_table(rows, ["group", "kind", "files", "bytes", "tokens", "ranks", "oldest", "newest"]))
+        else:
+            out.append("  (no pages)")
+    other = {k: v for k, v in stats["other"].items() if v}
+    if other:
+        out.append("")
+        out.append("other entries: " + ", ".join(f"{k}={v}" for k, v in sorted(other.items()))
+                   + ("  (run `tierstore fsck` for details)" if set(other) - {"temps_active"} else ""))
+    if any(g["tokens_source"] != "headers" for n in stats["namespaces"] for g in n["groups"]):
+        out.append("~ token coverage estimated as tokens_per_chunk x files")
+    return "\n".join(out)
+
+
+def format_listing(stats: dict[str, Any]) -> str:
+    """One line per namespace and group (``tierstore ls``)."""
+    rows = []
+    for n in stats["namespaces"]:
+        model = n["model"] or f"? ({n['manifest_error']})"
+        if not n["groups"]:
+            rows.append([n["namespace"], model, n["dtype"] or "-", "-", "-", "0", "0 B", "-"])
+        for g in n["groups"]:
+            rows.append([n["namespace"], model, n["dtype"] or "-", f"g{g['group']}", str(g["kind"]),
+                         str(g["files"]), _human_bytes(g["bytes"]), g["newest"] or "-"])
+    if not rows:
+        return f"no namespaces under {stats['root']}"
+    return _table(rows, ["namespace", "model", "dtype", "group", "kind", "files", "bytes", "newest"])

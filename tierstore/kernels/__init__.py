@@ -1,0 +1,80 @@
+"""Copies between vLLM's KV-cache views and canonical page buffers (one KV-cache group).
+
+``GroupCopier(sources, layout, blocks_per_page, concat_dims, backend)`` is the contract
+(docs in /tmp/contracts.md, docs/design/kernels.md): ``sources[i]`` is a strided view
+``[num_blocks, *block_shape]`` feeding ``layout.sections[i]``; the adapter expresses every
+physical layout (LBHNC, LBNHC, split K/V planes, kernel-block splits, transposed conv
+states) as such a view, so the canonical bytes never depend on it.
+
+Backends: ``"triton"`` (one stride-generic kernel family; compiled on CUDA, the interpreter
+on CPU when ``TRITON_INTERPRET=1`` was set before import), ``"torch"`` (reference.py; any
+device, the test oracle), ``"auto"`` = triton for CUDA sources, torch otherwise (and torch
+when the Triton path cannot take a view, with the reason in ``fallback_reason``).
+
+Threading: a copier may be used from several threads on disjoint pages/blocks; GPU copies
+are queued on the calling thread's current CUDA stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierstore.errors import ConfigError
+from tierstore.format import PageLayout
+from tierstore.kernels.reference import PagesArg, ReferenceCopier
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class GroupCopier:
+    """Gather KV blocks into canonical pages and scatter pages back, for one KV-cache group."""
+
+    def __init__(
+        self,
+        sources: Sequence[torch.Tensor],
+        layout: PageLayout,
+        blocks_per_page: int,
+        concat_dims: Sequence[int | None],
+        backend: str = "auto",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"kernel backend {backend!r} unknown; use one of {BACKENDS}")
+        self.layout = layout
+        self.blocks_per_page = blocks_per_page
+        self.fallback_reason: str | None = None
+        on_cuda = bool(sources) and sources[0].device.type == "cuda"
+        impl: ReferenceCopier | object
+        if backend == "torch" or (backend == "auto" and not on_cuda):
+            impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
+        else:
+            try:
+                from tierstore.kernels.triton_kernels import TritonCopier
+            except ImportError as exc:
+                if backend == "triton":
+                    raise ConfigError(f"kernel backend 'triton' needs the triton package: {exc}") from exc
+                self.fallback_reason = f"triton not importable: {exc}"
+                impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
+            else:
+                try:
+                    impl = TritonCopier(sources, layout, blocks_per_page, concat_dims)
+                except ValueError as exc:
+                    if backend == "triton" or isinstance(exc, ConfigError):
+                        raise
+                    self.fallback_reason = str(exc)
+                    impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
+        self._impl = impl
+        self.backend: str = impl.backend  # type: ignore[attr-defined]
+
+    def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
+        """Copy blocks ``block_ids`` [n_pages, blocks_per_page] into ``pages`` (uint8 [n_pages, nbytes]
+        or a list of n_pages 1-D uint8 buffers), each row a canonical page buffer."""
+        self._impl.gather(block_ids, pages)  # type: ignore[attr-defined]
+
+    def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
+        """Inverse of ``gather``: write each page's sections into its blocks."""
+        self._impl.scatter(pages, block_ids)  # type: ignore[attr-defined]
+
+
+__all__ = ["BACKENDS", "GroupCopier", "ReferenceCopier"]

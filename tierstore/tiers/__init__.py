@@ -1,0 +1,92 @@
+"""Tiers: host memory -> local disk -> shared export, and the factory the adapter calls.
+
+``open_group_store(config, namespace, group_index, rank=0, **engine_kwargs)`` returns an object
+with the ``IOEngine`` API (submit_load/submit_store/poll/wait/contains/flush/close,
+acquire_slot/release_slot, layout, mapper, stats) for one (namespace, KV-cache group, rank):
+
+- only ``root`` set (no ``local_root``, ``host_bytes`` 0): a plain ``IOEngine`` over ``root``;
+- otherwise a ``TierChain`` (see chain.py) over host memory (``host_bytes``), the local disk
+  (``local_root`` + ``local_max_bytes``) and ``root`` as the shared tier.
+
+Every chain of one process shares one ``HostTier`` (so ``host_bytes`` caps the whole process)
+and one ``LocalIndex`` per local root. With ``max_bytes`` and ``gc_interval_s`` set, one
+background gc thread per process keeps ``root`` under the cap (``tierstore.tiers.gc``).
+Threading: the factory is thread-safe.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from typing import Any
+
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine
+from tierstore.errors import ConfigError
+from tierstore.identity import Namespace
+from tierstore.metrics import MetricsRegistry, default_registry
+from tierstore.tiers.chain import TierChain
+from tierstore.tiers.host import HostTier
+from tierstore.tiers.local_index import LocalIndex
+
+__all__ = ["TierChain", "HostTier", "LocalIndex", "open_group_store", "close_shared_state"]
+
+_guard = threading.Lock()
+_hosts: dict[tuple[int, str], HostTier] = {}
+_indexes: dict[str, LocalIndex] = {}
+
+
+def _host_tier(config: TierStoreConfig, metrics: MetricsRegistry) -> HostTier | None:
+    if config.host_bytes <= 0:
+        return None
+    with _guard:
+        key = (id(metrics), config.root)
+        h = _hosts.get(key)
+        if h is None or h.cap_bytes != config.host_bytes:
+            h = _hosts[key] = HostTier(config.host_bytes, metrics.tier("host"))
+        return h
+
+
+def _local_index(config: TierStoreConfig) -> LocalIndex | None:
+    if not config.local_root:
+        return None
+    with _guard:
+        idx = _indexes.get(config.local_root)
+        if idx is None or idx.cap_bytes != config.local_max_bytes:
+            try:
+                idx = _indexes[config.local_root] = LocalIndex(config.local_root, config.local_max_bytes)
+            except (sqlite3.Error, OSError) as exc:
+                raise ConfigError(f"cannot open the local tier's index under {config.local_root}: {exc}; "
+                                  'free space there, fix its permissions, or unset "local_root"') from exc
+        return idx
+
+
+def open_group_store(
+    config: TierStoreConfig,
+    namespace: Namespace,
+    group_index: int,
+    rank: int = 0,
+    *,
+    metrics: MetricsRegistry | None = None,
+    **engine_kwargs: Any,
+) -> IOEngine | TierChain:
+    """The page store of one (namespace, group, rank): an IOEngine or a TierChain."""
+    if not config.local_root and config.host_bytes <= 0:
+        if config.gc_interval_s and config.max_bytes:
+            from tierstore.tiers.gc import GcDaemon
+
+            reg = metrics if metrics is not None else default_registry()
+            GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier("root"))
+        return IOEngine(config.root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
+    reg = metrics if metrics is not None else default_registry()
+    return TierChain(config, namespace, group_index, rank=rank, host=_host_tier(config, reg),
+                     local_index=_local_index(config), metrics=reg, **engine_kwargs)
+
+
+def close_shared_state() -> None:
+    """Close the process-wide local indexes and drop host tiers (tests, shutdown)."""
+    with _guard:
+        for idx in _indexes.values():
+            idx.close()
+        _indexes.clear()
+        _hosts.clear()

@@ -1,0 +1,271 @@
+"""TierStoreConnector: vLLM's OffloadingConnector with tierstore pages on disk.
+
+Configuration (the whole contract with the user)::
+
+    KVTransferConfig(kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"root": "/path/to/cache"})
+
+Every other ``kv_connector_extra_config`` key is a ``TierStoreConfig`` setting (validated,
+unknown keys rejected). The class keeps vLLM's offloading scheduler (hybrid hit planning: full
+attention prefix, sliding windows, Mamba align boundary states, minimum across groups) and
+replaces three things:
+
+1. the spec: ``TierStoreOffloadingSpec`` (lookups = file existence; worker = GroupCopier +
+   IOEngine per group), built here from vLLM's config with tierstore's chunking;
+2. load failures: vLLM's stock worker asserts that every transfer succeeded. Here a failed load
+   job is reported at request level in ``failed_recving`` (vLLM 0.32 refuses block-level
+   ``invalid_block_ids`` for multi-group models) and ``kv_load_failure_policy`` is forced to
+   "recompute", so the scheduler recomputes the request and never marks the blocks computed;
+   the failed keys travel back in the worker metadata so the retried lookup misses them;
+3. stores are submitted at the end of the step that computed them (``wait_for_save``), not at
+   the start of the next step, and the worker flushes its engines at shutdown: a request with
+   ``max_tokens=1`` followed by engine exit is stored.
+
+Threading: vLLM calls each role's methods from one thread (scheduler or worker).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+    OffloadPromMetrics,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+from vllm.v1.outputs import KVConnectorOutput
+
+from tierstore.config import TierStoreConfig
+from tierstore.identity import write_manifest
+from tierstore.vllm.manager import TierStoreManager
+from tierstore.vllm.namespace import build_namespace
+from tierstore.vllm.spec import TierStoreOffloadingSpec
+from tierstore.vllm.validation import validate_engine
+from tierstore.vllm.worker import TierStoreWorker
+
+logger = logging.getLogger("tierstore.vllm")
+
+STATS_PREFIX = "tierstore_"
+
+
+@dataclass
+class TierStoreWorkerMetadata(OffloadingWorkerMetadata):
+    """Completed jobs (vLLM's) plus the offload keys whose load failed, with the error kind."""
+
+    failed_keys: list[tuple[bytes, str]] = field(default_factory=list)
+
+    def aggregate(self, other: Any) -> Any:
+        merged = OffloadingWorkerMetadata.aggregate(self, other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        extra = list(self.failed_keys) + list(getattr(other, "failed_keys", []))
+        return TierStoreWorkerMetadata(merged.completed_jobs, merged.transfer_stats, extra)
+
+
+def _shutdown_ref(ref: weakref.ReferenceType[TierStoreWorker]) -> None:
+    worker = ref()
+    if worker is not None:
+        worker.shutdown()
+
+
+class TierStoreConnectorWorker(OffloadingConnectorWorker):
+    """vLLM's connector worker with failure-tolerant completion and immediate stores."""
+
+    spec: TierStoreOffloadingSpec
+
+    def __init__(self, spec: TierStoreOffloadingSpec, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        super().__init__(spec, vllm_config, kv_cache_config)
+        self._failed_recving: set[str] = set()
+        self._failed_keys: list[tuple[bytes, str]] = []
+        self._reported: Counter[str] = Counter()
+
+    @property
+    def ts_worker(self) -> TierStoreWorker:
+        assert isinstance(self.worker, TierStoreWorker), "register_kv_caches has not run yet"
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker = self.spec.build_worker(kv_caches)
+        atexit.register(_shutdown_ref, weakref.ref(self.worker))
+
+    def prepare_store_kv(self, metadata: OffloadingConnectorMetadata) -> None:
+        # Submit now (the blocks are gathered into staging at once), not at the next step's
+        # start: a step that never comes (engine exit) would lose them.
+        for job_id, entry in metadata.store_jobs.items():
+            if not self._is_store_writer:
+                self._connector_worker_meta.mark_completed(job_id)
+                continue
+            assert isinstance(entry.src_spec, GPULoadStoreSpec)
+            self.ts_worker.submit_store(job_id, entry.src_spec, entry.dst_spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        finished_recving: set[str] = set()
+        worker = self.ts_worker
+        for result in worker.get_finished():
+            job_id = result.job_id
+            is_load = job_id in self._load_jobs
+            if result.transfer_time is not None and result.transfer_size is not None and result.success:
+                stats = self._connector_worker_meta.transfer_stats
+                (stats.load if is_load else stats.store).record(result.transfer_size, result.transfer_time)
+            self._connector_worker_meta.mark_completed(job_id)
+            req_id = self._load_jobs.pop(job_id, None)
+            if req_id is not None:
+                finished_recving.add(req_id)
+                if not result.success:
+                    self._failed_recving.add(req_id)
+                    logger.warning("tierstore: request %s: KV load failed, its prompt is recomputed", req_id)
+        for _job, vllm_group, key, kind in worker.failed_loads:
+            self._failed_keys.append((bytes(make_offload_key(key, vllm_group)), kind))
+        worker.failed_loads.clear()
+        return set(), finished_recving
+
+    def take_failed_recving(self) -> set[str]:
+        out, self._failed_recving = self._failed_recving, set()
+        return out
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        if not self._failed_keys:
+            return meta
+        failed, self._failed_keys = self._failed_keys, []
+        if meta is None:
+            return TierStoreWorkerMetadata(failed_keys=failed)
+        return TierStoreWorkerMetadata(meta.completed_jobs, meta.transfer_stats, failed)
+
+    def stats_delta(self) -> Counter[str]:
+        """Worker counters since the last call."""
+        now = Counter(self.ts_worker.counters) if isinstance(self.worker, TierStoreWorker) else Counter()
+        delta = now - self._reported
+        self._reported = now
+        return delta
+
+
+class _TierStorePromMetrics(OffloadPromMetrics):
+    """vLLM's offloading Prometheus metrics; tierstore's own counters are not exported yet."""
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = {k: v for k, v in transfer_stats_data.get("data", {}).items() if k in self._offloading_metric_defs}
+        types = transfer_stats_data.get("types", {})
+        super().observe({"types": types, "data": data}, engine_idx)
+
+
+class TierStoreConnector(OffloadingConnector):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        kv_transfer_config = vllm_config.kv_transfer_config
+        assert kv_transfer_config is not None
+        self.ts_config = TierStoreConfig.from_dict(dict(kv_transfer_config.kv_connector_extra_config or {}))
+        chunk_tokens = validate_engine(vllm_config, kv_cache_config, self.ts_config)
+        base = build_offloading_config(vllm_config, kv_cache_config)
+        block = max(g.tokens_per_block for g in base.groups)
+        offloading_config = dataclasses.replace(
+            base,
+            cache=dataclasses.replace(base.cache, blocks_per_chunk=chunk_tokens // block),
+            extra_config={"offload_prompt_only": True},
+        )
+        self.namespace = build_namespace(vllm_config, kv_cache_config, offloading_config, self.ts_config)
+        spec = TierStoreOffloadingSpec(offloading_config, self.ts_config, self.namespace, vllm_config, kv_cache_config)
+        self.spec = spec
+        self._canonical_layout = False
+        self.connector_scheduler: OffloadingConnectorScheduler | None = None
+        self.connector_worker: OffloadingConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if kv_transfer_config.kv_load_failure_policy != "recompute":
+                # A page that fails to load must cost a recompute, never a failed request.
+                logger.info("tierstore: setting kv_load_failure_policy='recompute' (was %r)",
+                            kv_transfer_config.kv_load_failure_policy)
+                kv_transfer_config.kv_load_failure_policy = "recompute"
+            write_manifest(self.ts_config.root, self.namespace)
+            self.connector_scheduler = OffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
+            self._reported_sched: Counter[str] = Counter()
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = TierStoreConnectorWorker(spec, vllm_config, kv_cache_config)
+        logger.info("tierstore: %s side, namespace %s under %s, %d groups, %d tokens per page",
+                    role.name.lower(), self.namespace.digest, self.ts_config.root,
+                    len(self.namespace.groups), chunk_tokens)
+
+    # ------------------------------------------------------------ worker side
+    @property
+    def ts_worker(self) -> TierStoreConnectorWorker:
+        assert isinstance(self.connector_worker, TierStoreConnectorWorker)
+        return self.connector_worker
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished_sending, finished_recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(finished_sending or ()),
+            finished_recving=set(finished_recving or ()),
+            failed_recving=self.ts_worker.take_failed_recving(),
+        )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every store submitted so far is on disk (worker side)."""
+        w = self.ts_worker.worker
+        return w.flush(self.ts_config.flush_timeout_s if timeout is None else timeout) if isinstance(w, TierStoreWorker) else True
+
+    # ------------------------------------------------------------ scheduler side
+    @property
+    def ts_manager(self) -> TierStoreManager:
+        manager = self.scheduler.manager
+        assert isinstance(manager, TierStoreManager)
+        return manager
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, TierStoreWorkerMetadata) and meta.failed_keys:
+            for key, kind in meta.failed_keys:
+                self.ts_manager.mark_failed(key, kind)  # type: ignore[arg-type]
+        super().update_connector_output(connector_output)
+
+    # ------------------------------------------------------------ stats
+    def tierstore_stats(self) -> dict[str, Any]:
+        """Counters of this side (scheduler: lookups/hits; worker: pages, bytes, failures by kind)."""
+        if self.connector_scheduler is not None:
+            return dict(self.ts_manager.counters)
+        w = self.ts_worker.worker
+        if isinstance(w, TierStoreWorker):
+            return {**w.counters, "engines": w.engine_stats()}
+        return {}
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = super().get_kv_connector_stats()
+        if self.connector_scheduler is not None:
+            now = Counter(self.ts_manager.counters)
+            delta = now - self._reported_sched
+            self._reported_sched = now
+        else:
+            delta = self.ts_worker.stats_delta()
+        if not delta:
+            return stats
+        out = stats if isinstance(stats, OffloadingConnectorStats) else OffloadingConnectorStats()
+        for name, value in delta.items():
+            metric, _, kind = name.partition(":")
+            out.increase_counter(STATS_PREFIX + metric, value, (kind,) if kind else ())
+        return out
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        return _TierStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,150 @@
+"""TierStoreOffloadingSpec: ties the scheduler-side manager and the worker-side copier/engines.
+
+The spec is built by ``TierStoreConnector`` (not through vLLM's spec factory) from vLLM's
+``OffloadingConfig`` (groups, chunking, parallel layout) plus the tierstore config and
+Namespace. ``get_manager`` (scheduler process) needs only paths; ``build_worker`` (worker
+process) turns vLLM's registered per-layer KV tensors into strided views in canonical order
+(``tierstore.kernels.views``) and starts one ``IOEngine`` per group.
+
+Physical layouts handled: vLLM's logical attention view ``[nb, H, N, 2*D]`` with K|V packed
+per token (CUDA backends), the CPU backend's reading of the same bytes as K and V planes per
+head (``[H, 2, N, D]`` inside a block), kernel-block splits (``kernel_ratio``) and Mamba/GDN raw
+pages (states packed from byte 0; the conv state transposed to ``(dim, state_len)``).
+
+Threading: construction only; the objects it returns document their own rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine
+from tierstore.errors import ConfigError
+from tierstore.format import GroupKind
+from tierstore.identity import Namespace
+from tierstore.kernels import GroupCopier
+from tierstore.kernels.views import attention_view, mamba_state_views
+from tierstore.mapper import FileMapper
+from tierstore.vllm.manager import TierStoreManager
+from tierstore.vllm.namespace import mamba_states, representative_spec
+from tierstore.vllm.worker import TierStoreWorker, WorkerGroup
+
+logger = logging.getLogger("tierstore.vllm")
+
+# Attention backends that read a block's bytes as K and V planes per head ([H, 2, N, D])
+# instead of vLLM's logical [H, N, 2*D] with K|V packed per token.
+KV_PLANE_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+def kv_planes_view(cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """``[nb, H, N, 2*D]`` read as K/V planes per head -> ``[nb, H, N, 2, D]``."""
+    nb, heads, n, c = cache.shape
+    if c != 2 * head_size or cache.stride(-1) != 1 or cache.stride(2) != c:
+        raise ConfigError(f"unexpected CPU attention cache view {tuple(cache.shape)} strides {cache.stride()}")
+    s0, s1 = cache.stride(0), cache.stride(1)
+    return cache.as_strided((nb, heads, n, 2, head_size), (s0, s1, head_size, n * head_size, 1))
+
+
+def attention_backend_name(vllm_config: Any, layer_name: str) -> str:
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    layer = ctx.get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    if backend is None and layer is not None and hasattr(layer, "get_attn_backend"):
+        backend = layer.get_attn_backend()
+    try:
+        return str(backend.get_name()) if backend is not None else ""
+    except Exception:  # noqa: BLE001 - a backend without a name: treat as the standard layout
+        return ""
+
+
+class TierStoreOffloadingSpec(OffloadingSpec):
+    def __init__(self, config: OffloadingConfig, ts_config: TierStoreConfig, namespace: Namespace,
+                 vllm_config: Any, kv_cache_config: Any) -> None:
+        super().__init__(config)
+        self.ts_config = ts_config
+        self.namespace = namespace
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        # vLLM group id -> tierstore group index (the order of the offloaded groups)
+        self.group_of = {g.group_id: i for i, g in enumerate(config.groups)}
+        self.rank = config.parallel.rank
+        self._manager: TierStoreManager | None = None
+        self._worker: TierStoreWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            mappers = [FileMapper(self.ts_config.root, self.namespace.digest, i, self.rank)
+                       for i in range(len(self.namespace.groups))]
+            self._manager = TierStoreManager(mappers, self.group_of,
+                                             [g.tokens_per_chunk for g in self.namespace.groups])
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        raise NotImplementedError("TierStoreConnector builds its worker from the raw per-layer caches (build_worker)")
+
+    def build_worker(self, kv_caches: dict[str, torch.Tensor]) -> TierStoreWorker:
+        """The worker for this rank, from vLLM's registered per-layer KV tensors."""
+        if self._worker is not None:
+            return self._worker
+        num_blocks = self.kv_cache_config.num_blocks
+        groups = []
+        for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True)):
+            sources: list[torch.Tensor] = []
+            concat: list[int | None] = []
+            ratio = 1
+            vspec = self.kv_cache_config.kv_cache_groups[gcfg.group_id].kv_cache_spec
+            if gspec.kind == GroupKind.MAMBA:
+                states = mamba_states(representative_spec(vspec))
+                for layer in gspec.layer_names:
+                    cache = kv_caches[layer]
+                    raw = cache.reshape(cache.shape[0], -1) if cache.dim() > 2 else cache
+                    if raw.shape[0] != num_blocks:
+                        raise ConfigError(f"Mamba cache of {layer} has {raw.shape[0]} blocks, expected {num_blocks}")
+                    sources += mamba_state_views(
+                        raw, list(zip(states.names, states.canonical_shapes, states.dtypes, strict=True)),
+                        conv_state=states.conv_state, conv_layout=states.engine_conv_layout,
+                    )
+                    concat += [None] * len(states.names)
+                bpp = 1
+            else:
+                head_size = gspec.layout.sections[0].shape[3]
+                for layer in gspec.layer_names:
+                    cache = kv_caches[layer]
+                    if cache.dim() != 4 or cache.shape[0] % num_blocks:
+                        raise ConfigError(f"unexpected KV cache view for {layer}: {tuple(cache.shape)}")
+                    ratio = cache.shape[0] // num_blocks
+                    if attention_backend_name(self.vllm_config, layer) in KV_PLANE_BACKENDS:
+                        sources.append(kv_planes_view(cache, head_size))
+                    else:
+                        sources.append(attention_view(cache, head_size))
+                    concat.append(1)
+                bpp = self.blocks_per_chunk * ratio
+            device = sources[0].device
+            copier = GroupCopier(sources, gspec.layout, bpp, concat)
+            engine = IOEngine(
+                self.ts_config.root, self.namespace, i, rank=self.rank, config=self.ts_config,
+                staging_slots=max(16, 4 * self.ts_config.io_threads + 8),
+                pin=device.type == "cuda",
+            )
+            logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s, copier=%s, io=%s",
+                        i, gspec.kind.name.lower(), len(gspec.layer_names), gspec.layout.nbytes,
+                        engine.mapper.base, copier.backend, engine.stats.get("io_mode"))
+            groups.append(WorkerGroup(
+                index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
+                blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
+                kernel_ratio=ratio, device=device,
+            ))
+        slot_timeout = self.ts_config.deadline_ms / 1000.0
+        self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s, slot_timeout)
+        return self._worker

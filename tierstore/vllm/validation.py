@@ -1,0 +1,103 @@
+"""Startup checks of a vLLM engine configured with TierStoreConnector.
+
+``validate_engine`` raises ``ConfigError`` (naming the setting and what to do) for setups that
+cannot work, logs warnings for setups that work badly, and returns the chunk size in tokens.
+It runs in every process that builds the connector, before anything touches the disk.
+
+Checks:
+- a Mamba/GDN hybrid needs prefix caching in "align" mode (states exist only at block ends);
+- ``chunk_tokens`` must be a multiple of the unified block size N (every group's block);
+- ``max_num_batched_tokens`` outside [N, 2N) is warned about for Mamba hybrids: align mode
+  materialises a state only at the end of a scheduler step that ends on a block boundary, so a
+  budget >= 2N skips boundary states (fewer restorable points) and one < N cannot finish a
+  block per step; 2N-1 keeps one full block of prefill per step and leaves N-1 tokens of
+  budget for the decodes of other requests in the same step;
+- an xxhash-family block hash without PYTHONHASHSEED hashes differently in every process: a
+  warning (nothing stored can ever be hit again) and a namespace marker (``hash_seed``).
+
+No threading concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tierstore.config import TierStoreConfig
+from tierstore.errors import ConfigError
+from tierstore.vllm.namespace import hash_seed_marker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("tierstore.vllm")
+
+
+def offloaded_block_sizes(kv_cache_config: KVCacheConfig) -> dict[int, int]:
+    """vLLM group id -> tokens per block, for the groups vLLM's offloading would store."""
+    ids = kv_cache_config.prefix_cacheable_group_ids
+    return {gid: kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size for gid in ids}
+
+
+def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: TierStoreConfig) -> int:
+    """Check the engine setup; returns tokens per stored chunk."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    cache = vllm_config.cache_config
+    groups = kv_cache_config.kv_cache_groups
+    mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    for g in mamba:
+        mode = getattr(g.kv_cache_spec, "mamba_cache_mode", "none")
+        if mode != "align" or not cache.enable_prefix_caching:
+            raise ConfigError(
+                "TierStoreConnector needs prefix caching in 'align' mode for Mamba/GDN hybrid "
+                f"models (found mamba_cache_mode={mode!r}, enable_prefix_caching="
+                f"{cache.enable_prefix_caching}): start vLLM with --enable-prefix-caching "
+                "(it selects mamba_cache_mode='align'), or remove the kv_transfer_config"
+            )
+    if not cache.enable_prefix_caching:
+        logger.warning(
+            "tierstore: prefix caching is off (--enable-prefix-caching not set); pages are "
+            "still stored and restored, but vLLM will not reuse restored blocks between requests"
+        )
+    sizes = offloaded_block_sizes(kv_cache_config)
+    if not sizes:
+        raise ConfigError("TierStoreConnector found no prefix-cacheable KV-cache group to store")
+    distinct = sorted(set(sizes.values()))
+    unified = max(distinct)
+    chunk = cfg.chunk_tokens if cfg.chunk_tokens is not None else unified
+    if len(distinct) > 1 and cfg.chunk_tokens is not None:
+        raise ConfigError(
+            f'setting "chunk_tokens" needs every KV-cache group to use one block size; this '
+            f"model's groups use {distinct}: remove \"chunk_tokens\" (one block per page)"
+        )
+    if chunk % unified:
+        raise ConfigError(
+            f'setting "chunk_tokens" ({chunk}) must be a multiple of the engine\'s unified KV '
+            f"block size N={unified} tokens: use {((chunk + unified - 1) // unified) * unified} "
+            'or remove "chunk_tokens" (default: one block per page)'
+        )
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    if mamba and not unified <= budget < 2 * unified:
+        logger.warning(
+            "tierstore: max_num_batched_tokens=%d is outside [N, 2N) = [%d, %d) for this Mamba "
+            "hybrid: align-mode states exist only where a scheduler step ends on a block "
+            "boundary, so %s. Set --max-num-batched-tokens %d (2N-1: one full block of prefill "
+            "per step plus N-1 tokens for other requests' decodes).",
+            budget, unified, 2 * unified,
+            "some block boundaries get no stored state (shorter restores)" if budget >= 2 * unified
+            else "a step cannot finish a block",
+            2 * unified - 1,
+        )
+    algo = str(cache.prefix_caching_hash_algo)
+    stable, _ = hash_seed_marker(algo)
+    if not stable:
+        logger.warning(
+            "tierstore: prefix_caching_hash_algo=%r without PYTHONHASHSEED hashes blocks with a "
+            "random seed in every process, so pages stored now can never be hit after a restart "
+            "or on another node. Set PYTHONHASHSEED to the same value everywhere, or use "
+            "--prefix-caching-hash-algo sha256_cbor. The namespace is marked unstable.",
+            algo,
+        )
+    return chunk

@@ -1,0 +1,252 @@
+"""Worker side of the tierstore offloading spec: KV blocks <-> canonical page files.
+
+``TierStoreWorker`` implements vLLM's ``OffloadingWorker`` for one worker (rank). Per offloaded
+KV-cache group it holds a ``GroupCopier`` (vLLM's per-layer tensors, expressed as strided views,
+to canonical pages: ``tierstore.kernels``) and an ``IOEngine`` (pages to files and back:
+``tierstore.engine``).
+
+- Stores: ``submit_store`` gathers the blocks into the engine's staging slots at once (so the
+  blocks may be reused as soon as it returns; ``wait`` has nothing to wait for) and queues the
+  writes. A store that cannot get a slot or fails on disk is counted and dropped: a missing
+  page is only a future miss.
+- Loads: ``submit_load`` queues one read per page; ``get_finished`` scatters each verified page
+  into its blocks as it arrives. A job with any failed page (missing, truncated, corrupt,
+  foreign, timed out, ...) completes with ``success=False``; the connector then reports the
+  request in ``failed_recving`` and vLLM recomputes it (the blocks are never marked computed),
+  and the failed keys go back to the scheduler so the retried lookup misses them.
+- ``shutdown`` waits up to ``flush_timeout_s`` for queued stores, then closes the engines.
+
+Threading: every method runs on the vLLM worker thread; the engines' I/O threads never touch
+vLLM tensors (they read and write staging slots only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from tierstore.engine import IOEngine, IOResult
+from tierstore.kernels import GroupCopier
+from tierstore.vllm.manager import TierStoreFileSpec
+
+logger = logging.getLogger("tierstore.vllm")
+
+
+@dataclass
+class WorkerGroup:
+    """One offloaded KV-cache group as the worker sees it."""
+
+    index: int  # tierstore group index (position among offloaded groups)
+    vllm_group_id: int
+    copier: GroupCopier
+    engine: IOEngine
+    blocks_per_chunk: int  # scheduler blocks per page (1 for Mamba)
+    kernel_ratio: int  # kernel blocks per scheduler block
+    device: torch.device
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_load: bool
+    started: float
+    pending: set[tuple[int, int]] = field(default_factory=set)  # (group index, engine job id)
+    failed: list[tuple[int, bytes, str]] = field(default_factory=list)  # (group, key, kind)
+    nbytes: int = 0
+
+
+class TierStoreWorker(OffloadingWorker):
+    def __init__(self, groups: list[WorkerGroup], flush_timeout_s: float, slot_timeout_s: float) -> None:
+        self.groups = groups
+        self.flush_timeout_s = flush_timeout_s
+        self.slot_timeout_s = slot_timeout_s
+        self._jobs: dict[int, _Job] = {}
+        self._by_engine_job: dict[tuple[int, int], tuple[int, torch.Tensor | None]] = {}
+        self._finished: list[TransferResult] = []
+        self.failed_loads: list[tuple[int, int, bytes, str]] = []  # (job, vLLM group, key, kind)
+        self.counters: Counter[str] = Counter()
+        self._closed = False
+
+    # ------------------------------------------------------------ helpers
+    def _kernel_rows(self, g: WorkerGroup, block_ids: list[int], pages: int) -> torch.Tensor:
+        """Kernel block ids [pages, blocks_per_page] of ``pages`` pages, in token order."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if g.kernel_ratio > 1:
+            ids = (ids[:, None] * g.kernel_ratio + torch.arange(g.kernel_ratio)).reshape(-1)
+        return ids.reshape(pages, -1).to(g.device)
+
+    def _split(self, spec: GPULoadStoreSpec) -> list[tuple[list[int], int]]:
+        """Per group (block ids, logical index of the first block)."""
+        out, pos = [], 0
+        ids = spec.block_ids.tolist()
+        for n, first in zip(spec.group_sizes, spec.block_indices, strict=True):
+            out.append((ids[pos : pos + n], int(first)))
+            pos += n
+        return out
+
+    def _pages_by_group(self, spec: TierStoreFileSpec) -> dict[int, list[tuple[bytes, int]]]:
+        by: dict[int, list[tuple[bytes, int]]] = {}
+        for g, key, tokens in zip(spec.groups, spec.keys, spec.token_counts, strict=True):
+            by.setdefault(g, []).append((key, tokens))
+        return by
+
+    def _sync(self, g: WorkerGroup) -> None:
+        if g.device.type == "cuda":
+            torch.cuda.current_stream(g.device).synchronize()
+
+    def _fail(self, job: _Job, group: int, key: bytes, kind: str, message: str) -> None:
+        job.failed.append((group, key, kind))
+        op = "load" if job.is_load else "store"
+        self.counters[f"{op}_failed:{kind}"] += 1
+        logger.warning("tierstore: %s of page %s.. (group %d) failed: %s%s", op, key.hex()[:16], group, message,
+                       "; the request's tokens are recomputed" if job.is_load else "")
+
+    # ------------------------------------------------------------ stores
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, TierStoreFileSpec)
+        job = _Job(job_id, False, time.perf_counter())
+        self._jobs[job_id] = job
+        pages = self._pages_by_group(dst_spec)
+        for g, (block_ids, _first) in zip(self.groups, self._split(src_spec), strict=True):
+            todo = pages.get(g.index, [])
+            if not todo:
+                continue
+            if len(block_ids) != len(todo) * g.blocks_per_chunk:
+                for key, _ in todo:
+                    self._fail(job, g.index, key, "layout",
+                               f"{len(block_ids)} blocks for {len(todo)} pages of {g.blocks_per_chunk} blocks")
+                continue
+            slots = []
+            for key, _ in todo:
+                slot = g.engine.acquire_slot(timeout=self.slot_timeout_s)
+                if slot is None:
+                    self._fail(job, g.index, key, "no_slot", "no free staging slot (stores are slower than the engine)")
+                    break
+                slots.append(slot)
+            if not slots:
+                continue
+            rows = self._kernel_rows(g, block_ids[: len(slots) * g.blocks_per_chunk], len(slots))
+            g.copier.gather(rows, [s.tensor for s in slots])
+            self._sync(g)
+            for (key, tokens), slot in zip(todo, slots, strict=False):
+                eid = g.engine.submit_store(key, slot, tokens)
+                job.pending.add((g.index, eid))
+                self._by_engine_job[(g.index, eid)] = (job_id, None)
+        self._maybe_finish(job)
+        return True
+
+    # ------------------------------------------------------------ loads
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, TierStoreFileSpec)
+        job = _Job(job_id, True, time.perf_counter())
+        self._jobs[job_id] = job
+        pages = self._pages_by_group(src_spec)
+        for g, (block_ids, first) in zip(self.groups, self._split(dst_spec), strict=True):
+            todo = pages.get(g.index, [])
+            if not todo and not block_ids:
+                continue
+            bpc = g.blocks_per_chunk
+            if first % bpc or len(block_ids) != len(todo) * bpc:
+                # A window that starts inside a page: not supported yet, recompute instead.
+                for key, _ in todo or [(b"?", 0)]:
+                    self._fail(job, g.index, key, "partial_chunk",
+                               f"{len(block_ids)} blocks from logical block {first} for {len(todo)} pages of {bpc}")
+                continue
+            rows = self._kernel_rows(g, block_ids, len(todo))
+            for (key, _), row in zip(todo, rows, strict=True):
+                eid = g.engine.submit_load(key)
+                job.pending.add((g.index, eid))
+                self._by_engine_job[(g.index, eid)] = (job_id, row[None, :])
+        self._maybe_finish(job)
+        return True
+
+    # ------------------------------------------------------------ completion
+    def _on_result(self, g: WorkerGroup, res: IOResult) -> None:
+        entry = self._by_engine_job.pop((g.index, res.job_id), None)
+        if entry is None:
+            if res.slot is not None:
+                g.engine.release_slot(res.slot)
+            return
+        job_id, rows = entry
+        job = self._jobs[job_id]
+        job.pending.discard((g.index, res.job_id))
+        if res.op == "load":
+            if res.ok and res.slot is not None:
+                try:
+                    if not job.failed:  # the job is lost anyway: skip the copy
+                        assert rows is not None
+                        g.copier.scatter([res.slot.tensor], rows)
+                        self._sync(g)
+                    job.nbytes += res.nbytes
+                    self.counters["load_pages_ok"] += 1
+                    self.counters["load_bytes"] += res.nbytes
+                finally:
+                    g.engine.release_slot(res.slot)
+            else:
+                err = res.error
+                self._fail(job, g.index, res.key, err.kind if err else "error", str(err))
+        else:
+            if res.ok:
+                self.counters["store_pages_ok" if res.stored else "store_pages_existing"] += 1
+                self.counters["store_bytes"] += res.nbytes if res.stored else 0
+                job.nbytes += res.nbytes
+            else:
+                err = res.error
+                self._fail(job, g.index, res.key, err.kind if err else "error", str(err))
+        self._maybe_finish(job)
+
+    def _maybe_finish(self, job: _Job) -> None:
+        if job.pending:
+            return
+        del self._jobs[job.job_id]
+        ok = not job.failed
+        if job.is_load:
+            self.counters["load_jobs_ok" if ok else "load_jobs_failed"] += 1
+            for group, key, kind in job.failed:
+                self.failed_loads.append((job.job_id, self.groups[group].vllm_group_id, key, kind))
+        self._finished.append(TransferResult(job.job_id, ok, job.nbytes, time.perf_counter() - job.started))
+
+    def get_finished(self) -> list[TransferResult]:
+        for g in self.groups:
+            for res in g.engine.poll():
+                self._on_result(g, res)
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        # Stores gathered their blocks when submitted; nothing reads vLLM's blocks later.
+        return
+
+    def engine_stats(self) -> dict[str, Any]:
+        return {f"g{g.index}": g.engine.stats for g in self.groups}
+
+    def flush(self, timeout: float | None) -> bool:
+        """Wait until every queued store has reached the disk (or failed)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        done = True
+        for g in self.groups:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            done = g.engine.flush(left) and done
+        return done
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        t0 = time.monotonic()
+        if not self.flush(self.flush_timeout_s):
+            logger.warning("tierstore: stores still queued after flush_timeout_s=%.1f s are dropped",
+                           self.flush_timeout_s)
+        for g in self.groups:
+            g.engine.close(max(0.0, self.flush_timeout_s - (time.monotonic() - t0)))
