@@ -84,7 +84,7 @@ WRITER = textwrap.dedent(
         os.read(r, 1)
         startup.append(time.monotonic() - t_ready)
         os.close(r)
-        delay = rng.uniform(0.01, 0.25)
+        delay = rng.uniform(0.01, 0.15)
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)

@@ -377,7 +377,9 @@ def test_slot_misuse_is_a_programming_error(root: Path) -> None:
         b.submit_store(page_key(0), slot, 16)
     a.release_slot(slot)
     with pytest.raises(ValueError):
-        a.release_slot(slot)
+        a.release_slot(slot)  # released twice
+    with pytest.raises(ValueError):
+        a.submit_store(page_key(0), slot, 16)  # a free slot is not the caller's to submit
     with pytest.raises(ValueError):
         a.submit_load(b"")
     a.close()

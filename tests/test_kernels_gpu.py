@@ -170,10 +170,16 @@ def test_transfer_rejects_batch_over_scratch_and_defers_when_full() -> None:
     slots = [torch.empty(case.layout.nbytes, dtype=torch.uint8).pin_memory() for _ in range(3)]
     with pytest.raises(ValueError, match="exceeds the transfer scratch"):
         transfer.start_store(torch.zeros(5, 1, dtype=torch.int64), [slots[0]] * 5)
-    torch.cuda._sleep(100_000_000)
+    warm = transfer.start_store(ids, slots)  # compiles the kernel
+    transfer.wait()
+    assert transfer.poll() == [] and warm.done()  # wait() already handed it back
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time ahead of the store
     first = transfer.start_store(ids, slots)
-    assert first is not None
+    assert first is not None and not first.done()
     assert transfer.start_store(ids[:2], slots[:2]) is None  # 3 of 4 rows held, 2 asked
+    assert transfer.poll() == []  # nothing finished; a refused start hands nothing back
     transfer.wait()
-    assert transfer.start_store(ids[:2], slots[:2]) is not None
-    transfer.wait()
+    second = transfer.start_store(ids[:2], slots[:2])
+    assert second is not None
+    second.synchronize()
+    assert transfer.poll() == [second]

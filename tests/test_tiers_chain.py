@@ -13,7 +13,7 @@ from tiers_helpers import expected, key, load, store
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine
 from tierstore.errors import ConfigError, PageTimeout
-from tierstore.metrics import Histogram, MetricsRegistry
+from tierstore.metrics import Histogram, MetricsRegistry, default_registry
 from tierstore.testing.pages import simple_namespace
 from tierstore.tiers import TierChain, close_shared_state, open_group_store
 from tierstore.tiers.deadline import DeadlineRunner
@@ -107,3 +107,40 @@ def test_histogram_and_config_errors(tmp_path: Path) -> None:
     assert d["count"] == 4 and d["buckets"]["+Inf"] == 4 and h.quantile(0.5) == 0.0025
     with pytest.raises(ConfigError, match="gc_interval_s"):
         TierStoreConfig.from_dict({"root": str(tmp_path), "gc_interval_s": 5})
+
+
+def test_host_and_shared_without_local(tmp_path: Path) -> None:
+    reg = MetricsRegistry()
+    st = open_group_store(TierStoreConfig(root=str(tmp_path / "shared"), host_bytes=1 << 20), NS, 0, metrics=reg)
+    try:
+        assert isinstance(st, TierChain) and st.local is None
+        assert store(st, key(1)).ok
+        assert load(st, key(1))[2] == expected(st, key(1))
+        assert reg.tier("host").get("hits") == 1 and reg.tier("shared").get("stores") == 1
+    finally:
+        st.close()
+        close_shared_state()
+
+
+def test_background_gc_keeps_root_under_cap(tmp_path: Path) -> None:
+    from tierstore.tiers.chain import page_file_size
+    from tierstore.tiers.gc import GcDaemon
+
+    page = page_file_size(NS, 0)
+    cap = 6 * page + 4096  # six pages and the manifest
+    st = open_group_store(TierStoreConfig(root=str(tmp_path), max_bytes=cap, gc_interval_s=0.2), NS, 0)
+    try:
+        for i in range(20):
+            assert store(st, key(i)).ok
+        stored_at = time.time()
+        daemon = GcDaemon.ensure(str(tmp_path), cap, 0.2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (daemon.last and daemon.last.started > stored_at):
+            time.sleep(0.1)
+        assert daemon.last is not None and daemon.last.started > stored_at
+        assert default_registry().tier("root").get("evictions") > 0  # the daemon reports its evictions
+        pages = list(tmp_path.rglob("*.kvp"))
+        assert len(pages) * page <= cap
+    finally:
+        st.close()
+        GcDaemon.ensure(str(tmp_path), cap, 0.2).stop()

@@ -88,7 +88,8 @@ def test_scratch_ring_reserves_frees_in_order_and_wraps() -> None:
     d, _ = start(1)
     assert d.rows == [(2, 3)]
     ev_b.fired = True
-    assert t.poll() == [b]  # c is not done, so d (newer) stays held even when done
+    assert t.poll() == [a, b]  # a retired inside _reserve is still handed back, once
+    assert t.poll() == []  # c is not done, so d (newer) stays held
     assert t.in_flight == 2
     ev_c.fired = True
     assert t._reserve(6) is None  # c freed; d holds row 2: free = [3, 8) + [0, 2)

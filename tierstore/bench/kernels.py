@@ -26,6 +26,7 @@ Threading: the benchmark drives its own threads; nothing here is used by the lib
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -44,6 +45,11 @@ from typing import Any
 import torch
 
 GB = 1e9
+STALL_S = 60.0  # a pipeline with no progress for this long is a bug: raise, with its state
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- model shapes
@@ -321,7 +327,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
         out["slots_pinned"] = engine.pinned
         # ---- store: cache -> scratch -> pinned slot -> file
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = last = time.perf_counter()
         next_page = 0
         waiting: list[tuple[Any, int]] = []  # (handle, first page)
         stored = failed = 0
@@ -351,7 +357,12 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                     failed += 1
                     out.setdefault("store_errors", str(r.error))
                 progressed = True
-            if not progressed:
+            if progressed:
+                last = time.perf_counter()
+            elif time.perf_counter() - last > STALL_S:
+                raise RuntimeError(f"store pipeline stalled: {stored} stored, {failed} failed, next page {next_page}, "
+                                   f"{len(waiting)} transfers waiting, engine {engine.stats}")
+            else:
                 time.sleep(0.0001)
         out["store_s"] = time.perf_counter() - t0
         out["store_gbps"] = round(total / out["store_s"] / GB, 2)
@@ -360,7 +371,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
         # ---- load: file -> slot -> scratch -> scatter (warm, then cold)
         def load_all() -> float:
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = last = time.perf_counter()
             submitted = 0
             ready: list[tuple[Any, int]] = []  # (slot, page)
             started: list[Any] = []
@@ -396,16 +407,38 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                         still.append(h)
                 started = still
                 transfer.poll()
-                if not progressed:
+                if progressed:
+                    last = time.perf_counter()
+                elif time.perf_counter() - last > STALL_S:
+                    raise RuntimeError(f"load pipeline stalled: {done_pages} done, {submitted} submitted, "
+                                       f"{len(ready)} ready, {len(started)} started, engine {engine.stats}")
+                else:
                     time.sleep(0.0001)
             transfer.wait()
             torch.cuda.synchronize()
             return time.perf_counter() - t0
 
+        # check: poison the blocks, load, and compare with the pages gathered before
+        ref = GroupCopier(views, lay, bpp, cds, backend="torch")
+        want = torch.zeros(n, lay.nbytes, dtype=torch.uint8, device=views[0].device)
+        got = torch.zeros_like(want)
+        ref.gather(case.ids, want)
+
+        def poison() -> None:
+            for v in views:
+                v[case.block_ids_flat] = 0
+
+        poison()
         warm = load_all()
+        ref.gather(case.ids, got)
+        out["verified"] = bool(torch.equal(got, want))
         out["load_warm_gbps"] = round(total / warm / GB, 2)
         if cold and _drop_caches():
+            poison()
             out["load_cold_gbps"] = round(total / load_all() / GB, 2)
+            got.zero_()
+            ref.gather(case.ids, got)
+            out["verified"] = out["verified"] and bool(torch.equal(got, want))
         out["engine_io_mode"] = engine.stats["io_mode"]
     shutil.rmtree(root / "ts", ignore_errors=True)
     return out
@@ -414,6 +447,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
 # ---------------------------------------------------------------------------- driver
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--json-out", default=None, help="also write the JSON report to this file")
     parser.add_argument("--root", default=None, help="scratch directory for the transfer benchmark (default: a temp dir)")
     parser.add_argument("--mib", type=int, default=512, help="payload MiB per kernel measurement (default 512)")
     parser.add_argument("--transfer-mib", type=int, default=1024, help="payload MiB per transfer measurement (default 1024)")
@@ -434,9 +468,10 @@ def _print(rep: dict[str, Any]) -> None:
         print(f"{r['case'][:80] + ' ' + cfg[:7]:<88} {r['backend']:<7} {r['gather_gbps']:>7} {r['index_select_gbps']:>7} "
               f"{r['gather_ratio']:>6} {r['scatter_gbps']:>7} {r['index_copy_gbps']:>7} {r['scatter_ratio']:>6}")
     if rep.get("transfer"):
-        print(f"\nraw baselines: PCIe {rep['raw_pcie']}  files {rep['raw_files']}")
+        print(f"\nraw PCIe: {rep['raw_pcie']}  (ratio = pipeline / min(PCIe, raw file) of the same direction)")
         for t in rep["transfer"]:
-            print(f"{t['case'][:70]:<72} store {t['store_gbps']} GB/s (x{t['store_ratio']}), "
+            print(f"  raw files for the next case: {t['raw_files']}")
+            print(f"{t['case'][:70]:<72} verified={t.get('verified')} store {t['store_gbps']} GB/s (x{t['store_ratio']}), "
                   f"load warm {t['load_warm_gbps']} (x{t['load_warm_ratio']})"
                   + (f", cold {t['load_cold_gbps']} (x{t.get('load_cold_ratio')})" if "load_cold_gbps" in t else ""))
 
@@ -468,15 +503,22 @@ def run(args: argparse.Namespace) -> int:
             n = max(4, args.mib * 2**20 // per_page)
             for layout in shape.layouts:
                 cases.append(build_attention(shape, layout, n, device))
+    def save() -> None:
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(rep, indent=2) + "\n")
+
     for i, case in enumerate(cases):
+        _log(f"kernels: {case.label}")
         rep["kernels"].extend(kernel_rows(case, args.reps, configs if i == 0 else configs[:1]))
-        if not args.json:
-            print(f"... {case.label}", file=sys.stderr)
+        save()
     if not args.skip_transfer:
         tmp = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="tierstore-bench-"))
         tmp.mkdir(parents=True, exist_ok=True)
+        faulthandler.dump_traceback_later(150, repeat=True)  # a hang shows where
         try:
+            _log("raw PCIe")
             rep["raw_pcie"] = raw_pcie(args.transfer_mib * 2**20, device)
+            _log(f"raw PCIe {rep['raw_pcie']}")
             transfer_cases = []
             for shape in model_shapes():
                 if isinstance(shape, MambaShape):
@@ -491,9 +533,12 @@ def run(args: argparse.Namespace) -> int:
                 n = case.ids.shape[0]
                 page = case.page_layout.nbytes
                 slab = torch.empty(n * page, dtype=torch.uint8).pin_memory()
-                slab.random_(0, 256)
+                slab.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).repeat(n * page >> 20)[: n * page]
+                           if (n * page) % (1 << 20) == 0 else torch.randint(0, 256, (n * page,), dtype=torch.uint8))
                 bufs = [memoryview(slab.numpy())[i * page : (i + 1) * page] for i in range(n)]
+                _log(f"transfer: {case.label}: raw files")
                 raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
+                _log(f"raw files {raw}; pipeline")
                 del bufs, slab
                 t = transfer_pipeline(case, tmp, args.batch, args.io_threads, cold=not args.no_cold)
                 t["raw_files"] = raw
@@ -503,12 +548,15 @@ def run(args: argparse.Namespace) -> int:
                 if "load_cold_gbps" in t and "read_cold_gbps" in raw:
                     t["load_cold_ratio"] = round(t["load_cold_gbps"] / min(pc["h2d_gbps"], raw["read_cold_gbps"]), 3)
                 rep["transfer"].append(t)
-                rep["raw_files"] = raw
+                _log(f"pipeline {t}")
+                save()
                 del case
                 torch.cuda.empty_cache()
         finally:
+            faulthandler.cancel_dump_traceback_later()
             if not args.root:
                 shutil.rmtree(tmp, ignore_errors=True)
+    save()
     if args.json:
         json.dump(rep, sys.stdout, indent=2)
         sys.stdout.write("\n")

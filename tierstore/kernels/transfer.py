@@ -21,7 +21,8 @@ torch's caching host allocator. A start that does not fit in the free scratch re
 (try again after ``poll``); a batch larger than the scratch raises ValueError.
 
 On CPU (sources on the CPU) there is no scratch and no stream: the copier gathers straight
-into the slots and scatters straight from them; handles are complete on return.
+into the slots and scatters straight from them; handles are complete on return (and are
+still handed back by ``poll``, like GPU ones).
 
 Threading: one PageTransfer per group, driven by one thread (the vLLM worker's); handles may
 be polled from that thread only.
@@ -105,7 +106,8 @@ class PageTransfer:
         self.nbytes = copier.layout.nbytes
         self.device = torch.device(device) if device is not None else copier._impl.device  # type: ignore[attr-defined]
         self.on_gpu = self.device.type == "cuda"
-        self._inflight: deque[TransferHandle] = deque()
+        self._inflight: deque[TransferHandle] = deque()  # started, not finished (scratch held)
+        self._finished: list[TransferHandle] = []  # finished, not yet returned by poll()
         if self.on_gpu:
             if scratch_pages < 1:
                 raise ValueError(f"scratch_pages must be >= 1, got {scratch_pages}")
@@ -123,7 +125,7 @@ class PageTransfer:
         if n > self.capacity:
             raise ValueError(f"a batch of {n} pages exceeds the transfer scratch of {self.capacity} pages; "
                              f"split the batch or raise scratch_pages")
-        self.poll()
+        self._retire()
         if not self._inflight:
             return [(0, n)]
         tail = self._inflight[0].rows[0][0]  # oldest held row
@@ -138,11 +140,15 @@ class PageTransfer:
             return [(head, head + n)]
         return None
 
-    def poll(self) -> list[TransferHandle]:
-        """Finished handles, oldest first (their scratch rows become free)."""
-        out = []
+    def _retire(self) -> None:
+        """Move finished handles (in start order) out of the ring; their rows become free."""
         while self._inflight and self._inflight[0].done():
-            out.append(self._inflight.popleft())
+            self._finished.append(self._inflight.popleft())
+
+    def poll(self) -> list[TransferHandle]:
+        """Handles finished since the last poll, oldest first (each returned exactly once)."""
+        self._retire()
+        out, self._finished = self._finished, []
         return out
 
     @property
@@ -174,6 +180,7 @@ class PageTransfer:
         if not self.on_gpu:
             self.copier.gather(block_ids, tensors)
             h = TransferHandle("store", slots, None)
+            self._inflight.append(h)  # complete already; poll() hands it back like a GPU one
             return h
         span = self._reserve(len(tensors))
         if span is None:
@@ -206,7 +213,9 @@ class PageTransfer:
             raise ValueError(f"{block_ids.shape[0]} pages but {len(tensors)} slots")
         if not self.on_gpu:
             self.copier.scatter(tensors, block_ids)
-            return TransferHandle("load", slots, None)
+            h = TransferHandle("load", slots, None)
+            self._inflight.append(h)
+            return h
         span = self._reserve(len(tensors))
         if span is None:
             return None

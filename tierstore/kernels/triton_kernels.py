@@ -23,6 +23,7 @@ current CUDA stream of the calling thread.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -40,6 +41,8 @@ from tierstore.kernels.geometry import (
     check_pages,
     plan_sections,
 )
+
+logger = logging.getLogger(__name__)
 
 MAX_ROW_DIMS = 4
 MAX_GRID_Y = 65535
@@ -66,6 +69,7 @@ def _page_copy_kernel(
     COLS: tl.constexpr,
     ROW_DIMS: tl.constexpr,
     SCATTER: tl.constexpr,
+    VEC: tl.constexpr,  # words per 16 bytes when every row start and width is 16-byte aligned, else 1
 ):
     pb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) + tile_offset
@@ -100,10 +104,18 @@ def _page_copy_kernel(
     src_row += q.to(tl.int64) * tl.load(d + 12 + 4 - ROW_DIMS)
     dst_row += q.to(tl.int64) * tl.load(d + 16 + 4 - ROW_DIMS)
 
+    src_start = src_sec + blk * blk_stride
+    dst_start = page_start + dst_sec + j * j_stride
+    if VEC > 1:  # alignment facts the host checked: lets the compiler issue 16-byte accesses
+        width = tl.multiple_of(width, VEC)
+        src_start = tl.multiple_of(src_start, VEC)
+        dst_start = tl.multiple_of(dst_start, VEC)
+        src_row = tl.multiple_of(src_row, VEC)
+        dst_row = tl.multiple_of(dst_row, VEC)
     c = col_tile * COLS + tl.arange(0, COLS).to(tl.int64)
     mask = rmask[:, None] & (c < width)[None, :]
-    src_off = (src_sec + blk * blk_stride) + src_row[:, None] + c[None, :]
-    dst_off = (page_start + dst_sec + j * j_stride) + dst_row[:, None] + c[None, :]
+    src_off = src_start + src_row[:, None] + c[None, :]
+    dst_off = dst_start + dst_row[:, None] + c[None, :]
     if SCATTER:
         vals = tl.load(page_base + dst_off, mask=mask)
         tl.store(src_base + src_off, vals, mask=mask)
@@ -129,13 +141,17 @@ class _SectionRows:
     def n_rows(self) -> int:
         return math.prod(self.sizes)
 
-    def word(self) -> int:
-        """Widest word dividing every byte quantity of this section."""
+    def alignment(self) -> int:
+        """Largest power of two (<= 16) dividing every byte quantity of this section."""
         g = math.gcd(self.width_bytes, self.blk_stride, self.j_stride, self.sec.offset,
                      self.sec.source.data_ptr(), self.sec.source.untyped_storage().data_ptr(),
                      *self.src_strides, *self.dst_strides)
-        g = math.gcd(g, 8)
-        return g if g else 8
+        g = math.gcd(g, 16)
+        return g if g else 16
+
+    def word(self) -> int:
+        """Widest word (<= 8 bytes) dividing every byte quantity of this section."""
+        return math.gcd(self.alignment(), 8)
 
 
 def _section_rows(sec: SectionCopy) -> _SectionRows:
@@ -186,6 +202,7 @@ class _Launch:
     cols: int
     row_dims: int
     n_tiles: int
+    vec: int  # VEC constexpr (1: no 16-byte alignment hints)
     desc: torch.Tensor
     tile_sec: torch.Tensor
     src_anchor: torch.Tensor  # word-typed tensor at the first section's storage base
@@ -196,6 +213,10 @@ def _word_view_of_storage(t: torch.Tensor, word: int) -> torch.Tensor:
     storage = t.untyped_storage()
     out = torch.empty(0, dtype=INT_DTYPE_BY_SIZE[word], device=t.device)
     return out.set_(storage, 0, (storage.nbytes() // word,), (1,))
+
+
+def _is_compile_error(exc: Exception) -> bool:
+    return type(exc).__name__ in ("CompilationError", "CompileTimeAssertionFailure") or "compil" in str(exc).lower()
 
 
 def _pow2_at_most(n: int) -> int:
@@ -217,6 +238,7 @@ class TritonCopier:
         tile_words: int = 4096,
         max_cols: int = 1024,
         num_warps: int = 4,
+        vector_hints: bool = True,
     ) -> None:
         self.layout = layout
         self.blocks_per_page = blocks_per_page
@@ -226,6 +248,7 @@ class TritonCopier:
         self.tile_words = tile_words
         self.max_cols = max_cols
         self.num_warps = num_warps
+        self.vector_hints = vector_hints
         self._plans: dict[int, list[_Launch]] = {}
         self._lock = threading.Lock()
 
@@ -240,7 +263,7 @@ class TritonCopier:
     def _build_plan(self, page_align: int) -> list[_Launch]:
         buckets: dict[tuple[int, int], list[_SectionRows]] = {}
         for sr in self.rows:
-            word = math.gcd(sr.word(), page_align)
+            word = math.gcd(sr.word(), page_align, 8)
             width = sr.width_bytes // word
             cols = min(triton.next_power_of_2(width), self.max_cols)
             buckets.setdefault((word, cols), []).append(sr)
@@ -249,6 +272,8 @@ class TritonCopier:
             max_rows = max(sr.n_rows for sr in members)
             rows = max(1, min(triton.next_power_of_2(max_rows), _pow2_at_most(self.tile_words // cols)))
             row_dims = max(len(sr.sizes) for sr in members)
+            aligned16 = self.vector_hints and page_align % 16 == 0 and all(sr.alignment() == 16 for sr in members)
+            vec = 16 // word if aligned16 and cols >= 16 // word else 1
             anchor_src = members[0].sec.source
             anchor_base = anchor_src.untyped_storage().data_ptr()
             desc_rows: list[list[int]] = []
@@ -256,8 +281,8 @@ class TritonCopier:
             for i, sr in enumerate(members):
                 src_abs = sr.sec.source.untyped_storage().data_ptr() + sr.src_delta
                 delta = src_abs - anchor_base
-                if delta % word:
-                    raise ValueError(f"section {sr.sec.spec.name!r} is not {word}-byte aligned to section 0's storage")
+                if delta % (word * vec):
+                    raise ValueError(f"section {sr.sec.spec.name!r} is not {word * vec}-byte aligned to section 0's storage")
                 pad = MAX_ROW_DIMS - len(sr.sizes)
                 sizes = (1,) * pad + sr.sizes
                 ss = (0,) * pad + tuple(s // word for s in sr.src_strides)
@@ -273,7 +298,7 @@ class TritonCopier:
             if len(tile_sec) >= 2**31:
                 raise ValueError("too many tiles for one group copy")
             launches.append(_Launch(
-                word=word, rows=rows, cols=cols, row_dims=row_dims, n_tiles=len(tile_sec),
+                word=word, rows=rows, cols=cols, row_dims=row_dims, n_tiles=len(tile_sec), vec=vec,
                 desc=torch.tensor(desc_rows, dtype=torch.int64).to(self.device),
                 tile_sec=torch.tensor(tile_sec, dtype=torch.int32).to(self.device),
                 src_anchor=_word_view_of_storage(anchor_src, word),
@@ -288,13 +313,13 @@ class TritonCopier:
             base = pages.untyped_storage().data_ptr()
             start = pages.data_ptr() - base
             stride = pages.stride(0) if n > 1 else 0
-            align = math.gcd(start, stride, base, 8) or 8
+            align = math.gcd(start, stride, base, 16) or 16
             starts = torch.arange(n, dtype=torch.int64, device=self.device) * stride + start
             return anchor, starts, align
         anchor = pages[0]
         base = anchor.untyped_storage().data_ptr()
         offs = [p.data_ptr() - base for p in pages]
-        align = math.gcd(*offs, base, 8) or 8
+        align = math.gcd(*offs, base, 16) or 16
         return anchor, torch.tensor(offs, dtype=torch.int64).to(self.device), align
 
     def _run(self, block_ids: torch.Tensor, pages: torch.Tensor | Sequence[torch.Tensor], scatter: bool) -> None:
@@ -310,12 +335,18 @@ class TritonCopier:
             starts = starts_bytes // w
             for tile0 in range(0, launch.n_tiles, MAX_GRID_Y):
                 grid = (n * self.blocks_per_page, min(MAX_GRID_Y, launch.n_tiles - tile0))
-                _page_copy_kernel[grid](
-                    launch.src_anchor, page_words, launch.desc, launch.tile_sec, ids, starts,
-                    self.blocks_per_page, tile0,
-                    NF=NF, ROWS=launch.rows, COLS=launch.cols, ROW_DIMS=launch.row_dims,
-                    SCATTER=scatter, num_warps=self.num_warps,
-                )
+                args = (launch.src_anchor, page_words, launch.desc, launch.tile_sec, ids, starts,
+                        self.blocks_per_page, tile0)
+                meta = dict(NF=NF, ROWS=launch.rows, COLS=launch.cols, ROW_DIMS=launch.row_dims,
+                            SCATTER=scatter, num_warps=self.num_warps)
+                try:
+                    _page_copy_kernel[grid](*args, VEC=launch.vec, **meta)
+                except Exception as exc:  # a Triton build that rejects the hints: run without them
+                    if launch.vec == 1 or not _is_compile_error(exc):
+                        raise
+                    logger.warning("Triton rejected 16-byte alignment hints (%s); copying without them", exc)
+                    launch.vec = 1
+                    _page_copy_kernel[grid](*args, VEC=1, **meta)
 
     def gather(self, block_ids: torch.Tensor, pages: torch.Tensor | Sequence[torch.Tensor]) -> None:
         self._run(block_ids, pages, scatter=False)
@@ -326,6 +357,7 @@ class TritonCopier:
     def describe(self) -> list[dict[str, int]]:
         """Launch shapes for the natural page alignment (for benchmarks and docs)."""
         return [
-            {"word": la.word, "rows": la.rows, "cols": la.cols, "row_dims": la.row_dims, "tiles": la.n_tiles}
-            for la in self._plan(8)
+            {"word": la.word, "rows": la.rows, "cols": la.cols, "row_dims": la.row_dims, "tiles": la.n_tiles,
+             "vec": la.vec}
+            for la in self._plan(16)
         ]

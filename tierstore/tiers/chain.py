@@ -21,7 +21,10 @@ can use either; one chain per (namespace, KV-cache group, rank)):
   at start-up does not hang the constructor.
 - Local capacity: ``LocalIndex`` (sqlite WAL on local disk) reserves each store's size before
   it is written, evicting least-recently-used pages first, so the local root never exceeds
-  ``local_max_bytes`` by more than one page. A local hit refreshes recency.
+  ``local_max_bytes`` by more than one page. A local hit refreshes recency. Reserving runs in
+  one admission thread per chain and the index's other updates in its bookkeeping thread:
+  sqlite and stat release the GIL, and in the caller's thread each could wait a whole switch
+  interval behind busy I/O workers.
 - Shared LRU stamp: a shared hit refreshes the file's mtime (``utime``), at most once per
   ``shared_touch_interval_s`` per page, in the background; ``tierstore gc`` evicts by it.
 
@@ -40,6 +43,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,7 @@ class _Job:
     waiting: set[tuple[str, int]] = field(default_factory=set)  # sub-jobs the result depends on
     local_error: PageError | None = None
     shared_ok: bool | None = None
+    shared_sub: int | None = None  # the background shared store of this job
     done: bool = False
 
 
@@ -145,6 +150,11 @@ class TierChain:
         self._touched: dict[bytes, float] = {}
         self._closed = False
         self._capacity_at = 0.0
+        self._admit_cv = threading.Condition(threading.Lock())
+        self._admit_q: deque[tuple[_Job | None, bytes, StagingSlot, int]] = deque()
+        self._admit_queued = self._admit_done = 0
+        self._admit_stop = False
+        self._admitter: threading.Thread | None = None
 
         self.host = host if (host is not None and config.host_bytes > 0) else None
         self.local: IOEngine | None = None
@@ -335,34 +345,81 @@ class TierChain:
                         sslot.view[:] = slot.view
                         sub = shared_eng.submit_store(key, sslot, token_count)
                         self._sub[(_SHARED, sub)] = job.id
+                        job.shared_sub = sub
             self._store_local(job, key, slot, token_count, primary=True)
             self._drain_locked()
             return job.id
 
-    def _store_local(self, job: _Job | None, key: bytes, slot: StagingSlot, token_count: int, *, primary: bool) -> bool:
-        """Reserve room and submit a local store; False (slot released) if it cannot fit."""
-        assert self.local is not None and self.index is not None
-        rid = None
+    def _store_local(self, job: _Job | None, key: bytes, slot: StagingSlot, token_count: int, *, primary: bool) -> None:
+        """Queue a local store; the admission thread reserves room, then submits it.
+
+        Reserving runs sqlite and a stat, which release the GIL: in the caller's thread each
+        could wait a whole GIL switch interval behind busy I/O workers, so it happens here.
+        """
+        if job is not None and primary:
+            job.waiting.add(("admit", job.id))
+        with self._admit_cv:
+            self._admit_q.append((job if primary else None, key, slot, token_count))
+            self._admit_queued += 1
+            if self._admitter is None:
+                self._admitter = threading.Thread(target=self._admit_loop, name="tierstore-local-admit", daemon=True)
+                self._admitter.start()
+            self._admit_cv.notify_all()
+
+    def _admit_loop(self) -> None:
+        assert self.local is not None
+        while True:
+            with self._admit_cv:
+                self._admit_cv.wait_for(lambda: self._admit_q or self._admit_stop)
+                if not self._admit_q:
+                    return
+                job, key, slot, tokens = self._admit_q.popleft()
+            try:
+                self._admit(job, key, slot, tokens)
+            except Exception:  # never lose a slot or a job to a bug
+                log.exception("tierstore local admission of %s failed", key.hex()[:16])
+                with self._lock:
+                    with contextlib.suppress(ValueError):
+                        self.local.release_slot(slot)
+                    if job is not None:
+                        job.waiting.discard(("admit", job.id))
+                        job.local_error = job.local_error or PageError("local admission failed", key=key)
+                        self._maybe_finish_store(job)
+            finally:
+                with self._admit_cv:
+                    self._admit_done += 1
+                    self._admit_cv.notify_all()
+
+    def _admit(self, job: _Job | None, key: bytes, slot: StagingSlot, tokens: int) -> None:
+        assert self.local is not None
+        rid, victims, fits = None, [], True
         if not os.path.exists(self.local.mapper.path_for(key)):  # an existing page needs no room
             rid, victims = self._idx("reserve", self._file_size_estimate(key), default=(None, []))
-            if rid is None:
+            fits = rid is not None
+        with self._lock:
+            if job is not None:
+                job.waiting.discard(("admit", job.id))
+            if victims:
+                self.m_local.evicted(len(victims), sum(v.size for v in victims))
+            if not fits:
                 self.local.release_slot(slot)
                 self.m_local.failure("too_big")
-                if job is not None and primary:
+                if job is not None:
                     job.local_error = PageError("page is larger than local_max_bytes, or the local index "
                                                 "failed (see the log)", key=key)
                     self._maybe_finish_store(job)
-                return False
-            if victims:
-                self.m_local.evicted(len(victims), sum(v.size for v in victims))
-        sub = self.local.submit_store(key, slot, token_count)
-        self._reservations[sub] = rid
-        if job is not None and primary:
-            self._sub[(_LOCAL, sub)] = job.id
-            job.waiting.add((_LOCAL, sub))
-        else:
-            self._promotions.add(sub)
-        return True
+                return
+            sub = self.local.submit_store(key, slot, tokens)
+            self._reservations[sub] = rid
+            if job is not None:
+                self._sub[(_LOCAL, sub)] = job.id
+                job.waiting.add((_LOCAL, sub))
+            else:
+                self._promotions.add(sub)
+
+    def _admit_sync(self, timeout: float | None) -> bool:
+        with self._admit_cv:
+            return self._admit_cv.wait_for(lambda: self._admit_done >= self._admit_queued, timeout)
 
     # ------------------------------------------------------------------ results
     def _drain_locked(self) -> None:
@@ -500,9 +557,8 @@ class TierChain:
         """A store whose local write failed: wait for the shared write if one is in flight."""
         if job.done:
             return
-        shared_pending = [s for s, j in self._sub.items() if j == job.id and s[0] == _SHARED]
-        if shared_pending and job.shared_ok is None:
-            job.waiting.update(shared_pending)
+        if job.shared_sub is not None and job.shared_ok is None:
+            job.waiting.add((_SHARED, job.shared_sub))
             return
         if job.shared_ok:
             self._finish(job, True, None, None, stored=True)
@@ -540,18 +596,30 @@ class TierChain:
             return out
 
     def wait(self, job_ids: Any, timeout: float | None) -> list[IOResult]:
+        """Wait until the given jobs finish (or ``timeout``); returns those that finished."""
         ids = list(job_ids)
         end = None if timeout is None else time.monotonic() + timeout
-        delay = 0.0002
         while True:
             with self._lock:
                 self._drain_locked()
-                if all(i in self._results or i not in self._jobs for i in ids):
-                    break
-            if end is not None and time.monotonic() >= end:
+                pending = [self._jobs[i] for i in ids if i not in self._results and i in self._jobs]
+                sub = next((w for job in pending for w in job.waiting if w[0] in (_LOCAL, _SHARED)), None)
+            left = None if end is None else end - time.monotonic()
+            if not pending or (left is not None and left <= 0):
                 break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            step = 0.05 if left is None else min(left, 0.05)
+            eng = None
+            if sub is not None:
+                eng = self.local if sub[0] == _LOCAL else (self._shared.get() if self._shared else None)
+            if eng is None:
+                time.sleep(min(step, 0.001))  # in admission: a moment
+                continue
+            # block on the engine itself (not the chain lock); hand what it returns to the chain
+            res = eng.wait([sub[1]], step)
+            if res:
+                with self._lock:
+                    for r in res:
+                        (self._on_local if eng is self.local else self._on_shared)(r)
         with self._lock:
             return [self._results.pop(i) for i in ids if i in self._results]
 
@@ -575,7 +643,9 @@ class TierChain:
         end = None if timeout is None else time.monotonic() + timeout
         ok = True
         if self.local is not None:
-            ok = self.local.flush(timeout) and ok
+            ok = self._admit_sync(timeout) and ok
+            left = None if end is None else max(end - time.monotonic(), 0.0)
+            ok = self.local.flush(left) and ok
         eng = self._shared.get() if self._shared else None
         if eng is not None:
             left = None if end is None else max(end - time.monotonic(), 0.0)
@@ -597,6 +667,11 @@ class TierChain:
                 return
             self._closed = True
         self.flush(timeout)
+        with self._admit_cv:
+            self._admit_stop = True
+            self._admit_cv.notify_all()
+        if self._admitter is not None:
+            self._admitter.join(timeout)
         if self.local is not None:
             self.local.close(timeout)
             with self._lock:

@@ -64,6 +64,8 @@ class GcReport:
     temps_removed: int = 0
     trash_removed: int = 0
     seconds: float = 0.0
+    started: float = 0.0  # wall clock (Unix seconds) when this node held the lease
+    finished: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ def collect(
         rep.busy = True
         rep.seconds = time.monotonic() - t0
         return rep
+    rep.started = time.time()
     try:
         trash = root / TRASH_DIR
         trash.mkdir(exist_ok=True)
@@ -218,6 +221,7 @@ def collect(
                 live -= rep.evicted_bytes - before
         rep.total_after = live + rep.trash_bytes
     finally:
+        rep.finished = time.time()
         lease.release()
     if metrics is not None:
         metrics.evicted(rep.evicted, rep.evicted_bytes)

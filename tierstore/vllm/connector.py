@@ -27,7 +27,7 @@ Threading: vLLM calls each role's methods from one thread (scheduler or worker).
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import copy
 import logging
 import weakref
 from collections import Counter
@@ -51,7 +51,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadPromMetrics,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -63,7 +65,7 @@ from tierstore.identity import write_manifest
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.spec import TierStoreOffloadingSpec
-from tierstore.vllm.validation import validate_engine
+from tierstore.vllm.validation import offloaded_block_sizes, validate_engine
 from tierstore.vllm.worker import TierStoreWorker
 
 logger = logging.getLogger("tierstore.vllm")
@@ -178,13 +180,7 @@ class TierStoreConnector(OffloadingConnector):
         assert kv_transfer_config is not None
         self.ts_config = TierStoreConfig.from_dict(dict(kv_transfer_config.kv_connector_extra_config or {}))
         chunk_tokens = validate_engine(vllm_config, kv_cache_config, self.ts_config)
-        base = build_offloading_config(vllm_config, kv_cache_config)
-        block = max(g.tokens_per_block for g in base.groups)
-        offloading_config = dataclasses.replace(
-            base,
-            cache=dataclasses.replace(base.cache, blocks_per_chunk=chunk_tokens // block),
-            extra_config={"offload_prompt_only": True},
-        )
+        offloading_config = self._offloading_config(vllm_config, kv_cache_config, chunk_tokens)
         self.namespace = build_namespace(vllm_config, kv_cache_config, offloading_config, self.ts_config)
         spec = TierStoreOffloadingSpec(offloading_config, self.ts_config, self.namespace, vllm_config, kv_cache_config)
         self.spec = spec
@@ -205,6 +201,18 @@ class TierStoreConnector(OffloadingConnector):
         logger.info("tierstore: %s side, namespace %s under %s, %d groups, %d tokens per page",
                     role.name.lower(), self.namespace.digest, self.ts_config.root,
                     len(self.namespace.groups), chunk_tokens)
+
+    @staticmethod
+    def _offloading_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_tokens: int) -> Any:
+        """vLLM's offloading config with tierstore's chunking (vLLM derives per-group windows
+        from it), built from a shallow copy of the config whose extra_config vLLM understands."""
+        block = max(offloaded_block_sizes(kv_cache_config).values())
+        ktc = copy.copy(vllm_config.kv_transfer_config)
+        assert ktc is not None
+        ktc.kv_connector_extra_config = {"blocks_per_chunk": chunk_tokens // block}
+        shadow = copy.copy(vllm_config)
+        shadow.kv_transfer_config = ktc
+        return build_offloading_config(shadow, kv_cache_config)
 
     # ------------------------------------------------------------ worker side
     @property

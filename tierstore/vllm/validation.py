@@ -6,7 +6,9 @@ It runs in every process that builds the connector, before anything touches the 
 
 Checks:
 - a Mamba/GDN hybrid needs prefix caching in "align" mode (states exist only at block ends);
-- ``chunk_tokens`` must be a multiple of the unified block size N (every group's block);
+- ``chunk_tokens`` must be a multiple of the unified block size N (every group's block), and
+  equal to N when the model has sliding-window or Mamba layers (their loads and stores cover
+  single blocks inside a chunk);
 - ``max_num_batched_tokens`` outside [N, 2N) is warned about for Mamba hybrids: align mode
   materialises a state only at the end of a scheduler step that ends on a block boundary, so a
   budget >= 2N skips boundary states (fewer restorable points) and one < N cannot finish a
@@ -32,6 +34,14 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("tierstore.vllm")
+
+
+def _is_full_attention(spec: object) -> bool:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    inner = getattr(spec, "kv_cache_specs", None)
+    specs = list(inner.values()) if inner else [spec]
+    return all(type(s) is FullAttentionSpec for s in specs)
 
 
 def offloaded_block_sizes(kv_cache_config: KVCacheConfig) -> dict[int, int]:
@@ -77,6 +87,13 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             f'setting "chunk_tokens" ({chunk}) must be a multiple of the engine\'s unified KV '
             f"block size N={unified} tokens: use {((chunk + unified - 1) // unified) * unified} "
             'or remove "chunk_tokens" (default: one block per page)'
+        )
+    windowed = [g for g in groups if g.kv_cache_spec.block_size and not _is_full_attention(g.kv_cache_spec)]
+    if chunk != unified and windowed:
+        raise ConfigError(
+            f'setting "chunk_tokens" ({chunk}) must equal the block size N={unified} for models '
+            "with sliding-window or Mamba/GDN layers (their pages are restored block by block): "
+            'remove "chunk_tokens"'
         )
     budget = vllm_config.scheduler_config.max_num_batched_tokens
     if mamba and not unified <= budget < 2 * unified:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ class _Job:
     started: float
     pending: set[tuple[int, int]] = field(default_factory=set)  # (group index, engine job id)
     failed: list[tuple[int, bytes, str]] = field(default_factory=list)  # (group, key, kind)
+    waiting: int = 0  # page loads queued here until a staging slot frees up
     nbytes: int = 0
 
 
@@ -74,6 +75,7 @@ class TierStoreWorker(OffloadingWorker):
         self._jobs: dict[int, _Job] = {}
         self._by_engine_job: dict[tuple[int, int], tuple[int, torch.Tensor | None]] = {}
         self._finished: list[TransferResult] = []
+        self._load_queue: dict[int, deque[tuple[int, bytes, torch.Tensor]]] = {g.index: deque() for g in groups}
         self.failed_loads: list[tuple[int, int, bytes, str]] = []  # (job, vLLM group, key, kind)
         self.counters: Counter[str] = Counter()
         self._closed = False
@@ -127,27 +129,39 @@ class TierStoreWorker(OffloadingWorker):
                     self._fail(job, g.index, key, "layout",
                                f"{len(block_ids)} blocks for {len(todo)} pages of {g.blocks_per_chunk} blocks")
                 continue
-            slots = []
-            for key, _ in todo:
-                slot = g.engine.acquire_slot(timeout=self.slot_timeout_s)
-                if slot is None:
-                    self._fail(job, g.index, key, "no_slot", "no free staging slot (stores are slower than the engine)")
+            # Batches of whatever slots are free (at least one, waited for): slots of submitted
+            # stores come back as their writes finish.
+            pos = 0
+            while pos < len(todo):
+                first = g.engine.acquire_slot(timeout=self.slot_timeout_s)
+                if first is None:
+                    for key, _ in todo[pos:]:
+                        self._fail(job, g.index, key, "no_slot", "no free staging slot within deadline_ms")
                     break
-                slots.append(slot)
-            if not slots:
-                continue
-            rows = self._kernel_rows(g, block_ids[: len(slots) * g.blocks_per_chunk], len(slots))
-            g.copier.gather(rows, [s.tensor for s in slots])
-            self._sync(g)
-            for (key, tokens), slot in zip(todo, slots, strict=False):
-                eid = g.engine.submit_store(key, slot, tokens)
-                job.pending.add((g.index, eid))
-                self._by_engine_job[(g.index, eid)] = (job_id, None)
+                slots = [first]
+                while pos + len(slots) < len(todo):
+                    more = g.engine.acquire_slot(timeout=0)
+                    if more is None:
+                        break
+                    slots.append(more)
+                batch = todo[pos : pos + len(slots)]
+                bpc = g.blocks_per_chunk
+                rows = self._kernel_rows(g, block_ids[pos * bpc : (pos + len(slots)) * bpc], len(slots))
+                g.copier.gather(rows, [s.tensor for s in slots])
+                self._sync(g)
+                for (key, tokens), slot in zip(batch, slots, strict=True):
+                    eid = g.engine.submit_store(key, slot, tokens)
+                    job.pending.add((g.index, eid))
+                    self._by_engine_job[(g.index, eid)] = (job_id, None)
+                pos += len(slots)
         self._maybe_finish(job)
         return True
 
     # ------------------------------------------------------------ loads
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        # ``expedited`` (vLLM 0.33: the step waits for this load) needs no special path: pages are
+        # read by the engine's threads and scattered in get_finished either way.
         assert isinstance(src_spec, TierStoreFileSpec)
         job = _Job(job_id, True, time.perf_counter())
         self._jobs[job_id] = job
@@ -165,11 +179,23 @@ class TierStoreWorker(OffloadingWorker):
                 continue
             rows = self._kernel_rows(g, block_ids, len(todo))
             for (key, _), row in zip(todo, rows, strict=True):
-                eid = g.engine.submit_load(key)
-                job.pending.add((g.index, eid))
-                self._by_engine_job[(g.index, eid)] = (job_id, row[None, :])
+                job.waiting += 1
+                self._load_queue[g.index].append((job_id, key, row[None, :]))
+            self._pump(g)
         self._maybe_finish(job)
         return True
+
+    def _pump(self, g: WorkerGroup) -> None:
+        """Submit queued page loads while the engine has free staging slots (a load holds its
+        slot until get_finished has scattered it, so never ask for more than are free)."""
+        queue = self._load_queue[g.index]
+        while queue and g.engine.free_slots > 0:
+            job_id, key, row = queue.popleft()
+            job = self._jobs[job_id]
+            job.waiting -= 1
+            eid = g.engine.submit_load(key)
+            job.pending.add((g.index, eid))
+            self._by_engine_job[(g.index, eid)] = (job_id, row)
 
     # ------------------------------------------------------------ completion
     def _on_result(self, g: WorkerGroup, res: IOResult) -> None:
@@ -207,7 +233,7 @@ class TierStoreWorker(OffloadingWorker):
         self._maybe_finish(job)
 
     def _maybe_finish(self, job: _Job) -> None:
-        if job.pending:
+        if job.pending or job.waiting:
             return
         del self._jobs[job.job_id]
         ok = not job.failed
@@ -221,6 +247,7 @@ class TierStoreWorker(OffloadingWorker):
         for g in self.groups:
             for res in g.engine.poll():
                 self._on_result(g, res)
+            self._pump(g)
         out, self._finished = self._finished, []
         return out
 

