@@ -7,13 +7,17 @@ tests/test_kernels_gpu.py and the Triton cases here are skipped.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "tierstore.kernels.triton_kernels" in sys.modules:  # imported earlier, maybe not interpreted
+        importlib.reload(sys.modules["tierstore.kernels.triton_kernels"])
 
 from kernel_cases import (  # noqa: E402
     AttentionCase,
@@ -93,3 +97,28 @@ def test_rejects_views_that_do_not_fit_the_layout() -> None:
         copier.gather(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, case.layout.nbytes, dtype=torch.uint8))
     with pytest.raises(ValueError, match="pages"):
         copier.gather(torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 5, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and INTERPRETED), reason="needs Triton (interpreted on CPU)")
+def test_triton_plan_words_and_alignment_hints() -> None:
+    """Rows that are 16-byte aligned get 8-byte words and 16-byte hints; odd ones do not."""
+    from tierstore.kernels.triton_kernels import TritonCopier
+
+    case = AttentionCase("bfloat16")  # rows of 2 x 8 bf16 = 32 bytes
+    views, ids = case.build("LBNHC", 4, "cpu")
+    (launch,) = TritonCopier(views, case.layout, 2, [1, 1]).describe()
+    assert (launch["word"], launch["vec"], launch["row_dims"]) == (8, 2, 2)
+    # a latent of 12 bf16 (24-byte rows) padded to 16 elements: 8-byte words, no 16-byte hints
+    from kernel_cases import MLACase
+
+    mla = MLACase()
+    mviews, _ = mla.build(2, "cpu", padded_c=16)
+    (mlaunch,) = TritonCopier(mviews, mla.layout, 4, [0, 0]).describe()
+    assert (mlaunch["word"], mlaunch["vec"]) == (8, 1)
+    # bf16 conv state stored transposed (SD): one element per row, 2-byte words
+    from kernel_cases import MambaCase
+
+    mamba = MambaCase()
+    sviews, _, _ = mamba.build("SD", "cpu")
+    plan = TritonCopier(sviews, mamba.layout, 1, [None] * len(sviews)).describe()
+    assert sorted((p["word"], p["cols"]) for p in plan) == [(2, 1), (8, 16)]  # conv; 128-byte temporal

@@ -122,19 +122,23 @@ def test_transfer_store_waits_for_producer_and_does_not_block(tmp_path: Path) ->
         assert engine.pinned
         slots = [engine.acquire_slot() for _ in range(case.n_pages)]
         assert all(s.tensor.is_pinned() for s in slots)
+        warm = transfer.start_store(ids, slots)  # compile the kernel before timing anything
+        transfer.wait()
+        assert warm.done()
         # the "forward pass": a long sleep, then it writes the KV that will be stored
-        saved = [v[ids.reshape(-1).cuda()].clone() for v in views]
+        flat = ids.reshape(-1).cuda()  # made now: a host->device copy later would wait for the sleep
+        saved = [v[flat].clone() for v in views]
         for v in views:
             v.zero_()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on the current stream
         for v, s in zip(views, saved, strict=True):
-            v[ids.reshape(-1).cuda()] = s
+            v[flat] = s  # queued behind the sleep
         t0 = time.perf_counter()
         h = transfer.start_store(ids, slots)
         start_s = time.perf_counter() - t0
         assert h is not None
         assert not h.done(), "the store finished before the producer's queued work"
-        assert start_s < 0.05, f"start_store blocked for {start_s:.3f} s"
+        assert start_s < 0.1, f"start_store blocked for {start_s:.3f} s"
         transfer.wait()
         assert h.done() and h.blocks_free()
         got = torch.stack([s.tensor.clone() for s in slots])
@@ -183,3 +187,35 @@ def test_transfer_rejects_batch_over_scratch_and_defers_when_full() -> None:
     assert second is not None
     second.synchronize()
     assert transfer.poll() == [second]
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_gather_into_host_slots_and_scatter_back(pinned: bool) -> None:
+    """CUDA caches <-> host page buffers directly (what a worker without PageTransfer does):
+    pinned buffers go through the Triton kernel over PCIe, pageable ones through torch."""
+    H, D, N, L, pages, bpp = 8, 128, 16, 4, 6, 4
+    nb = pages * bpp + 5
+    gen = torch.Generator().manual_seed(7)
+    _, views = make_attention_caches("LBNHC", L, nb, H, N, D, torch.bfloat16, "cuda")
+    for v in views:
+        v.copy_(random_values(tuple(v.shape), torch.bfloat16, gen).cuda())
+    lay = attention_layout([f"l{i}" for i in range(L)], H, N * bpp, D, "bfloat16")
+    ids = torch.randperm(nb, generator=gen)[: pages * bpp].view(pages, bpp)
+    copier = GroupCopier(views, lay, bpp, [1] * L)
+    assert copier.backend == "triton"
+    slab = torch.full((pages, lay.nbytes), 0xA5, dtype=torch.uint8)
+    if pinned:
+        slab = slab.pin_memory()
+    slots = list(slab)  # separate 1-D page buffers, like staging slots
+    copier.gather(ids.cuda(), slots)
+    torch.cuda.synchronize()
+    want = torch.zeros(pages, lay.nbytes, dtype=torch.uint8, device="cuda")
+    GroupCopier(views, lay, bpp, [1] * L, backend="torch").gather(ids.cuda(), want)
+    for s, off in zip(lay.sections, lay.offsets, strict=True):
+        assert torch.equal(slab[:, off : off + s.nbytes], want[:, off : off + s.nbytes].cpu())
+    _, views2 = make_attention_caches("LBHNC", L, nb, H, N, D, torch.bfloat16, "cuda")
+    GroupCopier(views2, lay, bpp, [1] * L).scatter(slots, ids.cuda())
+    torch.cuda.synchronize()
+    flat = ids.reshape(-1).cuda()
+    for v, v2 in zip(views, views2, strict=True):
+        assert torch.equal(bits(v2[flat]), bits(v[flat]))

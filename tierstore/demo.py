@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--size", choices=("tiny", "small"), default="tiny",
                    help="tiny model size: tiny (default) or small (hidden 1024 x 8 layers)")
     v.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
-                   help="tokens per prompt (default 1024; qwen3next 2400); the shared prefix is all "
+                   help="tokens per prompt (default 1000; qwen3next 2400); the shared prefix is all "
                    "but the last --suffix-tokens")
     v.add_argument("--suffix-tokens", type=int, default=32, metavar="N",
                    help="distinct tokens at the end of each prompt (default 32)")
@@ -441,7 +441,7 @@ def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any
         model = cached_tiny_model(args.kind, args.model_cache, size=args.size)
         label = f"{args.size} random-weight {args.kind}, built locally"
     tok = AutoTokenizer.from_pretrained(str(model))
-    n_tokens = args.prompt_tokens or (2400 if args.kind == "qwen3next" and not args.model else 1024)
+    n_tokens = args.prompt_tokens or (2400 if args.kind == "qwen3next" and not args.model else 1000)
     suffix = args.suffix_tokens
     if not 0 <= suffix < n_tokens or args.prompts <= 0 or args.max_tokens <= 0:
         raise DemoError("need 0 <= --suffix-tokens < --prompt-tokens, --prompts > 0 and --max-tokens > 0")

@@ -33,8 +33,9 @@ Contract (docs/design/engine.md, /tmp/contracts.md):
   loads still work).
 
 Threading: public methods may be called from any thread; one lock guards all engine state
-(two conditions on it: idle workers, and callers waiting for results or slots). Worker threads
-do I/O without the lock. zstd (de)compressors and header buffers are per worker thread.
+(conditions on it wake one idle worker per submit, one slot waiter per release, a ``wait``
+call when its last job is done, ``flush`` when no store is left). Worker threads do I/O
+without the lock. zstd (de)compressors and cachestat arguments are per worker thread.
 """
 
 from __future__ import annotations
@@ -189,6 +190,16 @@ def _cachestat_available() -> bool:
         os.close(fd)
 
 
+class _Waiter:
+    """One ``wait`` call: how many of its jobs are still pending, and how to wake it."""
+
+    __slots__ = ("cond", "remaining")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.cond = threading.Condition(lock)
+        self.remaining = 0
+
+
 class _WorkerState(threading.local):
     """Per worker thread: zstd objects and cachestat(2) arguments (allocated once)."""
 
@@ -285,11 +296,15 @@ class IOEngine:
         self._free_set = {s.index for s in self._slots}
         self._busy: set[int] = set()  # slots owned by queued or running jobs
 
-        # One lock; two conditions on it so that a submit wakes exactly one idle worker and a
-        # completion wakes the callers waiting for results or slots (never the idle workers).
+        # One lock; conditions on it wake exactly who can proceed: a submit wakes one idle
+        # worker, a release wakes one slot waiter, a completion wakes a ``wait`` caller only when
+        # its last job is done and ``flush`` callers only when no store is left. (Waking every
+        # waiter on every completion cost a context switch per page on 2 busy cores.)
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)  # results, slots
         self._work = threading.Condition(self._lock)  # queued jobs, stop
+        self._slot_cond = threading.Condition(self._lock)  # a slot was released
+        self._flush_cond = threading.Condition(self._lock)  # no store pending
+        self._watch: dict[int, list[_Waiter]] = {}  # job id -> wait() calls waiting for it
         self._load_q: deque[_Job] = deque()
         self._store_q: deque[_Job] = deque()
         self._waiting = {"load": 0, "store": 0}  # queued, not started, not done
@@ -303,6 +318,7 @@ class IOEngine:
             "loads_ok": 0, "loads_failed": {}, "load_bytes": 0, "load_seconds": 0.0,
             "stores_ok": 0, "stores_existing": 0, "stores_failed": {}, "store_bytes": 0,
             "store_seconds": 0.0, "late_results_dropped": 0, "loads_general_reader": 0,
+            "loads_odirect": 0,  # cold loads read with O_DIRECT (the rest came from the page cache)
         }
         self._local = _WorkerState()
         self._threads = [
@@ -373,14 +389,14 @@ class IOEngine:
     # ----------------------------------------------------------------- slots
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
         """A free staging slot, or None if none frees up within ``timeout`` (None = forever)."""
-        with self._cv:
+        with self._lock:
             if not self._free and timeout != 0:
                 end = None if timeout is None else time.monotonic() + timeout
                 while not self._free:
                     left = None if end is None else end - time.monotonic()
                     if left is not None and left <= 0:
                         break
-                    self._cv.wait(left)
+                    self._slot_cond.wait(left)
             return self._take_slot_locked()
 
     def _take_slot_locked(self) -> StagingSlot | None:
@@ -391,7 +407,7 @@ class IOEngine:
         return slot
 
     def release_slot(self, slot: StagingSlot) -> None:
-        with self._cv:
+        with self._lock:
             self._release_locked(slot)
 
     def _release_locked(self, slot: StagingSlot) -> None:
@@ -402,11 +418,11 @@ class IOEngine:
         self._free.append(slot)
         self._free_set.add(slot.index)
         self._busy.discard(slot.index)
-        self._cv.notify_all()
+        self._slot_cond.notify()
 
     @property
     def free_slots(self) -> int:
-        with self._cv:
+        with self._lock:
             return len(self._free)
 
     # ----------------------------------------------------------------- submit
@@ -428,7 +444,7 @@ class IOEngine:
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a page key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
         now = time.monotonic()
-        with self._cv:
+        with self._lock:
             job = _Job(next(self._ids), op, key, slot, token_count, now, now + self.deadline_s)
             if slot is not None:
                 self._busy.add(slot.index)
@@ -461,7 +477,7 @@ class IOEngine:
     # ----------------------------------------------------------------- results
     def poll(self) -> list[IOResult]:
         """Every result finished since the last poll/wait (never blocks)."""
-        with self._cv:
+        with self._lock:
             self._expire_locked(time.monotonic())
             out = list(self._results.values())
             self._results.clear()
@@ -474,16 +490,28 @@ class IOEngine:
         """
         ids = list(job_ids)
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while True:
-                now = time.monotonic()
-                self._expire_locked(now)
-                if all(i not in self._pending for i in ids):
-                    break
-                left = self._next_wake(now, end)
-                if left is not None and left <= 0:
-                    break
-                self._cv.wait(left)
+        with self._lock:
+            self._expire_locked(time.monotonic())
+            waiter = _Waiter(self._lock)
+            for i in ids:
+                if i in self._pending:
+                    self._watch.setdefault(i, []).append(waiter)
+                    waiter.remaining += 1
+            try:
+                while waiter.remaining > 0:
+                    now = time.monotonic()
+                    left = self._next_wake(now, end)
+                    if left is not None and left <= 0:
+                        break
+                    waiter.cond.wait(left)
+                    self._expire_locked(time.monotonic())
+            finally:
+                for i in ids:
+                    ws = self._watch.get(i)
+                    if ws and waiter in ws:
+                        ws.remove(waiter)
+                        if not ws:
+                            del self._watch[i]
             return [self._results.pop(i) for i in ids if i in self._results]
 
     def _next_wake(self, now: float, end: float | None) -> float | None:
@@ -517,7 +545,7 @@ class IOEngine:
     def flush(self, timeout: float | None) -> bool:
         """Wait until every submitted store has finished (ok, failed or timed out)."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
+        with self._lock:
             while True:
                 now = time.monotonic()
                 self._expire_locked(now)
@@ -526,20 +554,20 @@ class IOEngine:
                 left = self._next_wake(now, end)
                 if left is not None and left <= 0:
                     return False
-                self._cv.wait(left)
+                self._flush_cond.wait(left)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish queued stores (up to ``timeout``, default flush_timeout_s), cancel the rest."""
         if timeout is None:
             timeout = self.config.flush_timeout_s
         end = time.monotonic() + timeout
-        with self._cv:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True  # new submits are cancelled; queued stores still run
         if not self.flush(timeout):
             logger.warning("closing with stores still queued after %.1f s; they are cancelled", timeout)
-        with self._cv:
+        with self._lock:
             for q in (self._load_q, self._store_q):
                 while q:
                     job = q.popleft()
@@ -561,7 +589,7 @@ class IOEngine:
 
     @property
     def stats(self) -> dict[str, Any]:
-        with self._cv:
+        with self._lock:
             s = dict(self._stats)
             s["loads_failed"] = dict(s["loads_failed"])
             s["stores_failed"] = dict(s["stores_failed"])
@@ -590,6 +618,12 @@ class IOEngine:
             self._waiting[job.op] -= 1
         if job.op == "store":
             self._pending_stores -= 1
+            if self._pending_stores == 0:
+                self._flush_cond.notify_all()
+        for w in self._watch.pop(job.id, ()):
+            w.remaining -= 1
+            if w.remaining == 0:
+                w.cond.notify()
         seconds = time.monotonic() - job.submitted
         ok = error is None
         result_slot = None
@@ -615,13 +649,12 @@ class IOEngine:
             else:
                 s["stores_failed"][error.kind] = s["stores_failed"].get(error.kind, 0) + 1  # type: ignore[union-attr]
         self._results[job.id] = IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds)
-        self._cv.notify_all()
         return True
 
     # ----------------------------------------------------------------- workers
     def _worker(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._stop and not self._load_q and not self._store_q:
                     self._work.wait()
                 if self._stop:
@@ -650,7 +683,7 @@ class IOEngine:
             except Exception as exc:  # a bug must still come back as a per-key failure
                 logger.exception("unexpected error in %s of key %s", job.op, job.key.hex()[:16])
                 error = PageError(f"internal error: {exc!r}", key=job.key)
-            with self._cv:
+            with self._lock:
                 accepted = self._complete_locked(job, error, stored, nbytes)
                 # The worker owned the slot: hand it back unless the caller got it with a page.
                 if job.slot is not None and not (accepted and error is None and job.op == "load"):
@@ -776,7 +809,7 @@ class IOEngine:
             os.close(fd)
         # Not byte-for-byte the header this engine writes (other codec or header length, a wrong
         # size, a damaged header): the general reader verifies it or names the error.
-        with self._cv:
+        with self._lock:
             self._stats["loads_general_reader"] += 1
         expect = PageExpectation(self._ns_bytes, key, self.group_index, self.rank, self.layout)
         read_page(Path(path), expect, slot.view, self._local.decompressor)
@@ -798,6 +831,8 @@ class IOEngine:
         if _cachestat_pages(fd, self._local) > 0:
             _preadv_all(fd, [exact], spath)
             return
+        with self._lock:
+            self._stats["loads_odirect"] += 1
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)

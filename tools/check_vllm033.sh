@@ -19,6 +19,10 @@ case "$(realpath -m "$venv")/" in
   "$repo"/*) echo "check_vllm033: VENV=$venv is inside the repo; pick a directory outside it" >&2; exit 2 ;;
 esac
 
+quiet_pip() {  # pip, minus the noise of this machine's missing local index directories
+  { "$venv/bin/pip" "$@" 2>&1; } | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 installed() {
   [ -x "$venv/bin/python" ] && "$venv/bin/python" - "$version" <<'EOF' 2>/dev/null
 import importlib.metadata as m, sys
@@ -38,7 +42,7 @@ if ! installed; then
   python3 -m venv "$venv"
   dl="$(mktemp -d)"
   trap 'rm -rf "$dl"' EXIT
-  "$venv/bin/pip" download -q --no-deps -d "$dl" "vllm==$version"
+  quiet_pip download -q --no-deps -d "$dl" "vllm==$version"
   # vLLM 0.33.0 asks for certifi>=2026.10.19, newer than the registry reachable here has; any
   # certifi works for an import check, so install the wheel's requirements with certifi unpinned.
   "$venv/bin/python" - "$dl" "$version" > "$dl/requirements.txt" <<'EOF'
@@ -51,10 +55,10 @@ for line in meta.splitlines():
         req = line[len("Requires-Dist: "):]
         print(re.sub(r"^certifi\s*>=\s*[0-9.]+", "certifi", req))
 EOF
-  "$venv/bin/pip" install -q --no-deps "$dl"/vllm-"$version"-*.whl
-  "$venv/bin/pip" install -q -r "$dl/requirements.txt"
+  quiet_pip install -q --no-deps "$dl"/vllm-"$version"-*.whl
+  quiet_pip install -q -r "$dl/requirements.txt"
   # tierstore's own runtime dependencies (torch, triton and numpy come with vLLM).
-  "$venv/bin/pip" install -q xxhash zstandard aiofiles
+  quiet_pip install -q xxhash zstandard aiofiles
 fi
 
 echo "check_vllm033: $("$venv/bin/python" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))')" >&2

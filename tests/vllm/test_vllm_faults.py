@@ -142,3 +142,13 @@ def test_corrupt_mamba_state_is_recomputed(stored, tmp_path: Path) -> None:
     assert run.outputs[0].tokens == cold
     assert failures(run.worker) == {"checksum": 1}, run.worker
     assert run.outputs[0].cached == 1152
+
+
+def test_page_headers_record_chunk_tokens_and_state_positions(stored) -> None:
+    from tierstore.pagefile import inspect_page
+
+    root, ids, _, keys = stored("qwen3next")
+    attention = {inspect_page(page_path(root, 3, k)).meta.token_count for k in keys}
+    states = [inspect_page(page_path(root, 0, k)).meta.token_count for k in keys]
+    assert attention == {1152}  # each attention page holds one chunk
+    assert states == [1152, 2304]  # a state page is the state after its boundary

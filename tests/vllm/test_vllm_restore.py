@@ -147,3 +147,17 @@ def test_chunks_of_several_blocks(tmp_path: Path) -> None:
     assert second.outputs[0].tokens == first.outputs[0].tokens
     assert second.outputs[0].cached == len(ids) // 256 * 256
     assert not failures(second.worker)
+
+
+def test_more_pages_per_step_than_staging_slots(tmp_path: Path) -> None:
+    """17 pages stored in one step and loaded in one job with 16 staging slots per group:
+    stores go out in batches of free slots, loads wait in the worker for slots."""
+    ids = prompt_ids("llama", 17 * 128 + 40, offset=11)
+    root = tmp_path / "r"
+    kw = {"extra": {"io_threads": 1}, "max_model_len": 2400, "max_num_batched_tokens": 2400}
+    first = run_engine("llama", root, [{"prompt_token_ids": ids}], **kw)
+    assert len(pages(root)) == 17 and not failures(first.worker)
+    second = run_engine("llama", root, [{"prompt_token_ids": ids}], **kw)
+    assert second.outputs[0].cached == 17 * 128
+    assert second.outputs[0].tokens == first.outputs[0].tokens
+    assert second.worker["load_pages_ok"] == 17 and not failures(second.worker)

@@ -16,7 +16,7 @@ tier sustains), ``store_buffered`` = until the last write returned (page-cache r
 writers are already durable there), ``load`` = cold read after the page cache was dropped
 (``/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` per file), ``load_warm``
 = the same read with every page in the page cache (for all systems, brought in the same way:
-a buffered read after a cache drop). Ratios are GB/s over GB/s (higher is better).
+a buffered read after a cache drop; ``--warm-passes`` reads of every page per measurement). Ratios are GB/s over GB/s (higher is better).
 
 Run: ``python -m tierstore.bench.io --root DIR --json`` (or ``tierstore bench io``).
 Threading: the benchmark drives its own threads; nothing here is used by the library.
@@ -74,8 +74,10 @@ def _key(size_tag: str, run: int, i: int) -> bytes:
 class _CacheDropper:
     """Drop the page cache of given files: drop_caches when permitted, else fadvise."""
 
-    def __init__(self) -> None:
+    def __init__(self, method: str = "auto") -> None:
         self.method = "fadvise"
+        if method == "fadvise":
+            return
         try:
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("1\n")
@@ -194,8 +196,8 @@ class _Raw:
 
 class _Tierstore:
     def __init__(self, root: Path, ns: Namespace, sources: list[memoryview], threads: int,
-                 config: TierStoreConfig, tag: str) -> None:
-        self.engine = IOEngine(root, ns, 0, config=config, staging_slots=2 * threads + 2)
+                 config: TierStoreConfig, tag: str, slots: int = 0) -> None:
+        self.engine = IOEngine(root, ns, 0, config=config, staging_slots=slots or 2 * threads + 2)
         # Fill every slot once with page bytes: a store then needs no copy (in vLLM the slot
         # is filled by the device->host gather, which the raw baseline does not do either).
         for s in self.engine._slots:
@@ -325,6 +327,8 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
                     impl[s] = _Raw(work / "raw", sources, args.threads, page_bytes)
                 elif s == "tierstore":
                     impl[s] = _Tierstore(work / "ts", ns, sources, args.threads, cfg, tag)
+                    if args.cold_loads == "buffered":
+                        impl[s].engine.direct_loads = False
                 else:
                     impl[s] = _VllmFs(work / "vllm", sources, args.threads, page_bytes, vio)
             for s in order:  # store, each to durable
@@ -350,13 +354,18 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
             dropper.drop([p for s in order for p in all_paths[s]])
             for s in order:
                 _prime(all_paths[s], args.threads)
+            passes = args.warm_passes  # a warm pass is short: repeat it to be measurable
             for s in order:
-                rates[s].setdefault("load_warm", []).append(gb / _timed(impl[s].load))
-                cpu[s].setdefault("load_warm", []).append(_CPU["last"] / gb)
+                x = impl[s]
+                rates[s].setdefault("load_warm", []).append(
+                    passes * gb / _timed(lambda x=x, k=passes: [x.load() for _ in range(k)]))
+                cpu[s].setdefault("load_warm", []).append(_CPU["last"] / (passes * gb))
             if "tierstore" in impl:
                 st = impl["tierstore"].engine.stats
                 engine_info = {"io_mode": st["io_mode"], "odirect_reason": st["odirect_reason"],
                                "codec": st["codec"], "threads": args.threads,
+                               "odirect_cold_loads": impl["tierstore"].engine.direct_loads,
+                               "loads_read_with_odirect_last_run": st["loads_odirect"],
                                "header_bytes": impl["tierstore"].engine._header_len(32)}
             if "vllm_fs" in impl:
                 vllm_info = {"o_direct": impl["vllm_fs"].use_o_direct}
@@ -391,11 +400,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", required=True, help="scratch directory on the disk to measure (files are removed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--page-mib", default="2,16", help="page sizes in MiB, comma separated (default 2,16)")
-    parser.add_argument("--total-mib", type=int, default=384, help="MiB per page size and system per run (default 384)")
+    parser.add_argument("--total-mib", type=int, default=256, help="MiB per page size and system per run (default 256)")
     parser.add_argument("--threads", type=int, default=4, help="I/O threads of every system (default 4)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per page size; medians are reported (default 3)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per page size; medians are reported (default 5)")
+    parser.add_argument("--warm-passes", type=int, default=4, help="reads of every page per warm measurement (default 4)")
     parser.add_argument("--odirect", default="auto", choices=("auto", "on", "off"), help="tierstore odirect setting")
+    parser.add_argument("--cold-loads", default="auto", choices=("auto", "buffered"),
+                        help="tierstore cold loads: auto (O_DIRECT when it works) or buffered (experiment)")
     parser.add_argument("--codec", default="none", choices=("none", "zstd"), help="tierstore codec")
+    parser.add_argument("--cache-drop", default="auto", choices=("auto", "fadvise"),
+                        help="auto: drop_caches when root, else posix_fadvise per file; fadvise: always per file")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier even if importable")
 
 
@@ -407,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
 
-    dropper = _CacheDropper()
+    dropper = _CacheDropper(args.cache_drop)
     vio, vinfo = (None, "skipped (--no-vllm)") if args.no_vllm else _import_vllm_io()
     sizes = [int(x) for x in str(args.page_mib).split(",") if x.strip()]
     load0 = os.getloadavg()

@@ -182,7 +182,7 @@ def _bench_ms(fn: Callable[[], Any], reps: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=max(20, reps), return_mode="median"))
 
 
-def kernel_rows(case: Case, reps: int, configs: list[dict[str, int]]) -> list[dict[str, Any]]:
+def kernel_rows(case: Case, reps: int, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from tierstore.kernels import GroupCopier
     from tierstore.kernels.triton_kernels import TritonCopier
 
@@ -208,7 +208,8 @@ def kernel_rows(case: Case, reps: int, configs: list[dict[str, int]]) -> list[di
         tri = TritonCopier(views, lay, bpp, cds, **cfg)
         g = _bench_ms(lambda t=tri: t.gather(ids, pages), reps)
         s = _bench_ms(lambda t=tri: t.scatter(pages, ids), reps)
-        results.append(("triton", g, s, {**cfg, "launches": len(tri.describe())}))
+        plan = tri.describe()
+        results.append(("triton", g, s, {**cfg, "launches": len(plan), "vec": max(p["vec"] for p in plan)}))
     g = _bench_ms(lambda: ref.gather(ids, pages), reps)
     s = _bench_ms(lambda: ref.scatter(pages, ids), reps)
     results.append(("torch", g, s, {}))
@@ -219,6 +220,25 @@ def kernel_rows(case: Case, reps: int, configs: list[dict[str, int]]) -> list[di
             "index_select_gbps": round(sel_gbps, 1), "index_copy_gbps": round(cpy_gbps, 1),
             "gather_ratio": round(gbps(g) / sel_gbps, 3), "scatter_ratio": round(gbps(s) / cpy_gbps, 3),
         })
+    return out
+
+
+def host_direct_row(case: Case, reps: int, pcie: dict[str, float]) -> dict[str, Any]:
+    """Triton gather/scatter straight between the cache and pinned host pages (over PCIe),
+    against a plain pinned<->device copy of the same size."""
+    from tierstore.kernels.triton_kernels import TritonCopier
+
+    views, lay, bpp, cds = case.copier_args
+    n = case.ids.shape[0]
+    host = torch.empty(n, lay.nbytes, dtype=torch.uint8).pin_memory()
+    tri = TritonCopier(views, lay, bpp, cds)
+    g = _bench_ms(lambda: tri.gather(case.ids, host), reps)
+    s = _bench_ms(lambda: tri.scatter(host, case.ids), reps)
+    data = lay.data_bytes * n
+    out = {"case": case.label, "pages": n, "gather_to_pinned_gbps": round(data / (g / 1e3) / GB, 2),
+           "scatter_from_pinned_gbps": round(data / (s / 1e3) / GB, 2)}
+    out["gather_vs_d2h"] = round(out["gather_to_pinned_gbps"] / pcie["d2h_gbps"], 3)
+    out["scatter_vs_h2d"] = round(out["scatter_from_pinned_gbps"] / pcie["h2d_gbps"], 3)
     return out
 
 
@@ -280,6 +300,7 @@ def raw_files(root: Path, bufs: list[memoryview], threads: int, cold: bool) -> d
             os.close(fd)
 
     with ThreadPoolExecutor(threads) as ex:
+        os.sync()  # no earlier writeback running under the measurement
         t0 = time.perf_counter()
         list(ex.map(write, range(len(bufs))))
         w = time.perf_counter() - t0
@@ -299,7 +320,7 @@ def raw_files(root: Path, bufs: list[memoryview], threads: int, cold: bool) -> d
 
 
 # ---------------------------------------------------------------------------- pipelines
-def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bool) -> dict[str, Any]:
+def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bool, slots: int = 0) -> dict[str, Any]:
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.format import GroupKind
@@ -317,15 +338,24 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
     ns = Namespace(model=f"bench/{case.label}", dtype="bfloat16", groups=(group,), hash_algo="sha256")
     shutil.rmtree(root / "ts", ignore_errors=True)
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off")
-    n_slots = 3 * batch
+    n_slots = slots or 3 * batch
     transfer = PageTransfer(copier, scratch_pages=2 * batch)
     keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
     total = lay.nbytes * n
     out: dict[str, Any] = {"case": case.label, "pages": n, "page_bytes": lay.nbytes, "batch": batch,
-                           "io_threads": threads}
+                           "io_threads": threads, "staging_slots": n_slots}
     with IOEngine(root / "ts", ns, 0, config=config, staging_slots=n_slots, pin=True) as engine:
         out["slots_pinned"] = engine.pinned
+        # warm-up (untimed): compiles the gather/scatter kernels of this shape
+        wslot = engine.acquire_slot()
+        transfer.start_store(ids_cpu[:1], [wslot])
+        transfer.wait()
+        transfer.start_load([wslot], ids_cpu[:1])
+        transfer.wait()
+        transfer.poll()
+        engine.release_slot(wslot)
         # ---- store: cache -> scratch -> pinned slot -> file
+        os.sync()
         torch.cuda.synchronize()
         t0 = last = time.perf_counter()
         next_page = 0
@@ -339,8 +369,8 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                 for j, slot in enumerate(h.slots):
                     engine.submit_store(keys[first + j], slot, tokens)
                 progressed = True
-            if next_page < n and engine.free_slots >= min(batch, n - next_page):
-                k = min(batch, n - next_page)
+            if next_page < n and engine.free_slots > 0:  # start with the slots there are (up to a batch)
+                k = min(batch, n - next_page, engine.free_slots)
                 slots = [engine.acquire_slot() for _ in range(k)]
                 h = transfer.start_store(ids_cpu[next_page : next_page + k], slots)
                 if h is None:
@@ -363,7 +393,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                 raise RuntimeError(f"store pipeline stalled: {stored} stored, {failed} failed, next page {next_page}, "
                                    f"{len(waiting)} transfers waiting, engine {engine.stats}")
             else:
-                time.sleep(0.0001)
+                time.sleep(0.0005)
         out["store_s"] = time.perf_counter() - t0
         out["store_gbps"] = round(total / out["store_s"] / GB, 2)
         out["store_failed"] = failed
@@ -389,12 +419,12 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                         raise RuntimeError(f"load failed: {r.error}")
                     ready.append((r.slot, page))
                     progressed = True
-                if ready and (len(ready) >= batch or submitted == n):
+                if ready:  # start with what is there (up to a batch): keeps the engine's slots cycling
                     take = ready[:batch]
                     rows = torch.stack([ids_cpu[p] for _, p in take])
                     h = transfer.start_load([s for s, _ in take], rows)
                     if h is not None:
-                        ready = ready[batch:]
+                        ready = ready[len(take):]
                         started.append(h)
                         progressed = True
                 still = []
@@ -413,7 +443,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                     raise RuntimeError(f"load pipeline stalled: {done_pages} done, {submitted} submitted, "
                                        f"{len(ready)} ready, {len(started)} started, engine {engine.stats}")
                 else:
-                    time.sleep(0.0001)
+                    time.sleep(0.0005)
             transfer.wait()
             torch.cuda.synchronize()
             return time.perf_counter() - t0
@@ -440,7 +470,51 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
             ref.gather(case.ids, got)
             out["verified"] = out["verified"] and bool(torch.equal(got, want))
         out["engine_io_mode"] = engine.stats["io_mode"]
+        # the same engine without the GPU: how much of the gap to raw files is the engine's own
+        eng = engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold)
+        out.update(eng)
     shutil.rmtree(root / "ts", ignore_errors=True)
+    return out
+
+
+def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool) -> dict[str, float]:
+    """IOEngine store then load of the same number of pages from/to its slots, no GPU."""
+    n = len(keys)
+    total = engine.layout.nbytes * n
+    os.sync()
+    t0 = time.perf_counter()
+    submitted = done = 0
+    while done < n:
+        while submitted < n and engine.free_slots > 0:
+            slot = engine.acquire_slot()  # holds the bytes of an earlier page: content does not matter
+            engine.submit_store(keys[submitted], slot, tokens)
+            submitted += 1
+        res = engine.poll()
+        done += len(res)
+        if not res:
+            time.sleep(0.0005)
+    store_s = time.perf_counter() - t0
+
+    def load() -> float:
+        t0 = time.perf_counter()
+        submitted = done = 0
+        while done < n:
+            while submitted < n and engine.free_slots > 0:
+                engine.submit_load(keys[submitted])
+                submitted += 1
+            res = engine.poll()
+            for r in res:
+                if not r.ok:
+                    raise RuntimeError(f"engine-only load failed: {r.error}")
+                engine.release_slot(r.slot)
+            done += len(res)
+            if not res:
+                time.sleep(0.0005)
+        return time.perf_counter() - t0
+
+    out = {"engine_only_store_gbps": round(total / store_s / GB, 2), "engine_only_load_warm_gbps": round(total / load() / GB, 2)}
+    if cold and _drop_caches():
+        out["engine_only_load_cold_gbps"] = round(total / load() / GB, 2)
     return out
 
 
@@ -453,8 +527,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-mib", type=int, default=1024, help="payload MiB per transfer measurement (default 1024)")
     parser.add_argument("--batch", type=int, default=8, help="pages per transfer batch (default 8)")
     parser.add_argument("--io-threads", type=int, default=4, help="IOEngine and raw-file threads (default 4)")
+    parser.add_argument("--slots", type=int, default=0, help="IOEngine staging slots (default 3 x batch)")
+    parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench repetition time in ms (default 100)")
-    parser.add_argument("--sweep", action="store_true", help="also try other Triton tile sizes / warps")
+    parser.add_argument("--sweep", action="store_true", help="also try other Triton tile sizes / warps (first case)")
     parser.add_argument("--skip-transfer", action="store_true", help="kernels only")
     parser.add_argument("--no-cold", action="store_true", help="do not drop the page cache for cold loads")
 
@@ -464,9 +540,15 @@ def _print(rep: dict[str, Any]) -> None:
     print("\nkernels (GB/s of page payload; ratio = vs index_select / index_copy_ on the same bytes)")
     print(f"{'case':<88} {'backend':<7} {'gather':>7} {'isel':>7} {'ratio':>6} {'scatter':>7} {'icopy':>7} {'ratio':>6}")
     for r in rep["kernels"]:
-        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items() if k != "launches")
-        print(f"{r['case'][:80] + ' ' + cfg[:7]:<88} {r['backend']:<7} {r['gather_gbps']:>7} {r['index_select_gbps']:>7} "
+        c = r["config"]
+        cfg = f"t{c['tile_words']}w{c['num_warps']}v{c['vec']}" if c else ""
+        print(f"{r['case'][:72] + ' ' + cfg:<88} {r['backend']:<7} {r['gather_gbps']:>7} {r['index_select_gbps']:>7} "
               f"{r['gather_ratio']:>6} {r['scatter_gbps']:>7} {r['index_copy_gbps']:>7} {r['scatter_ratio']:>6}")
+    if rep.get("host_direct"):
+        print("\nTriton straight to/from pinned host pages (GB/s; ratio vs a plain pinned copy)")
+        for r in rep["host_direct"]:
+            print(f"{r['case'][:80]:<82} gather {r['gather_to_pinned_gbps']} (x{r['gather_vs_d2h']}) "
+                  f"scatter {r['scatter_from_pinned_gbps']} (x{r['scatter_vs_h2d']})")
     if rep.get("transfer"):
         print(f"\nraw PCIe: {rep['raw_pcie']}  (ratio = pipeline / min(PCIe, raw file) of the same direction)")
         for t in rep["transfer"]:
@@ -488,12 +570,12 @@ def run(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node(), "kernels": [], "transfer": [],
     }
-    configs = [{"tile_words": 4096, "num_warps": 4}]
-    if args.sweep:
-        configs += [{"tile_words": 2048, "num_warps": 4}, {"tile_words": 8192, "num_warps": 8},
-                    {"tile_words": 16384, "num_warps": 8}]
+    configs: list[dict[str, Any]] = [{"tile_words": 4096, "num_warps": 4},
+                                     {"tile_words": 4096, "num_warps": 4, "vector_hints": False}]
+    sweep = configs + [{"tile_words": 2048, "num_warps": 4}, {"tile_words": 8192, "num_warps": 8},
+                       {"tile_words": 16384, "num_warps": 8}]
     cases: list[Case] = []
-    for shape in model_shapes():
+    for shape in [] if args.skip_kernels else model_shapes():
         if isinstance(shape, MambaShape):
             per_page = shape.layers * (shape.conv_dim * shape.conv_len * 2 + shape.heads * shape.head_v * shape.head_k * 4)
             n = max(4, args.mib * 2**20 // per_page)
@@ -507,9 +589,15 @@ def run(args: argparse.Namespace) -> int:
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(rep, indent=2) + "\n")
 
-    for i, case in enumerate(cases):
+    for i, case in enumerate([] if args.skip_kernels else cases):
         _log(f"kernels: {case.label}")
-        rep["kernels"].extend(kernel_rows(case, args.reps, configs if i == 0 else configs[:1]))
+        rep["kernels"].extend(kernel_rows(case, args.reps, sweep if i == 0 and args.sweep else configs))
+        save()
+    if cases:
+        pcie = raw_pcie(256 * 2**20, device)
+        rep["host_direct"] = [host_direct_row(c, args.reps, pcie) for c in cases
+                              if c.layout_name in ("LBNHC", "mamba")]
+        _log(f"host direct {rep['host_direct']}")
         save()
     if not args.skip_transfer:
         tmp = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="tierstore-bench-"))
@@ -540,11 +628,13 @@ def run(args: argparse.Namespace) -> int:
                 raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
                 _log(f"raw files {raw}; pipeline")
                 del bufs, slab
-                t = transfer_pipeline(case, tmp, args.batch, args.io_threads, cold=not args.no_cold)
+                t = transfer_pipeline(case, tmp, args.batch, args.io_threads, cold=not args.no_cold, slots=args.slots)
                 t["raw_files"] = raw
                 pc = rep["raw_pcie"]
                 t["store_ratio"] = round(t["store_gbps"] / min(pc["d2h_gbps"], raw["write_gbps"]), 3)
                 t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pc["h2d_gbps"], raw["read_warm_gbps"]), 3)
+                t["store_vs_engine_only"] = round(t["store_gbps"] / t["engine_only_store_gbps"], 3)
+                t["load_warm_vs_engine_only"] = round(t["load_warm_gbps"] / t["engine_only_load_warm_gbps"], 3)
                 if "load_cold_gbps" in t and "read_cold_gbps" in raw:
                     t["load_cold_ratio"] = round(t["load_cold_gbps"] / min(pc["h2d_gbps"], raw["read_cold_gbps"]), 3)
                 rep["transfer"].append(t)

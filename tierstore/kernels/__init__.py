@@ -66,15 +66,33 @@ class GroupCopier:
                     impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
         self._impl = impl
         self.backend: str = impl.backend  # type: ignore[attr-defined]
+        self._sources = list(sources)
+        self._concat_dims = list(concat_dims)
+        self._fallback: ReferenceCopier | None = None
+
+    def _for_pages(self, pages: PagesArg) -> object:
+        """The Triton path reads/writes host page buffers directly only when they are pinned
+        (mapped into the GPU's address space); pageable host buffers go through torch."""
+        if self.backend != "triton" or self._sources[0].device.type != "cuda":
+            return self._impl
+        bufs = [pages] if isinstance(pages, torch.Tensor) else list(pages)
+        if all(b.device.type == "cuda" or b.is_pinned() for b in bufs):
+            return self._impl
+        if self._fallback is None:
+            self._fallback = ReferenceCopier(self._sources, self.layout, self.blocks_per_page, self._concat_dims)
+        return self._fallback
 
     def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
         """Copy blocks ``block_ids`` [n_pages, blocks_per_page] into ``pages`` (uint8 [n_pages, nbytes]
-        or a list of n_pages 1-D uint8 buffers), each row a canonical page buffer."""
-        self._impl.gather(block_ids, pages)  # type: ignore[attr-defined]
+        or a list of n_pages 1-D uint8 buffers), each row a canonical page buffer.
+
+        With CUDA sources, pages may be device memory or pinned host memory (the kernel writes
+        over PCIe; queued on the current stream: synchronize before reading them on the host)."""
+        self._for_pages(pages).gather(block_ids, pages)  # type: ignore[attr-defined]
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
         """Inverse of ``gather``: write each page's sections into its blocks."""
-        self._impl.scatter(pages, block_ids)  # type: ignore[attr-defined]
+        self._for_pages(pages).scatter(pages, block_ids)  # type: ignore[attr-defined]
 
 
 __all__ = ["BACKENDS", "GroupCopier", "ReferenceCopier"]

@@ -66,10 +66,12 @@ def _file_identity(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
 
 class TierStoreManager(OffloadingManager):
     def __init__(self, mappers: Sequence[FileMapper], group_of: dict[int, int],
-                 tokens_per_chunk: Sequence[int], retry_after_s: float = 30.0) -> None:
+                 tokens_per_chunk: Sequence[int], state_groups: Sequence[bool],
+                 retry_after_s: float = 30.0) -> None:
         self.mappers = list(mappers)
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index
         self.tokens_per_chunk = list(tokens_per_chunk)
+        self.state_groups = list(state_groups)  # True: a page is a state after its end token
         self.retry_after_s = retry_after_s
         self._storing: set[OffloadKey] = set()
         # key -> (file identity when it failed, kind, monotonic time of failure)
@@ -118,8 +120,9 @@ class TierStoreManager(OffloadingManager):
             end = req_context.get_offload_key_position(key)
             spec.groups.append(g)
             spec.keys.append(get_offload_block_hash(key))
-            # Attention pages hold one chunk; a Mamba page summarises the prefix up to its end.
-            spec.token_counts.append(end if end is not None else self.tokens_per_chunk[g])
+            # An attention page holds one chunk's tokens; a Mamba page the state after ``end``.
+            state = self.state_groups[g] and end is not None
+            spec.token_counts.append(end if state else self.tokens_per_chunk[g])
         return spec
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:

@@ -86,8 +86,10 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             mappers = [FileMapper(self.ts_config.root, self.namespace.digest, i, self.rank)
                        for i in range(len(self.namespace.groups))]
-            self._manager = TierStoreManager(mappers, self.group_of,
-                                             [g.tokens_per_chunk for g in self.namespace.groups])
+            self._manager = TierStoreManager(
+                mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
+                [g.kind == GroupKind.MAMBA for g in self.namespace.groups],
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -62,7 +62,7 @@ class _Job:
     is_load: bool
     started: float
     pending: set[tuple[int, int]] = field(default_factory=set)  # (group index, engine job id)
-    failed: list[tuple[int, bytes, str]] = field(default_factory=list)  # (group, key, kind)
+    failed: list[tuple[int, bytes | None, str]] = field(default_factory=list)  # (group, key, kind)
     waiting: int = 0  # page loads queued here until a staging slot frees up
     nbytes: int = 0
 
@@ -107,11 +107,12 @@ class TierStoreWorker(OffloadingWorker):
         if g.device.type == "cuda":
             torch.cuda.current_stream(g.device).synchronize()
 
-    def _fail(self, job: _Job, group: int, key: bytes, kind: str, message: str) -> None:
+    def _fail(self, job: _Job, group: int, key: bytes | None, kind: str, message: str) -> None:
         job.failed.append((group, key, kind))
         op = "load" if job.is_load else "store"
         self.counters[f"{op}_failed:{kind}"] += 1
-        logger.warning("tierstore: %s of page %s.. (group %d) failed: %s%s", op, key.hex()[:16], group, message,
+        name = key.hex()[:16] if key else "?"
+        logger.warning("tierstore: %s of page %s.. (group %d) failed: %s%s", op, name, group, message,
                        "; the request's tokens are recomputed" if job.is_load else "")
 
     # ------------------------------------------------------------ stores
@@ -172,10 +173,12 @@ class TierStoreWorker(OffloadingWorker):
                 continue
             bpc = g.blocks_per_chunk
             if first % bpc or len(block_ids) != len(todo) * bpc:
-                # A window that starts inside a page: not supported yet, recompute instead.
-                for key, _ in todo or [(b"?", 0)]:
-                    self._fail(job, g.index, key, "partial_chunk",
-                               f"{len(block_ids)} blocks from logical block {first} for {len(todo)} pages of {bpc}")
+                # A window that starts inside a page (validation rules it out): recompute.
+                msg = f"{len(block_ids)} blocks from logical block {first} for {len(todo)} pages of {bpc}"
+                for key, _ in todo:
+                    self._fail(job, g.index, key, "partial_chunk", msg)
+                if not todo:
+                    self._fail(job, g.index, None, "partial_chunk", msg)
                 continue
             rows = self._kernel_rows(g, block_ids, len(todo))
             for (key, _), row in zip(todo, rows, strict=True):
@@ -240,7 +243,8 @@ class TierStoreWorker(OffloadingWorker):
         if job.is_load:
             self.counters["load_jobs_ok" if ok else "load_jobs_failed"] += 1
             for group, key, kind in job.failed:
-                self.failed_loads.append((job.job_id, self.groups[group].vllm_group_id, key, kind))
+                if key is not None:
+                    self.failed_loads.append((job.job_id, self.groups[group].vllm_group_id, key, kind))
         self._finished.append(TransferResult(job.job_id, ok, job.nbytes, time.perf_counter() - job.started))
 
     def get_finished(self) -> list[TransferResult]:
