@@ -84,11 +84,11 @@ def test_text_output_names_the_figures(pages_report: dict[str, Any]) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_mode_restores_prefix_in_second_process(tmp_path: Path) -> None:
+def test_vllm_mode_restores_prefix_in_second_process() -> None:
     pytest.importorskip("vllm")
     pytest.importorskip("tierstore.vllm")
     rc, r, err = _demo("--mode", "vllm", "--kind", "llama", "--prompt-tokens", "544", "--prompts", "2",
-                       "--max-tokens", "8", "--model-cache", str(tmp_path / "models"), timeout=300)
+                       "--max-tokens", "8", timeout=300)
     assert rc == 0, (r, err[-3000:])
     cold, restored = r["runs"][0], r["runs"][1]
     assert cold["pid"] != restored["pid"]

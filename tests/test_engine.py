@@ -510,3 +510,30 @@ def test_bench_io_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert size["header_bytes"] == 4096 and out["cache_drop"] == "fadvise"
     assert all(size["gbps"][s][ph] > 0 for s in ("raw", "tierstore") for ph in ("store", "load", "load_warm"))
     assert not (tmp_path / "bench").exists()  # scratch files removed
+
+
+def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = hybrid_namespace(conv_dim=37)  # unaligned payload: the padded O_DIRECT write is refused
+    eng = _engine(root, ns, 2, odirect="auto")
+    if not eng.odirect:
+        eng.close()
+        pytest.skip("O_DIRECT does not work on this file system")
+    real = os.pwritev
+    calls = []
+
+    def refuse_first(fd: int, bufs: object, offset: int) -> int:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_mod.os, "pwritev", refuse_first)
+    key = page_key(1)
+    data = page_bytes(eng.layout, key, 2)
+    res = _store(eng, key, data)
+    monkeypatch.setattr(engine_mod.os, "pwritev", real)
+    assert res.ok and len(calls) == 2
+    path = eng.mapper.path_for(key)
+    assert path.stat().st_size == inspect_page(path).file_size
+    assert _load(eng, key)[1] == data
+    eng.close()

@@ -16,7 +16,9 @@ tier sustains), ``store_buffered`` = until the last write returned (page-cache r
 writers are already durable there), ``load`` = cold read after the page cache was dropped
 (``/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` per file), ``load_warm``
 = the same read with every page in the page cache (for all systems, brought in the same way:
-a buffered read after a cache drop; ``--warm-passes`` reads of every page per measurement). Ratios are GB/s over GB/s (higher is better).
+a buffered read after a cache drop; ``--warm-passes`` reads of every page per measurement).
+Ratios are GB/s over GB/s (higher is better); headline ratios are the worse page size. The JSON
+also has CPU seconds per GB per system and phase, and the header overhead per page.
 
 Run: ``python -m tierstore.bench.io --root DIR --json`` (or ``tierstore bench io``).
 Threading: the benchmark drives its own threads; nothing here is used by the library.
