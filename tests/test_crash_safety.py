@@ -135,8 +135,10 @@ def test_sigkilled_writers_leave_no_torn_page(tmp_path: Path) -> None:
     counts = report.counts()
     assert counts["pages_ok"] == pages
     assert {p.category for p in report.problems} <= {"stale_temp"}, report.format_text()
-    assert len(report.problems) == temps
-    if temps:
+    # A temp whose writer pid was reused by a live process counts as in flight, not stale.
+    assert len(report.problems) + counts["temps_active"] == temps
+    if report.problems:
         repaired = fsck.run_fsck(fsck.FsckOptions(root=root, repair=True, jobs=2, progress=False))
         assert repaired.exit_code == 1 and repaired.left == 0
-    assert fsck.run_fsck(fsck.FsckOptions(root=root, jobs=2, progress=False)).exit_code == 0
+    if counts["temps_active"] == 0:
+        assert fsck.run_fsck(fsck.FsckOptions(root=root, jobs=2, progress=False)).exit_code == 0

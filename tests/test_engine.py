@@ -192,8 +192,15 @@ def test_damaged_pages_are_typed_failures(root: Path, damage: str, kind: str) ->
     res, data = _load(eng, key)
     assert not res.ok and data is None and res.slot is None
     assert res.error is not None and res.error.kind == kind, res.error
+    assert res.error.key == key
     assert eng.stats["loads_failed"] == {kind: 1}
     assert eng.free_slots == eng.stats["staging_slots"]
+    # The damaged file is gone, so the key can be stored again and then loads clean.
+    assert not path.exists() and eng.stats["bad_pages_discarded"] == 1
+    res = _store(eng, key, page_bytes(layout, key))
+    assert res.ok and res.stored
+    res, data = _load(eng, key)
+    assert res.ok and data == page_bytes(layout, key)
     eng.close()
 
 

@@ -104,6 +104,8 @@ logger = logging.getLogger("tierstore.engine")
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (and HEADER_ALIGN)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+# Load failures that prove the file under the final name is bad (not a transient I/O error).
+_DISCARD_KINDS = frozenset({"checksum", "truncated", "format", "key_mismatch", "foreign"})
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 assert HEADER_ALIGN % ALIGN == 0
@@ -319,6 +321,7 @@ class IOEngine:
             "stores_ok": 0, "stores_existing": 0, "stores_failed": {}, "store_bytes": 0,
             "store_seconds": 0.0, "late_results_dropped": 0, "loads_general_reader": 0,
             "loads_odirect": 0,  # cold loads read with O_DIRECT (the rest came from the page cache)
+            "bad_pages_discarded": 0,  # damaged files removed so the key can be stored again
         }
         self._local = _WorkerState()
         self._threads = [
@@ -680,6 +683,10 @@ class IOEngine:
                     stored, nbytes = self._do_store(job.key, job.slot, job.token_count)  # type: ignore[arg-type]
             except PageError as exc:
                 error = exc
+                if error.key is None:  # readers deep in format.py do not know the key
+                    error.key = job.key
+                if job.op == "load" and error.kind in _DISCARD_KINDS:
+                    self._discard_bad_page(job.key, error)
             except Exception as exc:  # a bug must still come back as a per-key failure
                 logger.exception("unexpected error in %s of key %s", job.op, job.key.hex()[:16])
                 error = PageError(f"internal error: {exc!r}", key=job.key)
@@ -688,6 +695,22 @@ class IOEngine:
                 # The worker owned the slot: hand it back unless the caller got it with a page.
                 if job.slot is not None and not (accepted and error is None and job.op == "load"):
                     self._release_locked(job.slot)
+
+    def _discard_bad_page(self, key: bytes, error: PageError) -> None:
+        """Remove a page that failed verification, so the next store of its key can replace it.
+
+        Names are content addresses: a damaged file under a final name would otherwise count as
+        "already stored" forever. Racing a writer that republished the name in between only
+        costs that page (a later miss), never correctness: readers verify.
+        """
+        path = self._final_path(key)
+        try:
+            os.unlink(path)
+        except OSError:
+            return
+        logger.warning("removed damaged page %s (%s)", path, error)
+        with self._lock:
+            self._stats["bad_pages_discarded"] += 1
 
     def _template(self, key_len: int) -> _HeaderTemplate:
         tmpl = self._templates.get(key_len)
