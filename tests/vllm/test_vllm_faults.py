@@ -152,3 +152,69 @@ def test_page_headers_record_chunk_tokens_and_state_positions(stored) -> None:
     states = [inspect_page(page_path(root, 0, k)).meta.token_count for k in keys]
     assert attention == {1152}  # each attention page holds one chunk
     assert states == [1152, 2304]  # a state page is the state after its boundary
+
+
+def test_mamba_pages_hold_the_models_own_states(stored) -> None:
+    """A GDN page is the model's state after its boundary, in canonical orientation: the conv
+    state (dim, kernel-1) whatever vLLM keeps in memory ("SD" on CPU), the temporal state
+    [H, Dk, Dv]. Reference: the same model in transformers after the same 1152 tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm_helpers import model_dir
+
+    from tierstore.pagefile import inspect_page, read_page
+
+    root, ids, _, keys = stored("qwen3next")
+    path = page_path(root, 0, keys[0])
+    header = inspect_page(path)
+    buf = bytearray(header.layout.nbytes)
+    read_page(path, None, memoryview(buf))
+    (conv_spec, temp_spec), (conv_off, temp_off) = header.layout.sections[:2], header.layout.offsets[:2]
+    assert conv_spec.name.endswith(".conv") and temp_spec.name.endswith(".temporal")
+    layer = int(conv_spec.name.split(".")[2])
+    conv = torch.frombuffer(buf, dtype=torch.bfloat16, offset=conv_off, count=conv_spec.nbytes // 2).view(*conv_spec.shape)
+    temp = torch.frombuffer(buf, dtype=torch.float32, offset=temp_off, count=temp_spec.nbytes // 4).view(*temp_spec.shape)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir("qwen3next")), dtype=torch.bfloat16)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids[:1152]]), use_cache=True).past_key_values.layers[layer]
+    ref_conv = next(iter(cache.conv_states.values()))[0]  # [dim, kernel]
+    ref_temp = next(iter(cache.recurrent_states.values()))[0].float()
+    width = conv.shape[1]
+    assert torch.allclose(conv.float(), ref_conv[:, -width:].float(), atol=0.05)
+    assert torch.corrcoef(torch.stack([temp.flatten(), ref_temp.flatten()]))[0, 1] > 0.999
+
+
+MP_SCRIPT = """
+import json, sys
+sys.path.insert(0, {here!r})
+import conftest  # noqa: F401  (environment; VLLM_ENABLE_V1_MULTIPROCESSING is overridden below)
+from vllm_helpers import run_engine
+
+if __name__ == "__main__":
+    run = run_engine("gemma3", {root!r}, [{{"prompt_token_ids": {ids!r}}}], shutdown_right_after=True,
+                     prefix_cache_retention_interval=None)
+    print("RESULT " + json.dumps({{"tokens": run.outputs[0].tokens, "cached": run.outputs[0].cached}}))
+"""
+
+
+def test_multiprocess_engine_recovers_from_a_corrupt_page(stored, tmp_path: Path) -> None:
+    """vLLM's default engine (scheduler and worker in other processes): the failed key must
+    cross from the worker process to the scheduler's manager, or the retry would load the
+    same corrupt page again and again."""
+    import json
+    import subprocess
+    import sys
+
+    root, ids, cold, keys = stored("gemma3")
+    work = copy_root(root, tmp_path / "r")
+    flip_byte(page_path(work, 1, keys[1]))
+    script = tmp_path / "mp_engine.py"
+    script.write_text(MP_SCRIPT.format(here=str(Path(__file__).parent), root=str(work), ids=ids))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["tokens"] == cold
+    assert result["cached"] == 128  # chunk 0 restored on the retry, the corrupt chunk 1 skipped
+    assert "checksum" in proc.stderr  # the worker process logged the fault

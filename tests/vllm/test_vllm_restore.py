@@ -161,3 +161,31 @@ def test_more_pages_per_step_than_staging_slots(tmp_path: Path) -> None:
     assert second.outputs[0].cached == 17 * 128
     assert second.outputs[0].tokens == first.outputs[0].tokens
     assert second.worker["load_pages_ok"] == 17 and not failures(second.worker)
+
+
+def test_pages_hold_the_models_own_keys_and_values(stored) -> None:
+    """The canonical promise: section [H, T, 2, D] of a layer is the model's K (index 0) and V
+    (index 1) for the chunk's tokens, whatever the backend keeps in memory (vLLM's CPU kernels
+    store K transposed). Reference: the same model in transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm_helpers import chunk_keys, model_dir, page_path
+
+    from tierstore.pagefile import inspect_page, read_page
+
+    root, ids, _ = stored("llama")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir("llama")), dtype=torch.bfloat16)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids[:256]]), use_cache=True).past_key_values
+    for chunk, key in enumerate(chunk_keys(ids, 128, 128)[:2]):
+        path = page_path(root, 0, key)
+        header = inspect_page(path)
+        buf = bytearray(header.layout.nbytes)
+        read_page(path, None, memoryview(buf))
+        for layer, (sec, off) in enumerate(zip(header.layout.sections, header.layout.offsets, strict=True)):
+            page = torch.frombuffer(buf, dtype=torch.bfloat16, offset=off, count=sec.nbytes // 2).view(*sec.shape)
+            tokens = slice(chunk * 128, (chunk + 1) * 128)
+            k_ref = cache.layers[layer].keys[0, :, tokens].float()
+            v_ref = cache.layers[layer].values[0, :, tokens].float()
+            assert torch.allclose(page[:, :, 0].float(), k_ref, atol=0.1), (chunk, layer, "K")
+            assert torch.allclose(page[:, :, 1].float(), v_ref, atol=0.1), (chunk, layer, "V")

@@ -143,6 +143,28 @@ def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chu
     )
 
 
+def cpu_attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
+    """The CPU attention kernel family vLLM picks for an attention spec; None off CPU.
+
+    The CPU backend's cache layout inside a block depends on it. Verified canonical: "vec"
+    (K plane stored transposed [D, N], V plane [N, D]; tests compare pages with the model's
+    own K and V). Any other family is stored raw under a namespace marker, never shared.
+    """
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype))
+    except (ImportError, AttributeError):
+        return None
+
+
+CANONICAL_CPU_ISAS = frozenset({"vec"})
+
+
 def hash_seed_marker(hash_algo: str) -> tuple[bool, str]:
     """(stable across processes?, marker) for vLLM's first-block hash seed.
 
@@ -156,6 +178,13 @@ def hash_seed_marker(hash_algo: str) -> tuple[bool, str]:
     if hash_algo in STABLE_HASH_ALGOS:
         return True, "default"
     return False, f"random:{os.getpid()}"
+
+
+def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
+    spec = representative_spec(spec)
+    if not hasattr(spec, "head_size") or not hasattr(spec, "num_kv_heads"):
+        return None  # Mamba
+    return cpu_attention_isa(spec, cache_dtype)
 
 
 def build_namespace(
@@ -186,6 +215,13 @@ def build_namespace(
     extra: list[tuple[str, str]] = [("hash_seed", marker), ("tokens_per_hash", str(offloading_config.cache.tokens_per_hash))]
     if ts_config.namespace_tag:
         extra.append(("tag", ts_config.namespace_tag))
+    raw = sorted({
+        isa for g in offloading_config.groups
+        if (isa := _attention_isa(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec, cache.cache_dtype))
+        and isa not in CANONICAL_CPU_ISAS
+    })
+    if raw:  # pages in a CPU kernel's private layout: keep them apart from canonical ones
+        extra.append(("kv_layout", "cpu-raw-" + "-".join(raw)))
     model = vllm_config.model_config
     return Namespace(
         model=ts_config.model_id or str(model.model),

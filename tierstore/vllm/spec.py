@@ -31,13 +31,18 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine
 from tierstore.errors import ConfigError
-from tierstore.format import GroupKind
+from tierstore.format import GroupKind, PageLayout
 from tierstore.identity import Namespace
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.views import attention_view, mamba_state_views
 from tierstore.mapper import FileMapper
 from tierstore.vllm.manager import TierStoreManager
-from tierstore.vllm.namespace import mamba_states, representative_spec
+from tierstore.vllm.namespace import (
+    CANONICAL_CPU_ISAS,
+    cpu_attention_isa,
+    mamba_states,
+    representative_spec,
+)
 from tierstore.vllm.worker import TierStoreWorker, WorkerGroup
 
 logger = logging.getLogger("tierstore.vllm")
@@ -68,6 +73,39 @@ def attention_backend_name(vllm_config: Any, layer_name: str) -> str:
         return ""
 
 
+class KTransposeFixup:
+    """Canonical pages for vLLM's CPU attention kernels of the "vec" family.
+
+    Those kernels keep, per head and block, the K plane transposed (``[D, N]``) and the V plane
+    as ``[N, D]``; no single strided view yields ``[H, N, 2, D]`` for both. The copier gathers
+    the planes as if both were ``[N, D]`` (V correct, K in K^T order); ``after_gather``
+    transposes each block's K in the page buffer, ``before_scatter`` undoes it before a load is
+    scattered. Host memory only (CPU backend), one pass over the K bytes.
+    """
+
+    def __init__(self, layout: PageLayout, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.sections = [(off, sec) for off, sec in zip(layout.offsets, layout.sections, strict=True)]
+
+    def _k_views(self, page: torch.Tensor):  # noqa: ANN202 - generator of tensors
+        for off, sec in self.sections:
+            heads, tokens, _, dim = sec.shape
+            t = page[off : off + sec.nbytes].view(getattr(torch, sec.dtype)).view(heads, tokens, 2, dim)
+            yield t[:, :, 0, :], heads, tokens // self.block_tokens, dim
+
+    def after_gather(self, page: torch.Tensor) -> None:
+        n = self.block_tokens
+        for k, heads, blocks, dim in self._k_views(page):
+            kt = k.reshape(heads, blocks, n * dim).view(heads, blocks, dim, n)  # K^T order
+            k.copy_(kt.transpose(-1, -2).reshape(heads, blocks * n, dim))
+
+    def before_scatter(self, page: torch.Tensor) -> None:
+        n = self.block_tokens
+        for k, heads, blocks, dim in self._k_views(page):
+            kt = k.reshape(heads, blocks, n, dim).transpose(-1, -2).contiguous()
+            k.copy_(kt.view(heads, blocks, n, dim).reshape(heads, blocks * n, dim))
+
+
 class TierStoreOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig, ts_config: TierStoreConfig, namespace: Namespace,
                  vllm_config: Any, kv_cache_config: Any) -> None:
@@ -92,6 +130,10 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             )
         return self._manager
 
+    def _layer(self, name: str) -> Any:
+        ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
+        return ctx.get(name)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         raise NotImplementedError("TierStoreConnector builds its worker from the raw per-layer caches (build_worker)")
 
@@ -105,6 +147,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             sources: list[torch.Tensor] = []
             concat: list[int | None] = []
             ratio = 1
+            k_transposed_tokens: int | None = None
             vspec = self.kv_cache_config.kv_cache_groups[gcfg.group_id].kv_cache_spec
             if gspec.kind == GroupKind.MAMBA:
                 states = mamba_states(representative_spec(vspec))
@@ -121,13 +164,19 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 bpp = 1
             else:
                 head_size = gspec.layout.sections[0].shape[3]
+                isa = cpu_attention_isa(representative_spec(vspec), self.vllm_config.cache_config.cache_dtype)
                 for layer in gspec.layer_names:
                     cache = kv_caches[layer]
                     if cache.dim() != 4 or cache.shape[0] % num_blocks:
                         raise ConfigError(f"unexpected KV cache view for {layer}: {tuple(cache.shape)}")
                     ratio = cache.shape[0] // num_blocks
                     if attention_backend_name(self.vllm_config, layer) in KV_PLANE_BACKENDS:
+                        layer_isa = getattr(self._layer(layer), "isa", isa)
+                        if layer_isa != isa:
+                            raise ConfigError(f"{layer}: CPU attention kernel {layer_isa!r}, expected {isa!r}")
                         sources.append(kv_planes_view(cache, head_size))
+                        if isa in CANONICAL_CPU_ISAS:
+                            k_transposed_tokens = cache.shape[2]
                     else:
                         sources.append(attention_view(cache, head_size))
                     concat.append(1)
@@ -146,6 +195,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
                 blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
                 kernel_ratio=ratio, device=device,
+                fixup=KTransposeFixup(gspec.layout, k_transposed_tokens) if k_transposed_tokens else None,
             ))
         slot_timeout = self.ts_config.deadline_ms / 1000.0
         self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s, slot_timeout)

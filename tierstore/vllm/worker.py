@@ -54,6 +54,7 @@ class WorkerGroup:
     blocks_per_chunk: int  # scheduler blocks per page (1 for Mamba)
     kernel_ratio: int  # kernel blocks per scheduler block
     device: torch.device
+    fixup: Any = None  # in-place page fix-up (after_gather / before_scatter), see spec.KTransposeFixup
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Job:
     pending: set[tuple[int, int]] = field(default_factory=set)  # (group index, engine job id)
     failed: list[tuple[int, bytes | None, str]] = field(default_factory=list)  # (group, key, kind)
     waiting: int = 0  # page loads queued here until a staging slot frees up
+    keys: list[tuple[int, bytes]] = field(default_factory=list)  # every page (group, key) of a load
     nbytes: int = 0
 
 
@@ -150,6 +152,9 @@ class TierStoreWorker(OffloadingWorker):
                 rows = self._kernel_rows(g, block_ids[pos * bpc : (pos + len(slots)) * bpc], len(slots))
                 g.copier.gather(rows, [s.tensor for s in slots])
                 self._sync(g)
+                if g.fixup is not None:
+                    for s in slots:
+                        g.fixup.after_gather(s.tensor)
                 for (key, tokens), slot in zip(batch, slots, strict=True):
                     eid = g.engine.submit_store(key, slot, tokens)
                     job.pending.add((g.index, eid))
@@ -165,6 +170,7 @@ class TierStoreWorker(OffloadingWorker):
         # read by the engine's threads and scattered in get_finished either way.
         assert isinstance(src_spec, TierStoreFileSpec)
         job = _Job(job_id, True, time.perf_counter())
+        job.keys = list(zip(src_spec.groups, src_spec.keys, strict=True))
         self._jobs[job_id] = job
         pages = self._pages_by_group(src_spec)
         for g, (block_ids, first) in zip(self.groups, self._split(dst_spec), strict=True):
@@ -215,6 +221,8 @@ class TierStoreWorker(OffloadingWorker):
                 try:
                     if not job.failed:  # the job is lost anyway: skip the copy
                         assert rows is not None
+                        if g.fixup is not None:
+                            g.fixup.before_scatter(res.slot.tensor)
                         g.copier.scatter([res.slot.tensor], rows)
                         self._sync(g)
                     job.nbytes += res.nbytes
@@ -242,9 +250,14 @@ class TierStoreWorker(OffloadingWorker):
         ok = not job.failed
         if job.is_load:
             self.counters["load_jobs_ok" if ok else "load_jobs_failed"] += 1
-            for group, key, kind in job.failed:
-                if key is not None:
-                    self.failed_loads.append((job.job_id, self.groups[group].vllm_group_id, key, kind))
+            failed = [(g, k, kind) for g, k, kind in job.failed if k is not None]
+            if job.failed and not failed:
+                # A failure not tied to one page: skip all of the job's pages on the retry, or
+                # the same lookup would hit and fail again.
+                kind = job.failed[0][2]
+                failed = [(g, k, kind) for g, k in job.keys]
+            for group, key, kind in failed:
+                self.failed_loads.append((job.job_id, self.groups[group].vllm_group_id, key, kind))
         self._finished.append(TransferResult(job.job_id, ok, job.nbytes, time.perf_counter() - job.started))
 
     def get_finished(self) -> list[TransferResult]:
