@@ -8,9 +8,13 @@ expected page built directly from the logical tokens (independent of both copy p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from tierstore.format import PageLayout
+from tierstore.engine import IOEngine
+from tierstore.format import GroupKind, PageLayout
+from tierstore.identity import GroupSpec, Namespace
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE
 from tierstore.kernels.views import make_attention_caches, mamba_state_views
@@ -26,13 +30,12 @@ DTYPES = {
 
 def random_values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Random bit patterns (never zeros, never NaN-only) in ``dtype``."""
-    item = torch.empty(0, dtype=dtype).element_size()
+    item = dtype.itemsize
     if dtype == torch.uint8:
         return torch.randint(1, 255, shape, generator=gen, dtype=torch.uint8)
     if dtype.is_floating_point:
         return (torch.randn(shape, generator=gen) * 3 + 0.5).to(dtype)
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
-    return torch.randint(-1000, 1000, shape, generator=gen, dtype=ints).view(dtype)
+    return torch.randint(-1000, 1000, shape, generator=gen, dtype=INT_DTYPE_BY_SIZE[item]).view(dtype)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,13 @@ class AttentionCase:
         self.logical = random_values((layers, n_pages, heads, tokens, 2, head_size), self.dtype, gen)
         self.layout: PageLayout = attention_layout([f"layer.{i}" for i in range(layers)], heads, tokens,
                                                    head_size, dtype_name)
+
+    def engine(self, root: Path, slots: int, *, pin: bool = False) -> IOEngine:
+        """An IOEngine for this case's pages (one attention group, one chunk per page)."""
+        names = tuple(s.name for s in self.layout.sections)
+        group = GroupSpec(GroupKind.ATTENTION, self.tokens, self.tokens, names, self.layout)
+        ns = Namespace(model="test/kernels", dtype=self.dtype_name, groups=(group,), hash_algo="sha256")
+        return IOEngine(root, ns, 0, staging_slots=slots, pin=pin)
 
     def expected_pages(self) -> torch.Tensor:
         pages = torch.zeros(self.n_pages, self.layout.nbytes, dtype=torch.uint8)

@@ -24,15 +24,6 @@ def main() -> int:
     from tierstore.testing.tiny_models import prompt_token_ids
 
     model, extra = sys.argv[1], json.loads(sys.argv[2])
-    if extra.get("local_root") and os.environ.get("TIERSTORE_TEST_PATCH_FACTORY") == "1":
-        # until the adapter builds its engines with tierstore.tiers.open_group_store
-        import tierstore.vllm.spec as spec
-        from tierstore.tiers import open_group_store
-
-        def factory(root, namespace, group_index, *, rank=0, config=None, **kw):
-            return open_group_store(config, namespace, group_index, rank, **kw)
-
-        spec.IOEngine = factory
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [prompt_token_ids(tok, 300, offset=o) for o in (0, 40)]
     llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, max_num_seqs=2, enforce_eager=True,

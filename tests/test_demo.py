@@ -85,8 +85,7 @@ def test_text_output_names_the_figures(pages_report: dict[str, Any]) -> None:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_mode_restores_prefix_in_second_process() -> None:
-    pytest.importorskip("vllm")
-    pytest.importorskip("tierstore.vllm")
+    pytest.importorskip("vllm")  # tierstore.vllm itself must import: a broken adapter fails the run
     rc, r, err = _demo("--mode", "vllm", "--kind", "llama", "--prompt-tokens", "544", "--prompts", "2",
                        "--max-tokens", "8", timeout=300)
     assert rc == 0, (r, err[-3000:])

@@ -204,6 +204,41 @@ def test_damaged_pages_are_typed_failures(root: Path, damage: str, kind: str) ->
     eng.close()
 
 
+@pytest.mark.parametrize("damaged_section", [None, 0, 1, 3])
+@pytest.mark.parametrize("piece_bytes", [1, 3000, 1 << 20])
+def test_warm_loads_verify_piece_by_piece(root: Path, damaged_section: int | None, piece_bytes: int) -> None:
+    """Cached pages are read in pieces and each piece hashed as it lands: every piece size
+    gives the same bytes, and damage in any section (first, middle, last piece) is caught."""
+    ns = hybrid_namespace()
+    eng = _engine(root, ns, 2)  # 4 sections of unequal sizes
+    eng.warm_piece_bytes = piece_bytes
+    layout = eng.layout
+    key = page_key(7)
+    data = page_bytes(layout, key, 2)
+    assert _store(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    hl = eng._header_len(len(key))
+    if damaged_section is not None:
+        corrupt_flip_bit(path, hl + layout.offsets[damaged_section] + layout.sections[damaged_section].nbytes - 1)
+    path.read_bytes()  # bring the whole file into the page cache: the warm path
+    plan = eng._read_plan(hl)
+    assert plan[0][0] == 0 and plan[-1][1] == hl + layout.nbytes
+    assert all(a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))  # contiguous pieces
+    assert [i for p in plan for i in range(p[2], p[3])] == list(range(len(layout.sections)))
+    if piece_bytes == 1:
+        assert len(plan) == len(layout.sections)
+    res, got = _load(eng, key)
+    if damaged_section is None:
+        assert res.ok and got == data, res.error
+    else:
+        assert not res.ok and res.error is not None and res.error.kind == "checksum", res.error
+        assert layout.sections[damaged_section].name in str(res.error)
+    if eng.direct_loads:
+        assert eng.stats["loads_odirect"] == 0  # it was served from the page cache
+    assert eng.free_slots == eng.stats["staging_slots"]
+    eng.close()
+
+
 def test_missing_page(root: Path) -> None:
     eng = _engine(root, simple_namespace())
     res, _ = _load(eng, page_key(42))
@@ -409,6 +444,17 @@ def test_staging_slots_are_aligned_tensors(root: Path) -> None:
     assert len({s.tensor.data_ptr() for s in slots if s}) == 3
     for s in slots:
         eng.release_slot(s)  # type: ignore[arg-type]
+    # The most recently released slot is handed out first (its memory is still in the CPU
+    # cache), also to loads; a slot released long ago waits.
+    assert eng.acquire_slot() is slots[-1]
+    eng.release_slot(slots[-1])  # type: ignore[arg-type]
+    eng.release_slot(held := eng.acquire_slot())  # type: ignore[arg-type]
+    assert held is slots[-1]
+    key = page_key(3)
+    assert _store(eng, key, page_bytes(eng.layout, key, 2)).ok
+    [res] = eng.wait([eng.submit_load(key)], timeout=10)
+    assert res.ok and res.slot is slots[-1]
+    eng.release_slot(res.slot)
     eng.close()
 
 

@@ -21,6 +21,7 @@ from tierstore.format import (
     DTYPES,
     HEADER_ALIGN,
     MAGIC,
+    MAX_PAGE_BYTES,
     PREAMBLE_LEN,
     SECTION_ALIGN,
     Codec,
@@ -247,6 +248,27 @@ def test_checksummed_garbage_raises_only_page_errors(preamble_rest: bytes, tail:
     assert header.header_len == HEADER_ALIGN
     for e in header.sections:
         assert e.stored_offset + e.stored_len <= header.payload_len
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_header_declaring_a_huge_layout_is_rejected(tmp_path: Path, extra: int) -> None:
+    # A crafted zstd page with a valid checksum can declare any raw size; readers such as
+    # inspect_page allocate it, so the header parser bounds it (MAX_PAGE_BYTES and one more).
+    spec = SectionSpec("huge", "uint8", (1 << 20, MAX_PAGE_BYTES >> 20))
+    sections = [SectionEntry(spec, 0, 64, 0)]
+    if extra:
+        sections.append(SectionEntry(SectionSpec("one_more", "uint8", (extra,)), 64, 1, 0))
+    meta = PageMeta(bytes(16), b"k", 0, GroupKind.ATTENTION, 1)
+    raw = encode_header(meta, Codec.ZSTD, sections, 128)
+    if not extra:
+        assert decode_header(raw).layout.nbytes == MAX_PAGE_BYTES
+        return
+    with pytest.raises(PageFormatError, match="more than any page"):
+        decode_header(raw)
+    path = tmp_path / "huge.kvp"
+    path.write_bytes(raw + bytes(128))
+    with pytest.raises(PageFormatError, match="more than any page"):
+        inspect_page(path, zstandard.ZstdDecompressor())
 
 
 def test_page_meta_rejects_bad_values() -> None:

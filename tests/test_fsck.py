@@ -248,23 +248,27 @@ def test_temp_files(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) 
     remote_old = leaf / f".{khex}.kvp.otherhost.1234.dddd.tmp"
     live_but_old = leaf / f".{khex}.kvp.{host_tag()}.{os.getpid()}.eeee.tmp"
     manifest_tmp = root / hybrid_ns.digest / f".{MANIFEST_NAME}.some.host.99.0123abcd.tmp"
-    for p in (dead, live, remote_young, remote_old, live_but_old, manifest_tmp):
+    # Manifest temps are named with the same host tag as page temps (identity.write_manifest).
+    manifest_dead = root / hybrid_ns.digest / f".{MANIFEST_NAME}.{host_tag()}.{_dead_pid()}.0123abcd.tmp"
+    manifest_live = root / hybrid_ns.digest / f".{MANIFEST_NAME}.{host_tag()}.{os.getpid()}.4567abcd.tmp"
+    for p in (dead, live, remote_young, remote_old, live_but_old, manifest_tmp, manifest_dead, manifest_live):
         p.write_bytes(b"partial")
     _age(remote_old, 7200)
     _age(live_but_old, 7200)
     _age(manifest_tmp, 7200)
     rc, rep = fsck(root)
     assert rc == 4
-    stale = {str(dead), str(remote_old), str(live_but_old), str(manifest_tmp)}
+    stale = {str(dead), str(remote_old), str(live_but_old), str(manifest_tmp), str(manifest_dead)}
     assert _problems(rep) == {p: ("stale_temp", "temp") for p in stale}
-    assert rep["counts"]["temps_active"] == 2
+    assert rep["counts"]["temps_active"] == 3
     # A shorter --tmp-age makes the young remote temp stale too (the live pid stays in flight
     # only while young).
     rc, rep = fsck(root, "--tmp-age", "0")
-    assert set(_problems(rep)) == stale | {str(remote_young), str(live)}
+    assert set(_problems(rep)) == stale | {str(remote_young), str(live), str(manifest_live)}
     rc, rep = fsck(root, "--repair")
     assert rc == 1
-    assert live.exists() and remote_young.exists() and not any(Path(p).exists() for p in stale)
+    assert live.exists() and remote_young.exists() and manifest_live.exists()
+    assert not any(Path(p).exists() for p in stale)
     assert fsck(root)[0] == 0
 
 
@@ -475,7 +479,7 @@ def test_text_output(root: Path, filled: list[StoredPage], capsys: pytest.Captur
     assert "[deleted]" in capsys.readouterr().out
 
 
-def test_unused_helper_imports_are_consistent() -> None:
+def test_page_bytes_is_deterministic() -> None:
     # page_bytes is deterministic: the same arguments give the same bytes.
     layout = hybrid_namespace().groups[2].layout
     assert page_bytes(layout, b"k", 2) == page_bytes(layout, b"k", 2) != page_bytes(layout, b"k", 2, seed=1)
@@ -547,9 +551,15 @@ def test_progress_line_only_when_enabled(root: Path, filled: list[StoredPage]) -
     assert Progress("x", stream=io.StringIO()).enabled is False  # not a terminal
 
 
-def test_crafted_huge_page_does_not_exhaust_memory(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
-    # A checksum-valid zstd page declaring a 2^62-byte section, in a namespace whose manifest
-    # is gone (so no layout to compare with): fsck must report it, not allocate it.
+@pytest.mark.parametrize(("shape", "why"), [
+    ((2**30, 2**30, 2), "more than any page"),  # 2^63 bytes: over format.MAX_PAGE_BYTES, every reader refuses
+    ((2**30, 2), "more than fsck verifies without a manifest"),  # 8 GiB: over fsck's own bound
+])
+def test_crafted_huge_page_does_not_exhaust_memory(
+    root: Path, hybrid_ns: Namespace, filled: list[StoredPage], shape: tuple[int, ...], why: str
+) -> None:
+    # A checksum-valid zstd page declaring a huge section, in a namespace whose manifest is
+    # gone (so no layout to compare with): fsck must report it, not allocate it.
     from tierstore.format import GroupKind, SectionEntry, SectionSpec, encode_header
     from tierstore.testing import page_meta
 
@@ -557,13 +567,14 @@ def test_crafted_huge_page_does_not_exhaust_memory(root: Path, hybrid_ns: Namesp
     key = page_key(500)
     meta = page_meta(hybrid_ns, 0, key)
     assert meta.group_kind == GroupKind.ATTENTION
-    huge = SectionEntry(SectionSpec("x", "float32", (2**30, 2**30, 2)), 0, 16, 0)
+    huge = SectionEntry(SectionSpec("x", "float32", shape), 0, 16, 0)
     path = FileMapper(root, hybrid_ns.digest, 0).path_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(encode_header(meta, Codec.ZSTD, [huge], 16) + bytes(16))
     rc, rep = fsck(root)
     assert rc == 4
     assert _problems(rep)[str(path)] == ("bad_page", "format")
+    assert why in next(p["message"] for p in rep["problems"] if p["path"] == str(path))
 
 
 def test_repair_refuses_a_root_that_is_not_a_cache(tmp_path: Path) -> None:

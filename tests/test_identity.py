@@ -105,6 +105,28 @@ def test_manifest_round_trip(root: Path, hybrid_ns: Namespace) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == [MANIFEST_NAME]
 
 
+def test_manifest_temp_names_its_writer_as_fsck_reads_it(root: Path, hybrid_ns: Namespace,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierstore.inventory import STALE_TEMP, walk_root
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # A writer killed between writing its temp and renaming it: the temp stays behind.
+    monkeypatch.setattr(os, "replace", lambda src, dst: None)
+    write_manifest(root, hybrid_ns)  # as this process (alive)
+    monkeypatch.setattr(os, "getpid", lambda: dead.pid)
+    write_manifest(root, hybrid_ns)  # as a process of this host that is gone
+    monkeypatch.undo()
+    temps = sorted((root / hybrid_ns.digest).iterdir())
+    assert len(temps) == 2 and all(t.name.startswith(f".{MANIFEST_NAME}.") for t in temps)
+    inv = walk_root(root)
+    # fsck reads this host and the pid back from the name: the dead writer's temp is stale at
+    # once (no waiting for --tmp-age), the live one's in flight.
+    assert inv.temps_active == 1
+    stale = [f.path for f in inv.findings if f.category == STALE_TEMP]
+    assert len(stale) == 1 and f".{dead.pid}." in Path(stale[0]).name
+
+
 def test_manifest_tampering_is_detected(root: Path, hybrid_ns: Namespace) -> None:
     path = write_manifest(root, hybrid_ns)
     data = json.loads(path.read_text())

@@ -1,8 +1,10 @@
-"""Copy kernels on CPU: torch reference path everywhere, Triton under the interpreter.
+"""Copy kernels on every target: (device, backend) = cpu/torch, cpu/triton (interpreted),
+cuda/triton (compiled), cuda/torch; each target runs the same shared cases (kernel_cases.py).
 
 Triton runs interpreted only where no CUDA device exists (TRITON_INTERPRET must be set
-before tierstore.kernels.triton_kernels is imported); on a GPU host the compiled runs live in
-tests/test_kernels_gpu.py and the Triton cases here are skipped.
+before tierstore.kernels.triton_kernels is imported); on a GPU host the cpu/triton cases are
+skipped and the cuda ones run compiled. GPU-only tests (real-sized pages, the transfer path)
+live in tests/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tierstore.kernels import GroupCopier  # noqa: E402
 from tierstore.kernels.views import make_attention_caches  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ON_CUDA = torch.cuda.is_available()
 try:
     import triton  # noqa: F401
 
@@ -40,39 +43,43 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-BACKENDS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(
-        not (HAVE_TRITON and INTERPRETED),
-        reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (compiled runs: test_kernels_gpu.py)")),
+_NO_INTERPRETER = pytest.mark.skipif(
+    not (HAVE_TRITON and INTERPRETED), reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set where there is no GPU)")
+_NO_CUDA = pytest.mark.skipif(
+    not ON_CUDA or INTERPRETED, reason="needs a CUDA device and TRITON_INTERPRET unset (compiled Triton)")
+TARGETS = [
+    pytest.param("cpu", "torch", id="cpu-torch"),
+    pytest.param("cpu", "triton", id="cpu-triton", marks=_NO_INTERPRETER),
+    pytest.param("cuda", "triton", id="cuda-triton", marks=[pytest.mark.gpu, _NO_CUDA]),
+    pytest.param("cuda", "torch", id="cuda-torch", marks=[pytest.mark.gpu, _NO_CUDA]),
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), TARGETS)
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
-def test_attention_pages_identical_across_layouts_and_block_sizes(dtype_name: str, backend: str) -> None:
-    check_attention_canonical(dtype_name, "cpu", backend)
+def test_attention_pages_identical_across_layouts_and_block_sizes(dtype_name: str, device: str, backend: str) -> None:
+    check_attention_canonical(dtype_name, device, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
-def test_attention_round_trip_into_other_layout(dtype_name: str, backend: str) -> None:
-    check_attention_round_trip(dtype_name, "cpu", backend)
+@pytest.mark.parametrize(("device", "backend"), TARGETS)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_attention_round_trip_into_other_layout(dtype_name: str, device: str, backend: str) -> None:
+    check_attention_round_trip(dtype_name, device, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mamba_conv_orientation_normalized_and_padding_skipped(backend: str) -> None:
-    check_mamba("cpu", backend)
+@pytest.mark.parametrize(("device", "backend"), TARGETS)
+def test_mamba_conv_orientation_normalized_and_padding_skipped(device: str, backend: str) -> None:
+    check_mamba(device, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mla_latent_pages(backend: str) -> None:
-    check_mla("cpu", backend)
+@pytest.mark.parametrize(("device", "backend"), TARGETS)
+def test_mla_latent_pages(device: str, backend: str) -> None:
+    check_mla(device, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_separate_page_buffers(backend: str) -> None:
-    check_page_list("cpu", backend)
+@pytest.mark.parametrize(("device", "backend"), TARGETS)
+def test_separate_page_buffers(device: str, backend: str) -> None:
+    check_page_list(device, backend)
 
 
 def test_auto_backend_is_torch_on_cpu() -> None:

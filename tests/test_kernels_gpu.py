@@ -1,5 +1,6 @@
-"""Copy kernels compiled on a CUDA GPU: the CPU cases again, larger random cases against the
-torch reference, and the GPU transfer path (side stream, pinned slots, events).
+"""Copy kernels compiled on a CUDA GPU: larger random cases against the torch reference, and
+the GPU transfer path (side stream, pinned slots, events). The shared cases run on CUDA too,
+as the cuda-* targets of tests/test_kernels.py.
 
 Skipped without CUDA. Must not run with TRITON_INTERPRET=1 (the kernels would be interpreted).
 """
@@ -19,52 +20,12 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 is set"),
 ]
 
-from kernel_cases import (  # noqa: E402
-    AttentionCase,
-    bits,
-    check_attention_canonical,
-    check_attention_round_trip,
-    check_mamba,
-    check_mla,
-    check_page_list,
-    random_values,
-)
+from kernel_cases import AttentionCase, bits, random_values  # noqa: E402
 
-from tierstore.format import GroupKind  # noqa: E402
-from tierstore.identity import GroupSpec, Namespace  # noqa: E402
 from tierstore.kernels import GroupCopier  # noqa: E402
 from tierstore.kernels.transfer import PageTransfer  # noqa: E402
 from tierstore.kernels.views import ATTENTION_LAYOUTS, make_attention_caches  # noqa: E402
 from tierstore.layout import attention_layout  # noqa: E402
-
-BACKENDS = ["triton", "torch"]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
-def test_attention_pages_identical_across_layouts_and_block_sizes(dtype_name: str, backend: str) -> None:
-    check_attention_canonical(dtype_name, "cuda", backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn", "float32"])
-def test_attention_round_trip_into_other_layout(dtype_name: str, backend: str) -> None:
-    check_attention_round_trip(dtype_name, "cuda", backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mamba_conv_orientation_normalized_and_padding_skipped(backend: str) -> None:
-    check_mamba("cuda", backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mla_latent_pages(backend: str) -> None:
-    check_mla("cuda", backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_separate_page_buffers(backend: str) -> None:
-    check_page_list("cuda", backend)
 
 
 def test_auto_backend_is_triton_on_cuda() -> None:
@@ -104,13 +65,6 @@ def test_real_sized_pages_match_reference(layout: str, bpp: int) -> None:
         assert not bits(v2[keep]).any()
 
 
-def _engine(root: Path, layout, tokens: int, slots: int, dtype_name: str):
-    engine_mod = pytest.importorskip("tierstore.engine")
-    group = GroupSpec(GroupKind.ATTENTION, tokens, tokens, tuple(s.name for s in layout.sections), layout)
-    ns = Namespace(model="test/kernels-gpu", dtype=dtype_name, groups=(group,), hash_algo="sha256")
-    return engine_mod.IOEngine(root, ns, 0, staging_slots=slots, pin=True)
-
-
 def test_transfer_store_waits_for_producer_and_does_not_block(tmp_path: Path) -> None:
     """KV written on the current stream behind a long GPU op is what the store gathers; the
     start call returns before the GPU gets there; load scatters back through pinned slots."""
@@ -118,7 +72,7 @@ def test_transfer_store_waits_for_producer_and_does_not_block(tmp_path: Path) ->
     views, ids = case.build("LBNHC", 16, "cuda")
     copier = GroupCopier(views, case.layout, 4, [1] * case.layers)
     transfer = PageTransfer(copier, scratch_pages=8)
-    with _engine(tmp_path, case.layout, case.tokens, 8, "bfloat16") as engine:
+    with case.engine(tmp_path, 8, pin=True) as engine:
         assert engine.pinned
         slots = [engine.acquire_slot() for _ in range(case.n_pages)]
         assert all(s.tensor.is_pinned() for s in slots)

@@ -14,7 +14,9 @@ from tierstore.mapper import (
     FileMapper,
     fanout,
     host_tag,
+    is_fanout_name,
     locate,
+    parse_index_dir,
     parse_page_name,
     parse_temp_name,
 )
@@ -73,6 +75,15 @@ def test_locate_rejects_wrong_places(tmp_path: Path) -> None:
     assert locate(tmp_path / "elsewhere", path) is None  # not under root
     assert locate(tmp_path, tmp_path / NS / "gx" / "r0" / aa / bb / path.name) is None
     assert locate(tmp_path, path.with_name(f"{key.hex()}.tmp")) is None
+    for g, r in (("g00", "r0"), ("g0", "r01"), ("g+0", "r0"), ("g0", "r\u0660")):  # not what a mapper writes
+        assert locate(tmp_path, tmp_path / NS / g / r / aa / bb / path.name) is None, (g, r)
+
+
+def test_index_and_fanout_names() -> None:
+    assert [parse_index_dir(n, "g") for n in ("g0", "g7", "g12", "g", "g07", "r1", "g-1", "g 1", "g\u0661")] == [
+        0, 7, 12, None, None, None, None, None, None]
+    assert parse_index_dir("r3", "r") == 3
+    assert [is_fanout_name(n) for n in ("00", "af", "AF", "a", "abc", "g0")] == [True, True, False, False, False, False]
 
 
 def test_key_length_limits(tmp_path: Path) -> None:

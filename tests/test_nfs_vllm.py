@@ -51,14 +51,10 @@ def test_tier_chain_in_vllm_across_two_mounts(two_nodes: TwoNodeMount, tmp_path:
     """Each node with its own local tier in front of its mount: B's first run is served by the
     shared tier (and promoted), its second run by its local tier; tokens identical throughout."""
     model = cached_tiny_model("llama")
-    os.environ["TIERSTORE_TEST_PATCH_FACTORY"] = "1"  # read by nfs_vllm_node.py (see there)
-    try:
-        cfg = {"local_max_bytes": 64 << 20}
-        a = _run_node(model, {"root": str(two_nodes.a), "local_root": str(tmp_path / "local_a"), **cfg})
-        b1 = _run_node(model, {"root": str(two_nodes.b), "local_root": str(tmp_path / "local_b"), **cfg})
-        b2 = _run_node(model, {"root": str(two_nodes.b), "local_root": str(tmp_path / "local_b"), **cfg})
-    finally:
-        del os.environ["TIERSTORE_TEST_PATCH_FACTORY"]
+    cfg = {"local_max_bytes": 64 << 20}
+    a = _run_node(model, {"root": str(two_nodes.a), "local_root": str(tmp_path / "local_a"), **cfg})
+    b1 = _run_node(model, {"root": str(two_nodes.b), "local_root": str(tmp_path / "local_b"), **cfg})
+    b2 = _run_node(model, {"root": str(two_nodes.b), "local_root": str(tmp_path / "local_b"), **cfg})
     print(json.dumps({"node_a": a, "node_b_first": b1, "node_b_again": b2}))
     assert a["cached"] == [0, 0] and a["tiers"]["local"]["stores"] > 0 and a["tiers"]["shared"]["stores"] > 0
     assert all(c > 0 for c in b1["cached"]) and b1["tokens"] == a["tokens"]

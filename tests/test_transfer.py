@@ -12,18 +12,9 @@ import pytest
 import torch
 from kernel_cases import AttentionCase, bits
 
-from tierstore.format import GroupKind
-from tierstore.identity import GroupSpec, Namespace
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer, TransferHandle
 from tierstore.kernels.views import make_attention_caches
-
-
-def _engine(root: Path, case: AttentionCase, slots: int):
-    engine_mod = pytest.importorskip("tierstore.engine")
-    group = GroupSpec(GroupKind.ATTENTION, 4, case.tokens, tuple(s.name for s in case.layout.sections), case.layout)
-    ns = Namespace(model="test/kernels", dtype=case.dtype_name, groups=(group,), hash_algo="sha256")
-    return engine_mod.IOEngine(root, ns, 0, staging_slots=slots)
 
 
 def test_store_and_load_through_engine_on_cpu(tmp_path: Path) -> None:
@@ -31,7 +22,7 @@ def test_store_and_load_through_engine_on_cpu(tmp_path: Path) -> None:
     views, ids = case.build("LBNHC", 4, "cpu")
     transfer = PageTransfer(GroupCopier(views, case.layout, ids.shape[1], [1] * case.layers))
     keys = [bytes([i + 1]) * 16 for i in range(case.n_pages)]
-    with _engine(tmp_path, case, slots=4) as engine:
+    with case.engine(tmp_path, slots=4) as engine:
         slots = [engine.acquire_slot() for _ in range(case.n_pages)]
         h = transfer.start_store(ids, slots)
         assert h is not None and h.done() and h.blocks_free()

@@ -172,10 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("stats", "ls"):
             return _cmd_stats(args, listing=args.command == "ls")
         raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
-    except TierStoreError as exc:
-        print(f"tierstore: {exc}", file=sys.stderr)
-        return EXIT_OPERATIONAL
-    except OSError as exc:
+    except (TierStoreError, OSError) as exc:
         print(f"tierstore: {exc}", file=sys.stderr)
         return EXIT_OPERATIONAL
     except KeyboardInterrupt:

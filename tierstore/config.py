@@ -85,14 +85,12 @@ class TierStoreConfig:
             raise ConfigError(f'setting "zstd_level" must be 1..22, got {self.zstd_level}')
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f'setting "chunk_tokens" must be positive, got {self.chunk_tokens}')
-        for name in ("gc_interval_s", "shared_touch_interval_s"):
+        for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f'setting "{name}" must be a number of seconds >= 0, got {v!r}')
         if self.gc_interval_s and self.max_bytes is None:
             raise ConfigError('setting "gc_interval_s" needs "max_bytes" (the cap that gc keeps "root" under)')
-        if self.flush_timeout_s < 0:
-            raise ConfigError('setting "flush_timeout_s" must be >= 0')
 
     @property
     def root_path(self) -> Path:

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tierstore.inventory import human_bytes
+
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_OPERATIONAL = 8
@@ -162,7 +164,6 @@ def _spawn(op: str, spec: dict[str, Any], work: Path, timeout: float, env: dict[
         tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-25:])
         raise DemoError(f"the {op} process failed (exit {res.returncode}):\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
-    result["pid"] = result.get("pid")
     return result
 
 
@@ -182,14 +183,6 @@ def _fsck(root: Path) -> dict[str, Any]:
     report = run_fsck(FsckOptions(root=root, jobs=4, progress=False))
     return {"exit_code": report.exit_code, "counts": report.counts(), "seconds": round(report.seconds, 3),
             "summary": report.format_text().splitlines()[-1], "problems": [p.to_json() for p in report.problems]}
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -305,27 +298,10 @@ def _child_store(spec: dict[str, Any]) -> dict[str, Any]:
             "digests": digests}
 
 
-def _evict_from_page_cache(paths: list[Path]) -> None:
-    """Drop these files' pages from the page cache (no root needed: fdatasync + FADV_DONTNEED)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _warm_page_cache(paths: list[Path]) -> None:
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(8 << 20):
-                pass
-
-
 def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     import xxhash
 
+    from tierstore.bench.io import _CacheDropper, _prime
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.identity import read_manifest
@@ -343,9 +319,9 @@ def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     wanted = [(int(gk.split(":")[0]), bytes.fromhex(gk.split(":")[1])) for gk in expected]
     paths = [engines[g].mapper.path_for(k) for g, k in wanted]
     if spec["cache"] == "cold":
-        _evict_from_page_cache(paths)
+        _CacheDropper("fadvise").drop(paths)  # these files only, no root needed
     else:
-        _warm_page_cache(paths)
+        _prime(paths, threads=1)  # read each file once, buffered
     verified = nbytes = 0
     failed: list[str] = []
     check_seconds = 0.0  # the demo's own byte comparison, not tierstore's work: not counted
@@ -393,13 +369,13 @@ def _format_pages(r: dict[str, Any]) -> str:
     for g in r["groups"]:
         extra = f", window {g['sliding_window']} tokens" if g["sliding_window"] else ""
         lines.append(f"  group {g['index']}: {g['kind']:<14} {g['layers']} layers, {g['sections']} sections, "
-                     f"{_human(g['page_bytes'])} per {g['tokens_per_chunk']}-token page{extra}")
-    lines.append(f"  store      pid {s['pid']}: {s['stored']} pages, {_human(s['bytes'])} in {s['seconds']:.3f} s "
+                     f"{human_bytes(g['page_bytes'])} per {g['tokens_per_chunk']}-token page{extra}")
+    lines.append(f"  store      pid {s['pid']}: {s['stored']} pages, {human_bytes(s['bytes'])} in {s['seconds']:.3f} s "
                  f"= {s['gbps']:.2f} GB/s ({s['io_mode']} I/O, codec {s['codec']}, fsync {'on' if s['fsync'] else 'off'})"
                  + (f"; {s['failed']} FAILED" if s["failed"] else ""))
     for name, x in (("load cold", c), ("load warm", w)):
         lines.append(f"  {name:<10} pid {x['pid']}: {x['verified']}/{r['pages']} pages verified (xxh3 per section "
-                     f"+ bytes equal), {_human(x['bytes'])} in {x['seconds']:.3f} s = {x['gbps']:.2f} GB/s"
+                     f"+ bytes equal), {human_bytes(x['bytes'])} in {x['seconds']:.3f} s = {x['gbps']:.2f} GB/s"
                      + (f"; {x['failed']} FAILED: {x['errors']}" if x["failed"] else ""))
     lines.append(f"  fsck: {f['summary']} (exit {f['exit_code']})")
     lines.append("  result: " + ("OK, every page came back verified in a new process and fsck is clean"
@@ -416,11 +392,6 @@ def _model_info(path: Path) -> dict[str, Any]:
     text = cfg.get("text_config", cfg)
     return {"architecture": (cfg.get("architectures") or ["?"])[0], "hidden_size": text.get("hidden_size"),
             "layers": text.get("num_hidden_layers"), "layer_types": sorted(set(text.get("layer_types") or []))}
-
-
-def _drop_page_cache() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any]:
@@ -527,13 +498,19 @@ def _child_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     first = SamplingParams(temperature=0.0, max_tokens=1)
     full = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
     llm.generate([{"prompt_token_ids": spec["warmup"]}], full, use_tqdm=False)
+    dropper = None
     if spec.get("drop_caches"):
+        from tierstore.bench.io import _CacheDropper
+
         time.sleep(1.0)  # let the warm-up's stores land: the caches are dropped before each set
+        dropper = _CacheDropper()
+        if dropper.method != "drop_caches":
+            raise RuntimeError("--drop-caches: cannot write /proc/sys/vm/drop_caches (run as root)")
     results = []
     for prompt in spec["prompts"]:
         ids = prompt["ids"]
-        if spec.get("drop_caches") and prompt["index"] == 0:
-            _drop_page_cache()
+        if dropper is not None and prompt["index"] == 0:
+            dropper.drop([])  # the whole page cache
         # Prefill alone (one output token) is timed; the full greedy output is generated after
         # it (its prefix is then in the engine's own cache in every run alike).
         t = time.perf_counter()
@@ -579,8 +556,8 @@ def _format_vllm(r: dict[str, Any]) -> str:
         w = run.get("stats", {}).get("worker", {})
         if w:
             fails = {k: v for k, v in w.items() if "failed" in k and v}
-            lines.append(f"    tierstore: stored {w.get('store_pages_ok', 0)} pages ({_human(w.get('store_bytes', 0))}), "
-                         f"loaded {w.get('load_pages_ok', 0)} pages ({_human(w.get('load_bytes', 0))})"
+            lines.append(f"    tierstore: stored {w.get('store_pages_ok', 0)} pages ({human_bytes(w.get('store_bytes', 0))}), "
+                         f"loaded {w.get('load_pages_ok', 0)} pages ({human_bytes(w.get('load_bytes', 0))})"
                          + (f"; failures {fails}" if fails else ""))
     for run in r["runs"][1:]:
         lines.append(f"  first prompt, {run['label']}: hit rate {run['hit_rate']:.0%}, prefill "

@@ -25,18 +25,25 @@ class ConfigError(TierStoreError, ValueError):
 
 
 class PageError(TierStoreError):
-    """A page could not be read or written; ``kind`` says why."""
+    """A page could not be read or written; ``kind`` says why (``errno`` when the OS said)."""
 
     kind = "page"
 
-    def __init__(self, message: str, *, path: str | Path | None = None, key: bytes | None = None):
+    def __init__(self, message: str, *, path: str | Path | None = None, key: bytes | None = None,
+                 errno: int | None = None):
         super().__init__(message)
         self.path = str(path) if path is not None else None
         self.key = key
+        self.errno = errno
+
+    @property
+    def message(self) -> str:
+        """What went wrong, without the kind and path that ``str()`` adds."""
+        return super().__str__()
 
     def __str__(self) -> str:
         where = f" [{self.path}]" if self.path else ""
-        return f"{self.kind}: {super().__str__()}{where}"
+        return f"{self.kind}: {self.message}{where}"
 
 
 class PageMissing(PageError):
@@ -93,29 +100,29 @@ class PageQueueFull(PageError):
     kind = "queue_full"
 
 
+# errno of a failed store -> its kind (any other errno: "io").
+_STORE_KINDS = {
+    _errno.ENOSPC: "enospc",
+    _errno.EDQUOT: "enospc",
+    _errno.EROFS: "readonly",
+    _errno.EACCES: "permission",
+    _errno.EPERM: "permission",
+}
+
+
 class PageStoreError(PageError):
     """A store failed at the file system (no space, read-only, permissions, I/O error)."""
 
     kind = "store"
 
-    def __init__(self, message: str, *, errno: int | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
-        self.errno = errno
-        if errno == _errno.ENOSPC or errno == _errno.EDQUOT:
-            self.kind = "enospc"
-        elif errno == _errno.EROFS:
-            self.kind = "readonly"
-        elif errno in (_errno.EACCES, _errno.EPERM):
-            self.kind = "permission"
-        elif errno is not None:
-            self.kind = "io"
+    def __init__(self, message: str, *, path: str | Path | None = None, key: bytes | None = None,
+                 errno: int | None = None) -> None:
+        super().__init__(message, path=path, key=key, errno=errno)
+        if errno is not None:
+            self.kind = _STORE_KINDS.get(errno, "io")
 
 
 class PageIOError(PageError):
     """A read failed at the file system with an error other than 'not found'."""
 
     kind = "io"
-
-    def __init__(self, message: str, *, errno: int | None = None, **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
-        self.errno = errno

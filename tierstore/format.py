@@ -28,7 +28,10 @@ With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (
 so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame.
 There are no timestamps or host names in a page: the same tokens give the same bytes.
 
-Nothing here executes code from a file: the header is parsed with ``struct`` only.
+Nothing here executes code from a file: the header is parsed with ``struct`` only, and a
+header must be self-consistent (a checksum-valid crafted one too): sections inside the payload,
+codec NONE sections at their layout offsets, and a page buffer of at most ``MAX_PAGE_BYTES``
+(readers allocate the size a header declares).
 Threading: pure functions over immutable values; safe from any thread. A ZSTD compressor or
 decompressor object must not be shared between threads (callers pass their own).
 """
@@ -56,6 +59,9 @@ FORMAT_VERSION = 1
 HEADER_ALIGN = 4096
 SECTION_ALIGN = 64
 MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page
+# A page buffer larger than this is garbage or hostile, not a page: readers such as
+# ``pagefile.inspect_page`` allocate what a header declares, so the bound is checked here.
+MAX_PAGE_BYTES = 64 << 30
 _PREAMBLE = struct.Struct("<8sHHIQ16sIBBHIIIIH6x")
 _SECTION_FIXED = struct.Struct("<BB")
 _SECTION_TAIL = struct.Struct("<QQQQ")
@@ -321,6 +327,8 @@ def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
         raise ValueError("section table runs past the header")
     meta = PageMeta(ns, key, group_index, GroupKind(kind), token_count, rank, head_start, head_count)
     header = PageHeader(meta, Codec(codec), tuple(entries), header_len, payload_len)
+    if header.layout.nbytes > MAX_PAGE_BYTES:
+        raise ValueError(f"layout declares {header.layout.nbytes} bytes, more than any page ({MAX_PAGE_BYTES})")
     if header.codec == Codec.NONE:
         lay = header.layout
         if any(e.stored_offset != o or e.stored_len != e.spec.nbytes for e, o in zip(entries, lay.offsets, strict=True)):

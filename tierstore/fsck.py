@@ -73,8 +73,10 @@ EXIT_ERRORS_LEFT = 4
 EXIT_OPERATIONAL = 8
 EXIT_CANCELLED = 32
 
-# Pages are a few MiB to a few hundred MiB; a header declaring more is garbage (or hostile).
-MAX_PAGE_BYTES = 4 << 30
+# A page with no usable manifest is verified into a buffer of the size its header declares.
+# format.MAX_PAGE_BYTES (64 GiB) already bounds every reader; fsck runs ``jobs`` such reads at
+# once, so it verifies no unmanifested page above this (pages are a few MiB to a few hundred).
+MAX_UNMANIFESTED_PAGE_BYTES = 4 << 30
 CATEGORIES = (BAD_PAGE, STALE_TEMP, ORPHAN, FOREIGN, NFS_LEFTOVER, SYMLINK, MANIFEST, UNREADABLE)
 _DELETE = frozenset({BAD_PAGE, ORPHAN, STALE_TEMP, NFS_LEFTOVER})
 
@@ -209,12 +211,11 @@ class PageVerifier:
                                                     f"the manifest's group {ref.group_index} is {ref.group.kind.name.lower()}")
             else:
                 # No usable manifest: verify what the page says about itself and its place.
-                # The header is checked first: a crafted (checksum-valid) zstd page could declare
-                # a huge layout, and inspect_page allocates a buffer of that size.
+                # The header is checked first: inspect_page allocates the layout it declares.
                 declared = read_header(ref.path).layout.nbytes
-                if declared > MAX_PAGE_BYTES:
-                    return self._bad(ref, "format", f"page declares {declared} bytes, more than any tierstore "
-                                                    f"page ({MAX_PAGE_BYTES}); not verified")
+                if declared > MAX_UNMANIFESTED_PAGE_BYTES:
+                    return self._bad(ref, "format", f"page declares {declared} bytes, more than fsck verifies "
+                                                    f"without a manifest ({MAX_UNMANIFESTED_PAGE_BYTES}); not verified")
                 header = inspect_page(path, self._decompressor())
                 expect = PageExpectation(ns_bytes or header.meta.namespace, ref.key, ref.group_index, ref.rank)
                 check_expectation(header, expect, path=ref.path)
@@ -226,7 +227,7 @@ class PageVerifier:
         except OSError as exc:
             return PageVerdict(problem=Finding(ref.path, UNREADABLE, "io", f"cannot read the page: {exc.strerror}", size=ref.size))
         except PageError as exc:
-            return self._bad(ref, exc.kind, str(exc).removeprefix(f"{exc.kind}: ").replace(f" [{ref.path}]", ""))
+            return self._bad(ref, exc.kind, exc.message)
         return PageVerdict(token_count=header.meta.token_count)
 
     @staticmethod

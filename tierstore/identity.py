@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import xxhash
 
 from tierstore.errors import ConfigError
 from tierstore.format import FORMAT_VERSION, GroupKind, PageLayout, SectionSpec
+from tierstore.mapper import host_tag
 
 MANIFEST_NAME = "manifest.json"
 # Hash algorithms whose values vLLM derives identically in every process by default.
@@ -136,7 +137,7 @@ class Namespace:
     def canonical_bytes(self) -> bytes:
         return json.dumps(self.identity_json(), sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @cached_property  # the value is immutable: hash the canonical JSON once
     def digest_bytes(self) -> bytes:
         """16-byte digest written into every page header."""
         return xxhash.xxh3_128_digest(self.canonical_bytes())
@@ -181,7 +182,8 @@ def write_manifest(root: str | os.PathLike[str], ns: Namespace) -> Path:
     path = d / MANIFEST_NAME
     if path.exists():
         return path
-    tmp = d / f".{MANIFEST_NAME}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    # Named like a page temp (same host tag), so fsck judges both by the same rule.
+    tmp = d / f".{MANIFEST_NAME}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.write_text(json.dumps(ns.manifest(), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path

@@ -28,7 +28,6 @@ import datetime as _dt
 import errno
 import os
 import re
-import socket
 import stat as _stat
 import sys
 import threading
@@ -42,7 +41,14 @@ from typing import Any, TextIO
 from tierstore.errors import ConfigError, PageError, PageIOError, PageMissing
 from tierstore.format import HEADER_ALIGN, PageHeader, decode_header, header_len_of
 from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace, read_manifest
-from tierstore.mapper import host_tag, locate, parse_page_name, parse_temp_name
+from tierstore.mapper import (
+    host_tag,
+    is_fanout_name,
+    locate,
+    parse_index_dir,
+    parse_page_name,
+    parse_temp_name,
+)
 
 # Finding categories. Every one except TEMP_ACTIVE is a problem for fsck.
 BAD_PAGE = "bad_page"  # a page file that fails verification (kind: the PageError kind)
@@ -61,7 +67,6 @@ SKIP_AT_ROOT = (".quarantine", "lost+found")
 QUARANTINE_DIR = ".quarantine"
 
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
-_FAN_RE = re.compile(r"^[0-9a-f]{2}$")
 _MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.(.+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _SILLY_PREFIXES = (".nfs", ".fuse_hidden")
 # IOEngine's O_DIRECT probe file (engine.probe_odirect); removed by the engine unless killed.
@@ -250,7 +255,7 @@ class Progress:
         rate = self.files / max(now - self._start, 1e-9)
         self.stream.write(
             f"\r{self.label} [{bar}] {frac * 100:5.1f}%  {self.files} files  "
-            f"{_human_bytes(self.nbytes)}  {rate:.0f} files/s  {self.problems} problems "
+            f"{human_bytes(self.nbytes)}  {rate:.0f} files/s  {self.problems} problems "
         )
         self.stream.flush()
 
@@ -262,9 +267,10 @@ class Progress:
                 self.stream.flush()
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: "512 B", "1.5 MiB", ... up to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
@@ -294,11 +300,9 @@ class _Classifier:
         self.now = now
         self.tmp_age = tmp_age
         self.host = host_tag()
-        self.raw_host = socket.gethostname()
 
-    def temp_is_stale(self, host: str, pid: int, mtime: float, raw_host: bool = False) -> tuple[bool, str]:
-        mine = host == (self.raw_host if raw_host else self.host)
-        if mine and not pid_alive(pid):
+    def temp_is_stale(self, host: str, pid: int, mtime: float) -> tuple[bool, str]:
+        if host == self.host and not pid_alive(pid):
             return True, f"writer pid {pid} on this host is gone"
         age = self.now - mtime
         if age > self.tmp_age:
@@ -423,9 +427,9 @@ class _Walker:
                 continue
             m = _MANIFEST_TEMP_RE.match(e.name)
             if m and e.is_file(follow_symlinks=False):
-                self._temp(e, inv, m.group(1), int(m.group(2)), raw_host=True)
+                self._temp(e, inv, m.group(1), int(m.group(2)))
                 continue
-            g = _canonical_index(e.name, "g")
+            g = parse_index_dir(e.name, "g")
             if g is None or not e.is_dir(follow_symlinks=False):
                 self._other(e, inv, "g<group> directories and manifest.json")
                 continue
@@ -433,7 +437,7 @@ class _Walker:
             for r_entry in self._scandir(Path(e.path), inv):
                 if _skipped(r_entry.name):
                     continue
-                r = _canonical_index(r_entry.name, "r")
+                r = parse_index_dir(r_entry.name, "r")
                 if r is None or not r_entry.is_dir(follow_symlinks=False):
                     self._other(r_entry, inv, "r<rank> directories")
                     continue
@@ -442,17 +446,17 @@ class _Walker:
                 for a_entry in self._scandir(Path(r_entry.path), inv):
                     if _skipped(a_entry.name):
                         continue
-                    if not _FAN_RE.match(a_entry.name) or not a_entry.is_dir(follow_symlinks=False):
+                    if not is_fanout_name(a_entry.name) or not a_entry.is_dir(follow_symlinks=False):
                         self._other(a_entry, inv, "two-hex-digit fan-out directories")
                         continue
                     out.append((Path(a_entry.path), g, r, orphan))
         return out
 
-    def _temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int, raw_host: bool = False) -> None:
+    def _temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int) -> None:
         st = _lstat_entry(e, inv)
         if st is None:
             return
-        stale, why = self.cls.temp_is_stale(host, pid, st.st_mtime, raw_host)
+        stale, why = self.cls.temp_is_stale(host, pid, st.st_mtime)
         if stale:
             inv.findings.append(Finding(e.path, STALE_TEMP, "temp", why, size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st)))
         else:
@@ -467,7 +471,7 @@ class _Walker:
                 break
             if _skipped(b_entry.name):
                 continue
-            if not _FAN_RE.match(b_entry.name) or not b_entry.is_dir(follow_symlinks=False):
+            if not is_fanout_name(b_entry.name) or not b_entry.is_dir(follow_symlinks=False):
                 self._other(b_entry, inv, "two-hex-digit fan-out directories")
                 continue
             for e in self._scandir(Path(b_entry.path), inv):
@@ -521,14 +525,6 @@ class _Walker:
         if tokens is None:
             tokens = group.tokens_per_chunk if group is not None else 0
         inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add(st.st_size, st.st_mtime, tokens, from_header)
-
-
-def _canonical_index(name: str, prefix: str) -> int | None:
-    """``g3`` -> 3; None for anything else (including ``g03``, which no mapper writes)."""
-    if not name.startswith(prefix) or not name[1:].isdigit() or not name[1:].isascii():
-        return None
-    n = int(name[1:])
-    return n if name == f"{prefix}{n}" else None
 
 
 def resolve_namespace_filter(root: Path, namespace: str | None) -> str | None:
@@ -658,52 +654,47 @@ def collect_stats(
     return stats_from_inventory(inv)
 
 
+def _group_stats(g: int, spec: GroupSpec | None, tally: GroupTally, ranks: list[int], tokens: int) -> dict[str, Any]:
+    """One group's entry of the stats dict: its manifest facts and its pages on all ranks."""
+    from_headers = tally.tokens_from_headers
+    return {
+        "group": g,
+        "kind": spec.kind.name.lower() if spec else None,
+        "layers": len(spec.layer_names) if spec else None,
+        "block_size": spec.block_size if spec else None,
+        "tokens_per_chunk": spec.tokens_per_chunk if spec else None,
+        "sliding_window": spec.sliding_window if spec else None,
+        "page_bytes": spec.layout.nbytes if spec else None,
+        "ranks": ranks,
+        "files": tally.files,
+        "bytes": tally.bytes,
+        "tokens": tokens,
+        "tokens_source": "headers" if from_headers == tally.files else ("estimate" if from_headers == 0 else "mixed"),
+        "oldest": _iso(tally.oldest),
+        "newest": _iso(tally.newest),
+    }
+
+
 def stats_from_inventory(inv: Inventory) -> dict[str, Any]:
     """Turn a walk into the stats dict (also used by fsck's JSON report)."""
     namespaces = []
     for nsd in inv.namespaces:
         ns = nsd.namespace
-        groups: dict[int, dict[str, Any]] = {}
-
-        def group_entry(g: int, nsd: NamespaceDir = nsd, groups: dict[int, dict[str, Any]] = groups) -> dict[str, Any]:
-            spec = nsd.group(g)
-            return groups.setdefault(g, {
-                "group": g,
-                "kind": spec.kind.name.lower() if spec else None,
-                "layers": len(spec.layer_names) if spec else None,
-                "block_size": spec.block_size if spec else None,
-                "tokens_per_chunk": spec.tokens_per_chunk if spec else None,
-                "sliding_window": spec.sliding_window if spec else None,
-                "page_bytes": spec.layout.nbytes if spec else None,
-                "ranks": [], "files": 0, "bytes": 0, "tokens": 0, "_tally": GroupTally(),
-                "_from_headers": 0,
-            })
-
-        for g in range(len(ns.groups) if ns else 0):
-            group_entry(g)  # list every group of the manifest, even without pages
+        # Every group of the manifest is listed, even without pages.
+        tallies = {g: GroupTally() for g in range(len(ns.groups) if ns else 0)}
+        ranks: dict[int, list[int]] = {g: [] for g in tallies}
+        tokens = dict.fromkeys(tallies, 0)
         for (name, g, r), t in sorted(inv.tallies.items()):
             if name != nsd.name:
                 continue
-            d = group_entry(g)
-            d["ranks"].append(r)
-            d["files"] += t.files
-            d["bytes"] += t.bytes
+            tallies.setdefault(g, GroupTally()).merge(t)
+            ranks.setdefault(g, []).append(r)
             # Every rank stores its own slice of the same tokens: coverage is per rank.
-            d["tokens"] = max(d["tokens"], t.tokens)
-            d["_from_headers"] += t.tokens_from_headers
-            d["_tally"].merge(t)
-        glist = []
-        for g in sorted(groups):
-            d = groups[g]
-            tally: GroupTally = d.pop("_tally")
-            from_headers = d.pop("_from_headers")
-            d["tokens_source"] = "headers" if from_headers == d["files"] else ("estimate" if from_headers == 0 else "mixed")
-            d["oldest"], d["newest"] = _iso(tally.oldest), _iso(tally.newest)
-            glist.append(d)
+            tokens[g] = max(tokens.get(g, 0), t.tokens)
+        glist = [_group_stats(g, nsd.group(g), tallies[g], ranks[g], tokens[g]) for g in sorted(tallies)]
         all_t = GroupTally()
-        for (name, _g, _r), t in inv.tallies.items():
-            if name == nsd.name:
-                all_t.merge(t)
+        for t in tallies.values():
+            all_t.merge(t)
         namespaces.append({
             "namespace": nsd.name,
             "path": str(nsd.path),
@@ -750,7 +741,7 @@ def _table(rows: Iterable[list[str]], header: list[str]) -> str:
 def format_stats(stats: dict[str, Any]) -> str:
     """Human-readable rendering of ``collect_stats``'s dict."""
     out = [f"root {stats['root']}: {stats['totals']['namespaces']} namespace(s), "
-           f"{stats['totals']['files']} pages, {_human_bytes(stats['totals']['bytes'])}"]
+           f"{stats['totals']['files']} pages, {human_bytes(stats['totals']['bytes'])}"]
     for n in stats["namespaces"]:
         out.append("")
         if n["manifest_error"]:
@@ -763,7 +754,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         rows = []
         for g in n["groups"]:
             rows.append([
-                f"g{g['group']}", str(g["kind"]), str(g["files"]), _human_bytes(g["bytes"]),
+                f"g{g['group']}", str(g["kind"]), str(g["files"]), human_bytes(g["bytes"]),
                 f"{g['tokens']}{'~' if g['tokens_source'] != 'headers' else ''}",
                 ",".join(map(str, g["ranks"])), g["oldest"] or "-", g["newest"] or "-",
             ])
@@ -790,7 +781,7 @@ def format_listing(stats: dict[str, Any]) -> str:
             rows.append([n["namespace"], model, n["dtype"] or "-", "-", "-", "0", "0 B", "-"])
         for g in n["groups"]:
             rows.append([n["namespace"], model, n["dtype"] or "-", f"g{g['group']}", str(g["kind"]),
-                         str(g["files"]), _human_bytes(g["bytes"]), g["newest"] or "-"])
+                         str(g["files"]), human_bytes(g["bytes"]), g["newest"] or "-"])
     if not rows:
         return f"no namespaces under {stats['root']}"
     return _table(rows, ["namespace", "model", "dtype", "group", "kind", "files", "bytes", "newest"])

@@ -2,9 +2,10 @@
 
     ROOT/<namespace digest>/g<group>/r<rank>/<aa>/<bb>/<key hex>.kvp
 
-``aa``/``bb`` are the first two bytes of xxh3-64(key) in hex: 65,536 leaf directories per
-group and rank, so 10^7 pages put about 150 entries in a directory (ext4 and NFS readdir
-both stay fast; flat directories hit ext4's htree limits near 7.5M entries).
+Group and rank numbers are plain decimal (``g3``, never ``g03``): ``locate`` and fsck accept
+nothing else. ``aa``/``bb`` are the first two bytes of xxh3-64(key) in hex: 65,536 leaf
+directories per group and rank, so 10^7 pages put about 150 entries in a directory (ext4 and
+NFS readdir both stay fast; flat directories hit ext4's htree limits near 7.5M entries).
 
 A page is written to a temp file in its final directory and renamed into place (rename is
 atomic on local file systems and NFS). Temp names are
@@ -34,8 +35,6 @@ MAX_KEY_BYTES = 96  # 192 hex characters keep every file name under 255 bytes
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
 _PAGE_RE = re.compile(r"^([0-9a-f]{2,192})\.kvp$")
 _TEMP_RE = re.compile(r"^\.([0-9a-f]{2,192})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
-_GROUP_RE = re.compile(r"^g(\d+)$")
-_RANK_RE = re.compile(r"^r(\d+)$")
 _FAN_RE = re.compile(r"^[0-9a-f]{2}$")
 
 
@@ -54,6 +53,20 @@ class TempName:
     key_hex: str
     host: str
     pid: int
+
+
+def parse_index_dir(name: str, prefix: str) -> int | None:
+    """``g3`` -> 3 for prefix "g" (``r0`` -> 0 for "r"); None for anything else, including
+    ``g03``, which no mapper writes."""
+    digits = name[len(prefix) :]
+    if not name.startswith(prefix) or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits) if digits == str(int(digits)) else None
+
+
+def is_fanout_name(name: str) -> bool:
+    """Whether ``name`` is a fan-out directory name (two lower-case hex digits)."""
+    return _FAN_RE.match(name) is not None
 
 
 def parse_temp_name(name: str) -> TempName | None:
@@ -88,13 +101,10 @@ def locate(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> PageLo
     if len(rel) != 6:
         return None
     ns, g, r, aa, bb, name = rel
-    gm, rm = _GROUP_RE.match(g), _RANK_RE.match(r)
-    key = parse_page_name(name)
-    if not (gm and rm and key is not None and _FAN_RE.match(aa) and _FAN_RE.match(bb)):
+    group, rank, key = parse_index_dir(g, "g"), parse_index_dir(r, "r"), parse_page_name(name)
+    if group is None or rank is None or key is None or fanout(key) != (aa, bb):
         return None
-    if fanout(key) != (aa, bb):
-        return None
-    return PageLocation(ns, int(gm.group(1)), int(rm.group(1)), key)
+    return PageLocation(ns, group, rank, key)
 
 
 class FileMapper:

@@ -82,6 +82,9 @@ _COUNTERS = (
 )
 
 
+COUNTER_NAMES: tuple[str, ...] = _COUNTERS  # public name (exporters declare one metric per counter)
+
+
 class TierMetrics:
     """Counters, gauges and histograms of one tier (see the module docstring)."""
 

@@ -39,6 +39,8 @@ class EngineRun:
     outputs: list[Output]
     worker: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
+    # what both connector sides reported through vLLM's stats hook (OffloadingConnectorStats.reduce())
+    reported: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -93,8 +95,13 @@ def run_engine(
             run.outputs.append(Output(list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0),
                                       len(out.prompt_token_ids)))
         if not shutdown_right_after:
-            run.worker = get_kv_transfer_group().tierstore_stats()
-            run.scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.tierstore_stats()
+            worker_conn = get_kv_transfer_group()
+            sched_conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            worker_conn.flush()
+            worker_conn.get_kv_connector_stats()  # the increments since the last step
+            run.worker = worker_conn.tierstore_stats()
+            run.scheduler = sched_conn.tierstore_stats()
+            run.reported = {**sched_conn.reported_stats.reduce(), **worker_conn.reported_stats.reduce()}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

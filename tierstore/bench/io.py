@@ -17,8 +17,16 @@ writers are already durable there), ``load`` = cold read after the page cache wa
 (``/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` per file), ``load_warm``
 = the same read with every page in the page cache (for all systems, brought in the same way:
 a buffered read after a cache drop; ``--warm-passes`` reads of every page per measurement).
-Ratios are GB/s over GB/s (higher is better); headline ratios are the worse page size. The JSON
-also has CPU seconds per GB per system and phase, and the header overhead per page.
+Cold loads are measured ``--cold-rounds`` times per repeat, the order reversed each round.
+Baseline loads land in as many page buffers as the engine has staging slots, used in turn
+(``--load-buffers``): the same memory footprint as the engine, which must keep every in-flight
+page in its own slot. Ratios are GB/s over GB/s (higher is better), the median of *paired*
+ratios (tierstore and baseline measured back to back in one repeat or round), so a drift in the
+machine's background load cancels; ``ratio_range`` is their spread (the run's noise), and
+``ratios_of_medians`` the older statistic. Headline ratios are the worse page size. The JSON
+also has CPU seconds per GB per system and phase (and their ratios,
+``cpu_efficiency_vs_baseline``, steadier than GB/s on a shared machine), and the header
+overhead per page.
 
 Run: ``python -m tierstore.bench.io --root DIR --json`` (or ``tierstore bench io``).
 Threading: the benchmark drives its own threads; nothing here is used by the library.
@@ -109,6 +117,34 @@ def _aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(t.numpy()).cast("B")
 
 
+class _DestPool:
+    """Where baseline loads put their pages: ``count`` page buffers used in turn (page i goes to
+    buffer i % count), or one buffer per thread (``count`` = 0).
+
+    The engine must read every in-flight page into its own staging slot (the caller holds it
+    until the page is consumed), so by default the baselines get as many buffers as the engine
+    has slots: the same memory footprint and CPU-cache behaviour. One reused buffer per thread
+    stays hot in the CPU cache and made 2 MiB page-cache copies ~30% cheaper (measured), a
+    speed no caller that keeps its pages could have.
+    """
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.count = nbytes, count
+        self.bufs = [_aligned_buffer(nbytes)[1] for _ in range(count)]
+        for b in self.bufs:  # touched once, like the engine's slots: no page faults while timed
+            b[:] = bytes(nbytes)
+        self._local = threading.local()
+
+    def get(self, i: int) -> memoryview:
+        if self.count:
+            return self.bufs[i % self.count]
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = _aligned_buffer(self.nbytes)[1]
+            buf[:] = bytes(self.nbytes)
+        return buf
+
+
 def _fsync_all(paths: Sequence[Path], threads: int) -> None:
     def one(p: Path) -> None:
         fd = os.open(p, os.O_RDONLY)
@@ -148,10 +184,13 @@ def _timed(fn: Callable[[], None]) -> float:
 class _Raw:
     """Plain file I/O of the same bytes: no header, no checksum, no temp file."""
 
-    def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int) -> None:
+    def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int,
+                 dest_buffers: int = 0) -> None:
         self.dir, self.sources, self.threads, self.page_bytes = d, sources, threads, page_bytes
         self.paths: list[Path] = []
         self.load_paths: list[Path] = []
+        # Room for a tierstore header as well (raw loads read the tierstore files).
+        self.dest = _DestPool(page_bytes + 64 * 1024, dest_buffers)
 
     def store(self, n: int) -> None:
         # Same directory fan-out as tierstore's FileMapper: only format and publish differ.
@@ -171,15 +210,12 @@ class _Raw:
             list(ex.map(one, range(n)))
 
     def load(self) -> None:
-        """Read every file in ``load_paths`` (default: its own) whole, into a per-thread buffer."""
-        local = threading.local()
-        cap = self.page_bytes + 64 * 1024  # room for a tierstore header as well
+        """Read every file in ``load_paths`` (default: its own) whole, into ``dest`` buffers."""
+        paths = self.load_paths or self.paths
 
-        def one(p: Path) -> None:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = _aligned_buffer(cap)[1]
-            fd = os.open(p, os.O_RDONLY)
+        def one(i: int) -> None:
+            buf = self.dest.get(i)
+            fd = os.open(paths[i], os.O_RDONLY)
             try:
                 got = 0
                 while True:
@@ -193,7 +229,7 @@ class _Raw:
                 os.close(fd)
 
         with ThreadPoolExecutor(self.threads) as ex:
-            list(ex.map(one, self.load_paths or self.paths))
+            list(ex.map(one, range(len(paths))))
 
 
 class _Tierstore:
@@ -254,7 +290,7 @@ class _VllmFs:
     """vLLM's fs tier functions, called the way its manager does (one batch per task)."""
 
     def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int,
-                 io_mod: Any) -> None:
+                 io_mod: Any, dest_buffers: int = 0) -> None:
         self.io = io_mod
         self.dir, self.threads, self.page_bytes = d, threads, page_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -265,6 +301,7 @@ class _VllmFs:
             self.src[i * page_bytes : (i + 1) * page_bytes] = s
         self.nsrc = len(sources)
         self.paths: list[str] = []
+        self.dest = _DestPool(page_bytes, dest_buffers)
 
     def store(self, n: int) -> None:
         # vLLM's fs-tier naming: <base>_r<rank>/<hhh>/<hh>_g<group>/<hash hex>.bin
@@ -281,16 +318,11 @@ class _VllmFs:
             list(ex.map(one, range(n)))
 
     def load(self) -> None:
-        local = threading.local()
-
-        def one(p: str) -> None:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = _aligned_buffer(self.page_bytes)[1]
-            self.io.batch_load_block([p], buf, [0], self.page_bytes, self.use_o_direct)
+        def one(i: int) -> None:
+            self.io.batch_load_block([self.paths[i]], self.dest.get(i), [0], self.page_bytes, self.use_o_direct)
 
         with ThreadPoolExecutor(self.threads) as ex:
-            list(ex.map(one, self.paths))
+            list(ex.map(one, range(len(self.paths))))
 
 
 def _import_vllm_io() -> tuple[Any | None, str]:
@@ -319,6 +351,9 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
     gb = n * page_bytes / 1e9
     engine_info: dict[str, Any] = {}
     vllm_info: dict[str, Any] = {}
+    loadavgs: list[float] = []
+    slots = 2 * args.threads + 2  # the engine's staging slots (its default for this thread count)
+    dest = slots if args.load_buffers == "slots" else 0
     for run in range(args.repeat):
         work = root / f"{tag}-run{run}"
         order = systems[run % len(systems):] + systems[: run % len(systems)]
@@ -326,13 +361,13 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
         try:
             for s in order:
                 if s == "raw":
-                    impl[s] = _Raw(work / "raw", sources, args.threads, page_bytes)
+                    impl[s] = _Raw(work / "raw", sources, args.threads, page_bytes, dest)
                 elif s == "tierstore":
-                    impl[s] = _Tierstore(work / "ts", ns, sources, args.threads, cfg, tag)
+                    impl[s] = _Tierstore(work / "ts", ns, sources, args.threads, cfg, tag, slots)
                     if args.cold_loads == "buffered":
                         impl[s].engine.direct_loads = False
                 else:
-                    impl[s] = _VllmFs(work / "vllm", sources, args.threads, page_bytes, vio)
+                    impl[s] = _VllmFs(work / "vllm", sources, args.threads, page_bytes, vio, dest)
             for s in order:  # store, each to durable
                 x = impl[s]
                 t_buf = _timed(lambda x=x, run=run: x.store(n, run) if isinstance(x, _Tierstore) else x.store(n))
@@ -348,10 +383,13 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
             # engine's own cost (on a VM, where a page-cache page sits in host memory can change
             # copy speed by 40%).
             impl["raw"].load_paths = all_paths["raw"] = all_paths["tierstore"]
-            for s in order:  # cold: nothing of this system's pages in the page cache
-                dropper.drop(all_paths[s])
-                rates[s].setdefault("load", []).append(gb / _timed(impl[s].load))
-                cpu[s].setdefault("load", []).append(_CPU["last"] / gb)
+            # Cold: nothing of this system's pages in the page cache. Several short rounds, the
+            # order reversed every round, each round's systems measured back to back (paired).
+            for rnd in range(args.cold_rounds):
+                for s in (order if rnd % 2 == 0 else order[::-1]):
+                    dropper.drop(all_paths[s])
+                    rates[s].setdefault("load", []).append(gb / _timed(impl[s].load))
+                    cpu[s].setdefault("load", []).append(_CPU["last"] / gb)
             # Warm: every system's pages brought into the page cache the same way, at one time.
             dropper.drop([p for s in order for p in all_paths[s]])
             for s in order:
@@ -371,6 +409,7 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
                                "header_bytes": impl["tierstore"].engine._header_len(32)}
             if "vllm_fs" in impl:
                 vllm_info = {"o_direct": impl["vllm_fs"].use_o_direct}
+            loadavgs.append(round(os.getloadavg()[0], 2))
             log(f"  {page_mib} MiB run {run}: " + ", ".join(
                 f"{s} st {rates[s]['store'][-1]:.2f}/{rates[s]['store_buffered'][-1]:.2f} "
                 f"ld {rates[s]['load'][-1]:.2f} warm {rates[s]['load_warm'][-1]:.2f}" for s in systems))
@@ -390,11 +429,26 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
     }
     if vllm_info:
         out["vllm_fs"] = vllm_info
+    # Ratios: the median of paired ratios (tierstore / baseline measured in the same repeat or
+    # round, back to back), which cancels slow drifts of the machine's background load; the
+    # range of those paired ratios is the noise of this run. Ratios of the medians are kept too.
     r = out["ratios"] = {}
-    for ph in ("store", "store_buffered", "load", "load_warm"):
-        r[f"{ph}_vs_raw"] = med["tierstore"][ph] / med["raw"][ph]
-        if "vllm_fs" in med:
-            r[f"{ph}_vs_vllm_fs"] = med["tierstore"][ph] / med["vllm_fs"][ph]
+    spread = out["ratio_range"] = {}
+    of_medians = out["ratios_of_medians"] = {}
+    cpu_ratio = out["cpu_efficiency_vs_baseline"] = {}  # baseline CPU s/GB / tierstore CPU s/GB
+    for base in ("raw", "vllm_fs"):
+        if base not in med:
+            continue
+        for ph in ("store", "store_buffered", "load", "load_warm"):
+            name = f"{ph}_vs_{base}"
+            paired = [a / b for a, b in zip(rates["tierstore"][ph], rates[base][ph], strict=True)]
+            r[name] = statistics.median(paired)
+            spread[name] = [min(paired), max(paired)]
+            of_medians[name] = med["tierstore"][ph] / med[base][ph]
+            if ph != "store_buffered":
+                cpu_ratio[name] = out["cpu_seconds_per_gb"][base][ph] / out["cpu_seconds_per_gb"]["tierstore"][ph]
+    out["samples_per_ratio"] = {ph: len(rates["tierstore"][ph]) for ph in ("store", "load", "load_warm")}
+    out["loadavg_per_repeat"] = loadavgs
     return out
 
 
@@ -406,6 +460,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=4, help="I/O threads of every system (default 4)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per page size; medians are reported (default 5)")
     parser.add_argument("--warm-passes", type=int, default=4, help="reads of every page per warm measurement (default 4)")
+    parser.add_argument("--cold-rounds", type=int, default=2,
+                        help="cold-load measurements per repeat, order reversed each round (default 2)")
+    parser.add_argument("--load-buffers", default="slots", choices=("slots", "per-thread"),
+                        help="where baseline loads land: as many buffers as the engine has staging slots, "
+                             "used in turn (default), or one reused buffer per thread")
     parser.add_argument("--odirect", default="auto", choices=("auto", "on", "off"), help="tierstore odirect setting")
     parser.add_argument("--cold-loads", default="auto", choices=("auto", "buffered"),
                         help="tierstore cold loads: auto (O_DIRECT when it works) or buffered (experiment)")
@@ -447,6 +506,10 @@ def run(args: argparse.Namespace) -> int:
         vals = [s["ratios"][name] for s in per_size.values() if name in s["ratios"]]
         if vals:
             result[name] = min(vals)
+    # Noise: per page size, the range of the paired per-repeat ratios behind each headline.
+    result["ratio_range"] = {name: {k: v["ratio_range"][name] for k, v in per_size.items() if name in v["ratio_range"]}
+                             for name in ("store_vs_raw", "load_vs_raw", "load_warm_vs_raw", "store_vs_vllm_fs",
+                                          "load_vs_vllm_fs")}
     result["overhead_per_page"] = {k: v["overhead_per_page"] for k, v in per_size.items()}
     if args.json:
         print(json.dumps(result, indent=2))

@@ -23,13 +23,18 @@ import torch
 
 from tierstore.errors import ConfigError
 from tierstore.format import PageLayout
-from tierstore.kernels.reference import PagesArg, ReferenceCopier
+from tierstore.kernels.geometry import PagesArg, PlannedCopier
+from tierstore.kernels.reference import ReferenceCopier
 
 BACKENDS = ("auto", "torch", "triton")
 
 
 class GroupCopier:
-    """Gather KV blocks into canonical pages and scatter pages back, for one KV-cache group."""
+    """Gather KV blocks into canonical pages and scatter pages back, for one KV-cache group.
+
+    ``backend`` ("torch" or "triton"), ``device`` (the sources') and ``fallback_reason`` say
+    what was chosen; both implementations are ``geometry.PlannedCopier`` subclasses.
+    """
 
     def __init__(
         self,
@@ -44,33 +49,38 @@ class GroupCopier:
         self.layout = layout
         self.blocks_per_page = blocks_per_page
         self.fallback_reason: str | None = None
-        on_cuda = bool(sources) and sources[0].device.type == "cuda"
-        impl: ReferenceCopier | object
-        if backend == "torch" or (backend == "auto" and not on_cuda):
-            impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
-        else:
-            try:
-                from tierstore.kernels.triton_kernels import TritonCopier
-            except ImportError as exc:
-                if backend == "triton":
-                    raise ConfigError(f"kernel backend 'triton' needs the triton package: {exc}") from exc
-                self.fallback_reason = f"triton not importable: {exc}"
-                impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
-            else:
-                try:
-                    impl = TritonCopier(sources, layout, blocks_per_page, concat_dims)
-                except ValueError as exc:
-                    if backend == "triton" or isinstance(exc, ConfigError):
-                        raise
-                    self.fallback_reason = str(exc)
-                    impl = ReferenceCopier(sources, layout, blocks_per_page, concat_dims)
-        self._impl = impl
-        self.backend: str = impl.backend  # type: ignore[attr-defined]
         self._sources = list(sources)
         self._concat_dims = list(concat_dims)
+        on_cuda = bool(sources) and sources[0].device.type == "cuda"
+        if backend == "torch" or (backend == "auto" and not on_cuda):
+            self._impl: PlannedCopier = self._reference()
+        else:
+            self._impl = self._triton(strict=backend == "triton")
+        self.backend: str = self._impl.backend
+        self.device: torch.device = self._impl.device
         self._fallback: ReferenceCopier | None = None
 
-    def _for_pages(self, pages: PagesArg) -> object:
+    def _reference(self) -> ReferenceCopier:
+        return ReferenceCopier(self._sources, self.layout, self.blocks_per_page, self._concat_dims)
+
+    def _triton(self, strict: bool) -> PlannedCopier:
+        """The Triton copier; unless ``strict``, the torch one (and why) when Triton cannot serve."""
+        try:
+            from tierstore.kernels.triton_kernels import TritonCopier
+        except ImportError as exc:
+            if strict:
+                raise ConfigError(f"kernel backend 'triton' needs the triton package: {exc}") from exc
+            self.fallback_reason = f"triton not importable: {exc}"
+            return self._reference()
+        try:
+            return TritonCopier(self._sources, self.layout, self.blocks_per_page, self._concat_dims)
+        except ValueError as exc:
+            if strict or isinstance(exc, ConfigError):
+                raise
+            self.fallback_reason = str(exc)
+            return self._reference()
+
+    def _for_pages(self, pages: PagesArg) -> PlannedCopier:
         """The Triton path reads/writes host page buffers directly only when they are pinned
         (mapped into the GPU's address space); pageable host buffers go through torch."""
         if self.backend != "triton" or self._sources[0].device.type != "cuda":
@@ -79,7 +89,7 @@ class GroupCopier:
         if all(b.device.type == "cuda" or b.is_pinned() for b in bufs):
             return self._impl
         if self._fallback is None:
-            self._fallback = ReferenceCopier(self._sources, self.layout, self.blocks_per_page, self._concat_dims)
+            self._fallback = self._reference()
         return self._fallback
 
     def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
@@ -88,11 +98,11 @@ class GroupCopier:
 
         With CUDA sources, pages may be device memory or pinned host memory (the kernel writes
         over PCIe; queued on the current stream: synchronize before reading them on the host)."""
-        self._for_pages(pages).gather(block_ids, pages)  # type: ignore[attr-defined]
+        self._for_pages(pages).gather(block_ids, pages)
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
         """Inverse of ``gather``: write each page's sections into its blocks."""
-        self._for_pages(pages).scatter(pages, block_ids)  # type: ignore[attr-defined]
+        self._for_pages(pages).scatter(pages, block_ids)
 
 
 __all__ = ["BACKENDS", "GroupCopier", "ReferenceCopier"]

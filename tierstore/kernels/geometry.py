@@ -1,13 +1,14 @@
 """Geometry of one group copy: which source view feeds which page section, and how.
 
 ``plan_sections`` validates the GroupCopier arguments once and returns one ``SectionCopy``
-per page section. A section of shape ``S`` is fed by a source view ``[num_blocks, *B]``:
+per page section; ``PlannedCopier`` is the base both copy paths share (the plan, and the
+checks of each gather/scatter batch). A section of shape ``S`` is fed by a source view ``[num_blocks, *B]``:
 with ``concat_dim = d`` the ``blocks_per_page`` kernel blocks of a page are laid side by side
 along dim ``d`` (``S[d] = blocks_per_page * B[d]``, every other dim equal); with ``None`` the
 page holds exactly one block and ``S == B`` (Mamba states). Both copy paths (torch reference
 and Triton) use this plan, so they agree on what the canonical bytes are.
 
-Pure functions over tensor metadata; no threading concerns.
+Pure functions over tensor metadata; a PlannedCopier is immutable after construction.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 
 from tierstore.errors import ConfigError
 from tierstore.format import PageLayout, SectionSpec
+
+PagesArg = torch.Tensor | Sequence[torch.Tensor]
 
 # Same-size integer dtypes: every copy is a bit copy, so sources are reinterpreted as these.
 INT_DTYPE_BY_SIZE: dict[int, torch.dtype] = {
@@ -117,7 +120,7 @@ def check_block_ids(block_ids: torch.Tensor, blocks_per_page: int) -> int:
     return int(block_ids.shape[0])
 
 
-def check_pages(pages: torch.Tensor | Sequence[torch.Tensor], n_pages: int, nbytes: int) -> None:
+def check_pages(pages: PagesArg, n_pages: int, nbytes: int) -> None:
     """Pages are a uint8 [n_pages, nbytes] tensor (rows contiguous) or n_pages 1-D uint8 buffers."""
     if isinstance(pages, torch.Tensor):
         if pages.dtype != torch.uint8 or pages.dim() != 2 or tuple(pages.shape) != (n_pages, nbytes):
@@ -130,3 +133,33 @@ def check_pages(pages: torch.Tensor | Sequence[torch.Tensor], n_pages: int, nbyt
     for p in pages:
         if p.dtype != torch.uint8 or p.dim() != 1 or p.numel() != nbytes or (nbytes and p.stride(0) != 1):
             raise ValueError(f"each page buffer must be a contiguous 1-D uint8 tensor of {nbytes} bytes")
+
+
+class PlannedCopier:
+    """What both copy paths share: the validated section plan and the per-call checks."""
+
+    backend: str  # "torch" or "triton", set by each subclass
+
+    def __init__(
+        self,
+        sources: Sequence[torch.Tensor],
+        layout: PageLayout,
+        blocks_per_page: int,
+        concat_dims: Sequence[int | None],
+    ) -> None:
+        self.layout = layout
+        self.blocks_per_page = blocks_per_page
+        self.sections = plan_sections(sources, layout, blocks_per_page, concat_dims)
+        self.device = self.sections[0].source.device
+
+    def check_batch(self, block_ids: torch.Tensor, pages: PagesArg) -> int:
+        """Validate one gather/scatter call; returns the number of pages."""
+        n_pages = check_block_ids(block_ids, self.blocks_per_page)
+        check_pages(pages, n_pages, self.layout.nbytes)
+        return n_pages
+
+    def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
+        raise NotImplementedError
+
+    def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
+        raise NotImplementedError

@@ -13,20 +13,9 @@ blocks are safe (the caller orders them against the engine's own use of the bloc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from tierstore.format import PageLayout
-from tierstore.kernels.geometry import (
-    INT_DTYPE_BY_SIZE,
-    SectionCopy,
-    check_block_ids,
-    check_pages,
-    plan_sections,
-)
-
-PagesArg = torch.Tensor | Sequence[torch.Tensor]
+from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE, PagesArg, PlannedCopier, SectionCopy
 
 
 def _gather_section(sec: SectionCopy, ids: torch.Tensor, n_pages: int) -> torch.Tensor:
@@ -52,32 +41,19 @@ def _scatter_section(sec: SectionCopy, raw: torch.Tensor, ids: torch.Tensor, n_p
     src.index_copy_(0, ids, vals.to(src.device))
 
 
-class ReferenceCopier:
+class ReferenceCopier(PlannedCopier):
     """GroupCopier implemented with torch indexing (see ``tierstore.kernels.GroupCopier``)."""
 
     backend = "torch"
 
-    def __init__(
-        self,
-        sources: Sequence[torch.Tensor],
-        layout: PageLayout,
-        blocks_per_page: int,
-        concat_dims: Sequence[int | None],
-    ) -> None:
-        self.layout = layout
-        self.blocks_per_page = blocks_per_page
-        self.sections = plan_sections(sources, layout, blocks_per_page, concat_dims)
-        self.device = self.sections[0].source.device
-
-    def _ids(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        n = check_block_ids(block_ids, self.blocks_per_page)
-        return block_ids.reshape(-1).to(device=self.device, dtype=torch.int64), n
+    def _flat_ids(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return block_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
 
     def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
-        ids, n = self._ids(block_ids)
-        check_pages(pages, n, self.layout.nbytes)
+        n = self.check_batch(block_ids, pages)
         if n == 0:
             return
+        ids = self._flat_ids(block_ids)
         for sec in self.sections:
             data = _gather_section(sec, ids, n)
             end = sec.offset + sec.spec.nbytes
@@ -88,10 +64,10 @@ class ReferenceCopier:
                     page[sec.offset : end].copy_(data[p])
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
-        ids, n = self._ids(block_ids)
-        check_pages(pages, n, self.layout.nbytes)
+        n = self.check_batch(block_ids, pages)
         if n == 0:
             return
+        ids = self._flat_ids(block_ids)
         for sec in self.sections:
             end = sec.offset + sec.spec.nbytes
             if isinstance(pages, torch.Tensor):

@@ -104,7 +104,7 @@ class PageTransfer:
                  scratch_pages: int = 32, stream: Any = None) -> None:
         self.copier = copier
         self.nbytes = copier.layout.nbytes
-        self.device = torch.device(device) if device is not None else copier._impl.device  # type: ignore[attr-defined]
+        self.device = torch.device(device) if device is not None else copier.device
         self.on_gpu = self.device.type == "cuda"
         self._inflight: deque[TransferHandle] = deque()  # started, not finished (scratch held)
         self._finished: list[TransferHandle] = []  # finished, not yet returned by poll()
@@ -171,22 +171,43 @@ class PageTransfer:
                 "create the IOEngine with pin=True")
             self._warned_unpinned = True
 
-    def start_store(self, block_ids: torch.Tensor, slots: Sequence[Any]) -> TransferHandle | None:
-        """Gather ``block_ids`` [n, blocks_per_page] into ``slots`` (n staging slots)."""
-        slots = list(slots)
+    def _slot_tensors(self, slots: list[Any], block_ids: torch.Tensor) -> list[torch.Tensor]:
         tensors = [_slot_tensor(s) for s in slots]
         if len(tensors) != block_ids.shape[0]:
             raise ValueError(f"{block_ids.shape[0]} pages but {len(tensors)} slots")
+        return tensors
+
+    def _claim_scratch(self, tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], torch.Tensor] | None:
+        """(ring spans, scratch rows) for a batch of pages; None when the scratch is full."""
+        span = self._reserve(len(tensors))
+        if span is None:
+            return None
+        self._check_pinned(tensors)
+        return span, self.scratch[span[-1][0] : span[-1][1]]
+
+    def _copy_host(self, tensors: list[torch.Tensor], rows: torch.Tensor, *, to_host: bool) -> None:
+        """Scratch rows <-> staging slots, asynchronously: one copy when the slots lie back to back."""
+        host = _as_rows(tensors, self.nbytes)
+        pairs = [(host, rows)] if host is not None else list(zip(tensors, rows, strict=True))
+        for h, r in pairs:
+            if to_host:
+                h.copy_(r, non_blocking=True)
+            else:
+                r.copy_(h, non_blocking=True)
+
+    def start_store(self, block_ids: torch.Tensor, slots: Sequence[Any]) -> TransferHandle | None:
+        """Gather ``block_ids`` [n, blocks_per_page] into ``slots`` (n staging slots)."""
+        slots = list(slots)
+        tensors = self._slot_tensors(slots, block_ids)
         if not self.on_gpu:
             self.copier.gather(block_ids, tensors)
             h = TransferHandle("store", slots, None)
             self._inflight.append(h)  # complete already; poll() hands it back like a GPU one
             return h
-        span = self._reserve(len(tensors))
-        if span is None:
+        claimed = self._claim_scratch(tensors)
+        if claimed is None:
             return None
-        self._check_pinned(tensors)
-        rows = self.scratch[span[-1][0] : span[-1][1]]
+        span, rows = claimed
         producer = torch.cuda.current_stream(self.device)
         gathered = torch.cuda.Event()
         finished = torch.cuda.Event()
@@ -194,12 +215,7 @@ class PageTransfer:
             self.stream.wait_stream(producer)  # the KV written by queued forward work
             self.copier.gather(self._ids(block_ids), rows)
             gathered.record(self.stream)
-            host = _as_rows(tensors, self.nbytes)
-            if host is not None:
-                host.copy_(rows, non_blocking=True)
-            else:
-                for i, t in enumerate(tensors):
-                    t.copy_(rows[i], non_blocking=True)
+            self._copy_host(tensors, rows, to_host=True)
             finished.record(self.stream)
         h = TransferHandle("store", slots, span, gathered, finished)
         self._inflight.append(h)
@@ -208,29 +224,21 @@ class PageTransfer:
     def start_load(self, slots: Sequence[Any], block_ids: torch.Tensor) -> TransferHandle | None:
         """Scatter the pages in ``slots`` into ``block_ids`` [n, blocks_per_page]."""
         slots = list(slots)
-        tensors = [_slot_tensor(s) for s in slots]
-        if len(tensors) != block_ids.shape[0]:
-            raise ValueError(f"{block_ids.shape[0]} pages but {len(tensors)} slots")
+        tensors = self._slot_tensors(slots, block_ids)
         if not self.on_gpu:
             self.copier.scatter(tensors, block_ids)
             h = TransferHandle("load", slots, None)
             self._inflight.append(h)
             return h
-        span = self._reserve(len(tensors))
-        if span is None:
+        claimed = self._claim_scratch(tensors)
+        if claimed is None:
             return None
-        self._check_pinned(tensors)
-        rows = self.scratch[span[-1][0] : span[-1][1]]
+        span, rows = claimed
         copied = torch.cuda.Event()
         finished = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             # scratch rows may still be read by an older op on this same stream: stream order covers it
-            host = _as_rows(tensors, self.nbytes)
-            if host is not None:
-                rows.copy_(host, non_blocking=True)
-            else:
-                for i, t in enumerate(tensors):
-                    rows[i].copy_(t, non_blocking=True)
+            self._copy_host(tensors, rows, to_host=False)
             copied.record(self.stream)
             self.copier.scatter(rows, self._ids(block_ids))
             finished.record(self.stream)

@@ -34,13 +34,7 @@ import triton
 import triton.language as tl
 
 from tierstore.format import PageLayout
-from tierstore.kernels.geometry import (
-    INT_DTYPE_BY_SIZE,
-    SectionCopy,
-    check_block_ids,
-    check_pages,
-    plan_sections,
-)
+from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE, PagesArg, PlannedCopier, SectionCopy
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +217,7 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-class TritonCopier:
+class TritonCopier(PlannedCopier):
     """GroupCopier implemented with one Triton kernel family (see ``tierstore.kernels``)."""
 
     backend = "triton"
@@ -240,10 +234,7 @@ class TritonCopier:
         num_warps: int = 4,
         vector_hints: bool = True,
     ) -> None:
-        self.layout = layout
-        self.blocks_per_page = blocks_per_page
-        self.sections = plan_sections(sources, layout, blocks_per_page, concat_dims)
-        self.device = self.sections[0].source.device
+        super().__init__(sources, layout, blocks_per_page, concat_dims)
         self.rows = [_section_rows(s) for s in self.sections]
         self.tile_words = tile_words
         self.max_cols = max_cols
@@ -306,7 +297,7 @@ class TritonCopier:
         return launches
 
     # -- copies ---------------------------------------------------------------------------
-    def _page_table(self, pages: torch.Tensor | Sequence[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _page_table(self, pages: PagesArg, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(anchor tensor, page start offsets in bytes from its storage base, alignment)."""
         if isinstance(pages, torch.Tensor):
             anchor = pages
@@ -322,9 +313,8 @@ class TritonCopier:
         align = math.gcd(*offs, base, 16) or 16
         return anchor, torch.tensor(offs, dtype=torch.int64).to(self.device), align
 
-    def _run(self, block_ids: torch.Tensor, pages: torch.Tensor | Sequence[torch.Tensor], scatter: bool) -> None:
-        n = check_block_ids(block_ids, self.blocks_per_page)
-        check_pages(pages, n, self.layout.nbytes)
+    def _run(self, block_ids: torch.Tensor, pages: PagesArg, scatter: bool) -> None:
+        n = self.check_batch(block_ids, pages)
         if n == 0:
             return
         ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous().view(-1)
@@ -348,10 +338,10 @@ class TritonCopier:
                     launch.vec = 1
                     _page_copy_kernel[grid](*args, VEC=1, **meta)
 
-    def gather(self, block_ids: torch.Tensor, pages: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
         self._run(block_ids, pages, scatter=False)
 
-    def scatter(self, pages: torch.Tensor | Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
+    def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
         self._run(block_ids, pages, scatter=True)
 
     def describe(self) -> list[dict[str, int]]:

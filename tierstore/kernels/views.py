@@ -17,6 +17,7 @@ Pure functions returning views (no copies); no threading concerns.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -89,10 +90,8 @@ def mamba_state_views(
     views = []
     pos = 0
     for name, shape, dtype in states:
-        item = torch.empty(0, dtype=dtype).element_size()
-        n = 1
-        for s in shape:
-            n *= s
+        item = dtype.itemsize
+        n = math.prod(shape)
         if pos % item:
             raise ValueError(f"state {name!r} at byte {pos} is not aligned to its {item}-byte dtype")
         if raw.stride(0) % item:

@@ -263,6 +263,11 @@ class TierChain:
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
         return self.front.acquire_slot(timeout)
 
+    @property
+    def free_slots(self) -> int:
+        """Free staging slots of the front engine (the ones callers fill), as ``IOEngine.free_slots``."""
+        return self.front.free_slots
+
     def release_slot(self, slot: StagingSlot) -> None:
         with self._lock:
             owner = self._foreign_slots.pop(id(slot), None)
@@ -691,6 +696,12 @@ class TierChain:
     @property
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tiers": self.metrics.snapshot(), "shared_up": self.health.up}
+        # the keys an IOEngine's stats have that callers log (front = the engine callers fill)
+        front = self.local if self.local is not None else (self._shared.get() if self._shared else None)
+        if front is not None:
+            fs = front.stats
+            for k in ("io_mode", "odirect_reason", "codec", "staging_slots", "free_slots", "pinned"):
+                out[k] = fs.get(k)
         if self.local is not None:
             out["local_engine"] = self.local.stats
         eng = self._shared.get() if self._shared else None

@@ -47,10 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-    OffloadPromMetrics,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
@@ -61,16 +58,18 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
 
 from tierstore.config import TierStoreConfig
+from tierstore.errors import ConfigError
 from tierstore.identity import write_manifest
+from tierstore.metrics import default_registry
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.spec import TierStoreOffloadingSpec
+from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, add_adapter_counters
 from tierstore.vllm.validation import offloaded_block_sizes, validate_engine
 from tierstore.vllm.worker import TierStoreWorker
 
 logger = logging.getLogger("tierstore.vllm")
 
-STATS_PREFIX = "tierstore_"
 
 
 @dataclass
@@ -84,6 +83,18 @@ class TierStoreWorkerMetadata(OffloadingWorkerMetadata):
         assert isinstance(merged, OffloadingWorkerMetadata)
         extra = list(self.failed_keys) + list(getattr(other, "failed_keys", []))
         return TierStoreWorkerMetadata(merged.completed_jobs, merged.transfer_stats, extra)
+
+
+def _adapter_setting_staging_slots(extra: dict[str, Any]) -> int | None:
+    """Pop the adapter-only setting ``staging_slots`` (per KV-cache group; default: sized from
+    ``max_num_batched_tokens``, see ``spec.staging_slots_for``)."""
+    value = extra.pop("staging_slots", None)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ConfigError(f'setting "staging_slots" must be an integer >= 2 (page buffers per KV-cache group), '
+                          f"got {value!r}; leave it unset to size the pool from max_num_batched_tokens")
+    return value
 
 
 def _shutdown_ref(ref: weakref.ReferenceType[TierStoreWorker]) -> None:
@@ -121,6 +132,14 @@ class TierStoreConnectorWorker(OffloadingConnectorWorker):
                 continue
             assert isinstance(entry.src_spec, GPULoadStoreSpec)
             self.ts_worker.submit_store(job_id, entry.src_spec, entry.dst_spec)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM's fence first (jobs_to_flush -> worker.wait: deferred pages of blocks about to be
+        # reused are gathered or dropped), then, before this step's forward, whatever store
+        # pages earlier steps had to defer for want of a staging slot.
+        super().handle_preemptions(kv_connector_metadata)
+        if isinstance(self.worker, TierStoreWorker):
+            self.worker.pump_stores()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_recving: set[str] = set()
@@ -164,26 +183,23 @@ class TierStoreConnectorWorker(OffloadingConnectorWorker):
         return delta
 
 
-class _TierStorePromMetrics(OffloadPromMetrics):
-    """vLLM's offloading Prometheus metrics; tierstore's own counters are not exported yet."""
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        data = {k: v for k, v in transfer_stats_data.get("data", {}).items() if k in self._offloading_metric_defs}
-        types = transfer_stats_data.get("types", {})
-        super().observe({"types": types, "data": data}, engine_idx)
-
-
 class TierStoreConnector(OffloadingConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         kv_transfer_config = vllm_config.kv_transfer_config
         assert kv_transfer_config is not None
-        self.ts_config = TierStoreConfig.from_dict(dict(kv_transfer_config.kv_connector_extra_config or {}))
+        extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+        staging_slots = _adapter_setting_staging_slots(extra)
+        self.ts_config = TierStoreConfig.from_dict(extra)
         chunk_tokens = validate_engine(vllm_config, kv_cache_config, self.ts_config)
         offloading_config = self._offloading_config(vllm_config, kv_cache_config, chunk_tokens)
         self.namespace = build_namespace(vllm_config, kv_cache_config, offloading_config, self.ts_config)
-        spec = TierStoreOffloadingSpec(offloading_config, self.ts_config, self.namespace, vllm_config, kv_cache_config)
+        spec = TierStoreOffloadingSpec(offloading_config, self.ts_config, self.namespace, vllm_config, kv_cache_config,
+                                       staging_slots=staging_slots)
         self.spec = spec
+        self._tier_deltas = TierDeltas(default_registry().snapshot())
+        # everything this side has reported through get_kv_connector_stats (tests, debugging)
+        self.reported_stats = OffloadingConnectorStats()
         self._canonical_layout = False
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
@@ -254,26 +270,28 @@ class TierStoreConnector(OffloadingConnector):
             return dict(self.ts_manager.counters)
         w = self.ts_worker.worker
         if isinstance(w, TierStoreWorker):
-            return {**w.counters, "engines": w.engine_stats()}
+            return {**w.counters, "engines": w.engine_stats(), "tiers": default_registry().snapshot()}
         return {}
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """vLLM's offloading stats plus tierstore's adapter counters (both roles) and, on the
+        worker, the per-tier metrics (``tierstore.vllm.stats``); increments since the last call."""
         stats = super().get_kv_connector_stats()
+        out = stats if isinstance(stats, OffloadingConnectorStats) else OffloadingConnectorStats()
         if self.connector_scheduler is not None:
             now = Counter(self.ts_manager.counters)
             delta = now - self._reported_sched
             self._reported_sched = now
+            add_adapter_counters(out, delta)
         else:
-            delta = self.ts_worker.stats_delta()
-        if not delta:
+            add_adapter_counters(out, self.ts_worker.stats_delta())
+            self._tier_deltas.add_to(out, default_registry().snapshot())
+        if out.is_empty():
             return stats
-        out = stats if isinstance(stats, OffloadingConnectorStats) else OffloadingConnectorStats()
-        for name, value in delta.items():
-            metric, _, kind = name.partition(":")
-            out.increase_counter(STATS_PREFIX + metric, value, (kind,) if kind else ())
+        self.reported_stats.aggregate(copy.deepcopy(out))
         return out
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: Any,
                            per_engine_labelvalues: Any) -> Any:
-        return _TierStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return TierStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

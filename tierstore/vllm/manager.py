@@ -1,8 +1,9 @@
 """Scheduler side of the tierstore offloading spec: which chunks are on disk.
 
 ``TierStoreManager`` implements vLLM's ``OffloadingManager``. A lookup is one ``stat`` of the
-page's path (``FileMapper``): no reads, no locks, no state change, so vLLM may call it as often
-as it likes. vLLM's offloading scheduler turns per-group answers into the hybrid hit (full
+page's path (``FileMapper``) per disk tier, the local tier (``local_root``) first, then
+``root``: no reads, no locks, no state change, so vLLM may call it as often as it likes. (The
+host tier lives in the worker process and is always backed by the local or shared tier.) vLLM's offloading scheduler turns per-group answers into the hybrid hit (full
 attention: a prefix run; sliding window: the window ending at the hit; Mamba: the state at the
 boundary; the minimum across groups).
 
@@ -67,8 +68,9 @@ def _file_identity(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
 class TierStoreManager(OffloadingManager):
     def __init__(self, mappers: Sequence[FileMapper], group_of: dict[int, int],
                  tokens_per_chunk: Sequence[int], state_groups: Sequence[bool],
-                 retry_after_s: float = 30.0) -> None:
+                 retry_after_s: float = 30.0, local_mappers: Sequence[FileMapper] | None = None) -> None:
         self.mappers = list(mappers)
+        self.local_mappers = list(local_mappers) if local_mappers else []
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index
         self.tokens_per_chunk = list(tokens_per_chunk)
         self.state_groups = list(state_groups)  # True: a page is a state after its end token
@@ -82,11 +84,26 @@ class TierStoreManager(OffloadingManager):
         g = self.group_of[get_offload_group_idx(key)]
         return self.mappers[g].path_for(get_offload_block_hash(key))
 
+    def _paths(self, key: OffloadKey) -> list[os.PathLike[str]]:
+        """The page's path in every disk tier, fastest first."""
+        g = self.group_of[get_offload_group_idx(key)]
+        h = get_offload_block_hash(key)
+        return [m.path_for(h) for m in (*([self.local_mappers[g]] if self.local_mappers else []), self.mappers[g])]
+
+    def _identity(self, key: OffloadKey) -> tuple[int, int, int] | None:
+        for path in self._paths(key):
+            ident = _file_identity(path)
+            if ident is not None:
+                return ident
+        return None
+
+    def _exists(self, key: OffloadKey) -> bool:
+        return any(os.path.exists(p) for p in self._paths(key))
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters["lookups"] += 1
-        path = self._path(key)
         if key in self._failed:
-            ident = _file_identity(path)
+            ident = self._identity(key)
             seen, kind, when = self._failed[key]
             if ident is None:
                 del self._failed[key]
@@ -98,7 +115,7 @@ class TierStoreManager(OffloadingManager):
             del self._failed[key]  # replaced (or retry time passed): try it again
             self.counters["lookup_hits"] += 1
             return LookupResult.HIT
-        if os.path.exists(path):
+        if self._exists(key):
             self.counters["lookup_hits"] += 1
             return LookupResult.HIT
         return LookupResult.MISS
@@ -108,7 +125,7 @@ class TierStoreManager(OffloadingManager):
         if len(self._failed) >= MAX_FAILED_KEYS:
             self._failed.pop(next(iter(self._failed)))
         try:
-            ident = _file_identity(self._path(key))
+            ident = self._identity(key)
         except (KeyError, ValueError):
             return
         self._failed[key] = (ident, kind, time.monotonic())

@@ -4,7 +4,14 @@ The spec is built by ``TierStoreConnector`` (not through vLLM's spec factory) fr
 ``OffloadingConfig`` (groups, chunking, parallel layout) plus the tierstore config and
 Namespace. ``get_manager`` (scheduler process) needs only paths; ``build_worker`` (worker
 process) turns vLLM's registered per-layer KV tensors into strided views in canonical order
-(``tierstore.kernels.views``) and starts one ``IOEngine`` per group.
+(``tierstore.kernels.views``) and opens one page store per group with
+``tierstore.tiers.open_group_store`` (a plain ``IOEngine`` over ``root``, or a ``TierChain``
+host -> ``local_root`` -> ``root`` when a faster tier is configured).
+
+Staging slots per group (``staging_slots_for``): enough for two scheduler steps' worth of
+chunks at ``max_num_batched_tokens`` (so a step's stores never wait for a slot), at least
+``max(16, 4 x io_threads + 8)``, at most ``STAGING_BYTES_CAP`` of pages; the adapter setting
+``staging_slots`` overrides it.
 
 Physical layouts handled: vLLM's logical attention view ``[nb, H, N, 2*D]`` with K|V packed
 per token (CUDA backends), the CPU backend's reading of the same bytes as K and V planes per
@@ -36,6 +43,8 @@ from tierstore.identity import Namespace
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.views import attention_view, mamba_state_views
 from tierstore.mapper import FileMapper
+from tierstore.metrics import default_registry
+from tierstore.tiers import open_group_store
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,
@@ -50,6 +59,21 @@ logger = logging.getLogger("tierstore.vllm")
 # Attention backends that read a block's bytes as K and V planes per head ([H, 2, N, D])
 # instead of vLLM's logical [H, N, 2*D] with K|V packed per token.
 KV_PLANE_BACKENDS = frozenset({"CPU_ATTN"})
+
+# Upper bound of one group's staging pool (pinned host memory on CUDA) when sized automatically.
+STAGING_BYTES_CAP = 1 << 30
+
+
+def staging_slots_for(max_num_batched_tokens: int, tokens_per_chunk: int, page_bytes: int,
+                      io_threads: int, override: int | None = None) -> int:
+    """Staging slots of one group: two steps' worth of chunks (+1 per step for a chunk a step
+    completes that an earlier step started), within [max(16, 4 x io_threads + 8), the byte cap]."""
+    if override is not None:
+        return override
+    floor = max(16, 4 * io_threads + 8)
+    per_step = -(-max_num_batched_tokens // tokens_per_chunk) + 1
+    cap = max(floor, STAGING_BYTES_CAP // max(page_bytes, 1))
+    return min(max(floor, 2 * per_step), cap)
 
 
 def kv_planes_view(cache: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -108,8 +132,9 @@ class KTransposeFixup:
 
 class TierStoreOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig, ts_config: TierStoreConfig, namespace: Namespace,
-                 vllm_config: Any, kv_cache_config: Any) -> None:
+                 vllm_config: Any, kv_cache_config: Any, staging_slots: int | None = None) -> None:
         super().__init__(config)
+        self.staging_slots_override = staging_slots
         self.ts_config = ts_config
         self.namespace = namespace
         self.vllm_config = vllm_config
@@ -122,11 +147,13 @@ class TierStoreOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            mappers = [FileMapper(self.ts_config.root, self.namespace.digest, i, self.rank)
-                       for i in range(len(self.namespace.groups))]
+            n = len(self.namespace.groups)
+            mappers = [FileMapper(self.ts_config.root, self.namespace.digest, i, self.rank) for i in range(n)]
+            local = self.ts_config.local_root
+            local_mappers = [FileMapper(local, self.namespace.digest, i, self.rank) for i in range(n)] if local else None
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
-                [g.kind == GroupKind.MAMBA for g in self.namespace.groups],
+                [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
             )
         return self._manager
 
@@ -183,20 +210,24 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 bpp = self.blocks_per_chunk * ratio
             device = sources[0].device
             copier = GroupCopier(sources, gspec.layout, bpp, concat)
-            engine = IOEngine(
-                self.ts_config.root, self.namespace, i, rank=self.rank, config=self.ts_config,
-                staging_slots=max(16, 4 * self.ts_config.io_threads + 8),
-                pin=device.type == "cuda",
-            )
-            logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s, copier=%s, io=%s",
-                        i, gspec.kind.name.lower(), len(gspec.layer_names), gspec.layout.nbytes,
-                        engine.mapper.base, copier.backend, engine.stats.get("io_mode"))
+            slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
+                                      gspec.tokens_per_chunk, gspec.layout.nbytes, self.ts_config.io_threads,
+                                      self.staging_slots_override)
+            engine = open_group_store(self.ts_config, self.namespace, i, rank=self.rank,
+                                      staging_slots=slots, pin=device.type == "cuda")
+            logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
+                        "%d staging slots", i, gspec.kind.name.lower(), len(gspec.layer_names),
+                        gspec.layout.nbytes, engine.mapper.base,
+                        f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
+                        copier.backend, engine.stats.get("io_mode"), slots)
             groups.append(WorkerGroup(
                 index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
                 blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
                 kernel_ratio=ratio, device=device,
                 fixup=KTransposeFixup(gspec.layout, k_transposed_tokens) if k_transposed_tokens else None,
+                tokens_per_page=gspec.tokens_per_chunk,
+                root_metrics=default_registry().tier("root") if isinstance(engine, IOEngine) else None,
             ))
-        slot_timeout = self.ts_config.deadline_ms / 1000.0
-        self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s, slot_timeout)
+        self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
+                                       defer_limit_s=self.ts_config.deadline_ms / 1000.0)
         return self._worker

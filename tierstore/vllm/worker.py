@@ -38,6 +38,7 @@ from vllm.v1.kv_offload.base import (
 
 from tierstore.engine import IOEngine, IOResult
 from tierstore.kernels import GroupCopier
+from tierstore.metrics import TierMetrics
 from tierstore.vllm.manager import TierStoreFileSpec
 
 logger = logging.getLogger("tierstore.vllm")
@@ -55,6 +56,9 @@ class WorkerGroup:
     kernel_ratio: int  # kernel blocks per scheduler block
     device: torch.device
     fixup: Any = None  # in-place page fix-up (after_gather / before_scatter), see spec.KTransposeFixup
+    tokens_per_page: int = 0
+    # Per-tier metrics for a plain IOEngine (a TierChain records its own): the "root" tier.
+    root_metrics: TierMetrics | None = None
 
 
 @dataclass
@@ -70,10 +74,15 @@ class _Job:
 
 
 class TierStoreWorker(OffloadingWorker):
-    def __init__(self, groups: list[WorkerGroup], flush_timeout_s: float, slot_timeout_s: float) -> None:
+    def __init__(self, groups: list[WorkerGroup], flush_timeout_s: float, defer_limit_s: float = 10.0,
+                 fence_slot_wait_s: float = 0.05) -> None:
         self.groups = groups
         self.flush_timeout_s = flush_timeout_s
-        self.slot_timeout_s = slot_timeout_s
+        self.defer_limit_s = defer_limit_s  # a deferred store page older than this is dropped
+        self.fence_slot_wait_s = fence_slot_wait_s  # the most a flush fence waits for one slot
+        # per group: store pages waiting for a staging slot (job id, key, tokens, kernel row, queued at)
+        self._store_queue: dict[int, deque[tuple[int, bytes, int, torch.Tensor, float]]] = {
+            g.index: deque() for g in groups}
         self._jobs: dict[int, _Job] = {}
         self._by_engine_job: dict[tuple[int, int], tuple[int, torch.Tensor | None]] = {}
         self._finished: list[TransferResult] = []
@@ -132,36 +141,92 @@ class TierStoreWorker(OffloadingWorker):
                     self._fail(job, g.index, key, "layout",
                                f"{len(block_ids)} blocks for {len(todo)} pages of {g.blocks_per_chunk} blocks")
                 continue
-            # Batches of whatever slots are free (at least one, waited for): slots of submitted
-            # stores come back as their writes finish.
-            pos = 0
-            while pos < len(todo):
-                first = g.engine.acquire_slot(timeout=self.slot_timeout_s)
-                if first is None:
-                    for key, _ in todo[pos:]:
-                        self._fail(job, g.index, key, "no_slot", "no free staging slot within deadline_ms")
-                    break
-                slots = [first]
-                while pos + len(slots) < len(todo):
-                    more = g.engine.acquire_slot(timeout=0)
-                    if more is None:
-                        break
-                    slots.append(more)
-                batch = todo[pos : pos + len(slots)]
-                bpc = g.blocks_per_chunk
-                rows = self._kernel_rows(g, block_ids[pos * bpc : (pos + len(slots)) * bpc], len(slots))
-                g.copier.gather(rows, [s.tensor for s in slots])
-                self._sync(g)
-                if g.fixup is not None:
-                    for s in slots:
-                        g.fixup.after_gather(s.tensor)
-                for (key, tokens), slot in zip(batch, slots, strict=True):
-                    eid = g.engine.submit_store(key, slot, tokens)
-                    job.pending.add((g.index, eid))
-                    self._by_engine_job[(g.index, eid)] = (job_id, None)
-                pos += len(slots)
+            rows = self._kernel_rows(g, block_ids, len(todo))
+            now = time.monotonic()
+            for (key, tokens), row in zip(todo, rows, strict=True):
+                job.waiting += 1
+                self._store_queue[g.index].append((job_id, key, tokens, row[None, :], now))
+            self._pump_stores(g)
         self._maybe_finish(job)
         return True
+
+    def _pump_stores(self, g: WorkerGroup, *, only: set[int] | None = None, slot_wait_s: float = 0.0,
+                     drop_reason: str | None = None) -> None:
+        """Gather queued store pages into free staging slots (oldest first) and submit them.
+
+        Never waits for a slot unless ``slot_wait_s`` > 0. A page left in the queue keeps its
+        blocks fenced by vLLM until its job completes (see docs/design/vllm.md), so deferring
+        it to a later step is safe. ``only``: just these jobs' pages (a flush fence);
+        ``drop_reason``: pages that still get no slot are dropped and counted under it.
+        """
+        queue = self._store_queue[g.index]
+        if not queue:
+            return
+        now = time.monotonic()
+        keep: deque[tuple[int, bytes, int, torch.Tensor, float]] = deque()
+        todo: list[tuple[int, bytes, int, torch.Tensor, float]] = []
+        for item in queue:
+            if only is not None and item[0] not in only:
+                keep.append(item)
+            elif now - item[4] > self.defer_limit_s:
+                self._drop_store(g, item, "deferred_too_long")
+            else:
+                todo.append(item)
+        pos = 0
+        while pos < len(todo):
+            slots = []
+            first = g.engine.acquire_slot(timeout=slot_wait_s) if slot_wait_s > 0 else g.engine.acquire_slot(0)
+            if first is None:
+                break
+            slots.append(first)
+            while pos + len(slots) < len(todo):
+                more = g.engine.acquire_slot(0)
+                if more is None:
+                    break
+                slots.append(more)
+            batch = todo[pos : pos + len(slots)]
+            rows = torch.cat([item[3] for item in batch]) if len(batch) > 1 else batch[0][3]
+            g.copier.gather(rows, [sl.tensor for sl in slots])
+            self._sync(g)
+            for (job_id, key, tokens, _row, _t), slot in zip(batch, slots, strict=True):
+                if g.fixup is not None:
+                    g.fixup.after_gather(slot.tensor)
+                job = self._jobs[job_id]
+                job.waiting -= 1
+                eid = g.engine.submit_store(key, slot, tokens)
+                job.pending.add((g.index, eid))
+                self._by_engine_job[(g.index, eid)] = (job_id, None)
+            self.counters["store_batches"] += 1
+            pos += len(slots)
+        rest = todo[pos:]
+        if rest and drop_reason is not None:
+            for item in rest:
+                self._drop_store(g, item, drop_reason)
+            rest = []
+        if rest:
+            self.counters["store_deferrals"] += len(rest)
+        self._store_queue[g.index] = deque([*keep, *rest]) if keep else deque(rest)
+        # sort not needed: ``keep`` and ``rest`` are both in arrival order; merge keeps FIFO enough
+        for job_id in {item[0] for item in todo}:
+            job = self._jobs.get(job_id)
+            if job is not None:
+                self._maybe_finish(job)
+
+    def _drop_store(self, g: WorkerGroup, item: tuple[int, bytes, int, torch.Tensor, float], reason: str) -> None:
+        job_id, key, _tokens, _row, _t = item
+        job = self._jobs[job_id]
+        job.waiting -= 1
+        job.failed.append((g.index, key, "store_dropped"))
+        self.counters[f"store_dropped:{reason}"] += 1
+        logger.debug("tierstore: store of page %s.. (group %d) dropped: %s", key.hex()[:16], g.index, reason)
+
+    def pump_stores(self) -> None:
+        """Submit deferred store pages while slots are free (never waits)."""
+        for g in self.groups:
+            self._pump_stores(g)
+
+    def deferred_store_pages(self) -> int:
+        return sum(len(q) for q in self._store_queue.values())
 
     # ------------------------------------------------------------ loads
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -216,6 +281,17 @@ class TierStoreWorker(OffloadingWorker):
         job_id, rows = entry
         job = self._jobs[job_id]
         job.pending.discard((g.index, res.job_id))
+        m = g.root_metrics
+        if m is not None:
+            if res.ok:
+                if res.op == "load":
+                    m.hit(g.tokens_per_page, res.nbytes, res.seconds)
+                elif res.stored:
+                    m.stored(res.nbytes, res.seconds)
+            elif res.error is not None and res.error.kind == "missing":
+                m.miss(g.tokens_per_page)
+            else:
+                m.failure(res.error.kind if res.error is not None else "error")
         if res.op == "load":
             if res.ok and res.slot is not None:
                 try:
@@ -244,7 +320,7 @@ class TierStoreWorker(OffloadingWorker):
         self._maybe_finish(job)
 
     def _maybe_finish(self, job: _Job) -> None:
-        if job.pending or job.waiting:
+        if job.pending or job.waiting or self._jobs.get(job.job_id) is not job:
             return
         del self._jobs[job.job_id]
         ok = not job.failed
@@ -265,12 +341,19 @@ class TierStoreWorker(OffloadingWorker):
             for res in g.engine.poll():
                 self._on_result(g, res)
             self._pump(g)
+            self._pump_stores(g)
         out, self._finished = self._finished, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        # Stores gathered their blocks when submitted; nothing reads vLLM's blocks later.
-        return
+        """vLLM's fence before it reuses the blocks of these (store) jobs: gather their deferred
+        pages now, waiting at most ``fence_slot_wait_s`` per batch for a slot; what still gets
+        no slot is dropped (counted ``store_dropped:fence``). Submitted pages no longer read
+        vLLM's blocks, so nothing else needs waiting for."""
+        only = set(job_ids)
+        for g in self.groups:
+            if any(item[0] in only for item in self._store_queue[g.index]):
+                self._pump_stores(g, only=only, slot_wait_s=self.fence_slot_wait_s, drop_reason="fence")
 
     def engine_stats(self) -> dict[str, Any]:
         return {f"g{g.index}": g.engine.stats for g in self.groups}
@@ -279,6 +362,17 @@ class TierStoreWorker(OffloadingWorker):
         """Wait until every queued store has reached the disk (or failed)."""
         end = None if timeout is None else time.monotonic() + timeout
         done = True
+        for g in self.groups:
+            while self._store_queue[g.index]:
+                left = 1.0 if end is None else end - time.monotonic()
+                if left <= 0:
+                    break
+                for res in g.engine.poll():
+                    self._on_result(g, res)
+                self._pump_stores(g, slot_wait_s=min(left, 0.1))
+            if self._store_queue[g.index]:
+                self._pump_stores(g, drop_reason="flush_timeout")
+                done = False
         for g in self.groups:
             left = None if end is None else max(0.0, end - time.monotonic())
             done = g.engine.flush(left) and done

@@ -1,0 +1,59 @@
+"""TierStoreConfig: every bad setting is refused with a message naming it; good ones pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tierstore.config import TierStoreConfig
+from tierstore.errors import ConfigError
+
+ROOT = {"root": "/mnt/kvcache"}
+
+
+def test_defaults_and_a_full_valid_config() -> None:
+    cfg = TierStoreConfig.from_dict(dict(ROOT))
+    assert (cfg.codec, cfg.odirect, cfg.io_threads, cfg.max_bytes) == ("none", "auto", 4, None)
+    full = TierStoreConfig.from_dict({
+        **ROOT, "local_root": "/nvme/kv", "local_max_bytes": 1 << 30, "host_bytes": 0, "max_bytes": 1 << 40,
+        "gc_interval_s": 60, "codec": "zstd", "zstd_level": 3, "io_threads": 8, "fsync": True,
+        "odirect": "off", "flush_timeout_s": 0, "chunk_tokens": 256, "namespace_tag": "prod",
+    })
+    assert full.root_path.as_posix() == "/mnt/kvcache" and full.zstd_level == 3
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"cache_dir": "/x"}, "cache_dir"),  # unknown key
+    ({"codec": "lz4"}, "codec"),
+    ({"odirect": "yes"}, "odirect"),
+    ({"io_threads": 0}, "io_threads"),
+    ({"queue_depth": 2.5}, "queue_depth"),
+    ({"deadline_ms": -1}, "deadline_ms"),
+    ({"max_bytes": 0}, "max_bytes"),
+    ({"local_root": "/nvme", "local_max_bytes": -5}, "local_max_bytes"),
+    ({"local_max_bytes": 1 << 30}, "local_root"),  # a cap needs the tier's directory
+    ({"host_bytes": -1}, "host_bytes"),
+    ({"zstd_level": 23}, "zstd_level"),
+    ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"shared_touch_interval_s": -1.0}, "shared_touch_interval_s"),
+    ({"flush_timeout_s": -1}, "flush_timeout_s"),
+    ({"flush_timeout_s": "soon"}, "flush_timeout_s"),
+    ({"gc_interval_s": 5}, "max_bytes"),  # gc needs a cap to keep
+])
+def test_bad_setting_is_named(settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        TierStoreConfig.from_dict({**ROOT, **settings})
+
+
+def test_root_is_required_and_the_message_says_how() -> None:
+    for d in ({}, {"root": ""}):
+        with pytest.raises(ConfigError, match='set "root" in kv_connector_extra_config'):
+            TierStoreConfig.from_dict(d)
+
+
+def test_replace_validates() -> None:
+    cfg = TierStoreConfig.from_dict(dict(ROOT))
+    assert cfg.replace(io_threads=2).io_threads == 2
+    with pytest.raises(ConfigError, match="io_threads"):
+        cfg.replace(io_threads=0)
