@@ -562,6 +562,12 @@ def test_bench_io_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     size = out["sizes"]["2MiB"]
     assert size["header_bytes"] == 4096 and out["cache_drop"] == "fadvise"
     assert all(size["gbps"][s][ph] > 0 for s in ("raw", "tierstore") for ph in ("store", "load", "load_warm"))
+    # Paired ratios: one per repeat (cold: per round), their median inside their range.
+    assert size["samples_per_ratio"] == {"store": 1, "load": 2, "load_warm": 1}
+    lo, hi = size["ratio_range"]["load_vs_raw"]
+    assert lo <= size["ratios"]["load_vs_raw"] <= hi
+    assert out["ratio_range"]["load_vs_raw"]["2MiB"] == [lo, hi]
+    assert size["cpu_efficiency_vs_baseline"]["load_warm_vs_raw"] > 0
     assert not (tmp_path / "bench").exists()  # scratch files removed
 
 

@@ -197,6 +197,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # vLLM's default multiprocess engine: ~75 s on the 2-core machine
 def test_multiprocess_engine_recovers_from_a_corrupt_page(stored, tmp_path: Path) -> None:
     """vLLM's default engine (scheduler and worker in other processes): the failed key must
     cross from the worker process to the scheduler's manager, or the retry would load the

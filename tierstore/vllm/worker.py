@@ -147,6 +147,8 @@ class TierStoreWorker(OffloadingWorker):
                 job.waiting += 1
                 self._store_queue[g.index].append((job_id, key, tokens, row[None, :], now))
             self._pump_stores(g)
+            # pages of this job that found no free slot now (each counted once)
+            self.counters["store_deferrals"] += sum(1 for item in self._store_queue[g.index] if item[0] == job_id)
         self._maybe_finish(job)
         return True
 
@@ -203,8 +205,6 @@ class TierStoreWorker(OffloadingWorker):
             for item in rest:
                 self._drop_store(g, item, drop_reason)
             rest = []
-        if rest:
-            self.counters["store_deferrals"] += len(rest)
         self._store_queue[g.index] = deque([*keep, *rest]) if keep else deque(rest)
         # sort not needed: ``keep`` and ``rest`` are both in arrival order; merge keeps FIFO enough
         for job_id in {item[0] for item in todo}:
