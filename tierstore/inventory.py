@@ -464,7 +464,18 @@ class _Walker:
 
     def fan_dir(self, nsd: NamespaceDir, aa: Path, g: int, r: int, orphan: bool) -> Inventory:
         """Walk one ``<aa>`` directory (runs on a pool thread)."""
+        try:
+            return self._fan_dir(nsd, aa, g, r, orphan)
+        except BaseException:
+            # Stop the other workers now, not when the caller gets round to this future: under
+            # load it may take a while, and every queued directory would fail the same way.
+            self.stop.set()
+            raise
+
+    def _fan_dir(self, nsd: NamespaceDir, aa: Path, g: int, r: int, orphan: bool) -> Inventory:
         inv = Inventory(self.root)
+        if self.stop.is_set():
+            return inv
         group = nsd.group(g)
         for b_entry in self._scandir(aa, inv):
             if self.stop.is_set():

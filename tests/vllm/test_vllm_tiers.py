@@ -64,7 +64,12 @@ def test_tier_metrics_reach_prometheus() -> None:
     )
 
     from tierstore.metrics import MetricsRegistry
-    from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, add_adapter_counters
+    from tierstore.vllm.stats import (
+        TierDeltas,
+        TierStorePromMetrics,
+        accumulate,
+        add_adapter_counters,
+    )
 
     reg = MetricsRegistry()
     reg.tier("local").hit(128, 4096, 0.002)
@@ -77,6 +82,13 @@ def test_tier_metrics_reach_prometheus() -> None:
     assert deltas.add_to(stats, reg.snapshot())
     add_adapter_counters(stats, {"load_pages_ok": 1, "load_failed:checksum": 2, "not_declared": 5})
     assert not deltas.add_to(OffloadingConnectorStats(), reg.snapshot())  # nothing new
+
+    totals: dict = {}
+    accumulate(totals, stats)
+    accumulate(totals, stats)
+    assert totals["tierstore_tier_hits:('local',)"] == 2  # counters add up
+    assert totals["tierstore_tier_used_bytes:('local',)"] == 1000  # gauges keep the latest
+    assert totals["tierstore_tier_load_seconds:('local',)_count"] == 2
 
     registry = prom.CollectorRegistry()
     types = {cls: partial(cls, registry=registry) for cls in (prom.Gauge, prom.Counter, prom.Histogram)}

@@ -39,7 +39,7 @@ class EngineRun:
     outputs: list[Output]
     worker: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
-    # what both connector sides reported through vLLM's stats hook (OffloadingConnectorStats.reduce())
+    # what both connector sides reported through vLLM's stats hook (totals, keyed like reduce())
     reported: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -101,7 +101,7 @@ def run_engine(
             worker_conn.get_kv_connector_stats()  # the increments since the last step
             run.worker = worker_conn.tierstore_stats()
             run.scheduler = sched_conn.tierstore_stats()
-            run.reported = {**sched_conn.reported_stats.reduce(), **worker_conn.reported_stats.reduce()}
+            run.reported = {**sched_conn.reported_totals, **worker_conn.reported_totals}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

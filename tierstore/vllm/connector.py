@@ -21,6 +21,11 @@ replaces three things:
    the start of the next step, and the worker flushes its engines at shutdown: a request with
    ``max_tokens=1`` followed by engine exit is stored.
 
+Stats: ``get_kv_connector_stats`` adds tierstore's adapter counters and (worker side) the
+per-tier metrics to vLLM's ``OffloadingConnectorStats``; ``build_prom_metrics`` exports them
+(``tierstore.vllm.stats``). The adapter-only setting ``staging_slots`` is taken out of the
+extra config before ``TierStoreConfig`` validates the rest.
+
 Threading: vLLM calls each role's methods from one thread (scheduler or worker).
 """
 
@@ -64,7 +69,7 @@ from tierstore.metrics import default_registry
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.spec import TierStoreOffloadingSpec
-from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, add_adapter_counters
+from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, accumulate, add_adapter_counters
 from tierstore.vllm.validation import offloaded_block_sizes, validate_engine
 from tierstore.vllm.worker import TierStoreWorker
 
@@ -198,8 +203,8 @@ class TierStoreConnector(OffloadingConnector):
                                        staging_slots=staging_slots)
         self.spec = spec
         self._tier_deltas = TierDeltas(default_registry().snapshot())
-        # everything this side has reported through get_kv_connector_stats (tests, debugging)
-        self.reported_stats = OffloadingConnectorStats()
+        # running totals of what this side reported through get_kv_connector_stats (tests, debugging)
+        self.reported_totals: dict[str, float] = {}
         self._canonical_layout = False
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
@@ -288,7 +293,7 @@ class TierStoreConnector(OffloadingConnector):
             self._tier_deltas.add_to(out, default_registry().snapshot())
         if out.is_empty():
             return stats
-        self.reported_stats.aggregate(copy.deepcopy(out))
+        accumulate(self.reported_totals, out)
         return out
 
     @classmethod

@@ -102,6 +102,19 @@ def add_adapter_counters(stats: OffloadingConnectorStats, delta: Counter[str]) -
         stats.increase_counter(PREFIX + name, value, (label or "other",) if spec[0] else ())
 
 
+def accumulate(totals: dict[str, float], stats: OffloadingConnectorStats) -> None:
+    """Running totals of reported stats, keyed like ``OffloadingConnectorStats.reduce()``
+    (counters and histogram ``_count``/``_sum`` add up, gauges keep the latest value); bounded
+    memory, unlike aggregating the stats objects (histogram samples pile up)."""
+    types = stats.data.get("types", {})
+    for key, value in stats.reduce().items():
+        name = key.split(":", 1)[0]
+        if types.get(name) == "gauge":
+            totals[key] = value
+        else:
+            totals[key] = totals.get(key, 0) + value
+
+
 class TierDeltas:
     """Increments between successive ``MetricsRegistry.snapshot()`` results."""
 

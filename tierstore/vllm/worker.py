@@ -2,13 +2,18 @@
 
 ``TierStoreWorker`` implements vLLM's ``OffloadingWorker`` for one worker (rank). Per offloaded
 KV-cache group it holds a ``GroupCopier`` (vLLM's per-layer tensors, expressed as strided views,
-to canonical pages: ``tierstore.kernels``) and an ``IOEngine`` (pages to files and back:
-``tierstore.engine``).
+to canonical pages: ``tierstore.kernels``) and a page store (pages to files and back: an
+``IOEngine`` or a ``TierChain`` from ``tierstore.tiers.open_group_store``, same API).
 
-- Stores: ``submit_store`` gathers the blocks into the engine's staging slots at once (so the
-  blocks may be reused as soon as it returns; ``wait`` has nothing to wait for) and queues the
-  writes. A store that cannot get a slot or fails on disk is counted and dropped: a missing
-  page is only a future miss.
+- Stores: ``submit_store`` gathers the blocks into free staging slots and queues the writes;
+  it never waits for a slot. Pages that find none are deferred and gathered, oldest first, as
+  slots free up (``pump_stores`` at the next step's start, ``get_finished``, later submits).
+  That is safe because vLLM keeps a store job's blocks valid until the job is reported
+  complete, and before it reuses such blocks it calls ``wait(job_ids)`` (its
+  ``jobs_to_flush`` fence): there the job's deferred pages are gathered, waiting at most
+  ``fence_slot_wait_s`` for a slot, or dropped. Dropped pages (fence, older than
+  ``defer_limit_s``, shutdown timeout) and failed writes are counted: a missing page is only
+  a future miss.
 - Loads: ``submit_load`` queues one read per page; ``get_finished`` scatters each verified page
   into its blocks as it arrives. A job with any failed page (missing, truncated, corrupt,
   foreign, timed out, ...) completes with ``success=False``; the connector then reports the
