@@ -152,14 +152,15 @@ def test_chunks_of_several_blocks(tmp_path: Path) -> None:
 
 def test_more_pages_per_step_than_staging_slots(tmp_path: Path) -> None:
     """17 pages stored in one step and loaded in one job with 16 staging slots per group (the
-    ``staging_slots`` setting; sized from the budget it would be 40): the page beyond the free
-    slots is deferred to a later step (never waited for), loads wait in the worker for slots."""
+    ``staging_slots`` setting; sized from the budget it would be 40): stores go out in batches
+    of free slots (a page finding none is deferred, never waited for: whether one does depends
+    on how fast the first writes finish), loads wait in the worker for slots."""
     ids = prompt_ids("llama", 17 * 128 + 40, offset=11)
     root = tmp_path / "r"
     kw = {"extra": {"io_threads": 1, "staging_slots": 16}, "max_model_len": 2400, "max_num_batched_tokens": 2400}
     first = run_engine("llama", root, [{"prompt_token_ids": ids}], **kw)
     assert len(pages(root)) == 17 and not failures(first.worker)
-    assert first.worker["store_deferrals"] >= 1 and first.worker["store_pages_ok"] == 17, first.worker
+    assert first.worker["store_pages_ok"] == 17, first.worker
     assert not any(k.startswith("store_dropped") for k in first.worker), first.worker
     second = run_engine("llama", root, [{"prompt_token_ids": ids}], **kw)
     assert second.outputs[0].cached == 17 * 128
