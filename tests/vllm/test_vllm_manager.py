@@ -78,3 +78,54 @@ def test_prepare_store_skips_existing_and_in_flight_keys(tmp_path: Path) -> None
     assert again is not None and again.keys_to_store == []  # already being written
     manager.complete_store([new], ctx)
     assert manager.prepare_store([new], ctx).keys_to_store == [new]  # type: ignore[union-attr]
+
+
+def test_a_hung_shared_root_never_blocks_lookups_past_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stat that hangs (an NFS server that stopped answering) turns into misses within the
+    deadline; later lookups answer at once while the root is down; it comes back by itself."""
+    import threading
+    import time
+
+    from tierstore.vllm import manager as manager_mod
+
+    root = tmp_path / "shared"
+    mapper = FileMapper(root, "ab" * 16, 0)
+    manager = TierStoreManager([mapper], {VLLM_GROUP: 0}, [128], [False], shared_deadline_s=0.2)
+    ctx = ReqContext("r")
+    key = make_offload_key(b"k" * 32, VLLM_GROUP)
+    put(mapper, b"k" * 32)
+    assert manager.lookup(key, ctx) == LookupResult.HIT
+
+    hang = threading.Event()
+    real_identity, real_stat = manager_mod._file_identity, os.stat
+
+    def hanging_identity(path):  # type: ignore[no-untyped-def]
+        hang.wait(30)
+        return real_identity(path)
+
+    def hanging_stat(path, *a, **kw):  # type: ignore[no-untyped-def]  # the health probe
+        if str(path) == str(root):
+            hang.wait(30)
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(manager_mod, "_file_identity", hanging_identity)
+    monkeypatch.setattr(manager_mod.os, "stat", hanging_stat)
+    t0 = time.monotonic()
+    assert manager.lookup(key, ctx) == LookupResult.MISS
+    first = time.monotonic() - t0
+    t0 = time.monotonic()
+    for _ in range(20):
+        assert manager.lookup(key, ctx) == LookupResult.MISS
+    later = time.monotonic() - t0
+    assert 0.15 <= first < 1.0, first
+    assert later < 0.1, later  # down: no waiting at all
+    assert not manager._shared_stat.health.up and manager._shared_stat.timeouts == 1
+
+    monkeypatch.setattr(manager_mod, "_file_identity", real_identity)
+    hang.set()  # the server answers again
+    deadline = time.monotonic() + 10
+    while not manager._shared_stat.health.up and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.lookup(key, ctx) == LookupResult.HIT

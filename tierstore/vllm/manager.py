@@ -12,6 +12,13 @@ with the file's identity (inode, size, mtime) so the retried lookup misses and t
 recomputed, until the file is replaced (content errors) or ``retry_after_s`` passes (timeouts
 and I/O errors). Store bookkeeping: keys being written are not offered twice.
 
+Deadlines: ``root`` may be a shared NFS export, where a hung server blocks ``stat`` for minutes.
+Every ``stat`` under ``root`` runs on a small thread pool and is waited for at most
+``shared_deadline_s``; a timeout marks the shared root down (``tiers.deadline.Health``): from
+then on its lookups answer MISS at once, and a background probe brings it back when the mount
+answers again. The scheduler thread is never blocked past the deadline. (The local tier is a
+local disk: plain ``stat``.)
+
 Page keys are vLLM's block hashes (the offload key without its 4-byte group suffix); the
 group is part of the path. Threading: called from the scheduler thread only.
 """
@@ -22,6 +29,8 @@ import logging
 import os
 import time
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
@@ -37,6 +46,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierstore.mapper import FileMapper
+from tierstore.tiers.deadline import Health
 
 logger = logging.getLogger("tierstore.vllm")
 
@@ -65,11 +75,37 @@ def _file_identity(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+class _DeadlineStat:
+    """``_file_identity`` under a root that may hang, bounded by a deadline (see module doc)."""
+
+    def __init__(self, root: os.PathLike[str] | str, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        # Threads stuck in a hung syscall stay stuck; while the root is down nothing new is
+        # submitted, so two workers are enough and never pile up.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-lookup")
+        self.health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(root),
+                             deadline_s=deadline_s)
+        self.timeouts = 0
+
+    def __call__(self, path: os.PathLike[str]) -> tuple[int, int, int] | None:
+        if not self.health.up:
+            return None
+        fut = self._pool.submit(_file_identity, path)
+        try:
+            return fut.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self.timeouts += 1
+            self.health.mark_down(f"a lookup took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
+            return None
+
+
 class TierStoreManager(OffloadingManager):
     def __init__(self, mappers: Sequence[FileMapper], group_of: dict[int, int],
                  tokens_per_chunk: Sequence[int], state_groups: Sequence[bool],
-                 retry_after_s: float = 30.0, local_mappers: Sequence[FileMapper] | None = None) -> None:
+                 retry_after_s: float = 30.0, local_mappers: Sequence[FileMapper] | None = None,
+                 shared_deadline_s: float = 5.0) -> None:
         self.mappers = list(mappers)
+        self._shared_stat = _DeadlineStat(self.mappers[0].root, shared_deadline_s)
         self.local_mappers = list(local_mappers) if local_mappers else []
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index
         self.tokens_per_chunk = list(tokens_per_chunk)
@@ -84,21 +120,18 @@ class TierStoreManager(OffloadingManager):
         g = self.group_of[get_offload_group_idx(key)]
         return self.mappers[g].path_for(get_offload_block_hash(key))
 
-    def _paths(self, key: OffloadKey) -> list[os.PathLike[str]]:
-        """The page's path in every disk tier, fastest first."""
+    def _identity(self, key: OffloadKey) -> tuple[int, int, int] | None:
+        """Identity of the page's file in the first disk tier that has it (local, then root)."""
         g = self.group_of[get_offload_group_idx(key)]
         h = get_offload_block_hash(key)
-        return [m.path_for(h) for m in (*([self.local_mappers[g]] if self.local_mappers else []), self.mappers[g])]
-
-    def _identity(self, key: OffloadKey) -> tuple[int, int, int] | None:
-        for path in self._paths(key):
-            ident = _file_identity(path)
+        if self.local_mappers:
+            ident = _file_identity(self.local_mappers[g].path_for(h))
             if ident is not None:
                 return ident
-        return None
+        return self._shared_stat(self.mappers[g].path_for(h))
 
     def _exists(self, key: OffloadKey) -> bool:
-        return any(os.path.exists(p) for p in self._paths(key))
+        return self._identity(key) is not None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters["lookups"] += 1
@@ -148,7 +181,7 @@ class TierStoreManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         todo = []
         for key in keys:
-            if key in self._storing or (key not in self._failed and os.path.exists(self._path(key))):
+            if key in self._storing or (key not in self._failed and self._shared_stat(self._path(key)) is not None):
                 continue
             todo.append(key)
         self._storing.update(todo)

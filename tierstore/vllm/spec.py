@@ -154,6 +154,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
+                shared_deadline_s=self.ts_config.shared_deadline_ms / 1000,
             )
         return self._manager
 
