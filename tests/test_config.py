@@ -19,6 +19,7 @@ def test_defaults_and_a_full_valid_config() -> None:
         **ROOT, "local_root": "/nvme/kv", "local_max_bytes": 1 << 30, "host_bytes": 0, "max_bytes": 1 << 40,
         "gc_interval_s": 60, "codec": "zstd", "zstd_level": 3, "io_threads": 8, "fsync": True,
         "odirect": "off", "flush_timeout_s": 0, "chunk_tokens": 256, "namespace_tag": "prod",
+        "staging_slots": 32,
     })
     assert full.root_path.as_posix() == "/mnt/kvcache" and full.zstd_level == 3
 
@@ -36,6 +37,8 @@ def test_defaults_and_a_full_valid_config() -> None:
     ({"host_bytes": -1}, "host_bytes"),
     ({"zstd_level": 23}, "zstd_level"),
     ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"staging_slots": 1}, "staging_slots"),
+    ({"staging_slots": True}, "staging_slots"),
     ({"shared_touch_interval_s": -1.0}, "shared_touch_interval_s"),
     ({"flush_timeout_s": -1}, "flush_timeout_s"),
     ({"flush_timeout_s": "soon"}, "flush_timeout_s"),

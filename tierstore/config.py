@@ -46,6 +46,8 @@ class TierStoreConfig:
     namespace_tag: str | None = None  # extra user-chosen identity (e.g. a deployment)
     # vLLM adapter.
     chunk_tokens: int | None = None  # tokens per stored page; None = the engine's block size
+    # Page buffers per KV-cache group; None = sized from max_num_batched_tokens (two steps' worth).
+    staging_slots: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
@@ -85,6 +87,13 @@ class TierStoreConfig:
             raise ConfigError(f'setting "zstd_level" must be 1..22, got {self.zstd_level}')
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f'setting "chunk_tokens" must be positive, got {self.chunk_tokens}')
+        if self.staging_slots is not None and (
+            not isinstance(self.staging_slots, int) or isinstance(self.staging_slots, bool) or self.staging_slots < 2
+        ):
+            raise ConfigError(
+                f'setting "staging_slots" must be an integer >= 2 (page buffers per KV-cache group), '
+                f"got {self.staging_slots!r}; leave it unset to size the pool from max_num_batched_tokens"
+            )
         for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:

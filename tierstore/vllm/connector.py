@@ -23,8 +23,7 @@ replaces three things:
 
 Stats: ``get_kv_connector_stats`` adds tierstore's adapter counters and (worker side) the
 per-tier metrics to vLLM's ``OffloadingConnectorStats``; ``build_prom_metrics`` exports them
-(``tierstore.vllm.stats``). The adapter-only setting ``staging_slots`` is taken out of the
-extra config before ``TierStoreConfig`` validates the rest.
+(``tierstore.vllm.stats``).
 
 Threading: vLLM calls each role's methods from one thread (scheduler or worker).
 """
@@ -63,7 +62,6 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import ConfigError
 from tierstore.identity import write_manifest
 from tierstore.metrics import default_registry
 from tierstore.vllm.manager import TierStoreManager
@@ -88,18 +86,6 @@ class TierStoreWorkerMetadata(OffloadingWorkerMetadata):
         assert isinstance(merged, OffloadingWorkerMetadata)
         extra = list(self.failed_keys) + list(getattr(other, "failed_keys", []))
         return TierStoreWorkerMetadata(merged.completed_jobs, merged.transfer_stats, extra)
-
-
-def _adapter_setting_staging_slots(extra: dict[str, Any]) -> int | None:
-    """Pop the adapter-only setting ``staging_slots`` (per KV-cache group; default: sized from
-    ``max_num_batched_tokens``, see ``spec.staging_slots_for``)."""
-    value = extra.pop("staging_slots", None)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-        raise ConfigError(f'setting "staging_slots" must be an integer >= 2 (page buffers per KV-cache group), '
-                          f"got {value!r}; leave it unset to size the pool from max_num_batched_tokens")
-    return value
 
 
 def _shutdown_ref(ref: weakref.ReferenceType[TierStoreWorker]) -> None:
@@ -194,13 +180,12 @@ class TierStoreConnector(OffloadingConnector):
         kv_transfer_config = vllm_config.kv_transfer_config
         assert kv_transfer_config is not None
         extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-        staging_slots = _adapter_setting_staging_slots(extra)
         self.ts_config = TierStoreConfig.from_dict(extra)
         chunk_tokens = validate_engine(vllm_config, kv_cache_config, self.ts_config)
         offloading_config = self._offloading_config(vllm_config, kv_cache_config, chunk_tokens)
         self.namespace = build_namespace(vllm_config, kv_cache_config, offloading_config, self.ts_config)
         spec = TierStoreOffloadingSpec(offloading_config, self.ts_config, self.namespace, vllm_config, kv_cache_config,
-                                       staging_slots=staging_slots)
+                                       staging_slots=self.ts_config.staging_slots)
         self.spec = spec
         self._tier_deltas = TierDeltas(default_registry().snapshot())
         # running totals of what this side reported through get_kv_connector_stats (tests, debugging)
