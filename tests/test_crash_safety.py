@@ -18,9 +18,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from tierstore.format import PageExpectation
+from tierstore.fsck import FsckOptions, run_fsck
 from tierstore.identity import MANIFEST_NAME
 from tierstore.mapper import locate, parse_temp_name
 from tierstore.pagefile import inspect_page, read_page
@@ -130,15 +129,14 @@ def test_sigkilled_writers_leave_no_torn_page(tmp_path: Path) -> None:
                 temps += 1
     assert pages > 20, "the writers stored too little to make the test meaningful"
 
-    fsck = pytest.importorskip("tierstore.fsck")
-    report = fsck.run_fsck(fsck.FsckOptions(root=root, jobs=2, progress=False))
+    report = run_fsck(FsckOptions(root=root, jobs=2, progress=False))
     counts = report.counts()
     assert counts["pages_ok"] == pages
     assert {p.category for p in report.problems} <= {"stale_temp"}, report.format_text()
     # A temp whose writer pid was reused by a live process counts as in flight, not stale.
     assert len(report.problems) + counts["temps_active"] == temps
     if report.problems:
-        repaired = fsck.run_fsck(fsck.FsckOptions(root=root, repair=True, jobs=2, progress=False))
+        repaired = run_fsck(FsckOptions(root=root, repair=True, jobs=2, progress=False))
         assert repaired.exit_code == 1 and repaired.left == 0
     if counts["temps_active"] == 0:
-        assert fsck.run_fsck(fsck.FsckOptions(root=root, jobs=2, progress=False)).exit_code == 0
+        assert run_fsck(FsckOptions(root=root, jobs=2, progress=False)).exit_code == 0
