@@ -99,7 +99,7 @@ from tierstore.mapper import (
     host_tag,
     parse_temp_name,
 )
-from tierstore.pagefile import read_page
+from tierstore.pagefile import preadv_upto, pwritev_all, read_page, readinto_exact
 
 logger = logging.getLogger("tierstore.engine")
 
@@ -784,7 +784,7 @@ class IOEngine:
         try:
             try:
                 try:
-                    _pwritev_all(fd, pieces)
+                    pwritev_all(fd, pieces)
                 except OSError as exc:
                     if not (direct and exc.errno == errno.EINVAL):
                         raise
@@ -793,7 +793,7 @@ class IOEngine:
                     logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
                     os.close(fd)
                     fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
-                    _pwritev_all(fd, [memoryview(pieces[0])[:exact_len]])
+                    pwritev_all(fd, [memoryview(pieces[0])[:exact_len]])
                     truncate_to = 0
                 if truncate_to:
                     os.ftruncate(fd, truncate_to)
@@ -862,7 +862,7 @@ class IOEngine:
         view = slot.view
         for start, end, first_sec, last_sec in pieces:
             if not read_all:
-                _preadv_exact(fd, frame[base + start : base + end], start, spath)
+                readinto_exact(fd, frame[base + start : base + end], start, spath)
             if sums is None:
                 sums = tmpl.parse(frame[base : base + hl], key)
                 if sums is None:
@@ -901,7 +901,7 @@ class IOEngine:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-            end = _preadv_upto(fd, [self._file_buf(slot, hl, padded=True)], 0)
+            end = preadv_upto(fd, [self._file_buf(slot, hl, padded=True)], 0)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -1011,44 +1011,3 @@ def _make_dirs(path: str) -> None:
         _make_dirs(os.path.dirname(path))
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
-
-
-def _pwritev_all(fd: int, pieces: list[Any]) -> None:
-    views = [memoryview(p).cast("B") for p in pieces]
-    offset = 0
-    while views:
-        n = os.pwritev(fd, views, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "write returned 0 bytes")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-def _preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the end offset."""
-    views = [b for b in bufs if len(b)]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            break
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-    return offset
-
-
-def _preadv_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    """Fill ``buf`` from ``offset``; PageTruncated if the file ends first."""
-    while buf:
-        n = os.preadv(fd, [buf], offset)
-        if n == 0:
-            raise PageTruncated("file ended while reading the page", path=path)
-        offset += n
-        buf = buf[n:]

@@ -9,6 +9,9 @@
   raises a typed ``PageError`` and never returns partial data.
 - ``inspect_page``: the same verification with no expectation (used by fsck).
 
+- ``pwritev_all`` / ``preadv_upto`` / ``readinto_exact``: vectored I/O that retries short
+  calls; the IOEngine's O_DIRECT paths use them too.
+
 ENOENT and ESTALE both mean "missing" (an NFS file deleted under us is just gone).
 Threading: functions are reentrant; each call uses only its own file descriptors.
 """
@@ -19,6 +22,7 @@ import contextlib
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 from tierstore.errors import PageIOError, PageMissing, PageStoreError, PageTruncated
 from tierstore.format import (
@@ -35,12 +39,37 @@ from tierstore.format import (
 _MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 
 
-def write_all(fd: int, pieces: list[bytes | memoryview]) -> None:
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of buffers (after a short vectored I/O call)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
+
+
+def pwritev_all(fd: int, pieces: list[Any]) -> None:
+    """Write ``pieces`` back to back from offset 0, retrying short writes."""
+    views = [v for v in (memoryview(p).cast("B") for p in pieces) if len(v)]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned 0 bytes")
+        offset += n
+        _advance(views, n)
+
+
+def preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the end offset."""
+    views = [b for b in bufs if len(b)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            break
+        offset += n
+        _advance(views, n)
+    return offset
 
 
 def publish_page(
@@ -62,7 +91,7 @@ def publish_page(
         raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
     try:
         try:
-            write_all(fd, [header, *pieces])
+            pwritev_all(fd, [header, *pieces])
             if fsync:
                 os.fsync(fd)
         finally:
@@ -96,13 +125,14 @@ def _read_header(fd: int, path: str, file_size: int) -> PageHeader:
     return header
 
 
-def _readinto_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    pos = 0
-    while pos < len(buf):
-        n = os.preadv(fd, [buf[pos:]], offset + pos)
+def readinto_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``offset``; PageTruncated if the file ends first."""
+    while buf:
+        n = os.preadv(fd, [buf], offset)
         if n == 0:
-            raise PageTruncated("file ended while reading the payload", path=path)
-        pos += n
+            raise PageTruncated("file ended while reading the page", path=path)
+        offset += n
+        buf = buf[n:]
 
 
 def read_page(
@@ -122,11 +152,11 @@ def read_page(
                 check_expectation(header, expect, path=spath)
             out = memoryview(out).cast("B")
             if header.codec == Codec.NONE and len(out) == header.payload_len:
-                _readinto_exact(fd, out, header.header_len, spath)
+                readinto_exact(fd, out, header.header_len, spath)
                 decode_payload(header, None, out, path=spath)
             else:
                 payload = memoryview(bytearray(header.payload_len))
-                _readinto_exact(fd, payload, header.header_len, spath)
+                readinto_exact(fd, payload, header.header_len, spath)
                 decode_payload(header, payload, out, decompressor, path=spath)
         except OSError as exc:
             if exc.errno in _MISSING_ERRNOS:
