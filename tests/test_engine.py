@@ -17,7 +17,7 @@ from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine, IOResult, probe_odirect
 from tierstore.errors import ConfigError
-from tierstore.format import Codec
+from tierstore.format import Codec, PageLayout
 from tierstore.identity import MANIFEST_NAME, Namespace, read_manifest
 from tierstore.pagefile import inspect_page
 from tierstore.testing.pages import (
@@ -261,20 +261,27 @@ def _block_worker(eng: IOEngine, op: str, gate: threading.Event, started: thread
     return calls
 
 
+def _submit_stores_behind_a_blocked_first(eng: IOEngine, layout: PageLayout, n: int,
+                                          started: threading.Event) -> list[int]:
+    """Submit stores of pages 0..n-1; waits until the first one is running (and blocked)."""
+    ids = []
+    for i in range(n):
+        slot = eng.acquire_slot()
+        assert slot is not None
+        slot.view[:] = page_bytes(layout, page_key(i))
+        ids.append(eng.submit_store(page_key(i), slot, 16))
+        if i == 0:
+            assert started.wait(5)
+    return ids
+
+
 def test_queue_full_and_no_slot(root: Path) -> None:
     ns = simple_namespace()
     eng = _engine(root, ns, io_threads=1, queue_depth=2, staging_slots=5)
     layout = ns.groups[0].layout
     gate, started = threading.Event(), threading.Event()
     _block_worker(eng, "store", gate, started)
-    ids = []
-    for i in range(4):
-        slot = eng.acquire_slot()
-        assert slot is not None
-        slot.view[:] = page_bytes(layout, page_key(i))
-        ids.append(eng.submit_store(page_key(i), slot, 16))
-        if i == 0:
-            assert started.wait(5)  # job 0 runs (blocked); 1 and 2 fill the queue
+    ids = _submit_stores_behind_a_blocked_first(eng, layout, 4, started)  # job 0 runs (blocked); 1 and 2 fill the queue
     # Job 3 found the queue full: completed at once, its slot back in the pool.
     [full] = [r for r in eng.poll() if r.job_id == ids[3]]
     assert not full.ok and full.error is not None and full.error.kind == "queue_full"
@@ -373,14 +380,7 @@ def test_loads_are_served_before_stores(root: Path) -> None:
         return real_store(*a)  # type: ignore[arg-type]
 
     eng._do_load, eng._do_store = rec_load, rec_store  # type: ignore[method-assign]
-    ids = []
-    for i in range(4):
-        slot = eng.acquire_slot()
-        assert slot is not None
-        slot.view[:] = page_bytes(layout, page_key(i))
-        ids.append(eng.submit_store(page_key(i), slot, 16))
-        if i == 0:
-            assert started.wait(5)
+    ids = _submit_stores_behind_a_blocked_first(eng, layout, 4, started)
     ids += [eng.submit_load(page_key(100 + i)) for i in range(3)]
     gate.set()
     results = eng.wait(ids, timeout=10)
