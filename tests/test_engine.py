@@ -596,3 +596,87 @@ def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: 
     assert path.stat().st_size == inspect_page(path).file_size
     assert _load(eng, key)[1] == data
     eng.close()
+
+
+# ---------------------------------------------------------------- checksums computed by the caller
+def _section_sums(layout: PageLayout, data: bytes) -> tuple[int, ...]:
+    from tierstore.format import checksum
+
+    return tuple(checksum(data[o : o + s.nbytes]) for o, s in zip(layout.offsets, layout.sections, strict=True))
+
+
+@pytest.mark.parametrize("odirect", ["auto", "off"])
+def test_store_with_caller_sums_writes_the_same_file(root: Path, odirect: str) -> None:
+    """Sums handed in (the GPU's) give the byte-identical file the engine writes by hashing."""
+    ns = hybrid_namespace()
+    layout = ns.groups[0].layout
+    data = page_bytes(layout, page_key(1), 0)
+    a, b = _engine(root / "a", ns, odirect=odirect), _engine(root / "b", ns, odirect=odirect)
+    assert _store(a, page_key(1), data).ok
+    slot = b.acquire_slot(timeout=5)
+    assert slot is not None
+    slot.view[:] = data
+    [res] = b.wait([b.submit_store(page_key(1), slot, 16, sums=_section_sums(layout, data))], timeout=10)
+    assert res.ok and res.stored
+    assert a.mapper.path_for(page_key(1)).read_bytes() == b.mapper.path_for(page_key(1)).read_bytes()
+    with pytest.raises(ValueError, match="checksums for"):
+        s2 = b.acquire_slot(timeout=5)
+        b.submit_store(page_key(2), s2, 16, sums=(1,))  # type: ignore[arg-type]
+    a.close()
+    b.close()
+
+
+def test_store_with_wrong_sums_is_caught_on_read(root: Path) -> None:
+    """A wrong caller checksum is never served: the next verified read reports corruption."""
+    ns = hybrid_namespace()
+    layout = ns.groups[0].layout
+    data = page_bytes(layout, page_key(3), 0)
+    eng = _engine(root, ns)
+    slot = eng.acquire_slot(timeout=5)
+    assert slot is not None
+    slot.view[:] = data
+    bad = list(_section_sums(layout, data))
+    bad[-1] ^= 1
+    [res] = eng.wait([eng.submit_store(page_key(3), slot, 16, sums=bad)], timeout=10)
+    assert res.ok
+    res, got = _load(eng, page_key(3))
+    assert not res.ok and res.error is not None and res.error.kind == "checksum" and got is None
+    eng.close()
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
+    """verify=False skips hashing (codec none) and hands the header's sums to the caller; a
+    page the engine had to decode (zstd) comes back verified."""
+    ns = hybrid_namespace()
+    layout = ns.groups[1].layout
+    eng = _engine(root, ns, 1, codec=codec)
+    data = page_bytes(layout, page_key(5), 1)
+    assert _store(eng, page_key(5), data).ok
+    [res] = eng.wait([eng.submit_load(page_key(5), verify=False)], timeout=10)
+    assert res.ok and res.slot is not None
+    assert bytes(res.slot.view) == data
+    if codec == "none":
+        assert not res.verified and res.sums == _section_sums(layout, data)
+    else:
+        assert res.verified and res.sums is None
+    eng.release_slot(res.slot)
+    # a damaged payload is not noticed without verification: the caller's check must catch it
+    corrupt_flip_bit(eng.mapper.path_for(page_key(5)), -1)
+    [res] = eng.wait([eng.submit_load(page_key(5), verify=False)], timeout=10)
+    if codec == "none":
+        assert res.ok and not res.verified and res.sums == _section_sums(layout, data)
+        assert bytes(res.slot.view) != data  # type: ignore[union-attr]
+        eng.release_slot(res.slot)  # type: ignore[arg-type]
+        eng.discard_page(page_key(5), "checksum mismatch found by the caller")
+        assert not eng.mapper.path_for(page_key(5)).exists()
+        assert eng.stats["bad_pages_discarded"] == 1
+    else:
+        assert not res.ok and res.error is not None
+    # a damaged header is still caught without verification
+    assert _store(eng, page_key(6), page_bytes(layout, page_key(6), 1)).ok
+    corrupt_flip_bit(eng.mapper.path_for(page_key(6)), 10)
+    [res] = eng.wait([eng.submit_load(page_key(6), verify=False)], timeout=10)
+    assert not res.ok and res.error is not None
+    assert eng.stats["free_slots"] == eng.stats["staging_slots"]
+    eng.close()

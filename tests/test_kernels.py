@@ -23,11 +23,13 @@ if not torch.cuda.is_available():
 
 from kernel_cases import (  # noqa: E402
     AttentionCase,
+    bits,
     check_attention_canonical,
     check_attention_round_trip,
     check_mamba,
     check_mla,
     check_page_list,
+    gather_pages,
 )
 
 from tierstore.errors import ConfigError  # noqa: E402
@@ -129,3 +131,25 @@ def test_triton_plan_words_and_alignment_hints() -> None:
     sviews, _, _ = mamba.build("SD", "cpu")
     plan = TritonCopier(sviews, mamba.layout, 1, [None] * len(sviews)).describe()
     assert sorted((p["word"], p["cols"]) for p in plan) == [(2, 1), (8, 16)]  # conv; 128-byte temporal
+
+
+@pytest.mark.parametrize(("device", "backend"), [t for t in TARGETS if t.values[1] == "triton"])
+def test_triton_scatter_skips_negative_block_ids(device: str, backend: str) -> None:
+    """A page whose block ids are masked (-1: it failed verification) writes nothing."""
+    case = AttentionCase("bfloat16", n_pages=3, seed=5)
+    views, ids = case.build("LBNHC", 4, device)
+    pages = gather_pages(case.copier(views, 2, "torch"), ids, case.layout.nbytes, device)
+    _, views2 = make_attention_caches("LBNHC", case.layers, int(ids.max()) + 4, case.heads, 4, case.head_size,
+                                      case.dtype, device)
+    for v in views2:
+        bits(v).fill_(0x3C)  # poison: must survive where nothing is written
+    masked = ids.clone()
+    masked[1] = -1
+    case.copier(views2, 2, backend).scatter(pages, masked.to(device))
+    for v, v2 in zip(views, views2, strict=True):
+        for p in range(case.n_pages):
+            got, want = bits(v2[ids[p].to(device)]), bits(v[ids[p].to(device)])
+            if p == 1:
+                assert bool((got == 0x3C).all()), "a masked page was written"
+            else:
+                assert torch.equal(got, want)

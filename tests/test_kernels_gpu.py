@@ -173,3 +173,56 @@ def test_gather_into_host_slots_and_scatter_back(pinned: bool) -> None:
     flat = ids.reshape(-1).cuda()
     for v, v2 in zip(views, views2, strict=True):
         assert torch.equal(bits(v2[flat]), bits(v[flat]))
+
+
+def test_transfer_checksums_on_gpu_feed_the_engine_and_catch_damage(tmp_path: Path) -> None:
+    """Store: the GPU's section sums equal xxhash of the slot bytes, and the engine writes them
+    (a verified read accepts the file). Load with verify=False: the GPU checks the H2D'd bytes
+    against the header sums and does not scatter a damaged page (its blocks keep their bytes)."""
+    import xxhash
+
+    case = AttentionCase("bfloat16", layers=4, heads=8, head_size=128, tokens=16, n_pages=6, seed=8)
+    views, ids = case.build("LBNHC", 16, "cuda")  # sections of 64 KiB: the GIL-bound size on the CPU
+    lay = case.layout
+    transfer = PageTransfer(GroupCopier(views, lay, 1, [1] * case.layers), scratch_pages=8)
+    assert transfer.checksums_on_gpu, transfer.checksum_reason
+    keys = [bytes([i + 30]) * 16 for i in range(case.n_pages)]
+    with case.engine(tmp_path, 16, pin=True) as engine:
+        slots = [engine.acquire_slot() for _ in range(case.n_pages)]
+        h = transfer.start_store(ids, slots)
+        assert h is not None
+        transfer.wait()
+        sums = h.sums
+        assert sums is not None
+        for s, got in zip(slots, sums, strict=True):
+            raw = memoryview(s.tensor.numpy())
+            assert got == tuple(xxhash.xxh3_64_intdigest(raw[o : o + sec.nbytes])
+                                for o, sec in zip(lay.offsets, lay.sections, strict=True))
+        res = engine.wait([engine.submit_store(k, s, case.tokens, sums=c)
+                           for k, s, c in zip(keys, slots, sums, strict=True)], 60)
+        assert all(r.ok and r.stored for r in res), [r.error for r in res]
+        checked = engine.wait([engine.submit_load(keys[0])], 60)  # the engine's own check agrees
+        assert checked[0].ok and checked[0].verified
+        engine.release_slot(checked[0].slot)
+        loaded = engine.wait([engine.submit_load(k, verify=False) for k in keys], 60)
+        by_key = {r.key: r for r in loaded}
+        results = [by_key[k] for k in keys]
+        assert all(r.ok and not r.verified for r in results), [r.error for r in results]
+        assert [r.sums for r in results] == sums
+        results[2].slot.tensor[70_000] ^= 0x40  # damaged after the engine's read (section 1)
+        nb = int(ids.max()) + 9
+        _, views2 = make_attention_caches("LBHNC", case.layers, nb, case.heads, 16, case.head_size, case.dtype, "cuda")
+        for v in views2:
+            bits(v).fill_(0x3C)
+        lt = PageTransfer(GroupCopier(views2, lay, 1, [1] * case.layers), scratch_pages=8)
+        assert lt.checksums_on_gpu
+        h2 = lt.start_load([r.slot for r in results], ids, expect=[r.sums for r in results[:5]] + [None])
+        assert h2 is not None
+        lt.wait()
+        assert h2.done() and h2.failed == [2]
+        for r in results:
+            engine.release_slot(r.slot)
+    got = case.logical_from(views2, ids)
+    good = [0, 1, 3, 4, 5]
+    assert torch.equal(bits(got[:, good]), bits(case.logical[:, good]))
+    assert bool((bits(got[:, 2]) == 0x3C).all()), "a page that failed the GPU check was scattered"

@@ -144,3 +144,60 @@ def test_background_gc_keeps_root_under_cap(tmp_path: Path) -> None:
     finally:
         st.close()
         GcDaemon.ensure(str(tmp_path), cap, 0.2).stop()
+
+
+def _load_unverified(st, k: bytes):  # noqa: ANN001, ANN202
+    (r,) = st.wait([st.submit_load(k, verify=False)], 10)
+    return r
+
+
+def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) -> None:
+    """verify=False reaches the engine only when the page goes to the caller alone: a local hit
+    without a host tier; a shared hit that is promoted (local) or cached (host) is verified
+    first, so a damaged page can never be copied into another tier with fresh checksums."""
+    from tierstore.format import checksum
+
+    lay = NS.groups[0].layout
+    want = tuple(checksum(expected_page[o : o + s.nbytes]) for expected_page in [page_bytes_of(key(1))]
+                 for o, s in zip(lay.offsets, lay.sections, strict=True))
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=MetricsRegistry())  # local + shared, no host
+    try:
+        slot = st.acquire_slot(5)
+        slot.view[:] = page_bytes_of(key(1))
+        (r,) = st.wait([st.submit_store(key(1), slot, 16, sums=want)], 10)
+        assert r.ok and st.flush(10)
+        r = _load_unverified(st, key(1))  # local hit, nobody else sees it: unverified
+        assert r.ok and not r.verified and r.sums == want
+        st.release_slot(r.slot)
+        st.discard_page(key(1), "test: the caller's check failed")
+        assert not st.local.mapper.path_for(key(1)).exists()
+        r = _load_unverified(st, key(1))  # now from shared, promoted to local: verified there
+        assert r.ok and r.verified and r.sums is None
+        st.release_slot(r.slot)
+    finally:
+        st.close()
+        close_shared_state()
+    st = open_group_store(cfg(tmp_path, local_root=None, local_max_bytes=None, host_bytes=1 << 16), NS, 0,
+                          metrics=MetricsRegistry())  # shared + host: the host tier keeps a copy
+    try:
+        assert isinstance(st, TierChain) and st.host is not None
+        r = _load_unverified(st, key(1))
+        assert r.ok and r.verified
+        st.release_slot(r.slot)
+    finally:
+        st.close()
+        close_shared_state()
+    st = TierChain(cfg(tmp_path, local_root=None, local_max_bytes=None), NS, 0, metrics=MetricsRegistry())
+    try:  # shared only: unverified
+        r = _load_unverified(st, key(1))
+        assert r.ok and not r.verified and r.sums == want
+        st.release_slot(r.slot)
+    finally:
+        st.close()
+        close_shared_state()
+
+
+def page_bytes_of(k: bytes) -> bytes:
+    from tierstore.testing.pages import page_bytes
+
+    return page_bytes(NS.groups[0].layout, k)

@@ -87,3 +87,30 @@ def test_scratch_ring_reserves_frees_in_order_and_wraps() -> None:
     assert t._reserve(5) == [(3, 8)]
     with pytest.raises(ValueError, match="exceeds the transfer scratch"):
         t._reserve(9)
+
+
+def test_load_with_expected_sums_skips_mismatching_pages_on_cpu() -> None:
+    """start_load(expect=...) on CPU checks the slots first; a page that does not match its
+    checksums is listed in ``failed`` and its blocks are not written."""
+    from tierstore.format import checksum
+
+    case = AttentionCase("bfloat16", n_pages=3, seed=12)
+    views, ids = case.build("LBNHC", 4, "cpu")
+    pages = [p.clone() for p in case.expected_pages()]
+    lay = case.layout
+    sums = [[checksum(memoryview(p.numpy())[o : o + s.nbytes]) for o, s in zip(lay.offsets, lay.sections, strict=True)]
+            for p in pages]
+    pages[2][5] ^= 0xFF  # damaged in transit: its header sums no longer match
+    _, views2 = make_attention_caches("LBNHC", case.layers, int(ids.max()) + 4, case.heads, 4, case.head_size,
+                                      case.dtype)
+    for v in views2:
+        bits(v).fill_(7)
+    t = PageTransfer(GroupCopier(views2, lay, 2, [1] * case.layers))
+    assert not t.checksums_on_gpu
+    h = t.start_load(pages, ids, expect=[sums[0], None, sums[2]])
+    assert h is not None and h.done() and h.failed == [2]
+    got = case.logical_from(views2, ids)
+    assert torch.equal(bits(got[:, :2]), bits(case.logical[:, :2]))
+    assert bool((bits(got[:, 2]) == 7).all())
+    with pytest.raises(ValueError, match="checksum lists"):
+        t.start_load(pages, ids, expect=[None])

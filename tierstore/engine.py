@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,13 +142,20 @@ class IOResult:
     stored: bool  # store OK: False if an identical page already existed
     nbytes: int
     seconds: float  # submit to completion
+    # Load OK: True when the engine checked the section checksums. False only for a load
+    # submitted with ``verify=False``; then ``sums`` holds the header's section checksums and
+    # the caller must check the bytes against them before using them.
+    verified: bool = True
+    sums: tuple[int, ...] | None = None
 
 
 class _Job:
-    __slots__ = ("id", "op", "key", "slot", "token_count", "submitted", "deadline", "queued", "started", "done")
+    __slots__ = ("id", "op", "key", "slot", "token_count", "submitted", "deadline", "queued", "started", "done",
+                 "sums", "verify")
 
     def __init__(self, job_id: int, op: str, key: bytes, slot: StagingSlot | None, token_count: int,
-                 submitted: float, deadline: float) -> None:
+                 submitted: float, deadline: float, sums: tuple[int, ...] | None = None,
+                 verify: bool = True) -> None:
         self.id = job_id
         self.op = op
         self.key = key
@@ -158,6 +166,8 @@ class _Job:
         self.queued = False  # counted in IOEngine._waiting
         self.started = False  # a worker owns the slot from here until it returns
         self.done = False
+        self.sums = sums  # store: the caller's section checksums; load (verify=False): the header's
+        self.verify = verify  # load: check the section checksums here
 
 
 class _CachestatRange(ctypes.Structure):
@@ -437,26 +447,41 @@ class IOEngine:
             return len(self._free)
 
     # ----------------------------------------------------------------- submit
-    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int) -> int:
-        """Queue a store of ``slot`` under ``key``; the engine releases the slot when done."""
+    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int,
+                     sums: Sequence[int] | None = None) -> int:
+        """Queue a store of ``slot`` under ``key``; the engine releases the slot when done.
+
+        ``sums``: the xxh3-64 of each layout section of the slot's bytes, computed by the caller
+        (the GPU, right after the gather); the engine writes them into the header instead of
+        hashing the page. A wrong value is caught by every later read (the page is then
+        reported corrupt and removed), never served.
+        """
         if slot.index >= len(self._slots) or self._slots[slot.index] is not slot:
             raise ValueError("submit_store: the slot does not belong to this engine")
+        if sums is not None and len(sums) != len(self._spans):
+            raise ValueError(f"submit_store: {len(sums)} checksums for {len(self._spans)} sections")
         with self._lock:
             if slot.index in self._free_set or slot.index in self._busy:
                 raise ValueError(f"submit_store: slot {slot.index} is not held by the caller "
                                  "(free, or already submitted)")
-        return self._submit("store", bytes(key), slot, token_count)
+        return self._submit("store", bytes(key), slot, token_count,
+                            sums=tuple(int(c) for c in sums) if sums is not None else None)
 
-    def submit_load(self, key: bytes) -> int:
-        """Queue a load of ``key``; on success the result carries a slot with the page."""
-        return self._submit("load", bytes(key), None, 0)
+    def submit_load(self, key: bytes, verify: bool = True) -> int:
+        """Queue a load of ``key``; on success the result carries a slot with the page.
 
-    def _submit(self, op: str, key: bytes, slot: StagingSlot | None, token_count: int) -> int:
+        ``verify=False``: the caller checks the section checksums (the GPU, after the copy);
+        the engine still checks the header, key and size. See ``IOResult.verified``.
+        """
+        return self._submit("load", bytes(key), None, 0, verify=verify)
+
+    def _submit(self, op: str, key: bytes, slot: StagingSlot | None, token_count: int, *,
+                sums: tuple[int, ...] | None = None, verify: bool = True) -> int:
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a page key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
         now = time.monotonic()
         with self._lock:
-            job = _Job(next(self._ids), op, key, slot, token_count, now, now + self.deadline_s)
+            job = _Job(next(self._ids), op, key, slot, token_count, now, now + self.deadline_s, sums, verify)
             if slot is not None:
                 self._busy.add(slot.index)
             self._pending[job.id] = job
@@ -659,7 +684,9 @@ class IOEngine:
                 s["store_seconds"] += seconds
             else:
                 s["stores_failed"][error.kind] = s["stores_failed"].get(error.kind, 0) + 1  # type: ignore[union-attr]
-        self._results[job.id] = IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds)
+        unverified = ok and job.op == "load" and job.sums is not None
+        self._results[job.id] = IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds,
+                                         verified=not unverified, sums=job.sums if unverified else None)
         return True
 
     # ----------------------------------------------------------------- workers
@@ -686,9 +713,9 @@ class IOEngine:
             nbytes = 0
             try:
                 if job.op == "load":
-                    nbytes = self._do_load(job.key, job.slot)  # type: ignore[arg-type]
+                    nbytes, job.sums = self._do_load(job.key, job.slot, job.verify)  # type: ignore[arg-type]
                 else:
-                    stored, nbytes = self._do_store(job.key, job.slot, job.token_count)  # type: ignore[arg-type]
+                    stored, nbytes = self._do_store(job.key, job.slot, job.token_count, job.sums)  # type: ignore[arg-type]
             except PageError as exc:
                 error = exc
                 if error.key is None:  # readers deep in format.py do not know the key
@@ -703,6 +730,11 @@ class IOEngine:
                 # The worker owned the slot: hand it back unless the caller got it with a page.
                 if job.slot is not None and not (accepted and error is None and job.op == "load"):
                     self._release_locked(job.slot)
+
+    def discard_page(self, key: bytes, reason: str) -> None:
+        """The caller found the page of ``key`` damaged (a load with ``verify=False`` whose bytes
+        did not match the header's checksums): remove it, like a damaged page found here."""
+        self._discard_bad_page(bytes(key), PageCorrupt(reason, key=bytes(key)))
 
     def _discard_bad_page(self, key: bytes, error: PageError) -> None:
         """Remove a page that failed verification, so the next store of its key can replace it.
@@ -743,7 +775,8 @@ class IOEngine:
                 f"{os.urandom(6).hex()}{TEMP_SUFFIX}")
 
     # ----------------------------------------------------------------- store
-    def _do_store(self, key: bytes, slot: StagingSlot, token_count: int) -> tuple[bool, int]:
+    def _do_store(self, key: bytes, slot: StagingSlot, token_count: int,
+                  sums: tuple[int, ...] | None) -> tuple[bool, int]:
         final = self._final_path(key)
         if os.path.exists(final):
             return False, self._nbytes
@@ -753,8 +786,9 @@ class IOEngine:
             hl = tmpl.header_len
             # The header is written into the slot's frame right before the page, so the whole
             # file goes out as one buffer (O_DIRECT: aligned, tail padded, truncated after).
-            tmpl.fill(slot._frame[self._reserve - hl : self._reserve], key, token_count,
-                      [checksum(data[o:e]) for o, e in self._spans])
+            if sums is None:
+                sums = tuple(checksum(data[o:e]) for o, e in self._spans)
+            tmpl.fill(slot._frame[self._reserve - hl : self._reserve], key, token_count, sums)
             buf = self._file_buf(slot, hl, padded=self.odirect)
             truncate_to = hl + self._nbytes if self.odirect and self._padded_nbytes != self._nbytes else 0
             self._publish(final, key, [buf], truncate_to=truncate_to, direct=self.odirect,
@@ -808,7 +842,8 @@ class IOEngine:
             raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
 
     # ----------------------------------------------------------------- load
-    def _do_load(self, key: bytes, slot: StagingSlot) -> int:
+    def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
+        """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""
         spath = path = self._final_path(key)
         tmpl = self._template(len(key))
         hl = tmpl.header_len
@@ -823,8 +858,10 @@ class IOEngine:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise PageFormatError("not a regular file", path=spath, key=key)
-                if st.st_size == hl + self._nbytes and self._read_verified(fd, tmpl, slot, key, spath):
-                    return self._nbytes
+                if st.st_size == hl + self._nbytes:
+                    sums = self._read_verified(fd, tmpl, slot, key, spath, verify)
+                    if sums is not None:
+                        return self._nbytes, (None if verify else tuple(sums))
             except OSError as exc:
                 if exc.errno in _MISSING_ERRNOS:
                     raise PageMissing("page vanished while reading", path=path, key=key) from exc
@@ -837,13 +874,15 @@ class IOEngine:
             self._stats["loads_general_reader"] += 1
         expect = PageExpectation(self._ns_bytes, key, self.group_index, self.rank, self.layout)
         read_page(Path(path), expect, slot.view, self._local.decompressor)
-        return self._nbytes
+        return self._nbytes, None  # the general reader verified it
 
     def _read_verified(self, fd: int, tmpl: _HeaderTemplate, slot: StagingSlot, key: bytes,
-                       spath: str) -> bool:
+                       spath: str, verify: bool = True) -> list[int] | None:
         """Read a file of our exact size into the slot's frame and verify it in place.
 
-        False: the header is not byte-for-byte ours (the caller takes the general reader).
+        Returns the header's section checksums; None: the header is not byte-for-byte ours
+        (the caller takes the general reader). ``verify=False``: the sections are not hashed
+        (the caller checks them against the returned sums), and the file is read in one request.
         Cached pages are read piece by piece (``_read_plan``) and each piece's sections are
         hashed at once, while the bytes are still in the CPU cache; an uncached page is read
         with O_DIRECT in one large request (no readahead windows, no page-cache copy; a
@@ -858,6 +897,10 @@ class IOEngine:
         # if the guess is wrong, the buffered read just waits for the missing pages.
         read_all = (self.direct_loads and _cachestat_pages(fd, self._local) <= 0
                     and self._read_direct(fd, slot, hl, spath))
+        if not verify:
+            if not read_all:
+                readinto_exact(fd, frame[base : base + hl + self._nbytes], 0, spath)
+            return tmpl.parse(frame[base : base + hl], key)
         sums: list[int] | None = None
         view = slot.view
         for start, end, first_sec, last_sec in pieces:
@@ -866,13 +909,13 @@ class IOEngine:
             if sums is None:
                 sums = tmpl.parse(frame[base : base + hl], key)
                 if sums is None:
-                    return False
+                    return None
             for i in range(first_sec, last_sec):
                 o, e = self._spans[i]
                 if checksum(view[o:e]) != sums[i]:
                     raise PageCorrupt(f"section {self.layout.sections[i].name!r} checksum mismatch",
                                       path=spath, key=key)
-        return True
+        return sums
 
     def _read_plan(self, hl: int) -> list[tuple[int, int, int, int]]:
         """File pieces (start, end, first section, end section) for a header of ``hl`` bytes.

@@ -89,9 +89,9 @@ def test_timed_out_loads_are_recomputed(stored, tmp_path: Path, monkeypatch: pyt
     root, ids, cold, _ = stored("gemma3")
     slow_load = IOEngine._do_load
 
-    def stalled(self, key, slot):  # a file system that hangs longer than the deadline
+    def stalled(self, *a):  # a file system that hangs longer than the deadline
         time.sleep(0.3)
-        return slow_load(self, key, slot)
+        return slow_load(self, *a)
 
     monkeypatch.setattr(IOEngine, "_do_load", stalled)
     run = run_engine("gemma3", copy_root(root, tmp_path / "r"), [{"prompt_token_ids": ids}],

@@ -343,7 +343,9 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
     keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
     total = lay.nbytes * n
     out: dict[str, Any] = {"case": case.label, "pages": n, "page_bytes": lay.nbytes, "batch": batch,
-                           "io_threads": threads, "staging_slots": n_slots}
+                           "io_threads": threads, "staging_slots": n_slots,
+                           "checksums_on_gpu": transfer.checksums_on_gpu}
+    verify_on_cpu = not transfer.checksums_on_gpu
     with IOEngine(root / "ts", ns, 0, config=config, staging_slots=n_slots, pin=True) as engine:
         out["slots_pinned"] = engine.pinned
         # warm-up (untimed): compiles the gather/scatter kernels of this shape
@@ -366,8 +368,9 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
             for h in transfer.poll():
                 first = next(p for hh, p in waiting if hh is h)
                 waiting = [(hh, p) for hh, p in waiting if hh is not h]
+                sums = h.sums  # the GPU's section checksums (None: the engine hashes)
                 for j, slot in enumerate(h.slots):
-                    engine.submit_store(keys[first + j], slot, tokens)
+                    engine.submit_store(keys[first + j], slot, tokens, sums=sums[j] if sums else None)
                 progressed = True
             if next_page < n and engine.free_slots > 0:  # start with the slots there are (up to a batch)
                 k = min(batch, n - next_page, engine.free_slots)
@@ -403,26 +406,29 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
             torch.cuda.synchronize()
             t0 = last = time.perf_counter()
             submitted = 0
-            ready: list[tuple[Any, int]] = []  # (slot, page)
+            ready: list[tuple[Any, int, Any]] = []  # (slot, page, header sums to check or None)
             started: list[Any] = []
+            failed: list[int] = []
             done_pages = 0
             job_page: dict[int, int] = {}
             while done_pages < n:
                 progressed = False
                 while submitted < n and engine.free_slots > 0 and len(job_page) < n_slots:
-                    job_page[engine.submit_load(keys[submitted])] = submitted
+                    job_page[engine.submit_load(keys[submitted], verify=verify_on_cpu)] = submitted
                     submitted += 1
                     progressed = True
                 for r in engine.poll():
                     page = job_page.pop(r.job_id)
                     if not r.ok:
                         raise RuntimeError(f"load failed: {r.error}")
-                    ready.append((r.slot, page))
+                    ready.append((r.slot, page, None if r.verified else r.sums))
                     progressed = True
                 if ready:  # start with what is there (up to a batch): keeps the engine's slots cycling
                     take = ready[:batch]
-                    rows = torch.stack([ids_cpu[p] for _, p in take])
-                    h = transfer.start_load([s for s, _ in take], rows)
+                    rows = torch.stack([ids_cpu[p] for _, p, _ in take])
+                    expect = [c for _, _, c in take]
+                    h = transfer.start_load([s for s, _, _ in take], rows,
+                                            expect=expect if any(c is not None for c in expect) else None)
                     if h is not None:
                         ready = ready[len(take):]
                         started.append(h)
@@ -436,7 +442,8 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                     else:
                         still.append(h)
                 started = still
-                transfer.poll()
+                for h in transfer.poll():
+                    failed.extend(h.failed)
                 if progressed:
                     last = time.perf_counter()
                 elif time.perf_counter() - last > STALL_S:
@@ -444,8 +451,11 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                                        f"{len(ready)} ready, {len(started)} started, engine {engine.stats}")
                 else:
                     time.sleep(0.0005)
-            transfer.wait()
+            for h in transfer.wait():
+                failed.extend(h.failed)
             torch.cuda.synchronize()
+            if failed:
+                raise RuntimeError(f"{len(failed)} pages failed the GPU checksum check")
             return time.perf_counter() - t0
 
         # check: poison the blocks, load, and compare with the pages gathered before
@@ -471,15 +481,19 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
             out["verified"] = out["verified"] and bool(torch.equal(got, want))
         out["engine_io_mode"] = engine.stats["io_mode"]
         # the same engine without the GPU: how much of the gap to raw files is the engine's own
-        eng = engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold)
+        eng = engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold, hash_on_cpu=verify_on_cpu)
         out.update(eng)
     shutil.rmtree(root / "ts", ignore_errors=True)
     return out
 
 
-def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool) -> dict[str, float]:
-    """IOEngine store then load of the same number of pages from/to its slots, no GPU."""
+def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on_cpu: bool = True) -> dict[str, float]:
+    """IOEngine store then load of the same number of pages from/to its slots, no GPU.
+
+    ``hash_on_cpu=False``: the engine's work in the GPU-checksum pipeline (sums handed in,
+    loads not verified by the engine), i.e. the engine's I/O alone."""
     n = len(keys)
+    fake_sums = None if hash_on_cpu else [0] * len(engine.layout.sections)
     total = engine.layout.nbytes * n
     os.sync()
     t0 = time.perf_counter()
@@ -487,7 +501,7 @@ def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool) -> dict
     while done < n:
         while submitted < n and engine.free_slots > 0:
             slot = engine.acquire_slot()  # holds the bytes of an earlier page: content does not matter
-            engine.submit_store(keys[submitted], slot, tokens)
+            engine.submit_store(keys[submitted], slot, tokens, sums=fake_sums)
             submitted += 1
         res = engine.poll()
         done += len(res)
@@ -500,7 +514,7 @@ def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool) -> dict
         submitted = done = 0
         while done < n:
             while submitted < n and engine.free_slots > 0:
-                engine.submit_load(keys[submitted])
+                engine.submit_load(keys[submitted], verify=hash_on_cpu)
                 submitted += 1
             res = engine.poll()
             for r in res:

@@ -9,10 +9,20 @@ buffers (the IOEngine's ``StagingSlot`` tensors, pinned when CUDA is available):
   asynchronously (one copy per slot, or one in all when the slots lie back to back). ``handle.blocks_free()`` turns true once the gather has read the
   blocks (vLLM may reuse them), ``handle.done()`` once the slots hold the pages (then submit
   them to the IOEngine).
-- load: ``start_load(slots, block_ids)`` copies pinned slots -> scratch -> scatter into the
-  cache, all on the side stream. ``handle.slots_free()`` once the slots may be released,
-  ``handle.done()`` once the blocks hold the pages; ``handle.wait_on(stream)`` makes a stream
-  (e.g. the forward pass's) wait on the GPU without blocking the CPU.
+- load: ``start_load(slots, block_ids, expect)`` copies pinned slots -> scratch -> scatter
+  into the cache, all on the side stream, after the work queued on the caller's current
+  stream. ``handle.slots_free()`` once the slots may be released, ``handle.done()`` once the
+  blocks hold the pages; ``handle.wait_on(stream)`` makes a stream (e.g. the forward pass's)
+  wait on the GPU without blocking the CPU.
+
+Checksums on the GPU (``checksums_on_gpu``: CUDA, Triton copier, every section hashable by
+``kernels.checksum.SectionHasher``): a store hashes the gathered pages in the scratch and
+copies the section checksums back with the pages (``handle.sums``, for
+``IOEngine.submit_store(sums=)``), so the I/O threads never hash. A load with ``expect`` (the
+header's sums of pages the engine read with ``verify=False``) hashes the pages after the H2D
+copy and scatters only the pages that match: the block ids of a mismatching page are masked
+(negative), so its blocks are never written; ``handle.failed`` lists such pages once done.
+This checks the bytes the GPU actually received (after PCIe), not just those on the host.
 
 Nothing here synchronizes the host with the GPU except ``synchronize()``/``wait()``: callers
 poll. Device memory is bounded by ``scratch_pages`` x page size; pinned memory is the
@@ -30,13 +40,25 @@ be polled from that thread only.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from tierstore.format import checksum
 from tierstore.kernels import GroupCopier
+
+logger = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+
+
+def _as_i64(v: int) -> int:
+    """An unsigned 64-bit checksum as the int64 with the same bits (device tensors are int64)."""
+    v &= _U64
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _slot_tensor(slot: Any) -> torch.Tensor:
@@ -65,12 +87,36 @@ class TransferHandle:
     """One started store or load; poll ``done()``."""
 
     def __init__(self, op: str, slots: list[Any], rows: list[tuple[int, int]] | None,
-                 first: Any = None, last: Any = None) -> None:
+                 first: Any = None, last: Any = None, sums_host: torch.Tensor | None = None,
+                 ok_host: torch.Tensor | None = None, failed: list[int] | None = None,
+                 keep: tuple[Any, ...] = ()) -> None:
         self.op = op
         self.slots = slots
         self.rows = rows  # scratch ring spans held until done (GPU only)
         self._first = first  # store: gather finished; load: H2D finished
         self._last = last  # everything finished
+        self._sums_host = sums_host  # store: pinned [n, sections] int64, filled by the stream
+        self._ok_host = ok_host  # load: pinned [n] bool, filled by the stream
+        self._failed = failed  # load on CPU: known at once
+        self._keep = keep  # device/host tensors the queued work still reads
+
+    @property
+    def sums(self) -> list[tuple[int, ...]] | None:
+        """Store, once ``done()``: each page's section checksums (unsigned), or None when the
+        GPU did not hash (CPU, or a layout the hasher cannot take: the engine hashes)."""
+        if self._sums_host is None:
+            return None
+        return [tuple(v & _U64 for v in row) for row in self._sums_host.tolist()]
+
+    @property
+    def failed(self) -> list[int]:
+        """Load, once ``done()``: indexes of the pages that did not match ``expect`` (their
+        blocks were not written)."""
+        if self._failed is not None:
+            return self._failed
+        if self._ok_host is None:
+            return []
+        return [i for i, ok in enumerate(self._ok_host.tolist()) if not ok]
 
     def _query(self, ev: Any) -> bool:
         return ev is None or bool(ev.query())
@@ -101,8 +147,9 @@ class PageTransfer:
     """Moves pages between one group's KV cache and host staging slots."""
 
     def __init__(self, copier: GroupCopier, device: torch.device | str | None = None,
-                 scratch_pages: int = 32, stream: Any = None) -> None:
+                 scratch_pages: int = 32, stream: Any = None, checksums: bool = True) -> None:
         self.copier = copier
+        self.layout = copier.layout
         self.nbytes = copier.layout.nbytes
         self.device = torch.device(device) if device is not None else copier.device
         self.on_gpu = self.device.type == "cuda"
@@ -117,6 +164,28 @@ class PageTransfer:
             self._warned_unpinned = False
         else:
             self.capacity = 0
+        self.hasher: Any = None
+        self.checksum_reason: str | None = "checksums=False"
+        if checksums and self.on_gpu:
+            self.checksum_reason = self._make_hasher()
+        self.checksums_on_gpu = self.hasher is not None
+        self._spans = [(o, o + sec.nbytes) for o, sec in zip(self.layout.offsets, self.layout.sections, strict=True)]
+
+    def _make_hasher(self) -> str | None:
+        """Build the GPU section hasher; the reason when the engine must hash instead."""
+        if self.copier.backend != "triton":
+            return f"the copier uses the {self.copier.backend} backend (masked scatter needs Triton)"
+        try:
+            from tierstore.kernels.checksum import SectionHasher
+
+            hasher = SectionHasher(self.layout, self.device)
+        except Exception as exc:  # an unusable hasher costs speed, never correctness
+            logger.warning("GPU checksums unavailable (%s); the I/O threads hash pages", exc)
+            return f"SectionHasher failed: {exc}"
+        if not hasher.supported:
+            return hasher.reason or "SectionHasher does not support this layout"
+        self.hasher = hasher
+        return None
 
     # -- scratch ring ---------------------------------------------------------------------
     def _reserve(self, n: int) -> list[tuple[int, int]] | None:
@@ -216,33 +285,88 @@ class PageTransfer:
             self.copier.gather(self._ids(block_ids), rows)
             gathered.record(self.stream)
             self._copy_host(tensors, rows, to_host=True)
+            sums_host = None
+            if self.hasher is not None:
+                sums_dev = self.hasher.hash(rows)
+                sums_host = torch.empty(sums_dev.shape, dtype=torch.int64, pin_memory=True)
+                sums_host.copy_(sums_dev, non_blocking=True)
             finished.record(self.stream)
-        h = TransferHandle("store", slots, span, gathered, finished)
+        h = TransferHandle("store", slots, span, gathered, finished, sums_host=sums_host)
         self._inflight.append(h)
         return h
 
-    def start_load(self, slots: Sequence[Any], block_ids: torch.Tensor) -> TransferHandle | None:
-        """Scatter the pages in ``slots`` into ``block_ids`` [n, blocks_per_page]."""
+    def start_load(self, slots: Sequence[Any], block_ids: torch.Tensor,
+                   expect: Sequence[Sequence[int] | None] | None = None) -> TransferHandle | None:
+        """Scatter the pages in ``slots`` into ``block_ids`` [n, blocks_per_page].
+
+        ``expect[i]``: the section checksums page i must have (None: already verified). A page
+        that does not match is not scattered and is listed in ``handle.failed``.
+        """
         slots = list(slots)
         tensors = self._slot_tensors(slots, block_ids)
-        if not self.on_gpu:
-            self.copier.scatter(tensors, block_ids)
-            h = TransferHandle("load", slots, None)
+        if expect is not None and len(expect) != len(tensors):
+            raise ValueError(f"{len(tensors)} pages but {len(expect)} checksum lists")
+        check = expect is not None and any(e is not None for e in expect)
+        if not self.on_gpu or (check and self.hasher is None):
+            failed = self._check_on_host(tensors, expect) if check else []
+            good = [i for i in range(len(tensors)) if i not in failed]
+            if good:
+                if not self.on_gpu:
+                    self.copier.scatter([tensors[i] for i in good], block_ids[good])
+                else:  # a GPU without the hasher: the slots were checked on the host above
+                    h = self._start_load_gpu([slots[i] for i in good], block_ids[good], None)
+                    if h is None:
+                        return None
+                    h.slots, h._failed = slots, failed
+                    return h
+            h = TransferHandle("load", slots, None, failed=failed)
             self._inflight.append(h)
             return h
+        return self._start_load_gpu(slots, block_ids, expect if check else None)
+
+    def _check_on_host(self, tensors: list[torch.Tensor], expect: Sequence[Sequence[int] | None] | None) -> list[int]:
+        failed = []
+        for i, (t, want) in enumerate(zip(tensors, expect or [], strict=True)):
+            if want is None:
+                continue
+            view = memoryview(t.numpy())
+            if any(checksum(view[o:e]) != (w & _U64) for (o, e), w in zip(self._spans, want, strict=True)):
+                failed.append(i)
+        return failed
+
+    def _start_load_gpu(self, slots: list[Any], block_ids: torch.Tensor,
+                        expect: Sequence[Sequence[int] | None] | None) -> TransferHandle | None:
+        tensors = self._slot_tensors(slots, block_ids)
         claimed = self._claim_scratch(tensors)
         if claimed is None:
             return None
         span, rows = claimed
         copied = torch.cuda.Event()
         finished = torch.cuda.Event()
+        producer = torch.cuda.current_stream(self.device)
+        ok_host = None
+        keep: tuple[Any, ...] = ()
         with torch.cuda.stream(self.stream):
+            # Blocks are written only after the caller's queued work (which may still read them).
+            self.stream.wait_stream(producer)
             # scratch rows may still be read by an older op on this same stream: stream order covers it
             self._copy_host(tensors, rows, to_host=False)
             copied.record(self.stream)
-            self.copier.scatter(rows, self._ids(block_ids))
+            ids = self._ids(block_ids)
+            if expect is not None:
+                n_sec = len(self._spans)
+                want = [[_as_i64(v) for v in e] if e is not None else [0] * n_sec for e in expect]
+                unchecked = [e is None for e in expect]
+                want_dev = torch.tensor(want, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+                skip_dev = torch.tensor(unchecked, dtype=torch.bool).pin_memory().to(self.device, non_blocking=True)
+                ok = self.hasher.verify(rows, want_dev) | skip_dev
+                ids = torch.where(ok[:, None], ids.view(len(slots), -1), -1)
+                ok_host = torch.empty(len(slots), dtype=torch.bool, pin_memory=True)
+                ok_host.copy_(ok, non_blocking=True)
+                keep = (want_dev, skip_dev, ok, ids)
+            self.copier.scatter(rows, ids)
             finished.record(self.stream)
-        h = TransferHandle("load", slots, span, copied, finished)
+        h = TransferHandle("load", slots, span, copied, finished, ok_host=ok_host, keep=keep)
         self._inflight.append(h)
         return h
 

@@ -107,6 +107,8 @@ def _page_copy_kernel(
         src_row = tl.multiple_of(src_row, VEC)
         dst_row = tl.multiple_of(dst_row, VEC)
     c = col_tile * COLS + tl.arange(0, COLS).to(tl.int64)
+    if SCATTER:  # a negative block id: a page that failed verification; write nothing
+        width = tl.where(blk >= 0, width, 0)
     mask = rmask[:, None] & (c < width)[None, :]
     src_off = src_start + src_row[:, None] + c[None, :]
     dst_off = dst_start + dst_row[:, None] + c[None, :]
@@ -342,6 +344,7 @@ class TritonCopier(PlannedCopier):
         self._run(block_ids, pages, scatter=False)
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
+        """Pages -> blocks; a negative block id skips that kernel block (nothing is written)."""
         self._run(block_ids, pages, scatter=True)
 
     def describe(self) -> list[dict[str, int]]:

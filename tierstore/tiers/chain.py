@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class _Job:
     shared_ok: bool | None = None
     shared_sub: int | None = None  # the background shared store of this job
     done: bool = False
+    verify: bool = True  # load: False = the caller checks the section sums (see submit_load)
 
 
 def page_file_size(namespace: Namespace, group_index: int, key_len: int = 32, rank: int = 0) -> int:
@@ -151,7 +153,7 @@ class TierChain:
         self._closed = False
         self._capacity_at = 0.0
         self._admit_cv = threading.Condition(threading.Lock())
-        self._admit_q: deque[tuple[_Job | None, bytes, StagingSlot, int]] = deque()
+        self._admit_q: deque[tuple[_Job | None, bytes, StagingSlot, int, Sequence[int] | None]] = deque()
         self._admit_queued = self._admit_done = 0
         self._admit_stop = False
         self._admitter: threading.Thread | None = None
@@ -253,11 +255,12 @@ class TierChain:
         return str(self.local.mapper.path_for(key))[self._local_prefix:]
 
     def _finish(self, job: _Job, ok: bool, error: PageError | None, slot: StagingSlot | None,
-                stored: bool = False, nbytes: int = 0) -> None:
+                stored: bool = False, nbytes: int = 0, verified: bool = True,
+                sums: tuple[int, ...] | None = None) -> None:
         job.done = True
         self._jobs.pop(job.id, None)
         self._results[job.id] = IOResult(job.id, job.op, job.key, ok, None if ok else error, slot, stored,
-                                         nbytes, time.monotonic() - job.submitted)
+                                         nbytes, time.monotonic() - job.submitted, verified, sums)
 
     # ------------------------------------------------------------------ slots
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
@@ -274,10 +277,13 @@ class TierChain:
         (owner or self.front).release_slot(slot)
 
     # ------------------------------------------------------------------ submit
-    def submit_load(self, key: bytes) -> int:
+    def submit_load(self, key: bytes, verify: bool = True) -> int:
+        """``verify=False`` (IOEngine.submit_load) is passed on only where the bytes reach
+        nobody but the caller: a page that also goes into the host tier, or is promoted from
+        the shared tier to the local one, is verified here first (``IOResult.verified``)."""
         key = bytes(key)
         with self._lock:
-            job = _Job(next(self._ids), "load", key, self.tokens_per_page, time.monotonic())
+            job = _Job(next(self._ids), "load", key, self.tokens_per_page, time.monotonic(), verify=verify)
             self._jobs[job.id] = job
             if self._closed:
                 self._finish(job, False, PageMissing("the tier chain is closed", key=key), None)
@@ -297,7 +303,7 @@ class TierChain:
                     return job.id
                 self.m_host.miss(job.tokens)
             if self.local is not None:
-                sub = self.local.submit_load(key)
+                sub = self.local.submit_load(key, verify=verify or self.host is not None)
                 self._sub[(_LOCAL, sub)] = job.id
                 job.waiting.add((_LOCAL, sub))
             else:
@@ -315,11 +321,13 @@ class TierChain:
                 err = PageTimeout(f"shared tier is down ({self.health.reason}); counted as a miss", key=job.key)
             self._finish(job, False, err, None)
             return
-        sub = eng.submit_load(job.key)
+        sub = eng.submit_load(job.key, verify=job.verify or self.local is not None or self.host is not None)
         self._sub[(_SHARED, sub)] = job.id
         job.waiting.add((_SHARED, sub))
 
-    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int) -> int:
+    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int,
+                     sums: Sequence[int] | None = None) -> int:
+        """``sums``: the caller's section checksums of the slot (IOEngine.submit_store)."""
         key = bytes(key)
         with self._lock:
             job = _Job(next(self._ids), "store", key, token_count, time.monotonic())
@@ -333,7 +341,7 @@ class TierChain:
                     self.m_shared.failure("down")
                     self._finish(job, False, PageTimeout("shared tier is down; page not stored", key=key), None)
                     return job.id
-                sub = shared_eng.submit_store(key, slot, token_count)
+                sub = shared_eng.submit_store(key, slot, token_count, sums=sums)
                 self._sub[(_SHARED, sub)] = job.id
                 job.waiting.add((_SHARED, sub))
                 self._drain_locked()
@@ -348,14 +356,15 @@ class TierChain:
                         self.m_shared.failure("queue_full")
                     else:
                         sslot.view[:] = slot.view
-                        sub = shared_eng.submit_store(key, sslot, token_count)
+                        sub = shared_eng.submit_store(key, sslot, token_count, sums=sums)
                         self._sub[(_SHARED, sub)] = job.id
                         job.shared_sub = sub
-            self._store_local(job, key, slot, token_count, primary=True)
+            self._store_local(job, key, slot, token_count, primary=True, sums=sums)
             self._drain_locked()
             return job.id
 
-    def _store_local(self, job: _Job | None, key: bytes, slot: StagingSlot, token_count: int, *, primary: bool) -> None:
+    def _store_local(self, job: _Job | None, key: bytes, slot: StagingSlot, token_count: int, *, primary: bool,
+                     sums: Sequence[int] | None = None) -> None:
         """Queue a local store; the admission thread reserves room, then submits it.
 
         Reserving runs sqlite and a stat, which release the GIL: in the caller's thread each
@@ -364,7 +373,7 @@ class TierChain:
         if job is not None and primary:
             job.waiting.add(("admit", job.id))
         with self._admit_cv:
-            self._admit_q.append((job if primary else None, key, slot, token_count))
+            self._admit_q.append((job if primary else None, key, slot, token_count, sums))
             self._admit_queued += 1
             if self._admitter is None:
                 self._admitter = threading.Thread(target=self._admit_loop, name="tierstore-local-admit", daemon=True)
@@ -378,9 +387,9 @@ class TierChain:
                 self._admit_cv.wait_for(lambda: self._admit_q or self._admit_stop)
                 if not self._admit_q:
                     return
-                job, key, slot, tokens = self._admit_q.popleft()
+                job, key, slot, tokens, sums = self._admit_q.popleft()
             try:
-                self._admit(job, key, slot, tokens)
+                self._admit(job, key, slot, tokens, sums)
             except Exception:  # never lose a slot or a job to a bug
                 log.exception("tierstore local admission of %s failed", key.hex()[:16])
                 with self._lock:
@@ -395,7 +404,8 @@ class TierChain:
                     self._admit_done += 1
                     self._admit_cv.notify_all()
 
-    def _admit(self, job: _Job | None, key: bytes, slot: StagingSlot, tokens: int) -> None:
+    def _admit(self, job: _Job | None, key: bytes, slot: StagingSlot, tokens: int,
+               sums: Sequence[int] | None = None) -> None:
         assert self.local is not None
         rid, victims, fits = None, [], True
         if not os.path.exists(self.local.mapper.path_for(key)):  # an existing page needs no room
@@ -414,7 +424,7 @@ class TierChain:
                                                 "failed (see the log)", key=key)
                     self._maybe_finish_store(job)
                 return
-            sub = self.local.submit_store(key, slot, tokens)
+            sub = self.local.submit_store(key, slot, tokens, sums=sums)
             self._reservations[sub] = rid
             if job is not None:
                 self._sub[(_LOCAL, sub)] = job.id
@@ -490,7 +500,7 @@ class TierChain:
             self.m_local.hit(job.tokens, r.nbytes, r.seconds)
             if self.host is not None:
                 self.host.put(self.scope, r.key, r.slot.view)
-            self._finish(job, True, None, r.slot, nbytes=r.nbytes)
+            self._finish(job, True, None, r.slot, nbytes=r.nbytes, verified=r.verified, sums=r.sums)
             return
         kind = r.error.kind if r.error else "error"
         if kind == "missing":
@@ -556,7 +566,7 @@ class TierChain:
                 self._store_local(None, r.key, pslot, job.tokens, primary=False)
         if eng is not self.front:
             self._foreign_slots[id(r.slot)] = eng  # type: ignore[assignment]
-        self._finish(job, True, None, r.slot, nbytes=r.nbytes)
+        self._finish(job, True, None, r.slot, nbytes=r.nbytes, verified=r.verified, sums=r.sums)
 
     def _maybe_finish_store(self, job: _Job) -> None:
         """A store whose local write failed: wait for the shared write if one is in flight."""
@@ -627,6 +637,21 @@ class TierChain:
                         (self._on_local if eng is self.local else self._on_shared)(r)
         with self._lock:
             return [self._results.pop(i) for i in ids if i in self._results]
+
+    def discard_page(self, key: bytes, reason: str) -> None:
+        """The caller found an unverified page damaged: remove it from the tier that served it
+        (by ``submit_load``'s rule: the local tier if there is one, else the shared one)."""
+        key = bytes(key)
+        if self.local is not None:
+            self.local.discard_page(key, reason)
+            if self.index is not None:
+                self.index.defer("forget", self._relpath(key))
+            self.m_local.failure("checksum")
+            return
+        eng = self._shared_engine()
+        if eng is not None:
+            eng.discard_page(key, reason)
+            self.m_shared.failure("checksum")
 
     def contains(self, key: bytes) -> bool:
         key = bytes(key)
