@@ -22,3 +22,15 @@ def root(tmp_path: Path) -> Path:
 def hybrid_ns() -> Namespace:
     """The hybrid test namespace: full attention, sliding window, Mamba states."""
     return hybrid_namespace()
+
+
+@pytest.fixture(autouse=True)
+def _cuda_errors_stay_with_their_test():  # noqa: ANN202 - generator fixture
+    """Synchronize after each test that used CUDA: an asynchronous device error (a device-side
+    assert) then fails the test that caused it, not whichever test synchronizes next."""
+    yield
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

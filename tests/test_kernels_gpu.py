@@ -226,3 +226,14 @@ def test_transfer_checksums_on_gpu_feed_the_engine_and_catch_damage(tmp_path: Pa
     good = [0, 1, 3, 4, 5]
     assert torch.equal(bits(got[:, good]), bits(case.logical[:, good]))
     assert bool((bits(got[:, 2]) == 0x3C).all()), "a page that failed the GPU check was scattered"
+
+
+def test_warm_up_writes_no_block() -> None:
+    """warm_up compiles every variant (1, 2, 16 pages) and leaves the cache untouched."""
+    case = AttentionCase("bfloat16", layers=2, heads=8, head_size=128, tokens=16, n_pages=4, seed=9)
+    views, _ = case.build("LBNHC", 16, "cuda")
+    before = [v.clone() for v in views]
+    t = PageTransfer(GroupCopier(views, case.layout, 1, [1] * case.layers), scratch_pages=16)
+    t.warm_up()
+    assert t.in_flight == 0
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(views, before, strict=True))

@@ -114,3 +114,11 @@ def test_load_with_expected_sums_skips_mismatching_pages_on_cpu() -> None:
     assert bool((bits(got[:, 2]) == 7).all())
     with pytest.raises(ValueError, match="checksum lists"):
         t.start_load(pages, ids, expect=[None])
+
+
+def test_warm_up_on_cpu_is_a_no_op() -> None:
+    case = AttentionCase("bfloat16")
+    views, _ = case.build("LBNHC", 4, "cpu")
+    before = [v.clone() for v in views]
+    PageTransfer(GroupCopier(views, case.layout, 2, [1] * case.layers)).warm_up()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(views, before, strict=True))

@@ -48,6 +48,9 @@ class TierStoreConfig:
     chunk_tokens: int | None = None  # tokens per stored page; None = the engine's block size
     # Page buffers per KV-cache group; None = sized from max_num_batched_tokens (two steps' worth).
     staging_slots: int | None = None
+    # Device memory per KV-cache group for pages between the KV cache and the staging slots
+    # (CUDA only; outside vLLM's KV budget, so keep it small). At least one page is always kept.
+    transfer_scratch_mib: int = 64
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
@@ -94,6 +97,11 @@ class TierStoreConfig:
                 f'setting "staging_slots" must be an integer >= 2 (page buffers per KV-cache group), '
                 f"got {self.staging_slots!r}; leave it unset to size the pool from max_num_batched_tokens"
             )
+        if not isinstance(self.transfer_scratch_mib, int) or isinstance(self.transfer_scratch_mib, bool) \
+                or self.transfer_scratch_mib < 1:
+            raise ConfigError(
+                f'setting "transfer_scratch_mib" must be an integer >= 1 (MiB of GPU memory per KV-cache group '
+                f"for pages in flight), got {self.transfer_scratch_mib!r}")
         for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:

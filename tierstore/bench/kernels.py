@@ -340,6 +340,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off")
     n_slots = slots or 3 * batch
     transfer = PageTransfer(copier, scratch_pages=2 * batch)
+    transfer.warm_up()
     keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
     total = lay.nbytes * n
     out: dict[str, Any] = {"case": case.label, "pages": n, "page_bytes": lay.nbytes, "batch": batch,
@@ -348,21 +349,23 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
     verify_on_cpu = not transfer.checksums_on_gpu
     with IOEngine(root / "ts", ns, 0, config=config, staging_slots=n_slots, pin=True) as engine:
         out["slots_pinned"] = engine.pinned
-        # warm-up (untimed): compiles the gather/scatter kernels of this shape
-        wslot = engine.acquire_slot()
-        transfer.start_store(ids_cpu[:1], [wslot])
-        transfer.wait()
-        transfer.start_load([wslot], ids_cpu[:1])
-        transfer.wait()
-        transfer.poll()
-        engine.release_slot(wslot)
+        # warm-up (untimed): compiles the gather/scatter/checksum kernels of this shape for the
+        # batch sizes Triton specializes differently (1, other, multiples of 16)
+        for k in sorted({1, 2, min(batch, n), min(16, batch, n)}):
+            wslots = [engine.acquire_slot() for _ in range(k)]
+            wh = transfer.start_store(ids_cpu[:k], wslots)
+            transfer.wait()
+            transfer.start_load(wslots, ids_cpu[:k], expect=wh.sums if wh is not None else None)
+            transfer.wait()
+            for s in wslots:
+                engine.release_slot(s)
         # ---- store: cache -> scratch -> pinned slot -> file
         os.sync()
         torch.cuda.synchronize()
         t0 = last = time.perf_counter()
         next_page = 0
         waiting: list[tuple[Any, int]] = []  # (handle, first page)
-        stored = failed = 0
+        stored = failed = batches = 0
         while stored + failed < n:
             progressed = False
             for h in transfer.poll():
@@ -372,8 +375,13 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                 for j, slot in enumerate(h.slots):
                     engine.submit_store(keys[first + j], slot, tokens, sums=sums[j] if sums else None)
                 progressed = True
-            if next_page < n and engine.free_slots > 0:  # start with the slots there are (up to a batch)
-                k = min(batch, n - next_page, engine.free_slots)
+            free = engine.free_slots
+            want = min(batch, n - next_page)
+            # Start a full batch, or what is free once the engine is about to run dry: starting
+            # each slot as it frees (a page per launch) pays a transfer's fixed cost per page.
+            if next_page < n and free > 0 and (free >= want or (
+                    not waiting and engine.stats["queued_stores"] < threads)):
+                k = min(want, free)
                 slots = [engine.acquire_slot() for _ in range(k)]
                 h = transfer.start_store(ids_cpu[next_page : next_page + k], slots)
                 if h is None:
@@ -382,6 +390,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                 else:
                     waiting.append((h, next_page))
                     next_page += k
+                    batches += 1
                     progressed = True
             for r in engine.poll():
                 if r.ok:
@@ -400,6 +409,7 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
         out["store_s"] = time.perf_counter() - t0
         out["store_gbps"] = round(total / out["store_s"] / GB, 2)
         out["store_failed"] = failed
+        out["store_pages_per_transfer"] = round(n / max(1, batches), 2)
 
         # ---- load: file -> slot -> scratch -> scatter (warm, then cold)
         def load_all() -> float:
@@ -532,6 +542,22 @@ def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on
     return out
 
 
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a case: every number is the median over the repeats (each ratio paired
+    with the raw figures of its own repeat), with the per-repeat ratios kept for the spread."""
+    out = dict(runs[-1])
+    for key, val in runs[-1].items():
+        if isinstance(val, float | int) and not isinstance(val, bool):
+            out[key] = round(statistics.median(r[key] for r in runs if key in r), 3)
+    out["raw_files"] = {k: round(statistics.median(r["raw_files"][k] for r in runs), 2) for k in runs[-1]["raw_files"]}
+    out["verified"] = all(r.get("verified") for r in runs)
+    out["repeats"] = len(runs)
+    out["per_repeat"] = [{k: r[k] for k in ("store_ratio", "load_warm_ratio", "load_cold_ratio", "store_gbps",
+                                            "load_warm_gbps", "engine_only_store_gbps", "engine_only_load_warm_gbps")
+                          if k in r} | {"raw_files": r["raw_files"]} for r in runs]
+    return out
+
+
 # ---------------------------------------------------------------------------- driver
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -547,6 +573,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also try other Triton tile sizes / warps (first case)")
     parser.add_argument("--skip-transfer", action="store_true", help="kernels only")
     parser.add_argument("--no-cold", action="store_true", help="do not drop the page cache for cold loads")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="transfer: raw-then-pipeline pairs per case; medians reported (default 3)")
 
 
 def _print(rep: dict[str, Any]) -> None:
@@ -567,9 +595,13 @@ def _print(rep: dict[str, Any]) -> None:
         print(f"\nraw PCIe: {rep['raw_pcie']}  (ratio = pipeline / min(PCIe, raw file) of the same direction)")
         for t in rep["transfer"]:
             print(f"  raw files for the next case: {t['raw_files']}")
-            print(f"{t['case'][:70]:<72} verified={t.get('verified')} store {t['store_gbps']} GB/s (x{t['store_ratio']}), "
+            spread = {k: (min(r[k] for r in t["per_repeat"]), max(r[k] for r in t["per_repeat"]))
+                      for k in ("store_ratio", "load_warm_ratio", "load_cold_ratio") if k in t["per_repeat"][0]}
+            print(f"{t['case'][:70]:<72} verified={t.get('verified')} gpu checksums={t.get('checksums_on_gpu')} "
+                  f"medians of {t['repeats']}: store {t['store_gbps']} GB/s (x{t['store_ratio']}), "
                   f"load warm {t['load_warm_gbps']} (x{t['load_warm_ratio']})"
-                  + (f", cold {t['load_cold_gbps']} (x{t.get('load_cold_ratio')})" if "load_cold_gbps" in t else ""))
+                  + (f", cold {t['load_cold_gbps']} (x{t.get('load_cold_ratio')})" if "load_cold_gbps" in t else "")
+                  + "; per-repeat ratio ranges " + ", ".join(f"{k} {a}-{b}" for k, (a, b) in spread.items()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -638,19 +670,24 @@ def run(args: argparse.Namespace) -> int:
                 slab.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).repeat(n * page >> 20)[: n * page]
                            if (n * page) % (1 << 20) == 0 else torch.randint(0, 256, (n * page,), dtype=torch.uint8))
                 bufs = [memoryview(slab.numpy())[i * page : (i + 1) * page] for i in range(n)]
-                _log(f"transfer: {case.label}: raw files")
-                raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
-                _log(f"raw files {raw}; pipeline")
-                del bufs, slab
-                t = transfer_pipeline(case, tmp, args.batch, args.io_threads, cold=not args.no_cold, slots=args.slots)
-                t["raw_files"] = raw
                 pc = rep["raw_pcie"]
-                t["store_ratio"] = round(t["store_gbps"] / min(pc["d2h_gbps"], raw["write_gbps"]), 3)
-                t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pc["h2d_gbps"], raw["read_warm_gbps"]), 3)
-                t["store_vs_engine_only"] = round(t["store_gbps"] / t["engine_only_store_gbps"], 3)
-                t["load_warm_vs_engine_only"] = round(t["load_warm_gbps"] / t["engine_only_load_warm_gbps"], 3)
-                if "load_cold_gbps" in t and "read_cold_gbps" in raw:
-                    t["load_cold_ratio"] = round(t["load_cold_gbps"] / min(pc["h2d_gbps"], raw["read_cold_gbps"]), 3)
+                runs: list[dict[str, Any]] = []
+                for r in range(args.repeats):  # raw then pipeline, paired: drift hits both alike
+                    _log(f"transfer: {case.label}: repeat {r + 1}/{args.repeats}: raw files")
+                    raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
+                    _log(f"raw files {raw}; pipeline")
+                    t = transfer_pipeline(case, tmp, args.batch, args.io_threads, cold=not args.no_cold,
+                                          slots=args.slots)
+                    t["raw_files"] = raw
+                    t["store_ratio"] = round(t["store_gbps"] / min(pc["d2h_gbps"], raw["write_gbps"]), 3)
+                    t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pc["h2d_gbps"], raw["read_warm_gbps"]), 3)
+                    t["store_vs_engine_only"] = round(t["store_gbps"] / t["engine_only_store_gbps"], 3)
+                    t["load_warm_vs_engine_only"] = round(t["load_warm_gbps"] / t["engine_only_load_warm_gbps"], 3)
+                    if "load_cold_gbps" in t and "read_cold_gbps" in raw:
+                        t["load_cold_ratio"] = round(t["load_cold_gbps"] / min(pc["h2d_gbps"], raw["read_cold_gbps"]), 3)
+                    runs.append(t)
+                del bufs, slab
+                t = _median_run(runs)
                 rep["transfer"].append(t)
                 _log(f"pipeline {t}")
                 save()

@@ -64,9 +64,19 @@ class ReferenceCopier(PlannedCopier):
                     page[sec.offset : end].copy_(data[p])
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
+        """Pages -> blocks; a page whose block ids are negative is skipped (as in Triton).
+        (Finding such pages reads the ids on the host: a sync for CUDA ids, on this slow path only.)"""
         n = self.check_batch(block_ids, pages)
         if n == 0:
             return
+        keep = (block_ids.reshape(n, -1) >= 0).all(dim=1).cpu()
+        if not bool(keep.all()):
+            idx = keep.nonzero().view(-1).tolist()
+            if not idx:
+                return
+            pages = pages[idx] if isinstance(pages, torch.Tensor) else [pages[i] for i in idx]
+            block_ids = block_ids.reshape(n, -1)[torch.tensor(idx, device=block_ids.device)]
+            n = len(idx)
         ids = self._flat_ids(block_ids)
         for sec in self.sections:
             end = sec.offset + sec.spec.nbytes

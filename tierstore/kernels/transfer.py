@@ -137,6 +137,12 @@ class TransferHandle:
         if self._last is not None:
             stream.wait_event(self._last)
 
+    def blocks_wait_on(self, stream: Any) -> None:
+        """Store: make ``stream`` wait (on the GPU) only until the gather has read the blocks,
+        not for the copy to the host: work queued after it may then overwrite the blocks."""
+        if self._first is not None:
+            stream.wait_event(self._first)
+
     def synchronize(self) -> None:
         """Block the calling thread until done (tests and shutdown only)."""
         if self._last is not None:
@@ -186,6 +192,27 @@ class PageTransfer:
             return hasher.reason or "SectionHasher does not support this layout"
         self.hasher = hasher
         return None
+
+    def warm_up(self) -> None:
+        """Compile (and load) every kernel variant a transfer can launch, then wait for them.
+
+        Triton specializes integer arguments equal to 1 and divisible by 16, so batches of 1, 2
+        and 16 pages cover every variant. Loading a compiled module can synchronize the device,
+        which must not happen behind a forward pass, so callers do this at startup. Nothing in
+        the cache is written (the scatter's block ids are all masked) and no slot is touched.
+        """
+        if not self.on_gpu:
+            return
+        bpp = self.copier.blocks_per_page
+        with torch.cuda.stream(self.stream):
+            for n in sorted({1, min(2, self.capacity), min(16, self.capacity)}):
+                rows = self.scratch[:n]
+                ids = torch.zeros(n, bpp, dtype=torch.int64, device=self.device)
+                self.copier.gather(ids, rows)
+                if self.hasher is not None:
+                    self.hasher.verify(rows, self.hasher.hash(rows))
+                self.copier.scatter(rows, torch.full_like(ids, -1))
+        self.stream.synchronize()
 
     # -- scratch ring ---------------------------------------------------------------------
     def _reserve(self, n: int) -> list[tuple[int, int]] | None:

@@ -41,6 +41,7 @@ from tierstore.errors import ConfigError
 from tierstore.format import GroupKind, PageLayout
 from tierstore.identity import Namespace
 from tierstore.kernels import GroupCopier
+from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import attention_view, mamba_state_views
 from tierstore.mapper import FileMapper
 from tierstore.metrics import default_registry
@@ -62,6 +63,12 @@ KV_PLANE_BACKENDS = frozenset({"CPU_ATTN"})
 
 # Upper bound of one group's staging pool (pinned host memory on CUDA) when sized automatically.
 STAGING_BYTES_CAP = 1 << 30
+
+def transfer_scratch_pages(staging_slots: int, page_bytes: int, scratch_bytes: int) -> int:
+    """Scratch pages of one group's PageTransfer (device memory on CUDA, outside vLLM's KV
+    budget: setting ``transfer_scratch_mib``): never more than the staging slots (a page in
+    flight holds one), at most ``scratch_bytes``, at least one page."""
+    return max(1, min(staging_slots, scratch_bytes // max(page_bytes, 1)))
 
 
 def staging_slots_for(max_num_batched_tokens: int, tokens_per_chunk: int, page_bytes: int,
@@ -216,11 +223,16 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                                       self.staging_slots_override)
             engine = open_group_store(self.ts_config, self.namespace, i, rank=self.rank,
                                       staging_slots=slots, pin=device.type == "cuda")
+            transfer = PageTransfer(copier, device,
+                                    scratch_pages=transfer_scratch_pages(
+                                        slots, gspec.layout.nbytes, self.ts_config.transfer_scratch_mib << 20))
+            transfer.warm_up()  # compile now: loading a kernel later could stall a forward pass
             logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
-                        "%d staging slots", i, gspec.kind.name.lower(), len(gspec.layer_names),
+                        "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
+                        len(gspec.layer_names),
                         gspec.layout.nbytes, engine.mapper.base,
                         f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
-                        copier.backend, engine.stats.get("io_mode"), slots)
+                        copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
             groups.append(WorkerGroup(
                 index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
                 blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
@@ -228,6 +240,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 fixup=KTransposeFixup(gspec.layout, k_transposed_tokens) if k_transposed_tokens else None,
                 tokens_per_page=gspec.tokens_per_chunk,
                 root_metrics=default_registry().tier("root") if isinstance(engine, IOEngine) else None,
+                transfer=transfer,
             ))
         self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
                                        defer_limit_s=self.ts_config.deadline_ms / 1000.0)

@@ -1,0 +1,314 @@
+"""TierStoreWorker on a CUDA device: real caches, real PageTransfer (side stream, pinned slots,
+GPU checksums), real IOEngine in tmp_path.
+
+- a store queued behind a long GPU sleep on the current stream returns from ``submit_store`` at
+  once, is reported later by ``get_finished``, and the pages on disk equal the torch-reference
+  gather of the KV the stream wrote after the sleep;
+- vLLM's fence (``wait``) returns at once too, and KV overwritten on the current stream after it
+  never reaches the pages;
+- a load into a zeroed cache of another layout round-trips;
+- a page corrupted on disk fails its load job (kind "checksum"), its blocks keep their old
+  (poisoned) values, and the page file is removed.
+
+The device machine has no vLLM. When ``import vllm.v1.kv_offload.base`` fails, minimal stand-ins for the few vLLM
+names ``tierstore/vllm/worker.py`` and ``manager.py`` import (``vllm.v1.kv_offload.base``) are put
+into ``sys.modules``, and ``tierstore.vllm`` is bound to a bare package object so that its
+``__init__`` (the connector, which needs all of vLLM) does not run; both are removed from
+``sys.modules`` again right after the import, so other test files still see no vLLM and skip.
+With vLLM installed the real modules are used.
+
+Skipped without CUDA. Must not run with TRITON_INTERPRET=1 (the kernels would be interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 is set"),
+]
+
+from kernel_cases import AttentionCase, bits  # noqa: E402
+
+import tierstore  # noqa: E402
+from tierstore.kernels import GroupCopier  # noqa: E402
+from tierstore.kernels.transfer import PageTransfer  # noqa: E402
+from tierstore.kernels.views import make_attention_caches  # noqa: E402
+
+
+def _vllm_standins() -> dict[str, types.ModuleType]:
+    """Modules standing in for ``vllm.v1.kv_offload.base`` (only what the worker side imports)."""
+
+    class LoadStoreSpec:
+        pass
+
+    class GPULoadStoreSpec(LoadStoreSpec):
+        def __init__(self, block_ids: list[int], group_sizes: list[int], block_indices: list[int]) -> None:
+            assert sum(group_sizes) == len(block_ids) and len(block_indices) == len(group_sizes)
+            self.block_ids = torch.tensor(block_ids, dtype=torch.int64)
+            self.group_sizes = group_sizes
+            self.block_indices = block_indices
+
+    @dataclass
+    class TransferResult:
+        job_id: int
+        success: bool
+        transfer_size: int | None = None
+        transfer_time: float | None = None
+
+    class _Placeholder:
+        pass
+
+    base = types.ModuleType("vllm.v1.kv_offload.base")
+    base.LoadStoreSpec = LoadStoreSpec
+    base.GPULoadStoreSpec = GPULoadStoreSpec
+    base.TransferResult = TransferResult
+    for name in ("OffloadingWorker", "OffloadingManager", "LookupResult", "OffloadKey", "PrepareStoreOutput",
+                 "ReqContext", "RequestOffloadingContext"):
+        setattr(base, name, type(name, (_Placeholder,), {}))
+    base.get_offload_block_hash = lambda key: key
+    base.get_offload_group_idx = lambda key: 0
+    mods = {name: types.ModuleType(name) for name in ("vllm", "vllm.v1", "vllm.v1.kv_offload")}
+    mods["vllm.v1.kv_offload.base"] = base
+    mods["vllm"].v1 = mods["vllm.v1"]
+    mods["vllm.v1"].kv_offload = mods["vllm.v1.kv_offload"]
+    mods["vllm.v1.kv_offload"].base = base
+    return mods
+
+
+def _import_worker() -> tuple[Any, Any, Any]:
+    """(worker module, manager module, GPULoadStoreSpec): the real ones, or on stand-ins."""
+    try:
+        import vllm.v1.kv_offload.base  # noqa: F401  (a bare `vllm` may exist without the v1 API)
+    except ImportError:
+        before = set(sys.modules)
+        sys.modules.update(_vllm_standins())
+        pkg = types.ModuleType("tierstore.vllm")
+        pkg.__path__ = [str(Path(tierstore.__file__).parent / "vllm")]
+        sys.modules["tierstore.vllm"] = pkg
+        try:
+            import tierstore.vllm.manager as manager
+            import tierstore.vllm.worker as worker
+            spec_cls = sys.modules["vllm.v1.kv_offload.base"].GPULoadStoreSpec
+        finally:
+            for name in set(sys.modules) - before:
+                if name == "vllm" or name.startswith(("vllm.", "tierstore.vllm")):
+                    del sys.modules[name]
+        return worker, manager, spec_cls
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    import tierstore.vllm.manager as manager
+    import tierstore.vllm.worker as worker
+
+    return worker, manager, GPULoadStoreSpec
+
+
+worker_mod, manager_mod, GPULoadStoreSpec = _import_worker()
+
+LAYERS, HEADS, HEAD, TOKENS, PAGES = 2, 2, 64, 16, 6
+
+
+def _case(seed: int = 0) -> AttentionCase:
+    return AttentionCase("bfloat16", layers=LAYERS, heads=HEADS, head_size=HEAD, tokens=TOKENS, n_pages=PAGES,
+                         seed=seed)
+
+
+def _worker(case: AttentionCase, views: list[torch.Tensor], bpp: int, root: Path, *, scratch: int = 4,
+            slots: int = 8) -> tuple[Any, Any]:
+    engine = case.engine(root, slots, pin=True)
+    copier = GroupCopier(views, case.layout, bpp, [1] * case.layers)
+    group = worker_mod.WorkerGroup(
+        index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=bpp, kernel_ratio=1,
+        device=views[0].device, tokens_per_page=case.tokens,
+        transfer=PageTransfer(copier, views[0].device, scratch_pages=scratch))
+    group.transfer.warm_up()  # as spec.py does at startup
+    return worker_mod.TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0), engine
+
+
+def _keys(base: int, n: int = PAGES) -> list[bytes]:
+    return [(base + i).to_bytes(4, "big") * 4 for i in range(n)]
+
+
+def _specs(ids: torch.Tensor, keys: list[bytes], tokens: int) -> tuple[Any, Any]:
+    flat = ids.reshape(-1).tolist()
+    gpu = GPULoadStoreSpec(flat, group_sizes=[len(flat)], block_indices=[0])
+    files = manager_mod.TierStoreFileSpec(groups=[0] * len(keys), keys=keys, token_counts=[tokens] * len(keys))
+    return gpu, files
+
+
+def _finish(worker: Any, job_id: int, timeout: float = 60.0) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for r in worker.get_finished():
+            if r.job_id == job_id:
+                return r
+        time.sleep(0.002)
+    raise AssertionError(f"job {job_id} not finished in {timeout} s")
+
+
+def _stored_pages(engine: Any, keys: list[bytes]) -> torch.Tensor:
+    """The pages on disk, read and verified by the engine."""
+    out = []
+    for res in engine.wait([engine.submit_load(k) for k in keys], timeout=30):
+        assert res.ok, res.error
+        out.append(res.slot.tensor.clone())
+        engine.release_slot(res.slot)
+    return torch.stack(out)
+
+
+def _sleep_cycles(seconds: float) -> int:
+    """``torch.cuda._sleep`` cycles for about ``seconds`` of GPU time on this device."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    return int(100_000_000 * seconds / max(time.perf_counter() - t0, 1e-3))
+
+
+def _warm_up(worker: Any, views: list[torch.Tensor], ids: torch.Tensor) -> None:
+    """Compile the copy and checksum kernels (a store and a load) before anything is timed."""
+    gpu, files = _specs(ids[:1], _keys(10_000, 1), TOKENS)
+    worker.submit_store(90_000, gpu, files)
+    assert _finish(worker, 90_000).success
+    worker.submit_load(90_001, files, gpu)
+    assert _finish(worker, 90_001).success
+
+
+def test_checksums_run_on_the_gpu(tmp_path: Path) -> None:
+    case = _case()
+    views, ids = case.build("LBHNC", 8, "cuda")
+    worker, engine = _worker(case, views, ids.shape[1], tmp_path)
+    assert worker.groups[0].transfer.checksums_on_gpu, "the GPU path should hash (Triton + SectionHasher)"
+    worker.shutdown()
+
+
+def test_store_behind_gpu_work_never_blocks_and_stores_what_the_stream_wrote(tmp_path: Path) -> None:
+    case = _case()
+    views, ids = case.build("LBHNC", 8, "cuda")
+    bpp = ids.shape[1]
+    worker, engine = _worker(case, views, bpp, tmp_path, scratch=4)  # 6 pages: two transfers
+    _warm_up(worker, views, ids)
+    kv = [v.clone() for v in views]  # what the "forward pass" will write
+    for v in views:
+        v.zero_()
+    cycles = _sleep_cycles(1.0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)  # the forward pass, still running ...
+    for v, src in zip(views, kv, strict=True):
+        v.copy_(src)  # ... then writing the KV, all queued on the current stream
+    keys = _keys(0)
+    gpu, files = _specs(ids, keys, TOKENS)
+    t0 = time.perf_counter()
+    worker.submit_store(1, gpu, files)
+    took = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    early = worker.get_finished()
+    polled = time.perf_counter() - t1
+    assert took < 0.1, f"submit_store took {took:.3f} s behind GPU work"
+    assert polled < 0.1, f"get_finished took {polled:.3f} s behind GPU work"
+    assert early == []  # the GPU is still sleeping: nothing can be stored yet
+    res = _finish(worker, 1)
+    assert res.success
+    ref = torch.full((PAGES, case.layout.nbytes), 0xA5, dtype=torch.uint8, device="cuda")
+    GroupCopier(views, case.layout, bpp, [1] * case.layers, backend="torch").gather(ids.cuda(), ref)
+    stored = _stored_pages(engine, keys)
+    assert torch.equal(stored, ref.cpu())
+    assert torch.equal(stored, case.expected_pages())
+    assert worker.counters["store_pages_ok"] >= PAGES
+    worker.shutdown()
+    assert engine.free_slots == 8
+
+
+def test_fence_orders_block_reuse_after_the_gather_without_blocking(tmp_path: Path) -> None:
+    case = _case(seed=3)
+    views, ids = case.build("BLHNC", 8, "cuda")
+    bpp = ids.shape[1]
+    worker, engine = _worker(case, views, bpp, tmp_path, scratch=8)  # every page starts at once
+    _warm_up(worker, views, ids)
+    cycles = _sleep_cycles(1.0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    keys = _keys(100)
+    gpu, files = _specs(ids, keys, TOKENS)
+    t0 = time.perf_counter()
+    worker.submit_store(2, gpu, files)
+    worker.wait({2})  # vLLM is about to reuse the blocks
+    took = time.perf_counter() - t0
+    for v in views:
+        v.zero_()  # the next forward overwrites the blocks (current stream, after the fence)
+    assert took < 0.1, f"submit_store + wait took {took:.3f} s behind GPU work"
+    assert _finish(worker, 2).success
+    assert torch.equal(_stored_pages(engine, keys), case.expected_pages())
+    worker.shutdown()
+
+
+def test_load_round_trips_into_another_layout(tmp_path: Path) -> None:
+    case = _case(seed=5)
+    views, ids = case.build("LBNHC", 8, "cuda")
+    worker, _engine = _worker(case, views, ids.shape[1], tmp_path)
+    keys = _keys(200)
+    gpu, files = _specs(ids, keys, TOKENS)
+    worker.submit_store(1, gpu, files)
+    assert _finish(worker, 1).success
+    worker.shutdown()
+    # another engine on the same root, caches of another layout and kernel block size (zeroed)
+    nb = PAGES * 4 + 5
+    _, views2 = make_attention_caches("SPLIT_HND", LAYERS, nb, HEADS, 4, HEAD, case.dtype, "cuda")
+    ids2 = torch.randperm(nb, generator=torch.Generator().manual_seed(9))[: PAGES * 4].view(PAGES, 4)
+    reader, engine2 = _worker(case, views2, 4, tmp_path, scratch=4)
+    gpu2, files2 = _specs(ids2, keys, TOKENS)
+    t0 = time.perf_counter()
+    reader.submit_load(3, files2, gpu2)
+    assert time.perf_counter() - t0 < 0.1
+    res = _finish(reader, 3)
+    assert res.success and not reader.failed_loads
+    assert torch.equal(bits(case.logical_from(views2, ids2)), bits(case.logical))
+    reader.shutdown()
+    assert engine2.free_slots == 8
+
+
+def test_corrupt_page_fails_the_job_and_leaves_its_blocks(tmp_path: Path) -> None:
+    case = _case(seed=7)
+    views, ids = case.build("LBHNC", 8, "cuda")
+    worker, engine = _worker(case, views, ids.shape[1], tmp_path)
+    keys = _keys(300)
+    gpu, files = _specs(ids, keys, TOKENS)
+    worker.submit_store(1, gpu, files)
+    assert _finish(worker, 1).success
+    worker.shutdown()
+    bad = 2
+    path = engine.mapper.path_for(keys[bad])
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x10  # a payload byte of the last section (the header is intact)
+    path.write_bytes(bytes(data))
+    nb = PAGES * 2 + 3
+    _, views2 = make_attention_caches("LBHNC", LAYERS, nb, HEADS, 8, HEAD, case.dtype, "cuda")
+    for v in views2:
+        v.fill_(7.0)  # poison
+    poisoned = [v.clone() for v in views2]
+    ids2 = torch.randperm(nb, generator=torch.Generator().manual_seed(2))[: PAGES * 2].view(PAGES, 2)
+    reader, engine2 = _worker(case, views2, 2, tmp_path)
+    gpu2, files2 = _specs(ids2, keys, TOKENS)
+    reader.submit_load(4, files2, gpu2)
+    res = _finish(reader, 4)
+    assert not res.success
+    kinds = {(k, kind) for _job, _g, k, kind in reader.failed_loads}
+    assert len(kinds) == 1 and next(iter(kinds))[0] == keys[bad], kinds
+    assert next(iter(kinds))[1] in ("checksum", "corrupt"), kinds
+    assert not path.exists(), "the damaged page was not removed"
+    blocks = ids2[bad].cuda()
+    for v, p in zip(views2, poisoned, strict=True):
+        assert torch.equal(bits(v[blocks]), bits(p[blocks])), "a failed page's blocks were written"
+    reader.shutdown()
+    assert engine2.free_slots == 8
