@@ -306,6 +306,9 @@ def test_corrupt_page_fails_the_job_and_leaves_its_blocks(tmp_path: Path) -> Non
     kinds = {(k, kind) for _job, _g, k, kind in reader.failed_loads}
     assert len(kinds) == 1 and next(iter(kinds))[0] == keys[bad], kinds
     assert next(iter(kinds))[1] in ("checksum", "corrupt"), kinds
+    end = time.monotonic() + 5  # the worker removes it on a short-lived thread
+    while path.exists() and time.monotonic() < end:
+        time.sleep(0.01)
     assert not path.exists(), "the damaged page was not removed"
     blocks = ids2[bad].cuda()
     for v, p in zip(views2, poisoned, strict=True):

@@ -336,13 +336,21 @@ def test_page_failing_the_gpu_check_fails_the_job_and_leaves_its_blocks() -> Non
     for c in caches:
         c.fill_(7.0)  # poison: the failed page's blocks must keep it
     poisoned = _page(copier, layout, 11)
+    from tierstore.metrics import MetricsRegistry
+
+    root = worker.groups[0].root_metrics = MetricsRegistry().tier("root")
     gpu, files = _spec([10, 11], 0)
     worker.submit_load(2, files, gpu)
     res = _until(worker, 2)
     assert not res.success
+    # the damaged page is a failure, not also a hit (hits are counted after the GPU check)
+    assert root.failures().get("checksum") == 1 and root.get("hits") <= 1
     assert worker.counters["load_failed:checksum"] == 1 and worker.counters["load_jobs_failed"] == 1
     assert [(j, k, kind) for j, _g, k, kind in worker.failed_loads] == [(2, page_key(1), "checksum")]
-    assert engine.discarded == [page_key(1)]  # removed like a page the engine finds damaged
+    end = time.monotonic() + 5  # removed like a page the engine finds damaged (on its own thread)
+    while not engine.discarded and time.monotonic() < end:
+        time.sleep(0.01)
+    assert engine.discarded == [page_key(1)]
     assert _page(copier, layout, 11) == poisoned  # never scattered
     # the good page was copied, or skipped because its job was lost already
     assert _page(copier, layout, 10) in (engine.pages[page_key(0)][0], _page(copier, layout, 12))

@@ -39,6 +39,7 @@ the GPU except ``flush``/``shutdown``: transfers are polled.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -231,6 +232,19 @@ class TierStoreWorker(OffloadingWorker):
         for job_id in jobs:
             self._maybe_finish(self._jobs[job_id])
 
+    @staticmethod
+    def _discard_later(g: WorkerGroup, key: bytes, reason: str) -> None:
+        """Remove a page the GPU found damaged, as the engine does with one it finds itself, on a
+        short-lived thread: an unlink on a hung shared mount must not stall the step."""
+
+        def discard() -> None:
+            try:
+                g.engine.discard_page(key, reason)
+            except Exception as e:  # noqa: BLE001 - the page still failed; a later read finds it again
+                logger.warning("tierstore: could not discard damaged page %s..: %r", key.hex()[:16], e)
+
+        threading.Thread(target=discard, name="tierstore-discard", daemon=True).start()
+
     def _load_scattered(self, g: WorkerGroup, x: _Transfer) -> None:
         """A finished load transfer: pages not in ``handle.failed`` are in their blocks."""
         if not x.slots_released:
@@ -247,12 +261,11 @@ class TierStoreWorker(OffloadingWorker):
                 msg = "section checksum mismatch after the copy to the device (blocks left untouched)"
                 if g.root_metrics is not None:
                     g.root_metrics.failure("checksum")
-                try:
-                    g.engine.discard_page(res.key, msg)  # as the engine does with a page it finds damaged
-                except Exception as e:  # noqa: BLE001 - the page still fails; a later read finds it again
-                    logger.warning("tierstore: could not discard damaged page %s..: %r", res.key.hex()[:16], e)
+                self._discard_later(g, res.key, msg)
                 self._fail(job, g.index, res.key, "checksum", msg)
             else:
+                if g.root_metrics is not None and not res.verified:
+                    g.root_metrics.hit(g.tokens_per_page, res.nbytes, res.seconds)
                 job.nbytes += res.nbytes
                 self.counters["load_pages_ok"] += 1
                 self.counters["load_bytes"] += res.nbytes
@@ -489,7 +502,8 @@ class TierStoreWorker(OffloadingWorker):
         if m is not None:
             if res.ok:
                 if res.op == "load":
-                    m.hit(g.tokens_per_page, res.nbytes, res.seconds)
+                    if res.verified:  # unverified: counted once the GPU has checked it
+                        m.hit(g.tokens_per_page, res.nbytes, res.seconds)
                 elif res.stored:
                     m.stored(res.nbytes, res.seconds)
             elif res.error is not None and res.error.kind == "missing":
