@@ -95,28 +95,39 @@ class TransferHandle:
         self.rows = rows  # scratch ring spans held until done (GPU only)
         self._first = first  # store: gather finished; load: H2D finished
         self._last = last  # everything finished
-        self._sums_host = sums_host  # store: pinned [n, sections] int64, filled by the stream
-        self._ok_host = ok_host  # load: pinned [n] bool, filled by the stream
-        self._failed = failed  # load on CPU: known at once
-        self._keep = keep  # device/host tensors the queued work still reads
+        # Rows of the transfer's pinned result buffers, filled by the stream; read into Python
+        # lists when the handle retires (its rows may be reused right after).
+        self._sums_host = sums_host  # store: [n, sections] int64
+        self._ok_host = ok_host  # load: [n] bool
+        self._sums: list[tuple[int, ...]] | None = None
+        self._failed = failed  # load: known at once on CPU, else at retirement
+        self._keep = keep  # device tensors the queued work still reads
+
+    def _materialize(self) -> None:
+        """Copy the results out of the shared pinned rows (called once done, before reuse)."""
+        if self._sums_host is not None:
+            self._sums = [tuple(v & _U64 for v in row) for row in self._sums_host.tolist()]
+            self._sums_host = None
+        if self._ok_host is not None:
+            self._failed = [i for i, ok in enumerate(self._ok_host.tolist()) if not ok]
+            self._ok_host = None
+        self._keep = ()
 
     @property
     def sums(self) -> list[tuple[int, ...]] | None:
         """Store, once ``done()``: each page's section checksums (unsigned), or None when the
         GPU did not hash (CPU, or a layout the hasher cannot take: the engine hashes)."""
-        if self._sums_host is None:
-            return None
-        return [tuple(v & _U64 for v in row) for row in self._sums_host.tolist()]
+        if self._sums_host is not None:
+            self._materialize()
+        return self._sums
 
     @property
     def failed(self) -> list[int]:
         """Load, once ``done()``: indexes of the pages that did not match ``expect`` (their
         blocks were not written)."""
-        if self._failed is not None:
-            return self._failed
-        if self._ok_host is None:
-            return []
-        return [i for i, ok in enumerate(self._ok_host.tolist()) if not ok]
+        if self._ok_host is not None:
+            self._materialize()
+        return self._failed or []
 
     def _query(self, ev: Any) -> bool:
         return ev is None or bool(ev.query())
@@ -176,6 +187,23 @@ class PageTransfer:
             self.checksum_reason = self._make_hasher()
         self.checksums_on_gpu = self.hasher is not None
         self._spans = [(o, o + sec.nbytes) for o, sec in zip(self.layout.offsets, self.layout.sections, strict=True)]
+        if self.on_gpu:
+            self._alloc_row_buffers()
+
+    def _alloc_row_buffers(self) -> None:
+        """Per scratch row: block ids, expected and computed checksums, check results; pinned on
+        the host (and a device copy where the GPU reads them). A transfer uses the rows of its
+        scratch span, which the ring keeps to itself until it retires: no per-call pinned
+        allocations, and pinned memory stays bounded by the scratch size."""
+        cap, bpp, n_sec = self.capacity, self.copier.blocks_per_page, max(1, len(self.layout.sections))
+        self._ids_host = torch.empty(cap, bpp, dtype=torch.int64, pin_memory=True)
+        self._ids_dev = torch.empty(cap, bpp, dtype=torch.int64, device=self.device)
+        self._sums_host = torch.empty(cap, n_sec, dtype=torch.int64, pin_memory=True)
+        self._want_host = torch.empty(cap, n_sec, dtype=torch.int64, pin_memory=True)
+        self._want_dev = torch.empty(cap, n_sec, dtype=torch.int64, device=self.device)
+        self._skip_host = torch.empty(cap, dtype=torch.bool, pin_memory=True)
+        self._skip_dev = torch.empty(cap, dtype=torch.bool, device=self.device)
+        self._ok_host = torch.empty(cap, dtype=torch.bool, pin_memory=True)
 
     def _make_hasher(self) -> str | None:
         """Build the GPU section hasher; the reason when the engine must hash instead."""
@@ -239,7 +267,9 @@ class PageTransfer:
     def _retire(self) -> None:
         """Move finished handles (in start order) out of the ring; their rows become free."""
         while self._inflight and self._inflight[0].done():
-            self._finished.append(self._inflight.popleft())
+            h = self._inflight.popleft()
+            h._materialize()  # before the next start reuses its rows of the result buffers
+            self._finished.append(h)
 
     def poll(self) -> list[TransferHandle]:
         """Handles finished since the last poll, oldest first (each returned exactly once)."""
@@ -252,11 +282,14 @@ class PageTransfer:
         return len(self._inflight)
 
     # -- transfers ------------------------------------------------------------------------
-    def _ids(self, block_ids: torch.Tensor) -> torch.Tensor:
+    def _ids(self, block_ids: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Block ids on the device, through the span's pinned rows (queued on the current stream)."""
         if block_ids.device.type == "cuda":
             return block_ids
-        ids = block_ids.to(torch.int64).contiguous()
-        return ids.pin_memory().to(self.device, non_blocking=True)
+        self._ids_host[a:b].copy_(block_ids.reshape(b - a, -1))
+        dev = self._ids_dev[a:b]
+        dev.copy_(self._ids_host[a:b], non_blocking=True)
+        return dev
 
     def _check_pinned(self, tensors: Sequence[torch.Tensor]) -> None:
         if not self._warned_unpinned and any(not t.is_pinned() for t in tensors):
@@ -309,14 +342,14 @@ class PageTransfer:
         finished = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(producer)  # the KV written by queued forward work
-            self.copier.gather(self._ids(block_ids), rows)
+            a, b = span[-1]
+            self.copier.gather(self._ids(block_ids, a, b), rows)
             gathered.record(self.stream)
             self._copy_host(tensors, rows, to_host=True)
             sums_host = None
             if self.hasher is not None:
-                sums_dev = self.hasher.hash(rows)
-                sums_host = torch.empty(sums_dev.shape, dtype=torch.int64, pin_memory=True)
-                sums_host.copy_(sums_dev, non_blocking=True)
+                sums_host = self._sums_host[a:b]
+                sums_host.copy_(self.hasher.hash(rows), non_blocking=True)
             finished.record(self.stream)
         h = TransferHandle("store", slots, span, gathered, finished, sums_host=sums_host)
         self._inflight.append(h)
@@ -379,18 +412,21 @@ class PageTransfer:
             # scratch rows may still be read by an older op on this same stream: stream order covers it
             self._copy_host(tensors, rows, to_host=False)
             copied.record(self.stream)
-            ids = self._ids(block_ids)
+            a, b = span[-1]
+            ids = self._ids(block_ids, a, b)
             if expect is not None:
                 n_sec = len(self._spans)
                 want = [[_as_i64(v) for v in e] if e is not None else [0] * n_sec for e in expect]
-                unchecked = [e is None for e in expect]
-                want_dev = torch.tensor(want, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-                skip_dev = torch.tensor(unchecked, dtype=torch.bool).pin_memory().to(self.device, non_blocking=True)
+                self._want_host[a:b, :n_sec].copy_(torch.tensor(want, dtype=torch.int64).view(b - a, n_sec))
+                self._skip_host[a:b].copy_(torch.tensor([e is None for e in expect], dtype=torch.bool))
+                want_dev, skip_dev = self._want_dev[a:b, :n_sec], self._skip_dev[a:b]
+                want_dev.copy_(self._want_host[a:b, :n_sec], non_blocking=True)
+                skip_dev.copy_(self._skip_host[a:b], non_blocking=True)
                 ok = self.hasher.verify(rows, want_dev) | skip_dev
                 ids = torch.where(ok[:, None], ids.view(len(slots), -1), -1)
-                ok_host = torch.empty(len(slots), dtype=torch.bool, pin_memory=True)
+                ok_host = self._ok_host[a:b]
                 ok_host.copy_(ok, non_blocking=True)
-                keep = (want_dev, skip_dev, ok, ids)
+                keep = (ok, ids)
             self.copier.scatter(rows, ids)
             finished.record(self.stream)
         h = TransferHandle("load", slots, span, copied, finished, ok_host=ok_host, keep=keep)
