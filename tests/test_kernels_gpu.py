@@ -237,3 +237,28 @@ def test_warm_up_writes_no_block() -> None:
     t.warm_up()
     assert t.in_flight == 0
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(views, before, strict=True))
+
+
+def test_result_rows_reused_after_retirement_keep_each_handles_results(tmp_path: Path) -> None:
+    """A handle's checksums live in per-row pinned buffers that the next transfer reuses: they
+    are copied out when the handle retires, so reading them late still gives its own pages'."""
+    import xxhash
+
+    case = AttentionCase("bfloat16", layers=2, heads=8, head_size=128, tokens=16, n_pages=4, seed=12)
+    views, ids = case.build("LBNHC", 16, "cuda")
+    lay = case.layout
+    t = PageTransfer(GroupCopier(views, lay, 1, [1] * case.layers), scratch_pages=2)
+    assert t.checksums_on_gpu
+    with case.engine(tmp_path, 4, pin=True) as engine:
+        slots = [engine.acquire_slot() for _ in range(4)]
+        first = t.start_store(ids[:2], slots[:2])
+        t.wait()  # retired: its results are copied out of rows 0-1
+        second = t.start_store(ids[2:], slots[2:])  # the same scratch rows and result rows
+        t.wait()
+        for h, ss in ((first, slots[:2]), (second, slots[2:])):
+            want = [tuple(xxhash.xxh3_64_intdigest(memoryview(s.tensor.numpy())[o : o + sec.nbytes])
+                          for o, sec in zip(lay.offsets, lay.sections, strict=True)) for s in ss]
+            assert h.sums == want
+        assert first.sums != second.sums
+        for s in slots:
+            engine.release_slot(s)
