@@ -565,7 +565,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", default=None, help="scratch directory for the transfer benchmark (default: a temp dir)")
     parser.add_argument("--mib", type=int, default=512, help="payload MiB per kernel measurement (default 512)")
     parser.add_argument("--transfer-mib", type=int, default=1024, help="payload MiB per transfer measurement (default 1024)")
-    parser.add_argument("--batch", type=int, default=8, help="pages per transfer batch (default 8)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="pages per transfer batch (default: --batch-mib worth of pages)")
+    parser.add_argument("--batch-mib", type=int, default=64,
+                        help="payload per transfer batch when --batch is not given (default 64 MiB, the "
+                             "vLLM worker's transfer_scratch_mib: it batches by bytes too)")
     parser.add_argument("--io-threads", type=int, default=4, help="IOEngine and raw-file threads (default 4)")
     parser.add_argument("--slots", type=int, default=0, help="IOEngine staging slots (default 3 x batch)")
     parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
@@ -676,7 +680,8 @@ def run(args: argparse.Namespace) -> int:
                     _log(f"transfer: {case.label}: repeat {r + 1}/{args.repeats}: raw files")
                     raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
                     _log(f"raw files {raw}; pipeline")
-                    t = transfer_pipeline(case, tmp, args.batch, args.io_threads, cold=not args.no_cold,
+                    batch = args.batch or max(1, (args.batch_mib << 20) // page)
+                    t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold,
                                           slots=args.slots)
                     t["raw_files"] = raw
                     t["store_ratio"] = round(t["store_gbps"] / min(pc["d2h_gbps"], raw["write_gbps"]), 3)
