@@ -253,15 +253,21 @@ def test_fence_orders_block_reuse_after_the_gather_without_blocking(tmp_path: Pa
     worker.shutdown()
 
 
-def test_load_round_trips_into_another_layout(tmp_path: Path) -> None:
-    case = _case(seed=5)
-    views, ids = case.build("LBNHC", 8, "cuda")
-    worker, _engine = _worker(case, views, ids.shape[1], tmp_path)
-    keys = _keys(200)
+def _stored(tmp_path: Path, seed: int, layout: str, key_base: int) -> tuple[AttentionCase, Any, list[bytes]]:
+    """A worker stores every page of a case, then shuts down: (case, its engine, page keys)."""
+    case = _case(seed=seed)
+    views, ids = case.build(layout, 8, "cuda")
+    worker, engine = _worker(case, views, ids.shape[1], tmp_path)
+    keys = _keys(key_base)
     gpu, files = _specs(ids, keys, TOKENS)
     worker.submit_store(1, gpu, files)
     assert _finish(worker, 1).success
     worker.shutdown()
+    return case, engine, keys
+
+
+def test_load_round_trips_into_another_layout(tmp_path: Path) -> None:
+    case, _engine, keys = _stored(tmp_path, 5, "LBNHC", 200)
     # another engine on the same root, caches of another layout and kernel block size (zeroed)
     nb = PAGES * 4 + 5
     _, views2 = make_attention_caches("SPLIT_HND", LAYERS, nb, HEADS, 4, HEAD, case.dtype, "cuda")
@@ -279,14 +285,7 @@ def test_load_round_trips_into_another_layout(tmp_path: Path) -> None:
 
 
 def test_corrupt_page_fails_the_job_and_leaves_its_blocks(tmp_path: Path) -> None:
-    case = _case(seed=7)
-    views, ids = case.build("LBHNC", 8, "cuda")
-    worker, engine = _worker(case, views, ids.shape[1], tmp_path)
-    keys = _keys(300)
-    gpu, files = _specs(ids, keys, TOKENS)
-    worker.submit_store(1, gpu, files)
-    assert _finish(worker, 1).success
-    worker.shutdown()
+    case, engine, keys = _stored(tmp_path, 7, "LBHNC", 300)
     bad = 2
     path = engine.mapper.path_for(keys[bad])
     data = bytearray(path.read_bytes())

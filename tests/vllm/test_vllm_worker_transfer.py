@@ -372,14 +372,19 @@ def test_load_waits_for_scratch_and_missing_page_fails_without_leaks() -> None:
     _no_leaks(worker, engine, transfer)
 
 
+def _fence(worker: TierStoreWorker, job_ids: set[int]) -> None:
+    """vLLM's fence returns promptly (bounded by fence_slot_wait_s), whatever the GPU does."""
+    t0 = time.perf_counter()
+    worker.wait(job_ids)
+    assert time.perf_counter() - t0 < 1.0
+
+
 def test_fence_starts_deferred_pages_and_waits_on_the_stream_for_running_gathers() -> None:
     worker, engine, transfer, copier, _caches, layout = _setup(slots=8, scratch=2, done_after=3)
     blocks = [1, 2, 3, 4]
     worker.submit_store(5, *_spec(blocks, 0))
     assert worker.deferred_store_pages() == 2  # scratch full
-    t0 = time.perf_counter()
-    worker.wait({5})
-    assert time.perf_counter() - t0 < 1.0
+    _fence(worker, {5})
     assert worker.deferred_store_pages() == 0 and not worker.counters["store_dropped:fence"]
     # every gather of job 5 still reading blocks was made a dependency of the current stream
     for h in transfer.started:
@@ -394,9 +399,7 @@ def test_fence_drops_what_gets_no_scratch_in_time() -> None:
     worker, engine, transfer, _copier, _caches, _layout = _setup(slots=8, scratch=2, done_after=10**9)
     transfer.free_after = 10**9  # a stuck GPU stream: the scratch never frees
     worker.submit_store(5, *_spec([1, 2, 3], 0))
-    t0 = time.perf_counter()
-    worker.wait({5})
-    assert time.perf_counter() - t0 < 1.0
+    _fence(worker, {5})
     assert worker.counters["store_dropped:fence"] == 1
     assert all(h.waited_on for h in transfer.started)
     assert engine.free_slots == len(engine.slots) - 2  # only the running gather holds slots
