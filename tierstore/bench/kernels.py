@@ -320,6 +320,18 @@ def raw_files(root: Path, bufs: list[memoryview], threads: int, cold: bool) -> d
 
 
 # ---------------------------------------------------------------------------- pipelines
+def _idle(progressed: bool, last: float) -> tuple[float, bool]:
+    """A pipeline loop's bookkeeping: (time of the last progress, stalled). Without progress it
+    sleeps briefly; ``STALL_S`` without any is a stall (a hang is a bug: the caller raises)."""
+    now = time.perf_counter()
+    if progressed:
+        return now, False
+    if now - last > STALL_S:
+        return last, True
+    time.sleep(0.0005)
+    return last, False
+
+
 def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bool, slots: int = 0) -> dict[str, Any]:
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
@@ -399,13 +411,10 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                     failed += 1
                     out.setdefault("store_errors", str(r.error))
                 progressed = True
-            if progressed:
-                last = time.perf_counter()
-            elif time.perf_counter() - last > STALL_S:
+            last, stalled = _idle(progressed, last)
+            if stalled:
                 raise RuntimeError(f"store pipeline stalled: {stored} stored, {failed} failed, next page {next_page}, "
                                    f"{len(waiting)} transfers waiting, engine {engine.stats}")
-            else:
-                time.sleep(0.0005)
         out["store_s"] = time.perf_counter() - t0
         out["store_gbps"] = round(total / out["store_s"] / GB, 2)
         out["store_failed"] = failed
@@ -454,13 +463,10 @@ def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bo
                 started = still
                 for h in transfer.poll():
                     failed.extend(h.failed)
-                if progressed:
-                    last = time.perf_counter()
-                elif time.perf_counter() - last > STALL_S:
+                last, stalled = _idle(progressed, last)
+                if stalled:
                     raise RuntimeError(f"load pipeline stalled: {done_pages} done, {submitted} submitted, "
                                        f"{len(ready)} ready, {len(started)} started, engine {engine.stats}")
-                else:
-                    time.sleep(0.0005)
             for h in transfer.wait():
                 failed.extend(h.failed)
             torch.cuda.synchronize()
