@@ -74,7 +74,6 @@ from tierstore.errors import (
     PageIOError,
     PageMissing,
     PageQueueFull,
-    PageStoreError,
     PageTimeout,
     PageTruncated,
 )
@@ -100,13 +99,13 @@ from tierstore.mapper import (
     host_tag,
     parse_temp_name,
 )
-from tierstore.pagefile import preadv_upto, pwritev_all, read_page, readinto_exact
+from tierstore.pagefile import O_DIRECT as _O_DIRECT
+from tierstore.pagefile import preadv_upto, read_page, readinto_exact, write_and_rename
 
 logger = logging.getLogger("tierstore.engine")
 
 WARM_PIECE_BYTES = 1 << 20  # see IOEngine._read_plan (measured: docs/design/engine.md)
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (and HEADER_ALIGN)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 # Load failures that prove the file under the final name is bad (not a transient I/O error).
 _DISCARD_KINDS = frozenset({"checksum", "truncated", "format", "key_mismatch", "foreign"})
@@ -805,41 +804,8 @@ class IOEngine:
 
     def _publish(self, final: str, key: bytes, pieces: list[Any], *, truncate_to: int,
                  direct: bool, exact_len: int) -> None:
-        tmp = self._temp_path(final, key)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0)
-        try:
-            try:
-                fd = os.open(tmp, flags, 0o644)
-            except FileNotFoundError:
-                _make_dirs(os.path.dirname(final))
-                fd = os.open(tmp, flags, 0o644)
-        except OSError as exc:
-            raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
-        try:
-            try:
-                try:
-                    pwritev_all(fd, pieces)
-                except OSError as exc:
-                    if not (direct and exc.errno == errno.EINVAL):
-                        raise
-                    # O_DIRECT refused at run time (another file system under the root?):
-                    # rewrite this page buffered, exactly sized.
-                    logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
-                    os.close(fd)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
-                    pwritev_all(fd, [memoryview(pieces[0])[:exact_len]])
-                    truncate_to = 0
-                if truncate_to:
-                    os.ftruncate(fd, truncate_to)
-                if self.config.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, final)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+        write_and_rename(final, self._temp_path(final, key), pieces, key=key, fsync=self.config.fsync,
+                         direct=direct, exact_len=exact_len, truncate_to=truncate_to)
 
     # ----------------------------------------------------------------- load
     def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
@@ -1042,15 +1008,3 @@ def _advise_huge_pages(addr: int, nbytes: int) -> None:
     end = (addr + nbytes) // huge * huge
     if end > start:
         madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)
-
-
-def _make_dirs(path: str) -> None:
-    """``mkdir -p`` for the fan-out directories (usually only the last one or two are new)."""
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        _make_dirs(os.path.dirname(path))
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path)

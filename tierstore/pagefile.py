@@ -1,9 +1,12 @@
 """Reading and publishing one page file (buffered I/O).
 
-- ``publish_page``: write header + payload to a unique temp file beside the final name,
-  optionally fsync, then ``os.replace`` into place. An existing final file counts as stored
-  (content-addressed: same key and namespace means the same bytes). On any error the temp
-  is removed and a ``PageStoreError`` carries the errno.
+- ``write_and_rename``: the atomic publish every writer uses (the IOEngine too): write the
+  pieces to a unique temp file beside the final name (creating missing fan-out directories;
+  O_DIRECT on request, rewritten buffered if refused at run time), optionally fsync, then
+  rename into place. On any error the temp is removed and a ``PageStoreError`` carries the
+  errno.
+- ``publish_page``: header + payload through ``write_and_rename``; an existing final file
+  counts as stored (content-addressed: same key and namespace means the same bytes).
 - ``read_page``: read and verify a page into a caller-owned buffer. Verifies the header
   checksum, namespace, key/group/rank, layout, exact file size and every section checksum;
   raises a typed ``PageError`` and never returns partial data.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,8 @@ from tierstore.format import (
 )
 
 _MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+logger = logging.getLogger("tierstore.pagefile")
 
 
 def _advance(views: list[memoryview], n: int) -> None:
@@ -72,6 +78,60 @@ def preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
     return offset
 
 
+def make_dirs(path: str) -> None:
+    """``mkdir -p`` for the fan-out directories (usually only the last one or two are new)."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        make_dirs(os.path.dirname(path))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+
+
+def write_and_rename(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None, fsync: bool = False,
+                     direct: bool = False, exact_len: int = 0, truncate_to: int = 0) -> None:
+    """Write ``pieces`` to ``tmp`` and rename it to ``final`` (see the module docstring).
+
+    ``direct``: open with O_DIRECT (the pieces are aligned and padded); if the write is refused
+    at run time (another file system under the root?), the first piece is rewritten buffered,
+    ``exact_len`` bytes. ``truncate_to``: cut the padding off after an O_DIRECT write.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            make_dirs(os.path.dirname(final))
+            fd = os.open(tmp, flags, 0o644)
+    except OSError as exc:
+        raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
+    try:
+        try:
+            try:
+                pwritev_all(fd, pieces)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
+                os.close(fd)
+                fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
+                pwritev_all(fd, [memoryview(pieces[0])[:exact_len]])
+                truncate_to = 0
+            if truncate_to:
+                os.ftruncate(fd, truncate_to)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+
+
 def publish_page(
     final: Path,
     tmp: Path,
@@ -84,23 +144,7 @@ def publish_page(
     """Atomically publish a page; returns False if it already existed (nothing written)."""
     if final.exists():
         return False
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError as exc:
-        raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
-    try:
-        try:
-            pwritev_all(fd, [header, *pieces])
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+    write_and_rename(str(final), str(tmp), [header, *pieces], key=key, fsync=fsync)
     return True
 
 
