@@ -107,6 +107,16 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+U64_MASK = (1 << 64) - 1
+
+
+def checksum_as_int64(value: int) -> int:
+    """A checksum (or any 64-bit pattern) as the int64 with the same bits: device tensors hold
+    int64; ``v & U64_MASK`` turns it back."""
+    value &= U64_MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 

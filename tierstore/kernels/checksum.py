@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from tierstore.format import PageLayout
+from tierstore.format import PageLayout, checksum_as_int64
 
 try:
     import triton
@@ -77,8 +77,6 @@ LONG_WARPS = 1
 SHORT_BLOCK = 64
 
 
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 if HAVE_TRITON:
@@ -327,7 +325,7 @@ class SectionHasher:
         longs = sorted((t for t in secs if t[1] > MIDSIZE_MAX), key=lambda t: (-t[1], t[2]))
         shorts = [t for t in secs if t[1] <= MIDSIZE_MAX]
         self.n_long, self.n_short = len(longs), len(shorts)
-        tab = [_signed(v) for v in _KEY_TAB + list(INIT_ACC)]
+        tab = [checksum_as_int64(v) for v in _KEY_TAB + list(INIT_ACC)]
         self._tab = torch.tensor(tab, dtype=torch.int64, device=self.device)
         self._long_desc = torch.tensor(longs or [(0, 0, 0)], dtype=torch.int64, device=self.device)
         self._short_desc = torch.tensor(shorts or [(0, 0, 0)], dtype=torch.int64, device=self.device)

@@ -47,18 +47,10 @@ from typing import Any
 
 import torch
 
-from tierstore.format import checksum
+from tierstore.format import U64_MASK, checksum, checksum_as_int64
 from tierstore.kernels import GroupCopier
 
 logger = logging.getLogger(__name__)
-
-_U64 = (1 << 64) - 1
-
-
-def _as_i64(v: int) -> int:
-    """An unsigned 64-bit checksum as the int64 with the same bits (device tensors are int64)."""
-    v &= _U64
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _slot_tensor(slot: Any) -> torch.Tensor:
@@ -106,7 +98,7 @@ class TransferHandle:
     def _materialize(self) -> None:
         """Copy the results out of the shared pinned rows (called once done, before reuse)."""
         if self._sums_host is not None:
-            self._sums = [tuple(v & _U64 for v in row) for row in self._sums_host.tolist()]
+            self._sums = [tuple(v & U64_MASK for v in row) for row in self._sums_host.tolist()]
             self._sums_host = None
         if self._ok_host is not None:
             self._failed = [i for i, ok in enumerate(self._ok_host.tolist()) if not ok]
@@ -293,9 +285,7 @@ class PageTransfer:
 
     def _check_pinned(self, tensors: Sequence[torch.Tensor]) -> None:
         if not self._warned_unpinned and any(not t.is_pinned() for t in tensors):
-            import logging
-
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "staging slots are not pinned: host<->GPU copies will block the calling thread; "
                 "create the IOEngine with pin=True")
             self._warned_unpinned = True
@@ -390,7 +380,7 @@ class PageTransfer:
             if want is None:
                 continue
             view = memoryview(t.numpy())
-            if any(checksum(view[o:e]) != (w & _U64) for (o, e), w in zip(self._spans, want, strict=True)):
+            if any(checksum(view[o:e]) != (w & U64_MASK) for (o, e), w in zip(self._spans, want, strict=True)):
                 failed.append(i)
         return failed
 
@@ -416,7 +406,7 @@ class PageTransfer:
             ids = self._ids(block_ids, a, b)
             if expect is not None:
                 n_sec = len(self._spans)
-                want = [[_as_i64(v) for v in e] if e is not None else [0] * n_sec for e in expect]
+                want = [[checksum_as_int64(v) for v in e] if e is not None else [0] * n_sec for e in expect]
                 self._want_host[a:b, :n_sec].copy_(torch.tensor(want, dtype=torch.int64).view(b - a, n_sec))
                 self._skip_host[a:b].copy_(torch.tensor([e is None for e in expect], dtype=torch.bool))
                 want_dev, skip_dev = self._want_dev[a:b, :n_sec], self._skip_dev[a:b]
