@@ -262,3 +262,21 @@ def test_result_rows_reused_after_retirement_keep_each_handles_results(tmp_path:
         assert first.sums != second.sums
         for s in slots:
             engine.release_slot(s)
+
+
+def test_torch_scatter_of_cuda_ids_does_not_wait_for_the_gpu() -> None:
+    """The torch fallback's scatter queues its copies and returns: reading CUDA block ids on the
+    host (to skip masked pages) would wait for everything queued before it, e.g. a forward pass."""
+    case = AttentionCase("bfloat16", n_pages=3, seed=9)
+    views, ids = case.build("LBNHC", 4, "cuda")
+    copier = GroupCopier(views, case.layout, 2, [1] * case.layers, backend="torch")
+    pages = torch.zeros(case.n_pages, case.layout.nbytes, dtype=torch.uint8, device="cuda")
+    ids_dev = ids.cuda()
+    copier.scatter(pages, ids_dev)  # first call outside the timing (allocator, lazy init)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time queued ahead
+    t0 = time.perf_counter()
+    copier.scatter(pages, ids_dev)
+    took = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert took < 0.1, f"scatter blocked the host for {took:.3f} s"

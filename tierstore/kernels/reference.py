@@ -64,19 +64,27 @@ class ReferenceCopier(PlannedCopier):
                     page[sec.offset : end].copy_(data[p])
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
-        """Pages -> blocks; a page whose block ids are negative is skipped (as in Triton).
-        (Finding such pages reads the ids on the host: a sync for CUDA ids, on this slow path only.)"""
+        """Pages -> blocks. With CPU block ids, a page whose ids are negative is skipped (as in
+        Triton). CUDA ids are not inspected: that would synchronize the host with the device
+        (a load's scatter would wait for the forward pass). PageTransfer masks pages only
+        with the Triton copier; a negative CUDA id here fails in ``index_copy_``, loudly."""
         n = self.check_batch(block_ids, pages)
         if n == 0:
             return
-        keep = (block_ids.reshape(n, -1) >= 0).all(dim=1).cpu()
+        if block_ids.device.type != "cpu":
+            self._scatter(pages, block_ids, n)
+            return
+        keep = (block_ids.reshape(n, -1) >= 0).all(dim=1)
         if not bool(keep.all()):
             idx = keep.nonzero().view(-1).tolist()
             if not idx:
                 return
             pages = pages[idx] if isinstance(pages, torch.Tensor) else [pages[i] for i in idx]
-            block_ids = block_ids.reshape(n, -1)[torch.tensor(idx, device=block_ids.device)]
+            block_ids = block_ids.reshape(n, -1)[torch.tensor(idx)]
             n = len(idx)
+        self._scatter(pages, block_ids, n)
+
+    def _scatter(self, pages: PagesArg, block_ids: torch.Tensor, n: int) -> None:
         ids = self._flat_ids(block_ids)
         for sec in self.sections:
             end = sec.offset + sec.spec.nbytes
