@@ -24,7 +24,7 @@ from tierstore.errors import (
 )
 from tierstore.format import Codec
 from tierstore.fsck import FsckReport, _repair
-from tierstore.identity import MANIFEST_NAME, Namespace
+from tierstore.identity import MANIFEST_NAME, Namespace, write_manifest
 from tierstore.inventory import walk_root
 from tierstore.mapper import FileMapper, fanout, host_tag
 from tierstore.testing import (
@@ -217,8 +217,7 @@ def test_quarantine_bad_keeps_bad_pages_for_inspection(root: Path, filled: list[
 
 def test_misplaced_page(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
     p = filled[0]
-    aa, bb = fanout(p.key)
-    wrong = p.path.parent.parent / f"{(int(bb, 16) + 1) % 256:02x}"
+    wrong = p.path.parent.parent / f"{(int(fanout(p.key), 16) + 1) % 256:02x}"
     wrong.mkdir(exist_ok=True)
     shutil.move(p.path, wrong / p.path.name)
     rc, rep = fsck(root)
@@ -362,6 +361,26 @@ def test_namespace_dir_with_wrong_name(root: Path, hybrid_ns: Namespace, filled:
     assert kinds == {("manifest", "manifest"), ("bad_page", "foreign")}
 
 
+def test_namespace_of_another_format_is_reported_and_left_alone(root: Path, hybrid_ns: Namespace,
+                                                                 filled: list[StoredPage]) -> None:
+    # A tree written by tierstore page format 1 (two fan-out levels, aa/bb): nodes that still run
+    # that version may use it, and its pages are never served here.
+    import dataclasses
+
+    old = dataclasses.replace(hybrid_ns, format_version=hybrid_ns.format_version - 1)
+    write_manifest(root, old)
+    page = root / old.digest / "g0" / "r0" / "ab" / "cd" / (page_key(3).hex() + ".kvp")
+    page.parent.mkdir(parents=True)
+    page.write_bytes(b"a page of format 1")
+    for args in ((), ("--repair",)):
+        rc, rep = fsck(root, *args)
+        assert rc == 4  # needs a human: nothing is deleted
+        assert _problems(rep) == {str(root / old.digest / MANIFEST_NAME): ("manifest", "manifest")}
+        assert "page format 1" in rep["problems"][0]["message"]
+        assert rep["counts"]["pages_ok"] == len(filled)  # the current namespace is walked as usual
+    assert page.read_bytes() == b"a page of format 1"
+
+
 # -- symlink safety ---------------------------------------------------------------------------
 
 def test_symlinks_are_never_followed(tmp_path: Path, root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
@@ -379,7 +398,7 @@ def test_symlinks_are_never_followed(tmp_path: Path, root: Path, hybrid_ns: Name
         leaf / (page_key(77).hex() + ".kvp"),  # page-named link to an outside file
         root / other.digest,  # namespace-looking link to an outside namespace
         root / hybrid_ns.digest / "g0" / "r0" / "ff",  # fan-out-looking link
-        root / hybrid_ns.digest / "g0" / "r0" / filled[0].path.parent.parent.name / "zz-link",
+        leaf / "zz-link",  # a link beside the pages
     ]
     os.symlink(victim_file, links[0])
     os.symlink(outside / "tree" / other.digest, links[1])

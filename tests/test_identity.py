@@ -46,7 +46,7 @@ def _variants(ns: Namespace) -> dict[str, Namespace]:
         "pp": dataclasses.replace(ns, parallel=ParallelLayout(pp_size=2)),
         "dcp": dataclasses.replace(ns, parallel=ParallelLayout(dcp_size=2)),
         "pcp": dataclasses.replace(ns, parallel=ParallelLayout(pcp_size=2)),
-        "format_version": dataclasses.replace(ns, format_version=2),
+        "format_version": dataclasses.replace(ns, format_version=ns.format_version + 1),
         "extra": dataclasses.replace(ns, extra=(("deployment", "blue"),)),
         "group-order": dataclasses.replace(ns, groups=(ns.groups[1], ns.groups[0], ns.groups[2])),
         "group-dropped": dataclasses.replace(ns, groups=ns.groups[:2]),

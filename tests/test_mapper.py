@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.mapper import (
+    FANOUT_DIRS,
     MAX_KEY_BYTES,
     FileMapper,
     fanout,
@@ -27,28 +28,34 @@ NS = "0123456789abcdef0123456789abcdef"
 def test_path_layout(tmp_path: Path) -> None:
     m = FileMapper(tmp_path, NS, 2, rank=3)
     key = bytes(range(32))
-    aa, bb = fanout(key)
-    assert m.path_for(key) == tmp_path / NS / "g2" / "r3" / aa / bb / f"{key.hex()}.kvp"
+    assert m.path_for(key) == tmp_path / NS / "g2" / "r3" / fanout(key) / f"{key.hex()}.kvp"
+    assert fanout(key) in FANOUT_DIRS and len(set(FANOUT_DIRS)) == 256
 
 
 def test_fanout_spreads_keys_evenly() -> None:
     rng = random.Random(1234)
     keys = [rng.randbytes(32) for _ in range(100_000)]
-    leaves = Counter(fanout(k) for k in keys)
-    tops = Counter(aa for aa, _ in leaves.elements())
-    # 10^5 keys over 65,536 leaves: Poisson(1.53). The fullest leaf holds about 8;
-    # a skewed hash would show up as leaves with dozens of entries.
-    assert max(leaves.values()) <= 14
-    assert 50_000 < len(leaves) < 53_500  # expected 65536 * (1 - e^-1.53) = 51,600
-    # Each top-level directory gets about 1/256 of the keys (390 +- 20).
-    assert len(tops) == 256
-    assert min(tops.values()) > 290 and max(tops.values()) < 500
+    dirs = Counter(fanout(k) for k in keys)
+    # 10^5 keys over 256 directories: 390 each, standard deviation 20. A skewed hash would
+    # show up as directories far outside 290..500.
+    assert sorted(dirs) == sorted(FANOUT_DIRS)
+    assert min(dirs.values()) > 290 and max(dirs.values()) < 500
 
 
 def test_fanout_of_sequential_keys_is_spread() -> None:
-    # Keys that differ only in their last byte (or are small integers) still spread.
-    leaves = Counter(fanout(i.to_bytes(8, "big")) for i in range(20_000))
-    assert max(leaves.values()) <= 8
+    # Keys that differ only in their last byte (or are small integers) still spread: 78 each.
+    dirs = Counter(fanout(i.to_bytes(8, "big")) for i in range(20_000))
+    assert len(dirs) == 256 and max(dirs.values()) <= 120
+
+
+def test_make_fanout_dirs_creates_the_missing_ones(tmp_path: Path) -> None:
+    m = FileMapper(tmp_path, NS, 1, rank=2)
+    assert m.make_fanout_dirs() == 256
+    assert sorted(p.name for p in m.base.iterdir()) == sorted(FANOUT_DIRS)
+    (m.base / "7f").rmdir()
+    assert m.make_fanout_dirs() == 1  # only what is missing
+    assert m.make_fanout_dirs() == 0
+    assert (m.base / "7f").is_dir()
 
 
 @pytest.mark.parametrize("key_len", [1, 8, 32, MAX_KEY_BYTES])
@@ -67,16 +74,17 @@ def test_locate_rejects_wrong_places(tmp_path: Path) -> None:
     m = FileMapper(tmp_path, NS, 0)
     key = bytes(32)
     path = m.path_for(key)
-    aa, bb = fanout(key)
-    wrong_bb = f"{(int(bb, 16) + 1) % 256:02x}"
-    assert locate(tmp_path, path.parent.parent / wrong_bb / path.name) is None  # wrong fan-out
+    aa = fanout(key)
+    wrong = f"{(int(aa, 16) + 1) % 256:02x}"
+    assert locate(tmp_path, path.parent.parent / wrong / path.name) is None  # wrong fan-out
     assert locate(tmp_path, path.parent / "x.kvp") is None
     assert locate(tmp_path, path.parent.parent / path.name) is None  # too shallow
+    assert locate(tmp_path, path.parent / aa / path.name) is None  # too deep (the old aa/bb tree)
     assert locate(tmp_path / "elsewhere", path) is None  # not under root
-    assert locate(tmp_path, tmp_path / NS / "gx" / "r0" / aa / bb / path.name) is None
+    assert locate(tmp_path, tmp_path / NS / "gx" / "r0" / aa / path.name) is None
     assert locate(tmp_path, path.with_name(f"{key.hex()}.tmp")) is None
     for g, r in (("g00", "r0"), ("g0", "r01"), ("g+0", "r0"), ("g0", "r\u0660")):  # not what a mapper writes
-        assert locate(tmp_path, tmp_path / NS / g / r / aa / bb / path.name) is None, (g, r)
+        assert locate(tmp_path, tmp_path / NS / g / r / aa / path.name) is None, (g, r)
 
 
 def test_index_and_fanout_names() -> None:

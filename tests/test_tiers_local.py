@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiers_helpers import disk_usage, expected, key, load, page_files, store
+from tiers_helpers import DiskUsage, expected, key, load, page_files, store
 
 from tierstore.config import TierStoreConfig
 from tierstore.metrics import MetricsRegistry
@@ -63,9 +63,11 @@ def test_chain_cap_holds_under_churn(tmp_path: Path) -> None:
     stop = threading.Event()
     peak = [0, 0]
 
+    usage = DiskUsage(tmp_path / "local")
+
     def monitor() -> None:
         while not stop.is_set():
-            used, largest = disk_usage(tmp_path / "local")
+            used, largest = usage.sample()
             peak[0] = max(peak[0], used)
             peak[1] = max(peak[1], largest)
 

@@ -40,26 +40,44 @@ def load(st, k: bytes, timeout: float = 10.0) -> tuple[bool, str | None, bytes |
     return True, None, data
 
 
-def disk_usage(root: str | os.PathLike[str]) -> tuple[int, int]:
-    """(bytes, largest file) of every file under ``root`` except the index and manifests.
-
-    The local cap covers pages and temp files; ``manifest.json`` (about 1 KiB per namespace)
-    and the index are outside it.
-    """
-    total = largest = 0
+def _sizes(root: str | os.PathLike[str]) -> dict[str, int]:
+    """Size of every file under ``root`` except the index and manifests."""
+    out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         if Path(dirpath) == Path(root) and INDEX_DIR in dirnames:
             dirnames.remove(INDEX_DIR)
         for n in filenames:
             if n == "manifest.json":
                 continue
+            path = os.path.join(dirpath, n)
             try:
-                s = os.stat(os.path.join(dirpath, n)).st_size
+                out[path] = os.stat(path).st_size
             except FileNotFoundError:
                 continue
-            total += s
-            largest = max(largest, s)
-    return total, largest
+    return out
+
+
+class DiskUsage:
+    """Bytes on disk under ``root`` (pages and temp files; the local cap covers both, while
+    ``manifest.json``, about 1 KiB per namespace, and the index are outside it).
+
+    One walk is not a snapshot: a file written into a directory the walk has not reached yet
+    and one evicted from a directory it already passed would both count. ``sample`` therefore
+    counts only the files seen by this walk and the one before: each of them existed from its
+    visit in the first walk to its visit in the second, so all of them existed together at the
+    moment between the walks. The figure never exceeds the real usage at that moment.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = root
+        self.last: dict[str, int] = {}
+
+    def sample(self) -> tuple[int, int]:
+        """(bytes, largest file) of the files present in both of the last two walks."""
+        now = _sizes(self.root)
+        both = [size for path, size in now.items() if path in self.last]
+        self.last = now
+        return sum(both), max(both, default=0)
 
 
 def page_files(root: str | os.PathLike[str]) -> dict[str, int]:

@@ -299,6 +299,7 @@ class IOEngine:
         self._plans: dict[int, list[tuple[int, int, int, int]]] = {}  # header length -> read plan
 
         self._write_manifest()
+        self._make_fanout_dirs()
         self.odirect, self.odirect_reason = self._decide_odirect()
         # Cold loads read with O_DIRECT when it works and the kernel can tell us what is cached
         # (cachestat, Linux 6.5); cached pages are still copied from the page cache.
@@ -353,6 +354,15 @@ class IOEngine:
         except OSError as exc:  # a read-only root can still serve loads
             logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
                            namespace_dir(self.root, self.namespace), exc.strerror)
+
+    def _make_fanout_dirs(self) -> None:
+        # Stores then never create a directory (see mapper.py); one that is missing later
+        # (removed by hand) is still created on ENOENT by pagefile.write_and_rename.
+        try:
+            self.mapper.make_fanout_dirs()
+        except OSError as exc:
+            logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
+                           self.mapper.base, exc.strerror)
 
     def _decide_odirect(self) -> tuple[bool, str]:
         mode = self.config.odirect
@@ -765,8 +775,7 @@ class IOEngine:
 
     def _final_path(self, key: bytes) -> str:
         """``mapper.path_for(key)`` as a string, without pathlib on the hot path."""
-        aa, bb = fanout(key)
-        return f"{self._base}/{aa}/{bb}/{key.hex()}{PAGE_SUFFIX}"
+        return f"{self._base}/{fanout(key)}/{key.hex()}{PAGE_SUFFIX}"
 
     def _temp_path(self, final: str, key: bytes) -> str:
         """A unique temp name beside ``final`` in the mapper's format (fsck parses it)."""

@@ -1,4 +1,4 @@
-"""Page file format v1: the bytes of one page file, and nothing about where it lives.
+"""Page file format v2: the bytes of one page file, and nothing about where it lives.
 
 A page is one KV-cache group x one stored chunk x all layers of that group (x one rank's
 slice). Its payload is the concatenation of named, typed sections (``PageLayout``); the
@@ -7,7 +7,7 @@ integers little-endian; documented in docs/DESIGN.md):
 
     preamble (72 bytes)
       0  8  magic  b"TSKVPAGE"
-      8  2  format version (1)
+      8  2  format version (2)
      10  2  flags (0; readers reject unknown bits)
      12  4  header_len: payload starts here; a multiple of HEADER_ALIGN (4096)
      16  8  payload_len
@@ -55,7 +55,9 @@ from tierstore.errors import (
 )
 
 MAGIC = b"TSKVPAGE"
-FORMAT_VERSION = 1
+# 2: the bytes of version 1 in a tree with one fan-out level (mapper.py). The namespace digest
+# covers this number, so a tree of another version is another namespace: never read as ours.
+FORMAT_VERSION = 2
 HEADER_ALIGN = 4096
 SECTION_ALIGN = 64
 MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page

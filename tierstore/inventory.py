@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierstore.errors import ConfigError, PageError, PageIOError, PageMissing
-from tierstore.format import HEADER_ALIGN, PageHeader, decode_header, header_len_of
+from tierstore.format import FORMAT_VERSION, HEADER_ALIGN, PageHeader, decode_header, header_len_of
 from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace, read_manifest
 from tierstore.mapper import (
     host_tag,
@@ -121,6 +121,7 @@ class NamespaceDir:
     path: Path
     namespace: Namespace | None
     error: str | None = None
+    walk: bool = True  # False: another format's tree; its contents are neither read nor repaired
 
     @property
     def digest_bytes(self) -> bytes | None:
@@ -410,6 +411,14 @@ class _Walker:
                     if nsd.namespace.digest != e.name:
                         nsd.error = f"manifest describes namespace {nsd.namespace.digest}, not {e.name}"
                         nsd.namespace = None
+                    elif nsd.namespace.format_version != FORMAT_VERSION:
+                        # Another tierstore's tree (another page format and directory layout):
+                        # its pages are never served here, and nodes that still run that
+                        # version may be using them, so nothing in it is read or repaired.
+                        nsd.error = (f"written by tierstore page format {nsd.namespace.format_version}; this "
+                                     f"tierstore uses format {FORMAT_VERSION} and never serves these pages "
+                                     "(left as is: delete the directory once no node uses that version)")
+                        nsd.walk = False
                 except ConfigError as exc:
                     nsd.error = str(exc)
             if nsd.error:
@@ -477,18 +486,12 @@ class _Walker:
         if self.stop.is_set():
             return inv
         group = nsd.group(g)
-        for b_entry in self._scandir(aa, inv):
+        for e in self._scandir(aa, inv):
             if self.stop.is_set():
                 break
-            if _skipped(b_entry.name):
+            if _skipped(e.name):
                 continue
-            if not is_fanout_name(b_entry.name) or not b_entry.is_dir(follow_symlinks=False):
-                self._other(b_entry, inv, "two-hex-digit fan-out directories")
-                continue
-            for e in self._scandir(Path(b_entry.path), inv):
-                if _skipped(e.name):
-                    continue
-                self._leaf_entry(e, inv, nsd, g, r, orphan, group)
+            self._leaf_entry(e, inv, nsd, g, r, orphan, group)
         return inv
 
     def _leaf_entry(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
@@ -582,7 +585,7 @@ def walk_root(
     walker = _Walker(root_path, visitor, _Classifier(time.time() if now is None else now, tmp_age), progress)
     inv = Inventory(root_path)
     inv.namespaces = walker.namespaces(inv, only)
-    units = [(nsd, *fan) for nsd in inv.namespaces for fan in walker.fan_dirs(nsd, inv)]
+    units = [(nsd, *fan) for nsd in inv.namespaces if nsd.walk for fan in walker.fan_dirs(nsd, inv)]
     if progress:
         progress.total_dirs = len(units)
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="tierstore-walk")

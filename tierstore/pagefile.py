@@ -79,7 +79,8 @@ def preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
 
 
 def make_dirs(path: str) -> None:
-    """``mkdir -p`` for the fan-out directories (usually only the last one or two are new)."""
+    """``mkdir -p`` for a fan-out directory that is missing (engines create them all at start;
+    this covers one removed since, and writers that are not engines)."""
     try:
         os.mkdir(path)
     except FileExistsError:

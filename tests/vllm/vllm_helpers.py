@@ -124,7 +124,7 @@ def namespace_dir(root: Path) -> Path:
 
 def pages(root: Path, group: int | None = None) -> list[Path]:
     ns = namespace_dir(root)
-    pattern = f"g{group}/r0/*/*/*.kvp" if group is not None else "g*/r0/*/*/*.kvp"
+    pattern = f"g{group}/r0/*/*.kvp" if group is not None else "g*/r0/*/*.kvp"
     return sorted(ns.glob(pattern))
 
 

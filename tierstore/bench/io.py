@@ -194,7 +194,7 @@ class _Raw:
 
     def store(self, n: int) -> None:
         # Same directory fan-out as tierstore's FileMapper: only format and publish differ.
-        self.paths = [self.dir.joinpath(*fanout(k), f"{k.hex()}.bin") for k in (_key("raw", 0, i) for i in range(n))]
+        self.paths = [self.dir / fanout(k) / f"{k.hex()}.bin" for k in (_key("raw", 0, i) for i in range(n))]
 
         def one(i: int) -> None:
             self.paths[i].parent.mkdir(parents=True, exist_ok=True)
