@@ -197,6 +197,41 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
         close_shared_state()
 
 
+def test_unverified_hit_counts_once_the_caller_confirms_it(tmp_path: Path) -> None:
+    """A page loaded with verify=False is a tier hit only when the caller's check passed
+    (confirm_page); one the caller found damaged is a checksum failure and never a hit."""
+    from tierstore.format import checksum
+
+    lay = NS.groups[0].layout
+    for local in (True, False):  # the local tier serves it, or the shared one (no local tier)
+        root = tmp_path / f"local-{local}"
+        conf = cfg(root) if local else cfg(root, local_root=None, local_max_bytes=None)
+        st = TierChain(conf, NS, 0, metrics=MetricsRegistry())
+        m = st.m_local if local else st.m_shared
+        try:
+            for k in (key(1), key(2)):
+                slot = st.acquire_slot(5)
+                slot.view[:] = page_bytes_of(k)
+                sums = tuple(checksum(slot.view[o : o + s.nbytes]) for o, s in zip(lay.offsets, lay.sections, strict=True))
+                (r,) = st.wait([st.submit_store(k, slot, 16, sums=sums)], 10)
+                assert r.ok
+            assert st.flush(10)
+            hits = m.get("hits")
+            good = _load_unverified(st, key(1))
+            bad = _load_unverified(st, key(2))
+            assert good.ok and bad.ok and not good.verified and not bad.verified
+            assert m.get("hits") == hits  # nobody has checked them yet
+            st.confirm_page(key(1), good.nbytes, good.seconds)
+            st.discard_page(key(2), "test: the caller's check failed")
+            st.release_slot(good.slot)
+            st.release_slot(bad.slot)
+            assert m.get("hits") == hits + 1
+            assert m.failures().get("checksum") == 1
+        finally:
+            st.close()
+            close_shared_state()
+
+
 def page_bytes_of(k: bytes) -> bytes:
     from tierstore.testing.pages import page_bytes
 

@@ -125,8 +125,8 @@ def _case(seed: int = 0) -> AttentionCase:
 
 
 def _worker(case: AttentionCase, views: list[torch.Tensor], bpp: int, root: Path, *, scratch: int = 4,
-            slots: int = 8) -> tuple[Any, Any]:
-    engine = case.engine(root, slots, pin=True)
+            slots: int = 8, engine: Any = None) -> tuple[Any, Any]:
+    engine = engine if engine is not None else case.engine(root, slots, pin=True)
     copier = GroupCopier(views, case.layout, bpp, [1] * case.layers)
     group = worker_mod.WorkerGroup(
         index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=bpp, kernel_ratio=1,
@@ -314,3 +314,42 @@ def test_corrupt_page_fails_the_job_and_leaves_its_blocks(tmp_path: Path) -> Non
         assert torch.equal(bits(v[blocks]), bits(p[blocks])), "a failed page's blocks were written"
     reader.shutdown()
     assert engine2.free_slots == 8
+
+
+def test_tier_chain_counts_a_hit_only_after_the_gpu_check(tmp_path: Path) -> None:
+    """A TierChain reader (the shared tier alone: its loads reach the worker unverified): the
+    GPU checks every page, the chain counts the good ones as hits once checked (confirm_page)
+    and the damaged one only as a checksum failure. The shared engine's slots are pinned, so
+    the copies never block the thread."""
+    from tierstore.config import TierStoreConfig
+    from tierstore.metrics import MetricsRegistry
+    from tierstore.tiers import TierChain, close_shared_state
+
+    case, engine, keys = _stored(tmp_path, 11, "LBNHC", 400)
+    bad = 1
+    path = engine.mapper.path_for(keys[bad])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    reg = MetricsRegistry()
+    chain = TierChain(TierStoreConfig(root=str(tmp_path)), engine.namespace, 0, metrics=reg, staging_slots=8, pin=True)
+    try:
+        assert chain.local is None and chain.front.pinned
+        _, views2 = make_attention_caches("LBNHC", LAYERS, PAGES * 4 + 3, HEADS, 4, HEAD, case.dtype, "cuda")
+        ids2 = torch.arange(PAGES * 4).view(PAGES, 4)
+        reader, _ = _worker(case, views2, 4, tmp_path, engine=chain)
+        gpu2, files2 = _specs(ids2, keys, TOKENS)
+        reader.submit_load(5, files2, gpu2)
+        assert not _finish(reader, 5).success
+        assert {(k, kind) for _j, _g, k, kind in reader.failed_loads} == {(keys[bad], "checksum")}
+        # The job fails with its first bad page; the other pages' transfers finish later, and
+        # the worker discards the bad page on a short-lived thread.
+        reader.shutdown()
+        end = time.monotonic() + 5
+        while (not chain.m_shared.failures() or chain.m_shared.get("hits") < PAGES - 1) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert chain.m_shared.failures() == {"checksum": 1}
+        assert chain.m_shared.get("hits") == PAGES - 1
+    finally:
+        chain.close()
+        close_shared_state()

@@ -184,7 +184,7 @@ class TierChain:
         self._shared: _SharedEngine | None = None
         self.shared_root = Path(config.root)
         if shared:
-            shared_kwargs = {k: v for k, v in engine_kwargs.items() if k in ("head_start", "head_count", "staging_slots")}
+            shared_kwargs = {k: v for k, v in engine_kwargs.items() if k in ("head_start", "head_count", "staging_slots", "pin")}
             self._shared = _SharedEngine(
                 lambda: IOEngine(config.root, namespace, group_index, rank=rank, config=config,
                                  deadline_s=self.shared_deadline_s, **shared_kwargs),
@@ -497,7 +497,8 @@ class TierChain:
         if r.ok:
             assert r.slot is not None
             self.index.defer("touch", rel)
-            self.m_local.hit(job.tokens, r.nbytes, r.seconds)
+            if r.verified:  # else counted by confirm_page once the caller has checked it
+                self.m_local.hit(job.tokens, r.nbytes, r.seconds)
             if self.host is not None:
                 self.host.put(self.scope, r.key, r.slot.view)
             self._finish(job, True, None, r.slot, nbytes=r.nbytes, verified=r.verified, sums=r.sums)
@@ -553,7 +554,8 @@ class TierChain:
             return
         assert r.slot is not None
         eng = self._shared.get()  # type: ignore[union-attr]
-        self.m_shared.hit(job.tokens, r.nbytes, r.seconds)
+        if r.verified:  # else counted by confirm_page once the caller has checked it
+            self.m_shared.hit(job.tokens, r.nbytes, r.seconds)
         self._touch_shared(r.key)
         if self.host is not None:
             self.host.put(self.scope, r.key, r.slot.view)
@@ -637,6 +639,15 @@ class TierChain:
                         (self._on_local if eng is self.local else self._on_shared)(r)
         with self._lock:
             return [self._results.pop(i) for i in ids if i in self._results]
+
+    def confirm_page(self, key: bytes, nbytes: int, seconds: float | None = None) -> None:
+        """The caller checked an unverified page and it matched: count the hit in the tier that
+        served it (``discard_page``'s rule). Until then a page loaded with ``verify=False`` is
+        neither a hit nor a failure in the tier metrics."""
+        if self.local is not None:
+            self.m_local.hit(self.tokens_per_page, nbytes, seconds)
+        elif self._shared is not None:
+            self.m_shared.hit(self.tokens_per_page, nbytes, seconds)
 
     def discard_page(self, key: bytes, reason: str) -> None:
         """The caller found an unverified page damaged: remove it from the tier that served it

@@ -57,6 +57,7 @@ from tierstore.engine import IOEngine, IOResult
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.metrics import TierMetrics
+from tierstore.tiers.chain import TierChain
 from tierstore.vllm.manager import TierStoreFileSpec
 
 logger = logging.getLogger("tierstore.vllm")
@@ -69,7 +70,7 @@ class WorkerGroup:
     index: int  # tierstore group index (position among offloaded groups)
     vllm_group_id: int
     copier: GroupCopier
-    engine: IOEngine
+    engine: IOEngine | TierChain  # the same load/store interface; a chain records its own metrics
     blocks_per_chunk: int  # scheduler blocks per page (1 for Mamba)
     kernel_ratio: int  # kernel blocks per scheduler block
     device: torch.device
@@ -264,8 +265,11 @@ class TierStoreWorker(OffloadingWorker):
                 self._discard_later(g, res.key, msg)
                 self._fail(job, g.index, res.key, "checksum", msg)
             else:
-                if g.root_metrics is not None and not res.verified:
-                    g.root_metrics.hit(g.tokens_per_page, res.nbytes, res.seconds)
+                if not res.verified:  # the tier metrics count it as a hit only now
+                    if g.root_metrics is not None:
+                        g.root_metrics.hit(g.tokens_per_page, res.nbytes, res.seconds)
+                    elif isinstance(g.engine, TierChain):
+                        g.engine.confirm_page(res.key, res.nbytes, res.seconds)
                 job.nbytes += res.nbytes
                 self.counters["load_pages_ok"] += 1
                 self.counters["load_bytes"] += res.nbytes
