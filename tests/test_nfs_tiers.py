@@ -273,6 +273,21 @@ def test_hung_shared_tier_stays_within_deadline_and_comes_back(two_nodes: TwoNod
         time.sleep(0.05)
     assert st2.health.up
     assert load(st2, key(4))[0]
+    # the page stored while the mount hung reaches the shared tier once it answers again:
+    # node B, which never had it locally, reads it through its own mount
+    t = time.monotonic()
+    while (st.shared_backlog or st.m_shared.get("backlog_uploads") < 1) and time.monotonic() - t < 10:
+        time.sleep(0.05)
+        st.poll()
+    figures["backlog_uploaded_after_s"] = round(time.monotonic() - t, 3)
+    assert st.shared_backlog == 0 and st.m_shared.get("backlog_uploads") == 1
+    assert st.flush(10)
+    reader_b = _chain(tmp_path / "local_d", fs.b, 2000)
+    try:
+        ok, _, data = load(reader_b, key(100))
+        assert ok and data == expected(reader_b, key(100))
+    finally:
+        reader_b.close(5)
     figures["shared_failures"] = st.m_shared.failures()
     print(json.dumps(figures))
     st.close(5)

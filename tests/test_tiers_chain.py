@@ -13,6 +13,7 @@ from tiers_helpers import expected, key, load, store
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine
 from tierstore.errors import ConfigError, PageTimeout
+from tierstore.mapper import FileMapper
 from tierstore.metrics import Histogram, MetricsRegistry, default_registry
 from tierstore.testing.pages import simple_namespace
 from tierstore.tiers import TierChain, close_shared_state, open_group_store
@@ -236,3 +237,55 @@ def page_bytes_of(k: bytes) -> bytes:
     from tierstore.testing.pages import page_bytes
 
     return page_bytes(NS.groups[0].layout, k)
+
+
+def _down_until(st: TierChain) -> threading.Event:
+    """Mark the shared tier down; its probe fails until the returned event is set."""
+    back = threading.Event()
+
+    def probe() -> None:
+        if not back.is_set():
+            raise PageTimeout("test: the shared tier does not answer")
+
+    st.health._probe = probe
+    st.health.interval_s = 0.02
+    st.health.mark_down("test")
+    return back
+
+
+def test_pages_stored_while_shared_is_down_are_uploaded_when_it_is_back(tmp_path: Path) -> None:
+    reg = MetricsRegistry()
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=reg)
+    try:
+        assert store(st, key(0)).ok and st.flush(10)  # while up: written through
+        back = _down_until(st)
+        for i in (1, 2, 3):
+            assert store(st, key(i)).ok  # the local tier takes them
+        assert st.flush(10)
+        shared = FileMapper(tmp_path / "shared", NS.digest, 0).path_for
+        assert [shared(key(i)).exists() for i in range(4)] == [True, False, False, False]
+        assert st.shared_backlog == 3
+        st.local.mapper.path_for(key(2)).unlink()  # evicted before the upload: skipped
+        time.sleep(0.1)
+        assert st.shared_backlog == 3 and not shared(key(1)).exists()  # nothing while down
+        back.set()
+        end = time.monotonic() + 10
+        while (st.shared_backlog or not shared(key(3)).exists()) and time.monotonic() < end:
+            time.sleep(0.02)
+            st.poll()
+        assert [shared(key(i)).exists() for i in range(4)] == [True, True, False, True]
+        assert reg.tier("shared").get("backlog_uploads") == 2
+    finally:
+        st.close()
+        close_shared_state()
+    # another node, the shared tier alone: the uploaded pages verify and hold the right bytes
+    other = TierChain(cfg(tmp_path / "other", root=str(tmp_path / "shared"), local_root=None, local_max_bytes=None),
+                      NS, 0, metrics=MetricsRegistry())
+    try:
+        for i in (1, 3):
+            ok, _, data = load(other, key(i))
+            assert ok and data == expected(other, key(i))
+    finally:
+        other.close()
+        close_shared_state()
+

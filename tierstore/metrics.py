@@ -15,6 +15,8 @@ Counters (all monotonically increasing except the two gauges):
                                  enospc, io, queue_full, down, ...); a miss is not a failure
     evictions / evicted_bytes    pages removed to keep the tier under its cap
     promotions                   pages copied into this tier from a slower one
+    backlog_uploads              (shared) pages uploaded later: the local tier took them while
+                                 the shared tier was down or busy (tiers.chain)
     used_bytes / cap_bytes       gauges: current accounting and cap (None = no cap)
 Histograms (seconds): ``load`` and ``store`` per tier, fixed log-spaced buckets.
 
@@ -78,7 +80,7 @@ class Histogram:
 
 _COUNTERS = (
     "hits", "misses", "hit_tokens", "miss_tokens", "stores", "stored_bytes", "bytes_read",
-    "evictions", "evicted_bytes", "promotions",
+    "evictions", "evicted_bytes", "promotions", "backlog_uploads",
 )
 
 

@@ -25,6 +25,11 @@ can use either; one chain per (namespace, KV-cache group, rank)):
   one admission thread per chain and the index's other updates in its bookkeeping thread:
   sqlite and stat release the GIL, and in the caller's thread each could wait a whole switch
   interval behind busy I/O workers.
+- Pages the shared tier missed: a store the local tier took while the shared tier was down,
+  out of staging slots or failing is remembered (``SHARED_BACKLOG_MAX`` keys, in memory) and
+  uploaded when the shared tier answers again: an uploader thread reads the local file,
+  verified (``pagefile.read_page``), into a shared slot and stores it there, one page at a
+  time. A restart forgets the backlog (those pages stay local-only until stored again).
 - Shared LRU stamp: a shared hit refreshes the file's mtime (``utime``), at most once per
   ``shared_touch_interval_s`` per page, in the background; ``tierstore gc`` evicts by it.
 
@@ -43,7 +48,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +57,10 @@ from typing import Any
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine, IOResult, StagingSlot
 from tierstore.errors import ConfigError, PageError, PageMissing, PageQueueFull, PageTimeout
-from tierstore.format import Codec, PageMeta, SectionEntry, encode_header
+from tierstore.format import Codec, PageExpectation, PageMeta, SectionEntry, encode_header
 from tierstore.identity import Namespace
 from tierstore.metrics import MetricsRegistry, default_registry
+from tierstore.pagefile import read_page
 from tierstore.tiers.deadline import DeadlineRunner, Health
 from tierstore.tiers.host import HostTier
 from tierstore.tiers.local_index import LocalIndex
@@ -87,6 +93,9 @@ def page_file_size(namespace: Namespace, group_index: int, key_len: int = 32, ra
     meta = PageMeta(namespace.digest_bytes, b"\0" * key_len, group_index, group.kind, 0, rank)
     entries = [SectionEntry(s, o, s.nbytes, 0) for s, o in zip(lay.sections, lay.offsets, strict=True)]
     return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
+
+
+SHARED_BACKLOG_MAX = 100_000  # keys (about 10 MB of memory at most)
 
 
 class _SharedEngine:
@@ -178,7 +187,13 @@ class TierChain:
         self._local_prefix = len(str(Path(config.local_root or ".") / "x")) - 1
         self._header_lens: dict[int, int] = {}
 
-        self.health = Health(_SHARED, self._probe_shared, self.shared_deadline_s)
+        # keys stored locally that the shared tier did not take (see the module docstring)
+        self._backlog: OrderedDict[bytes, None] = OrderedDict()
+        self._uploader: threading.Thread | None = None
+        self._uploads: set[int] = set()  # shared engine job ids of backlog uploads
+        self._uploader_lock = threading.Lock()
+        self.health = Health(_SHARED, self._probe_shared, self.shared_deadline_s,
+                             on_change=lambda up: self._kick_uploader() if up else None)
         self._runner = DeadlineRunner("shared-stat", max_inflight=4)
         self._touch_runner = DeadlineRunner("shared-touch", max_inflight=2)
         self._shared: _SharedEngine | None = None
@@ -350,10 +365,12 @@ class TierChain:
             if self._shared is not None:
                 if shared_eng is None:
                     self.m_shared.failure("down")
+                    self._remember_for_shared(key)
                 else:
                     sslot = shared_eng.acquire_slot(0)
                     if sslot is None:
                         self.m_shared.failure("queue_full")
+                        self._remember_for_shared(key)
                     else:
                         sslot.view[:] = slot.view
                         sub = shared_eng.submit_store(key, sslot, token_count, sums=sums)
@@ -531,6 +548,9 @@ class TierChain:
                     self.m_shared.stored(r.nbytes, r.seconds)
             else:
                 self.m_shared.failure(kind or "error")
+                if r.job_id not in self._uploads:  # an upload that fails is not retried
+                    self._remember_for_shared(r.key)
+            self._uploads.discard(r.job_id)
             if job is not None:
                 job.shared_ok = r.ok
                 if (_SHARED, r.job_id) in job.waiting or self.local is None:
@@ -640,6 +660,73 @@ class TierChain:
         with self._lock:
             return [self._results.pop(i) for i in ids if i in self._results]
 
+    # ------------------------------------------------------------------ shared backlog
+    def _remember_for_shared(self, key: bytes) -> None:
+        """A page the local tier stores but the shared tier did not take: upload it later."""
+        if self.local is None:
+            return
+        with self._lock:
+            self._backlog[key] = None
+            self._backlog.move_to_end(key)
+            while len(self._backlog) > SHARED_BACKLOG_MAX:
+                self._backlog.popitem(last=False)
+                self.m_shared.failure("backlog_full")
+        if self.health.up:
+            self._kick_uploader()
+
+    @property
+    def shared_backlog(self) -> int:
+        """Pages waiting to be uploaded to the shared tier."""
+        return len(self._backlog)
+
+    def _kick_uploader(self) -> None:
+        # Never takes the chain's lock: Health calls this with its own lock held, and the chain
+        # calls Health.mark_down with its lock held. The loop exits only under _uploader_lock,
+        # after seeing an empty backlog, so a key added before this call is never stranded.
+        with self._uploader_lock:
+            if self._closed or not self._backlog or (self._uploader is not None and self._uploader.is_alive()):
+                return
+            self._uploader = threading.Thread(target=self._upload_loop, name="tierstore-shared-upload", daemon=True)
+            self._uploader.start()
+
+    def _upload_loop(self) -> None:
+        """Upload the backlog while the shared tier is up, a page at a time and only while the
+        shared engine has no store waiting in its queue (the caller's stores go first)."""
+        assert self.local is not None
+        expect_base = (self.namespace.digest_bytes, self.group_index, self.rank, self.local.layout)
+        while True:
+            eng = self._shared_engine()
+            with self._uploader_lock:  # exit only with nothing left (see _kick_uploader)
+                if self._closed or eng is None or not self._backlog:
+                    self._uploader = None
+                    return
+            with self._lock:
+                self._drain_locked()  # retires earlier uploads (and whatever else finished)
+                busy = eng.stats["queued_stores"] > 0
+                if not busy:
+                    key, _ = self._backlog.popitem(last=False)
+            if busy:  # the shared tier is still writing: let it (and the caller's stores) go first
+                time.sleep(0.005)
+                continue
+            sslot = eng.acquire_slot(0.5)
+            if sslot is None:
+                with self._lock:
+                    self._backlog[key] = None
+                    self._backlog.move_to_end(key, last=False)
+                continue
+            ns, g, rank, layout = expect_base
+            try:
+                header = read_page(self.local.mapper.path_for(key), PageExpectation(ns, key, g, rank, layout),
+                                   sslot.view)
+            except (PageError, OSError) as exc:  # evicted since, or damaged: nothing to upload
+                eng.release_slot(sslot)
+                log.debug("tierstore: not uploading %s to the shared tier: %s", key.hex()[:16], exc)
+                continue
+            sums = [e.checksum for e in header.sections] if header.codec == Codec.NONE else None
+            with self._lock:
+                self._uploads.add(eng.submit_store(key, sslot, header.meta.token_count, sums=sums))
+                self.m_shared.add("backlog_uploads")
+
     def confirm_page(self, key: bytes, nbytes: int, seconds: float | None = None) -> None:
         """The caller checked an unverified page and it matched: count the hit in the tier that
         served it (``discard_page``'s rule). Until then a page loaded with ``verify=False`` is
@@ -708,6 +795,9 @@ class TierChain:
                 return
             self._closed = True
         self.flush(timeout)
+        uploader = self._uploader
+        if uploader is not None:
+            uploader.join(min(timeout, 1.0))  # it stops at its next page (self._closed)
         with self._admit_cv:
             self._admit_stop = True
             self._admit_cv.notify_all()

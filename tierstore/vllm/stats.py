@@ -69,6 +69,7 @@ TIER_COUNTER_DOCS: dict[str, str] = {
     "evictions": "Pages evicted to keep the tier under its cap.",
     "evicted_bytes": "Bytes evicted to keep the tier under its cap.",
     "promotions": "Pages copied into the tier from a slower one.",
+    "backlog_uploads": "Pages uploaded to the shared tier after it was down or busy when they were stored.",
 }
 
 
