@@ -81,12 +81,5 @@ class DiskUsage:
 
 
 def page_files(root: str | os.PathLike[str]) -> dict[str, int]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        if Path(dirpath) == Path(root) and INDEX_DIR in dirnames:
-            dirnames.remove(INDEX_DIR)
-        for n in filenames:
-            if n.endswith(".kvp"):
-                p = os.path.join(dirpath, n)
-                out[os.path.relpath(p, root)] = os.stat(p).st_size
-    return out
+    """Size of every page file under ``root``, by path relative to it."""
+    return {os.path.relpath(p, root): size for p, size in _sizes(root).items() if p.endswith(".kvp")}

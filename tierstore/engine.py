@@ -88,6 +88,7 @@ from tierstore.format import (
     checksum,
     encode_header,
     encode_page,
+    section_checksums,
 )
 from tierstore.identity import Namespace, namespace_dir, write_manifest
 from tierstore.mapper import (
@@ -293,7 +294,6 @@ class IOEngine:
         self._nbytes = self.layout.nbytes
         self._padded_nbytes = _round_up(self._nbytes)
         self._templates: dict[int, _HeaderTemplate] = {}  # key length -> header of our pages
-        self._spans = [(o, o + sp.nbytes) for sp, o in zip(self.layout.sections, self.layout.offsets, strict=True)]
         # Warm loads read this much, then hash it while it is still in the CPU cache (L2/L3).
         self.warm_piece_bytes = WARM_PIECE_BYTES
         self._plans: dict[int, list[tuple[int, int, int, int]]] = {}  # header length -> read plan
@@ -467,8 +467,8 @@ class IOEngine:
         """
         if slot.index >= len(self._slots) or self._slots[slot.index] is not slot:
             raise ValueError("submit_store: the slot does not belong to this engine")
-        if sums is not None and len(sums) != len(self._spans):
-            raise ValueError(f"submit_store: {len(sums)} checksums for {len(self._spans)} sections")
+        if sums is not None and len(sums) != len(self.layout.sections):
+            raise ValueError(f"submit_store: {len(sums)} checksums for {len(self.layout.sections)} sections")
         with self._lock:
             if slot.index in self._free_set or slot.index in self._busy:
                 raise ValueError(f"submit_store: slot {slot.index} is not held by the caller "
@@ -740,6 +740,10 @@ class IOEngine:
                 if job.slot is not None and not (accepted and error is None and job.op == "load"):
                     self._release_locked(job.slot)
 
+    def expectation(self, key: bytes) -> PageExpectation:
+        """What a page of ``key`` written for this engine must be (``pagefile.read_page``)."""
+        return PageExpectation(self._ns_bytes, key, self.group_index, self.rank, self.layout)
+
     def discard_page(self, key: bytes, reason: str) -> None:
         """The caller found the page of ``key`` damaged (a load with ``verify=False`` whose bytes
         did not match the header's checksums): remove it, like a damaged page found here."""
@@ -795,7 +799,7 @@ class IOEngine:
             # The header is written into the slot's frame right before the page, so the whole
             # file goes out as one buffer (O_DIRECT: aligned, tail padded, truncated after).
             if sums is None:
-                sums = tuple(checksum(data[o:e]) for o, e in self._spans)
+                sums = section_checksums(self.layout, data)
             tmpl.fill(slot._frame[self._reserve - hl : self._reserve], key, token_count, sums)
             buf = self._file_buf(slot, hl, padded=self.odirect)
             truncate_to = hl + self._nbytes if self.odirect and self._padded_nbytes != self._nbytes else 0
@@ -847,8 +851,7 @@ class IOEngine:
         # size, a damaged header): the general reader verifies it or names the error.
         with self._lock:
             self._stats["loads_general_reader"] += 1
-        expect = PageExpectation(self._ns_bytes, key, self.group_index, self.rank, self.layout)
-        read_page(Path(path), expect, slot.view, self._local.decompressor)
+        read_page(Path(path), self.expectation(key), slot.view, self._local.decompressor)
         return self._nbytes, None  # the general reader verified it
 
     def _read_verified(self, fd: int, tmpl: _HeaderTemplate, slot: StagingSlot, key: bytes,
@@ -886,7 +889,7 @@ class IOEngine:
                 if sums is None:
                     return None
             for i in range(first_sec, last_sec):
-                o, e = self._spans[i]
+                o, e = self.layout.spans[i]
                 if checksum(view[o:e]) != sums[i]:
                     raise PageCorrupt(f"section {self.layout.sections[i].name!r} checksum mismatch",
                                       path=spath, key=key)
@@ -902,9 +905,10 @@ class IOEngine:
         if plan is None:
             plan = []
             start, first = 0, 0
-            for i, (_, e) in enumerate(self._spans):
-                if hl + e - start >= self.warm_piece_bytes or i == len(self._spans) - 1:
-                    end = hl + (e if i < len(self._spans) - 1 else self._nbytes)
+            spans = self.layout.spans
+            for i, (_, e) in enumerate(spans):
+                if hl + e - start >= self.warm_piece_bytes or i == len(spans) - 1:
+                    end = hl + (e if i < len(spans) - 1 else self._nbytes)
                     plan.append((start, end, first, i + 1))
                     start, first = end, i + 1
             if not plan:  # a layout without sections

@@ -175,6 +175,11 @@ class PageLayout:
         return tuple(out)
 
     @cached_property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of each section in a page buffer."""
+        return tuple((o, o + s.nbytes) for o, s in zip(self.offsets, self.sections, strict=True))
+
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of a page buffer (sections at ``offsets``, the last one unpadded)."""
         if not self.sections:
@@ -191,6 +196,11 @@ class PageLayout:
             if s.name == name:
                 return i
         raise KeyError(name)
+
+
+def section_checksums(layout: PageLayout, data: memoryview) -> tuple[int, ...]:
+    """The checksum of each section of a page buffer of ``layout`` (what the header records)."""
+    return tuple(checksum(data[o:e]) for o, e in layout.spans)
 
 
 @dataclass(frozen=True)
@@ -383,8 +393,8 @@ def encode_page(
     entries: list[SectionEntry] = []
     pieces: list[memoryview | bytes] = []
     if codec == Codec.NONE:
-        for spec, off in zip(layout.sections, layout.offsets, strict=True):
-            entries.append(SectionEntry(spec, off, spec.nbytes, checksum(data[off : off + spec.nbytes])))
+        for spec, off, c in zip(layout.sections, layout.offsets, section_checksums(layout, data), strict=True):
+            entries.append(SectionEntry(spec, off, spec.nbytes, c))
         pieces.append(data)
         payload_len = layout.nbytes
     elif codec == Codec.ZSTD:

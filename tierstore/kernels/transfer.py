@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from tierstore.format import U64_MASK, checksum, checksum_as_int64
+from tierstore.format import U64_MASK, checksum_as_int64, section_checksums
 from tierstore.kernels import GroupCopier
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,6 @@ class PageTransfer:
         if checksums and self.on_gpu:
             self.checksum_reason = self._make_hasher()
         self.checksums_on_gpu = self.hasher is not None
-        self._spans = [(o, o + sec.nbytes) for o, sec in zip(self.layout.offsets, self.layout.sections, strict=True)]
         if self.on_gpu:
             self._alloc_row_buffers()
 
@@ -379,8 +378,7 @@ class PageTransfer:
         for i, (t, want) in enumerate(zip(tensors, expect or [], strict=True)):
             if want is None:
                 continue
-            view = memoryview(t.numpy())
-            if any(checksum(view[o:e]) != (w & U64_MASK) for (o, e), w in zip(self._spans, want, strict=True)):
+            if section_checksums(self.layout, memoryview(t.numpy())) != tuple(w & U64_MASK for w in want):
                 failed.append(i)
         return failed
 
@@ -405,7 +403,7 @@ class PageTransfer:
             a, b = span[-1]
             ids = self._ids(block_ids, a, b)
             if expect is not None:
-                n_sec = len(self._spans)
+                n_sec = len(self.layout.sections)
                 want = [[checksum_as_int64(v) for v in e] if e is not None else [0] * n_sec for e in expect]
                 self._want_host[a:b, :n_sec].copy_(torch.tensor(want, dtype=torch.int64).view(b - a, n_sec))
                 self._skip_host[a:b].copy_(torch.tensor([e is None for e in expect], dtype=torch.bool))

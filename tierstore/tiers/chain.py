@@ -57,7 +57,7 @@ from typing import Any
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine, IOResult, StagingSlot
 from tierstore.errors import ConfigError, PageError, PageMissing, PageQueueFull, PageTimeout
-from tierstore.format import Codec, PageExpectation, PageMeta, SectionEntry, encode_header
+from tierstore.format import Codec, PageMeta, SectionEntry, encode_header
 from tierstore.identity import Namespace
 from tierstore.metrics import MetricsRegistry, default_registry
 from tierstore.pagefile import read_page
@@ -693,7 +693,6 @@ class TierChain:
         """Upload the backlog while the shared tier is up, a page at a time and only while the
         shared engine has no store waiting in its queue (the caller's stores go first)."""
         assert self.local is not None
-        expect_base = (self.namespace.digest_bytes, self.group_index, self.rank, self.local.layout)
         while True:
             eng = self._shared_engine()
             with self._uploader_lock:  # exit only with nothing left (see _kick_uploader)
@@ -714,15 +713,13 @@ class TierChain:
                     self._backlog[key] = None
                     self._backlog.move_to_end(key, last=False)
                 continue
-            ns, g, rank, layout = expect_base
             try:
-                header = read_page(self.local.mapper.path_for(key), PageExpectation(ns, key, g, rank, layout),
-                                   sslot.view)
+                header = read_page(self.local.mapper.path_for(key), self.local.expectation(key), sslot.view)
             except (PageError, OSError) as exc:  # evicted since, or damaged: nothing to upload
                 eng.release_slot(sslot)
                 log.debug("tierstore: not uploading %s to the shared tier: %s", key.hex()[:16], exc)
                 continue
-            sums = [e.checksum for e in header.sections] if header.codec == Codec.NONE else None
+            sums = [e.checksum for e in header.sections]  # of the raw sections, whatever the codec
             with self._lock:
                 self._uploads.add(eng.submit_store(key, sslot, header.meta.token_count, sums=sums))
                 self.m_shared.add("backlog_uploads")

@@ -173,6 +173,11 @@ class TierStoreWorker(OffloadingWorker):
         return by
 
     @staticmethod
+    def _batch_rows(batch: list[_StorePage] | list[_LoadPage]) -> torch.Tensor:
+        """The kernel block ids [pages, blocks per page] of a transfer's pages, in order."""
+        return torch.cat([p.row for p in batch]) if len(batch) > 1 else batch[0].row
+
+    @staticmethod
     def _max_batch(g: WorkerGroup, n: int) -> int:
         """Pages per transfer start: at most the scratch (GPU); no limit on CPU (capacity 0)."""
         cap = int(getattr(g.transfer, "capacity", 0) or 0)
@@ -370,7 +375,7 @@ class TierStoreWorker(OffloadingWorker):
 
     def _start_store(self, g: WorkerGroup, batch: list[_StorePage], slots: list[Any]) -> bool:
         """Start one gather of ``batch`` into ``slots``. False: no scratch room (nothing changed)."""
-        rows = torch.cat([p.row for p in batch]) if len(batch) > 1 else batch[0].row
+        rows = self._batch_rows(batch)
         try:
             h = g.transfer.start_store(rows, slots)
         except Exception as e:  # noqa: BLE001 - fail these pages, keep the slots and the step
@@ -476,7 +481,7 @@ class TierStoreWorker(OffloadingWorker):
                             g.fixup.before_scatter(p.res.slot.tensor)
                             p.fixed = True
                 expect = [None if p.res.verified else p.res.sums for p in batch]
-                rows = torch.cat([p.row for p in batch]) if len(batch) > 1 else batch[0].row
+                rows = self._batch_rows(batch)
                 h = g.transfer.start_load(slots, rows,
                                           expect=None if all(e is None for e in expect) else expect)
             except Exception as e:  # noqa: BLE001 - fail these pages, keep the slots and the step
