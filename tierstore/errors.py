@@ -126,3 +126,9 @@ class PageIOError(PageError):
     """A read failed at the file system with an error other than 'not found'."""
 
     kind = "io"
+
+
+# Kinds of load failure that prove the file under the final name is bad (its bytes, not a
+# transient I/O error): the store that served it removes it, and the key may be stored again.
+BAD_CONTENT_KINDS: frozenset[str] = frozenset(
+    {PageCorrupt.kind, PageTruncated.kind, PageFormatError.kind, PageForeign.kind, PageKeyMismatch.kind})
