@@ -15,6 +15,7 @@ import zstandard
 from tierstore import engine as engine_mod
 from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
+from tierstore.directio import O_DIRECT
 from tierstore.engine import IOEngine, IOResult, probe_odirect
 from tierstore.errors import ConfigError
 from tierstore.format import Codec, PageLayout
@@ -110,7 +111,7 @@ def test_unaligned_payload_tail(root: Path) -> None:
     assert path.stat().st_size == inspect_page(path).file_size
     res, got = _load(eng, key)
     assert res.ok and got == data
-    if engine_mod._O_DIRECT:  # drop the page from the cache so the O_DIRECT read path runs
+    if O_DIRECT:  # drop the page from the cache so the O_DIRECT read path runs
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
@@ -668,7 +669,7 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
         assert res.ok and not res.verified and res.sums == _section_sums(layout, data)
         assert bytes(res.slot.view) != data  # type: ignore[union-attr]
         eng.release_slot(res.slot)  # type: ignore[arg-type]
-        eng.discard_page(page_key(5), "checksum mismatch found by the caller")
+        eng.settle(res, False, "checksum mismatch found by the caller")
         assert not eng.mapper.path_for(page_key(5)).exists()
         assert eng.stats["bad_pages_discarded"] == 1
     else:
