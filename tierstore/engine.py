@@ -20,7 +20,7 @@ file operation, each with its failure policy), ``mapper.FileMapper`` (every file
   each piece hashed while in the CPU cache; an uncached one is read with O_DIRECT in one
   request (one disk read, no readahead). A header that is not byte for byte ours (another
   codec or header length, damage) goes through ``pagefile.read_page``, which names the error.
-- Verification and damaged pages (one owner, docs/DESIGN.md "on-disk format"): a load whose
+- Verification and damaged pages (the rule is store.py's): a load whose
   bytes prove bad (``errors.BAD_CONTENT_KINDS``) removes the file it read, once, so the key can
   be stored again; a load with ``verify=False`` is settled by the caller (``settle``), which
   counts the hit or removes the file the engine served, once. A file republished under the
@@ -74,7 +74,8 @@ __all__ = ["ALIGN", "WARM_PIECE_BYTES", "IOEngine", "IOResult", "StagingSlot", "
 
 logger = logging.getLogger("tierstore.engine")
 
-WARM_PIECE_BYTES = 1 << 20  # the CPU-cache-sized piece of a warm load (pagefile.read_plan)
+# The CPU-cache-sized piece of a warm load (pagefile.read_plan; docs/DESIGN.md §5, "Load path").
+WARM_PIECE_BYTES = 1 << 20
 _MAX_UNSETTLED = 4096  # unverified load results remembered for ``settle`` (oldest forgotten)
 
 
@@ -121,9 +122,9 @@ class IOEngine:
         self.warm_piece_bytes = WARM_PIECE_BYTES
         self._plans: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
 
-        self._write_manifest()
-        self._make_fanout_dirs()
-        self.odirect, self.odirect_reason = self._decide_odirect()
+        _prepare_root(self.root, namespace, self.mapper)
+        self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root, namespace,
+                                                            self.mapper)
         self.direct_loads = self.odirect and cachestat_available()
         n_slots = staging_slots if staging_slots is not None else 2 * self.config.io_threads + 2
         if n_slots <= 0:
@@ -148,48 +149,6 @@ class IOEngine:
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
                                finish=self._finish, after_run=self._after_run,
                                where=lambda key: self.mapper.final_path(key))
-
-    # ----------------------------------------------------------------- setup
-    def _write_manifest(self) -> None:
-        try:
-            write_manifest(self.root, self.namespace)
-        except OSError as exc:  # a read-only root can still serve loads
-            logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
-                           namespace_dir(self.root, self.namespace), exc.strerror)
-
-    def _make_fanout_dirs(self) -> None:
-        # Stores then never create a directory (see mapper.py); one that is missing later
-        # (removed by hand) is still created on ENOENT by pagefile.publish.
-        try:
-            self.mapper.make_fanout_dirs()
-        except OSError as exc:
-            logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
-                           self.mapper.base, exc.strerror)
-
-    def _decide_odirect(self) -> tuple[bool, str]:
-        mode = self.config.odirect
-        if mode == "off":
-            return False, 'odirect setting is "off"'
-        if self.codec != Codec.NONE:
-            if mode == "on":
-                raise ConfigError('setting "odirect" is "on" but codec "zstd" writes unaligned frames; '
-                                  'set "odirect" to "auto" or "off", or "codec" to "none"')
-            return False, "codec zstd: compressed frames are written buffered"
-        probe_dir = self.mapper.base
-        if not probe_dir.is_dir():  # the fan-out directories could not be made (read-only root)
-            probe_dir = namespace_dir(self.root, self.namespace)
-            if not probe_dir.is_dir():
-                probe_dir = self.root
-        ok, reason = probe_odirect(probe_dir)
-        if ok:
-            logger.info("O_DIRECT stores enabled under %s", probe_dir)
-            return True, reason
-        if mode == "on":
-            raise ConfigError(f'setting "odirect" is "on" but O_DIRECT does not work under {probe_dir}: '
-                              f'{reason}; set "odirect" to "auto" (falls back to buffered I/O) or "off"')
-        logger.warning("O_DIRECT does not work under %s (%s): stores use buffered I/O "
-                       "(stats['io_mode'] == 'buffered')", probe_dir, reason)
-        return False, reason
 
     # ----------------------------------------------------------------- PageStore
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
@@ -452,3 +411,43 @@ class IOEngine:
     def _slots(self) -> list[StagingSlot]:
         """Every staging slot (bench/io.py walks them)."""
         return self._pool.slots
+
+
+# ----------------------------------------------------------------- setup (at construction)
+def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper) -> None:
+    """Write the namespace's manifest and make the 256 fan-out directories, so stores never
+    create a directory (see mapper.py; one removed later is made again by pagefile.publish).
+    A read-only root is logged: loads still work."""
+    try:
+        write_manifest(root, namespace)
+    except OSError as exc:
+        logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
+                       namespace_dir(root, namespace), exc.strerror)
+    try:
+        mapper.make_fanout_dirs()
+    except OSError as exc:
+        logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
+                       mapper.base, exc.strerror)
+
+
+def _decide_odirect(mode: str, codec: Codec, root: Path, namespace: Namespace, mapper: FileMapper) -> tuple[bool, str]:
+    """(use O_DIRECT, why) for the ``odirect`` setting: probed under the group's directory (or
+    the nearest one that exists); ``on`` raises ConfigError where it cannot work."""
+    if mode == "off":
+        return False, 'odirect setting is "off"'
+    if codec != Codec.NONE:
+        if mode == "on":
+            raise ConfigError('setting "odirect" is "on" but codec "zstd" writes unaligned frames; '
+                              'set "odirect" to "auto" or "off", or "codec" to "none"')
+        return False, "codec zstd: compressed frames are written buffered"
+    probe_dir = next((d for d in (mapper.base, namespace_dir(root, namespace)) if d.is_dir()), root)
+    ok, reason = probe_odirect(probe_dir)
+    if ok:
+        logger.info("O_DIRECT stores enabled under %s", probe_dir)
+        return True, reason
+    if mode == "on":
+        raise ConfigError(f'setting "odirect" is "on" but O_DIRECT does not work under {probe_dir}: '
+                          f'{reason}; set "odirect" to "auto" (falls back to buffered I/O) or "off"')
+    logger.warning("O_DIRECT does not work under %s (%s): stores use buffered I/O "
+                   "(stats['io_mode'] == 'buffered')", probe_dir, reason)
+    return False, reason
