@@ -27,6 +27,8 @@ integers little-endian; documented in docs/DESIGN.md):
 With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (same offsets),
 so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame.
 There are no timestamps or host names in a page: the same tokens give the same bytes.
+``HeaderTemplate`` is one writer's exact codec-NONE header with the variable fields (key, token
+count, checksums) patched in place; its offsets come from the structs below.
 
 Nothing here executes code from a file: the header is parsed with ``struct`` only, and a
 header must be self-consistent (a checksum-valid crafted one too): sections inside the payload,
