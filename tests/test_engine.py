@@ -15,6 +15,7 @@ import zstandard
 from tierstore import engine as engine_mod
 from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
+from tierstore.directio import O_DIRECT
 from tierstore.engine import IOEngine, IOResult, probe_odirect
 from tierstore.errors import ConfigError
 from tierstore.format import Codec, PageLayout
@@ -32,7 +33,7 @@ from tierstore.testing.pages import (
 
 
 def _engine(root: Path, ns: Namespace, group: int = 0, **cfg: object) -> IOEngine:
-    extra = {k: cfg.pop(k) for k in ("staging_slots", "deadline_s", "rank") if k in cfg}
+    extra = {k: cfg.pop(k) for k in ("staging_slots", "deadline_s", "rank", "tier_name") if k in cfg}
     config = TierStoreConfig.from_dict({"root": str(root), **cfg})
     return IOEngine(root, ns, group, config=config, **extra)  # type: ignore[arg-type]
 
@@ -110,7 +111,7 @@ def test_unaligned_payload_tail(root: Path) -> None:
     assert path.stat().st_size == inspect_page(path).file_size
     res, got = _load(eng, key)
     assert res.ok and got == data
-    if engine_mod._O_DIRECT:  # drop the page from the cache so the O_DIRECT read path runs
+    if O_DIRECT:  # drop the page from the cache so the O_DIRECT read path runs
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
@@ -668,7 +669,7 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
         assert res.ok and not res.verified and res.sums == _section_sums(layout, data)
         assert bytes(res.slot.view) != data  # type: ignore[union-attr]
         eng.release_slot(res.slot)  # type: ignore[arg-type]
-        eng.discard_page(page_key(5), "checksum mismatch found by the caller")
+        eng.settle(res, False, "checksum mismatch found by the caller")
         assert not eng.mapper.path_for(page_key(5)).exists()
         assert eng.stats["bad_pages_discarded"] == 1
     else:
@@ -679,4 +680,76 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
     [res] = eng.wait([eng.submit_load(page_key(6), verify=False)], timeout=10)
     assert not res.ok and res.error is not None
     assert eng.stats["free_slots"] == eng.stats["staging_slots"]
+    eng.close()
+
+
+# ---------------------------------------------------------------- settle: one owner of a damaged page
+def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -> None:
+    """settle(result, False) removes the file that result was read from, once: a good page
+    republished under the name afterwards survives a second settle (or a legacy discard)."""
+    ns = hybrid_namespace()
+    layout = ns.groups[1].layout
+    eng = _engine(root, ns, 1, tier_name="local")
+    other = _engine(root, ns, 1)  # another store on the same files ("disk")
+    key = page_key(9)
+    data = page_bytes(layout, key, 1)
+    assert _store(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    corrupt_flip_bit(path, -1)
+    [res] = eng.wait([eng.submit_load(key, verify=False)], timeout=10)
+    assert res.ok and not res.verified and res.tier == "local" and res.slot is not None
+    assert _section_sums(layout, bytes(res.slot.view)) != res.sums  # the caller's check fails
+    eng.release_slot(res.slot)
+    with pytest.raises(ValueError, match="tier"):
+        other.settle(res, False, "not the engine that served it")
+    assert path.exists()
+    eng.settle(res, False, "section checksum mismatch after the copy")
+    assert not path.exists()
+    st = eng.stats
+    assert st["bad_pages_discarded"] == 1 and st["loads_failed"] == {"checksum": 1} and st["loads_ok"] == 0
+    # A good page is published again under the name; settling the old result again removes nothing.
+    assert _store(other, key, data).ok and path.exists()
+    eng.settle(res, False, "settled twice")
+    eng.discard_page(key, "the deprecated call settles nothing left")
+    assert path.exists() and eng.stats["bad_pages_discarded"] == 1
+    assert eng.stats["loads_failed"] == {"checksum": 1}
+    # A good unverified load settled ok counts as a load, once.
+    [good] = eng.wait([eng.submit_load(key, verify=False)], timeout=10)
+    assert good.ok and not good.verified and good.sums == _section_sums(layout, bytes(good.slot.view))  # type: ignore[union-attr]
+    eng.release_slot(good.slot)  # type: ignore[arg-type]
+    assert eng.stats["loads_awaiting_settle"] == 1
+    eng.settle(good, True)
+    eng.settle(good, True)
+    assert eng.stats["loads_ok"] == 1 and eng.stats["loads_awaiting_settle"] == 0
+    eng.close()
+    other.close()
+
+
+def test_engine_found_damage_removes_only_the_file_it_read(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page republished between the damaged read and its removal is left alone."""
+    ns = simple_namespace()
+    layout = ns.groups[0].layout
+    eng = _engine(root, ns)
+    key = page_key(4)
+    data = page_bytes(layout, key)
+    assert _store(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    good = path.read_bytes()
+    corrupt_flip_bit(path, -1)
+    real_load = eng._do_load
+
+    def load_then_republish(*a: object) -> object:
+        try:
+            return real_load(*a)  # type: ignore[arg-type]
+        finally:  # another writer publishes a good copy before the engine removes the bad one
+            tmp = path.with_name(path.name + ".republish.tmp")
+            tmp.write_bytes(good)
+            os.replace(tmp, path)
+
+    monkeypatch.setattr(eng, "_do_load", load_then_republish)
+    res, got = _load(eng, key)
+    assert not res.ok and res.error is not None and res.error.kind == "checksum" and got is None
+    assert path.read_bytes() == good and eng.stats["bad_pages_discarded"] == 0
+    monkeypatch.undo()
+    assert _load(eng, key)[1] == data
     eng.close()

@@ -1,4 +1,4 @@
-"""Page format v1: round trips through publish/read, and property tests on the header codec."""
+"""Page format v2: round trips through publish/read, and property tests on the header codec."""
 
 from __future__ import annotations
 
@@ -301,3 +301,28 @@ def test_publish_failure_is_typed_and_leaves_no_temp(root: Path, hybrid_ns: Name
         publish_page(mapper.path_for(key), mapper.temp_path_for(key), header, pieces)
     assert info.value.kind == "enospc"
     assert list(mapper.path_for(key).parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("key_len", [1, 32, 96])
+@pytest.mark.parametrize(("label", "make_ns", "group"), CASES[:3])
+def test_header_template_is_encode_header_with_fields_patched(label: str, make_ns, group: int, key_len: int) -> None:
+    """HeaderTemplate.fill writes exactly encode_header's bytes; parse reads back only our header."""
+    from tierstore.format import PREAMBLE_OFFSETS, HeaderTemplate
+
+    ns = make_ns()
+    layout = ns.groups[group].layout
+    meta = PageMeta(ns.digest_bytes, b"k" * key_len, group, ns.groups[group].kind, 123, 2, 4, 8)
+    tmpl = HeaderTemplate(meta, layout)
+    sums = [checksum(bytes([i])) for i in range(len(layout.sections))]
+    entries = [SectionEntry(sp, o, sp.nbytes, c) for sp, o, c in zip(layout.sections, layout.offsets, sums, strict=True)]
+    ref = encode_header(meta, Codec.NONE, entries, layout.nbytes)
+    buf = bytearray(tmpl.header_len)
+    tmpl.fill(buf, meta.key, 123, sums)
+    assert bytes(buf) == ref and PREAMBLE_OFFSETS["token_count"] == 48  # the docstring's table
+    assert tmpl.parse(memoryview(buf), meta.key) == sums
+    assert tmpl.parse(memoryview(buf), b"x" * key_len) is None  # another key
+    other = encode_header(PageMeta(ns.digest_bytes, meta.key, group, meta.group_kind, 123, 3, 4, 8),
+                          Codec.NONE, entries, layout.nbytes)
+    assert tmpl.parse(memoryview(other), meta.key) is None  # another rank: not our header
+    buf[-1] ^= 1
+    assert tmpl.parse(memoryview(buf), meta.key) is None  # a damaged header

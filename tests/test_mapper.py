@@ -123,3 +123,17 @@ def test_page_names_parse() -> None:
         assert parse_page_name(bad) is None, bad
     for bad in (".00ff.kvp.host.12.ab", "00ff.kvp.host.12.ab.tmp", ".00ff.kvp.host.x.ab.tmp"):
         assert parse_temp_name(bad) is None, bad
+
+
+def test_fast_string_paths_are_the_mapper_paths(tmp_path: Path) -> None:
+    """The engine's hot-path strings and the pathlib paths come from one rule."""
+    m = FileMapper(tmp_path, NS, 1, rank=2)
+    key = bytes(range(40))
+    assert m.final_path(key) == str(m.path_for(key))
+    for tmp in (m.temp_path(key), m.temp_path(key, m.final_path(key)), str(m.temp_path_for(key))):
+        assert os.path.dirname(tmp) == str(m.path_for(key).parent)
+        parsed = parse_temp_name(os.path.basename(tmp))
+        assert parsed is not None and parsed.key_hex == key.hex() and parsed.pid == os.getpid()
+    assert m.temp_path(key) != m.temp_path(key)  # unique
+    with pytest.raises(ValueError):
+        m.temp_path_for(b"")

@@ -27,6 +27,8 @@ integers little-endian; documented in docs/DESIGN.md):
 With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (same offsets),
 so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame.
 There are no timestamps or host names in a page: the same tokens give the same bytes.
+``HeaderTemplate`` is one writer's exact codec-NONE header with the variable fields (key, token
+count, checksums) patched in place; its offsets come from the structs below.
 
 Nothing here executes code from a file: the header is parsed with ``struct`` only, and a
 header must be self-consistent (a checksum-valid crafted one too): sections inside the payload,
@@ -64,9 +66,23 @@ MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page
 # A page buffer larger than this is garbage or hostile, not a page: readers such as
 # ``pagefile.inspect_page`` allocate what a header declares, so the bound is checked here.
 MAX_PAGE_BYTES = 64 << 30
-_PREAMBLE = struct.Struct("<8sHHIQ16sIBBHIIIIH6x")
+# The preamble's fields in order (the table in the module docstring): one source for the
+# struct and for the byte offset of each field (``PREAMBLE_OFFSETS``, used by HeaderTemplate).
+_PREAMBLE_FIELDS = (
+    ("magic", "8s"), ("version", "H"), ("flags", "H"), ("header_len", "I"), ("payload_len", "Q"),
+    ("namespace", "16s"), ("group_index", "I"), ("group_kind", "B"), ("codec", "B"),
+    ("key_len", "H"), ("token_count", "I"), ("rank", "I"), ("head_start", "I"),
+    ("head_count", "I"), ("n_sections", "H"),
+)
+_PREAMBLE = struct.Struct("<" + "".join(f for _, f in _PREAMBLE_FIELDS) + "6x")
+PREAMBLE_OFFSETS: dict[str, int] = {
+    name: struct.calcsize("<" + "".join(f for _, f in _PREAMBLE_FIELDS[:i]))
+    for i, (name, _) in enumerate(_PREAMBLE_FIELDS)
+}
+_TOKEN_COUNT = struct.Struct("<I")  # the preamble's token_count field
+_SECTION_NAME_LEN = struct.Struct("<H")
 _SECTION_FIXED = struct.Struct("<BB")
-_SECTION_TAIL = struct.Struct("<QQQQ")
+_SECTION_TAIL = struct.Struct("<QQQQ")  # raw length, stored offset, stored length, checksum
 _CHECKSUM = struct.Struct("<Q")
 PREAMBLE_LEN = _PREAMBLE.size  # 72
 
@@ -261,14 +277,7 @@ class PageExpectation:
 
 def encode_header(meta: PageMeta, codec: Codec, sections: Sequence[SectionEntry], payload_len: int) -> bytes:
     """Serialize a header, padded to HEADER_ALIGN, with its checksum in the last 8 bytes."""
-    table = bytearray()
-    for e in sections:
-        name = e.spec.name.encode()
-        code = DTYPES[e.spec.dtype][0]
-        table += struct.pack("<H", len(name)) + name
-        table += _SECTION_FIXED.pack(code, len(e.spec.shape))
-        table += struct.pack(f"<{len(e.spec.shape)}I", *e.spec.shape)
-        table += _SECTION_TAIL.pack(e.spec.nbytes, e.stored_offset, e.stored_len, e.checksum)
+    table = b"".join(_encode_section_entry(e) for e in sections)
     body_len = PREAMBLE_LEN + len(meta.key) + len(table) + _CHECKSUM.size
     header_len = _align(body_len, HEADER_ALIGN)
     pre = _PREAMBLE.pack(
@@ -283,6 +292,17 @@ def encode_header(meta: PageMeta, codec: Codec, sections: Sequence[SectionEntry]
         pos += len(part)
     buf[-8:] = _CHECKSUM.pack(checksum(memoryview(buf)[:-8]))
     return bytes(buf)
+
+
+def _encode_section_entry(e: SectionEntry) -> bytes:
+    """One entry of the section table; its checksum is its last ``_CHECKSUM.size`` bytes."""
+    name = e.spec.name.encode()
+    return b"".join((
+        _SECTION_NAME_LEN.pack(len(name)), name,
+        _SECTION_FIXED.pack(DTYPES[e.spec.dtype][0], len(e.spec.shape)),
+        struct.pack(f"<{len(e.spec.shape)}I", *e.spec.shape),
+        _SECTION_TAIL.pack(e.spec.nbytes, e.stored_offset, e.stored_len, e.checksum),
+    ))
 
 
 def header_len_of(prefix: bytes | memoryview, *, path: str | None = None) -> int:
@@ -327,8 +347,8 @@ def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
     pos += key_len
     entries = []
     for _ in range(nsec):
-        (name_len,) = struct.unpack_from("<H", buf, pos)
-        pos += 2
+        (name_len,) = _SECTION_NAME_LEN.unpack_from(buf, pos)
+        pos += _SECTION_NAME_LEN.size
         name = bytes(buf[pos : pos + name_len]).decode()
         pos += name_len
         code, ndim = _SECTION_FIXED.unpack_from(buf, pos)
@@ -450,3 +470,65 @@ def decode_payload(
             out[off : off + raw_len] = raw
         if checksum(out[off : off + raw_len]) != e.checksum:
             raise PageCorrupt(f"section {e.spec.name!r} checksum mismatch", path=path)
+
+
+class HeaderTemplate:
+    """The exact codec-NONE header of one writer's pages for one key length.
+
+    A writer's pages (same namespace, group, rank, head slice and layout) differ only in the
+    key, the token count, the section checksums and the header checksum. ``fill`` patches those
+    into a copy of the template; ``parse`` accepts a header only if everything else is byte for
+    byte the template's (any other header goes through ``decode_header``, which names the
+    error). Every offset comes from this module's own structs (``PREAMBLE_OFFSETS``,
+    ``_encode_section_entry``), so the template cannot drift from ``encode_header``.
+    Threading: immutable after construction; safe from any thread.
+    """
+
+    def __init__(self, proto: PageMeta, layout: PageLayout) -> None:
+        """``proto``: the writer's identity; only the length of its key matters."""
+        key_len = len(proto.key)
+        meta = PageMeta(proto.namespace, b"\0" * key_len, proto.group_index, proto.group_kind, 0,
+                        proto.rank, proto.head_start, proto.head_count)
+        entries = [SectionEntry(sp, o, sp.nbytes, 0) for sp, o in zip(layout.sections, layout.offsets, strict=True)]
+        self.blank = encode_header(meta, Codec.NONE, entries, layout.nbytes)  # key, counts, sums: 0
+        self.header_len = hl = len(self.blank)
+        self.key_len = key_len
+        self._key_off = PREAMBLE_LEN
+        self._token_off = PREAMBLE_OFFSETS["token_count"]
+        self._sum_off = hl - _CHECKSUM.size
+        offs, pos = [], PREAMBLE_LEN + key_len
+        for e in entries:
+            pos += len(_encode_section_entry(e))
+            offs.append(pos - _CHECKSUM.size)  # the entry's checksum is its last field
+        self.sum_offsets: list[int] = offs
+        variable = sorted([(self._key_off, self._key_off + key_len),
+                           (self._token_off, self._token_off + _TOKEN_COUNT.size),
+                           *[(o, o + _CHECKSUM.size) for o in offs], (self._sum_off, hl)])
+        ranges, pos = [], 0
+        for a, b in variable:  # the byte ranges every page of this writer shares
+            if a > pos:
+                ranges.append((pos, a))
+            pos = max(pos, b)
+        self._const_ranges = ranges
+        self._const = b"".join(self.blank[a:b] for a, b in ranges)
+
+    def fill(self, buf: memoryview | bytearray, key: bytes, token_count: int, sums: Sequence[int]) -> None:
+        """Write the header of (key, token_count, section checksums) into ``buf[:header_len]``."""
+        buf[: self.header_len] = self.blank
+        buf[self._key_off : self._key_off + self.key_len] = key
+        _TOKEN_COUNT.pack_into(buf, self._token_off, token_count)
+        for o, c in zip(self.sum_offsets, sums, strict=True):
+            _CHECKSUM.pack_into(buf, o, c)
+        _CHECKSUM.pack_into(buf, self._sum_off, checksum(memoryview(buf)[: self._sum_off]))
+
+    def parse(self, hview: memoryview, key: bytes) -> list[int] | None:
+        """The section checksums if ``hview`` is exactly this template's header for ``key``;
+        None otherwise (the caller then takes ``decode_header``'s slow path)."""
+        h = bytes(hview)
+        if checksum(memoryview(h)[: self._sum_off]) != _CHECKSUM.unpack_from(h, self._sum_off)[0]:
+            return None
+        if h[self._key_off : self._key_off + self.key_len] != key:
+            return None
+        if b"".join([h[a:b] for a, b in self._const_ranges]) != self._const:
+            return None
+        return [_CHECKSUM.unpack_from(h, o)[0] for o in self.sum_offsets]

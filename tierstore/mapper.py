@@ -20,6 +20,10 @@ atomic on local file systems and NFS). Temp names are
 so fsck can tell a temp from a page, and on the writer's own host whether the writer still
 lives. Everything else in a namespace directory (besides ``manifest.json``) is foreign.
 
+``FileMapper`` is the one owner of these names: ``path_for``/``temp_path_for`` (pathlib, with
+the key checked) and ``final_path``/``temp_path`` (plain strings for the I/O threads' hot
+path, the key already checked by the caller) build them from the same two functions.
+
 Threading: immutable after construction; safe from any thread.
 """
 
@@ -28,7 +32,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,17 @@ _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
 _PAGE_RE = re.compile(r"^([0-9a-f]{2,192})\.kvp$")
 _TEMP_RE = re.compile(r"^\.([0-9a-f]{2,192})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _FAN_RE = re.compile(r"^[0-9a-f]{2}$")
+
+
+def check_key(key: bytes) -> None:
+    """ValueError unless ``key`` is 1..MAX_KEY_BYTES bytes (longer names would not fit)."""
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a page key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _temp_name(key: bytes) -> str:
+    """``.<key hex>.kvp.<host>.<pid>.<random>.tmp`` (``parse_temp_name`` reads it back)."""
+    return f".{key.hex()}{PAGE_SUFFIX}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
 
 
 def host_tag() -> str:
@@ -125,15 +139,26 @@ class FileMapper:
         self.rank = rank
         self.base = self.root / namespace / f"g{group_index}" / f"r{rank}"
 
+        self._base = str(self.base)
+
     def path_for(self, key: bytes) -> Path:
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-        return self.base / fanout(key) / f"{key.hex()}{PAGE_SUFFIX}"
+        """The final path of ``key``'s page; ValueError for a key outside 1..MAX_KEY_BYTES."""
+        check_key(key)
+        return Path(self.final_path(key))
 
     def temp_path_for(self, key: bytes) -> Path:
         """A unique temp name beside the final path (same directory: rename stays atomic)."""
-        final = self.path_for(key)
-        return final.with_name(f".{key.hex()}{PAGE_SUFFIX}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
+        check_key(key)
+        return Path(self.temp_path(key))
+
+    def final_path(self, key: bytes) -> str:
+        """``path_for(key)`` as a string, without pathlib or the key check (hot path)."""
+        return f"{self._base}/{fanout(key)}/{key.hex()}{PAGE_SUFFIX}"
+
+    def temp_path(self, key: bytes, final: str | None = None) -> str:
+        """A unique temp name beside ``final`` (``final_path(key)`` if not given), as a string."""
+        directory = os.path.dirname(final) if final is not None else f"{self._base}/{fanout(key)}"
+        return f"{directory}/{_temp_name(key)}"
 
     def make_fanout_dirs(self) -> int:
         """Create this group and rank's directory and those of its 256 fan-out directories that

@@ -1,22 +1,27 @@
-"""Reading and publishing one page file (buffered I/O).
+"""Page-file operations: one flat function per operation on one page file.
 
-- ``write_and_rename``: the atomic publish every writer uses (the IOEngine too): write the
-  pieces to a unique temp file beside the final name (creating missing fan-out directories;
-  O_DIRECT on request, rewritten buffered if refused at run time), optionally fsync, then
-  rename into place. On any error the temp is removed and a ``PageStoreError`` carries the
-  errno.
-- ``publish_page``: header + payload through ``write_and_rename``; an existing final file
-  counts as stored (content-addressed: same key and namespace means the same bytes).
-- ``read_page``: read and verify a page into a caller-owned buffer. Verifies the header
-  checksum, namespace, key/group/rank, layout, exact file size and every section checksum;
-  raises a typed ``PageError`` and never returns partial data.
-- ``inspect_page``: the same verification with no expectation (used by fsck).
+Every store (the ``IOEngine`` of any tier, fsck, the test and demo writers) reads and writes
+page files through these functions and nothing else; each one's failure policy is in its
+docstring. Shared rules:
 
-- ``pwritev_all`` / ``preadv_upto`` / ``readinto_exact``: vectored I/O that retries short
-  calls; the IOEngine's O_DIRECT paths use them too.
+- Failures are typed ``PageError``s (errors.py), never partial data. An ``OSError`` of a read
+  is mapped by ``read_error``: ENOENT, ESTALE (an NFS file deleted under us) and ENOTDIR mean
+  ``PageMissing``, anything else ``PageIOError`` with the errno. A failed write is a
+  ``PageStoreError``, whose kind comes from the errno (``enospc``, ``readonly``, ...).
+- Publishing is atomic (``publish``): a reader sees a whole page under a final name or none.
+- Functions do not log, except ``publish``'s O_DIRECT fallback (a condition an operator should
+  know about).
 
-ENOENT and ESTALE both mean "missing" (an NFS file deleted under us is just gone).
-Threading: functions are reentrant; each call uses only its own file descriptors.
+Operations: ``publish`` (temp + optional fsync + rename, O_DIRECT when asked),
+``publish_page`` (an encoded page, unless one exists); ``probe_odirect``; ``open_page``,
+``read_plan`` and ``read_own_page`` (the engine's fast read of a file it would have written:
+page-cache check, O_DIRECT, hashing piece by piece); ``read_page`` (read and verify any page),
+``inspect_page`` (verify with no expectation, for fsck); ``remove_damaged`` (remove a bad page
+once, only if it is still the file that was read); ``pwritev_all`` / ``preadv_upto`` /
+``readinto_exact`` (vectored I/O that retries short calls).
+
+Threading: every function is reentrant and uses only its own file descriptors; buffers
+passed in belong to the calling thread for the call's duration.
 """
 
 from __future__ import annotations
@@ -24,25 +29,55 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
+import stat
+import threading
 from pathlib import Path
 from typing import Any
 
-from tierstore.errors import PageIOError, PageMissing, PageStoreError, PageTruncated
+from tierstore.directio import ALIGN, O_DIRECT
+from tierstore.errors import (
+    PageCorrupt,
+    PageError,
+    PageFormatError,
+    PageIOError,
+    PageMissing,
+    PageStoreError,
+    PageTruncated,
+)
 from tierstore.format import (
     HEADER_ALIGN,
     Codec,
+    HeaderTemplate,
     PageExpectation,
     PageHeader,
+    PageLayout,
     check_expectation,
+    checksum,
     decode_header,
     decode_payload,
     header_len_of,
 )
 
-_MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
-O_DIRECT = getattr(os, "O_DIRECT", 0)
+__all__ = [
+    "O_DIRECT", "MISSING_ERRNOS", "FileIdentity", "file_identity", "inspect_page", "open_page",
+    "preadv_upto", "probe_odirect", "publish", "publish_page", "pwritev_all", "read_error",
+    "read_own_page", "read_page", "read_plan", "readinto_exact", "remove_damaged",
+]
+
+MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 logger = logging.getLogger("tierstore.pagefile")
+FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns): one file, not one name
+
+
+# ------------------------------------------------------------------ errors and raw I/O
+def read_error(exc: OSError, doing: str, path: str | Path, key: bytes | None) -> PageError:
+    """The typed error of a failed read step (see the module docstring)."""
+    if exc.errno in MISSING_ERRNOS:
+        return PageMissing("no such page" if doing == "open" else "page vanished while reading", path=path, key=key)
+    return PageIOError(f"{'cannot open page' if doing == 'open' else 'read failed'}: {exc.strerror}",
+                       errno=exc.errno, path=path, key=key)
 
 
 def _advance(views: list[memoryview], n: int) -> None:
@@ -55,7 +90,7 @@ def _advance(views: list[memoryview], n: int) -> None:
 
 
 def pwritev_all(fd: int, pieces: list[Any]) -> None:
-    """Write ``pieces`` back to back from offset 0, retrying short writes."""
+    """Write ``pieces`` back to back from offset 0, retrying short writes; raises OSError."""
     views = [v for v in (memoryview(p).cast("B") for p in pieces) if len(v)]
     offset = 0
     while views:
@@ -67,7 +102,8 @@ def pwritev_all(fd: int, pieces: list[Any]) -> None:
 
 
 def preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the end offset."""
+    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the end offset.
+    Raises OSError."""
     views = [b for b in bufs if len(b)]
     while views:
         n = os.preadv(fd, views, offset)
@@ -78,7 +114,17 @@ def preadv_upto(fd: int, bufs: list[memoryview], offset: int) -> int:
     return offset
 
 
-def make_dirs(path: str) -> None:
+def readinto_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``offset``; PageTruncated if the file ends first, OSError otherwise."""
+    while buf:
+        n = os.preadv(fd, [buf], offset)
+        if n == 0:
+            raise PageTruncated("file ended while reading the page", path=path)
+        offset += n
+        buf = buf[n:]
+
+
+def _make_dirs(path: str) -> None:
     """``mkdir -p`` for a fan-out directory that is missing (engines create them all at start;
     this covers one removed since, and writers that are not engines)."""
     try:
@@ -86,42 +132,37 @@ def make_dirs(path: str) -> None:
     except FileExistsError:
         pass
     except FileNotFoundError:
-        make_dirs(os.path.dirname(path))
+        _make_dirs(os.path.dirname(path))
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
 
 
-def write_and_rename(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None, fsync: bool = False,
-                     direct: bool = False, exact_len: int = 0, truncate_to: int = 0) -> None:
-    """Write ``pieces`` to ``tmp`` and rename it to ``final`` (see the module docstring).
+# ------------------------------------------------------------------ publish
+def publish(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None, fsync: bool = False,
+            direct: bool = False, exact_len: int = 0) -> None:
+    """Write ``pieces`` to ``tmp`` (a unique name beside ``final``), then rename it to ``final``.
 
-    ``direct``: open with O_DIRECT (the pieces are aligned and padded); if the write is refused
-    at run time (another file system under the root?), the first piece is rewritten buffered,
-    ``exact_len`` bytes. ``truncate_to``: cut the padding off after an O_DIRECT write.
+    A missing fan-out directory is created. ``direct``: open with O_DIRECT (the pieces are
+    aligned and padded to ALIGN); the padding is cut off afterwards to ``exact_len`` bytes. If
+    the O_DIRECT write is refused at run time (EINVAL: another file system under the root?),
+    the first ``exact_len`` bytes of the first piece are rewritten buffered, with a warning.
+    ``fsync``: the data is on disk before the rename.
+
+    Failure policy: any OSError removes the temp file and raises ``PageStoreError`` with the
+    errno (its kind: ``enospc``, ``readonly``, ``permission``, ``io``); ``final`` is untouched.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
     try:
         try:
             fd = os.open(tmp, flags, 0o644)
         except FileNotFoundError:
-            make_dirs(os.path.dirname(final))
+            _make_dirs(os.path.dirname(final))
             fd = os.open(tmp, flags, 0o644)
     except OSError as exc:
         raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
     try:
         try:
-            try:
-                pwritev_all(fd, pieces)
-            except OSError as exc:
-                if not (direct and exc.errno == errno.EINVAL):
-                    raise
-                logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
-                os.close(fd)
-                fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
-                pwritev_all(fd, [memoryview(pieces[0])[:exact_len]])
-                truncate_to = 0
-            if truncate_to:
-                os.ftruncate(fd, truncate_to)
+            _write_pieces(fd, tmp, pieces, direct, exact_len)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -133,31 +174,189 @@ def write_and_rename(final: str, tmp: str, pieces: list[Any], *, key: bytes | No
         raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
 
 
-def publish_page(
-    final: Path,
-    tmp: Path,
-    header: bytes,
-    pieces: list[bytes | memoryview],
-    *,
-    fsync: bool = False,
-    key: bytes | None = None,
-) -> bool:
-    """Atomically publish a page; returns False if it already existed (nothing written)."""
+def _write_pieces(fd: int, tmp: str, pieces: list[Any], direct: bool, exact_len: int) -> None:
+    """``publish``'s write step on the open temp ``fd`` (O_DIRECT padding cut, EINVAL fallback)."""
+    try:
+        pwritev_all(fd, pieces)
+    except OSError as exc:
+        if not (direct and exc.errno == errno.EINVAL):
+            raise
+        logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
+        with open(tmp, "r+b", buffering=0) as f:  # a plain descriptor on the same file
+            f.truncate(0)
+            pwritev_all(f.fileno(), [memoryview(pieces[0])[:exact_len]])
+        return
+    if direct and exact_len % ALIGN:  # the last block was padded for O_DIRECT
+        os.ftruncate(fd, exact_len)
+
+
+def publish_page(final: Path, tmp: Path, header: bytes, pieces: list[bytes | memoryview], *,
+                 fsync: bool = False, key: bytes | None = None) -> bool:
+    """Publish an encoded page (``format.encode_page``) unless ``final`` exists; False if it did.
+
+    Names are content addresses (same key and namespace: same bytes), so an existing file
+    counts as stored. Failure policy: ``publish``'s.
+    """
     if final.exists():
         return False
-    write_and_rename(str(final), str(tmp), [header, *pieces], key=key, fsync=fsync)
+    publish(str(final), str(tmp), [header, *pieces], key=key, fsync=fsync)
     return True
 
 
-def _open_for_read(path: Path, key: bytes | None) -> int:
+def probe_odirect(directory: Path) -> tuple[bool, str]:
+    """Whether an aligned O_DIRECT write and read-back work in ``directory``; (ok, reason).
+
+    Failure policy: never raises; every OSError is a (False, reason) answer. The probe file is
+    removed (a killed prober leaves ``.odirect-probe.*.tmp``, which fsck recognises).
+    """
+    if not O_DIRECT:
+        return False, "O_DIRECT is not available on this platform"
+    path = directory / f".odirect-probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    buf = mmap.mmap(-1, ALIGN)
     try:
-        return os.open(path, os.O_RDONLY)
+        buf.write(b"tierstore-odirect-probe".ljust(ALIGN, b"\0"))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | O_DIRECT, 0o644)
+        try:
+            if os.pwrite(fd, buf, 0) != ALIGN:
+                return False, "short O_DIRECT write"
+            back = mmap.mmap(-1, ALIGN)
+            try:
+                if os.preadv(fd, [back], 0) != ALIGN or back[:] != buf[:]:
+                    return False, "O_DIRECT read-back differs"
+            finally:
+                back.close()
+        finally:
+            os.close(fd)
+        return True, "probe write+read ok"
     except OSError as exc:
-        if exc.errno in _MISSING_ERRNOS:
-            raise PageMissing("no such page", path=path, key=key) from exc
-        raise PageIOError(f"cannot open page: {exc.strerror}", errno=exc.errno, path=path, key=key) from exc
+        return False, f"{exc.strerror} (errno {exc.errno})"
+    finally:
+        buf.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
+# ------------------------------------------------------------------ the engine's fast read
+def open_page(path: str | Path, key: bytes | None) -> tuple[int, os.stat_result]:
+    """Open a page file for reading: (fd, fstat). The caller closes the fd.
+
+    Failure policy: ``read_error``'s mapping; ``PageFormatError`` (fd closed) if it is not a
+    regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise read_error(exc, "open", path, key) from exc
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise read_error(exc, "read", path, key) from exc
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise PageFormatError("not a regular file", path=str(path), key=key)
+    return fd, st
+
+
+def file_identity(st: os.stat_result) -> FileIdentity:
+    """What tells one file from another published later under the same name."""
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def read_plan(layout: PageLayout, header_len: int, piece_bytes: int) -> list[tuple[int, int, int, int]]:
+    """File pieces (start, end, first section, end section) of a page with an ``header_len``-byte
+    header: whole sections, about ``piece_bytes`` each (the CPU cache that still holds a piece
+    when it is hashed); the first piece also holds the header, the last reaches the end.
+    Pure; no failure."""
+    plan: list[tuple[int, int, int, int]] = []
+    start, first = 0, 0
+    spans = layout.spans
+    for i, (_, e) in enumerate(spans):
+        if header_len + e - start >= piece_bytes or i == len(spans) - 1:
+            end = header_len + (e if i < len(spans) - 1 else layout.nbytes)
+            plan.append((start, end, first, i + 1))
+            start, first = end, i + 1
+    if not plan:  # a layout without sections
+        plan.append((0, header_len + layout.nbytes, 0, 0))
+    return plan
+
+
+def read_direct(fd: int, padded_file: memoryview, file_len: int, path: str) -> bool:
+    """Read the whole file with O_DIRECT into ``padded_file`` (aligned, ALIGN-padded); False if
+    this file system refuses O_DIRECT here (the fd is left buffered, nothing was read).
+
+    Failure policy: ``PageTruncated`` if the file is shorter than ``file_len``; other OSErrors
+    propagate (the caller maps them with ``read_error``).
+    """
+    import fcntl  # Linux/Unix only, like O_DIRECT itself
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | O_DIRECT)
+        end = preadv_upto(fd, [padded_file], 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return False
+    if end < file_len:
+        raise PageTruncated("file ended while reading the page", path=path)
+    return True
+
+
+def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: memoryview, layout: PageLayout,
+                  plan: list[tuple[int, int, int, int]], *, key: bytes, path: str, verify: bool,
+                  already_read: bool) -> list[int] | None:
+    """Read a file of exactly ``tmpl.header_len + layout.nbytes`` bytes into ``file_buf`` (the
+    header lands right before ``page``) and check it in place: the header's section checksums.
+
+    None: the header is not byte for byte ``tmpl``'s for ``key`` (the caller takes
+    ``read_page``, which names the error). ``verify=False``: the sections are not hashed (the
+    caller checks the bytes against the returned sums) and the file is read in one request.
+    Otherwise the file is read piece by piece (``plan``) and each piece's sections are hashed as
+    soon as it lands, while it is in the CPU cache. ``already_read``: ``file_buf`` already holds
+    the file (``read_direct``).
+
+    Failure policy: ``PageCorrupt`` naming the first bad section; ``PageTruncated`` if the file
+    ends early; other OSErrors propagate (the caller maps them with ``read_error``).
+    """
+    hl = tmpl.header_len
+    if not verify:
+        if not already_read:
+            readinto_exact(fd, file_buf[: hl + layout.nbytes], 0, path)
+        return tmpl.parse(file_buf[:hl], key)
+    sums: list[int] | None = None
+    for start, end, first_sec, last_sec in plan:
+        if not already_read:
+            readinto_exact(fd, file_buf[start:end], start, path)
+        if sums is None:
+            sums = tmpl.parse(file_buf[:hl], key)
+            if sums is None:
+                return None
+        for i in range(first_sec, last_sec):
+            o, e = layout.spans[i]
+            if checksum(page[o:e]) != sums[i]:
+                raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+    return sums
+
+
+def remove_damaged(path: str, served: FileIdentity | None) -> bool:
+    """Remove the page file at ``path`` if it is still the file that was read (``served``);
+    True if removed. A different file under the name (republished since) is left alone.
+
+    Failure policy: never raises; a file that is gone or cannot be removed is left (False).
+    Races an unlink by another process only in the window between stat and unlink.
+    """
+    try:
+        if served is not None and file_identity(os.stat(path)) != served:
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ read and verify any page
 def _read_header(fd: int, path: str, file_size: int) -> PageHeader:
     first = os.pread(fd, HEADER_ALIGN, 0)
     header_len = header_len_of(first, path=path)
@@ -170,26 +369,20 @@ def _read_header(fd: int, path: str, file_size: int) -> PageHeader:
     return header
 
 
-def readinto_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    """Fill ``buf`` from ``offset``; PageTruncated if the file ends first."""
-    while buf:
-        n = os.preadv(fd, [buf], offset)
-        if n == 0:
-            raise PageTruncated("file ended while reading the page", path=path)
-        offset += n
-        buf = buf[n:]
+def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
+              decompressor: object | None = None) -> PageHeader:
+    """Read, verify and decode a page into ``out`` (``layout.nbytes`` bytes); its header.
 
-
-def read_page(
-    path: Path,
-    expect: PageExpectation | None,
-    out: memoryview,
-    decompressor: object | None = None,
-) -> PageHeader:
-    """Read, verify and decode a page into ``out`` (``layout.nbytes`` bytes)."""
+    Verifies the header checksum, namespace, key/group/rank and layout (``expect``), the exact
+    file size and every section checksum. Failure policy: a typed ``PageError`` (missing, io,
+    truncated, checksum, format, foreign, key_mismatch); ``out`` then holds garbage.
+    """
     spath = str(path)
     key = expect.key if expect else None
-    fd = _open_for_read(path, key)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise read_error(exc, "open", path, key) from exc
     try:
         try:
             header = _read_header(fd, spath, os.fstat(fd).st_size)
@@ -204,19 +397,20 @@ def read_page(
                 readinto_exact(fd, payload, header.header_len, spath)
                 decode_payload(header, payload, out, decompressor, path=spath)
         except OSError as exc:
-            if exc.errno in _MISSING_ERRNOS:
-                raise PageMissing("page vanished while reading", path=path, key=key) from exc
-            raise PageIOError(f"read failed: {exc.strerror}", errno=exc.errno, path=path, key=key) from exc
+            raise read_error(exc, "read", path, key) from exc
     finally:
         os.close(fd)
     return header
 
 
 def inspect_page(path: Path, decompressor: object | None = None) -> PageHeader:
-    """Fully verify a page with no expectation; returns its header."""
-    fd = _open_for_read(path, None)
+    """Fully verify a page with no expectation; its header. Failure policy: ``read_page``'s."""
+    fd, st = open_page(path, None)
     try:
-        header = _read_header(fd, str(path), os.fstat(fd).st_size)
+        try:
+            header = _read_header(fd, str(path), st.st_size)
+        except OSError as exc:
+            raise read_error(exc, "read", path, None) from exc
     finally:
         os.close(fd)
     out = memoryview(bytearray(header.layout.nbytes))

@@ -1,0 +1,309 @@
+"""JobQueue: bounded job queues, the I/O threads that run them, deadlines and results.
+
+Contract:
+- A job (``Job``) is submitted once and completes exactly once: by its I/O thread, by its
+  deadline (``PageTimeout``, even while its thread is stuck in a system call; the late result
+  is then dropped and counted), by ``reject`` (at once, with the caller's error), a full queue
+  (``PageQueueFull``) or ``close`` (``PageCancelled``). Completion calls the owner's ``finish``
+  hook, whose return value is the job's result for ``poll``/``wait``.
+- One queue per job class, ``queue_depth`` each. Which class an idle thread takes is data
+  (``QueuePolicy``): the first class of ``order`` with a queued job, except that a class whose
+  queued jobs were passed over ``max_bypass`` times in a row is taken first. So loads go before
+  stores, but a store is never starved by an endless stream of loads.
+- ``run(job)`` (the owner's) does the I/O in the thread; a ``PageError`` it raises is the job's
+  failure (its key filled in); any other exception is logged and becomes a ``PageError`` (a bug
+  still completes its job). ``after_run(job, accepted, error)`` then runs in the same thread,
+  outside the lock (the owner releases the job's resources there).
+
+Threading: every public method may be called from any thread. One lock guards the queues,
+pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Conditions
+on it wake one idle thread per submit, a ``wait`` call only when its last job is done, and
+``flush`` only when no job of the flushed class is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tierstore.errors import PageCancelled, PageError, PageQueueFull, PageTimeout
+
+logger = logging.getLogger("tierstore.engine")
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Which queued job an idle I/O thread takes (see the module docstring)."""
+
+    order: tuple[str, ...] = ("load", "store")  # job classes, most urgent first
+    max_bypass: int = 8  # a class passed over this many times in a row is served next
+
+
+class Job:
+    """One queued page operation; fields after ``deadline`` belong to the queue."""
+
+    __slots__ = ("id", "op", "key", "slot", "token_count", "sums", "verify", "submitted", "deadline",
+                 "queued", "started", "done")
+
+    def __init__(self, job_id: int, op: str, key: bytes, *, slot: Any = None, token_count: int = 0,
+                 sums: tuple[int, ...] | None = None, verify: bool = True, submitted: float, deadline: float) -> None:
+        self.id = job_id
+        self.op = op
+        self.key = key
+        self.slot = slot  # the staging slot the job reads from (store) or into (load)
+        self.token_count = token_count
+        self.sums = sums  # store: the caller's section checksums; load (verify=False): the header's
+        self.verify = verify  # load: check the section checksums in the I/O thread
+        self.submitted = submitted
+        self.deadline = deadline
+        self.queued = False  # counted in JobQueue._waiting
+        self.started = False  # a thread owns the job's resources from here until it returns
+        self.done = False
+
+
+class _Waiter:
+    """One ``wait`` call: how many of its jobs are still pending, and how to wake it."""
+
+    __slots__ = ("cond", "remaining")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.cond = threading.Condition(lock)
+        self.remaining = 0
+
+
+Finish = Callable[[Job, "PageError | None", bool, int, float], Any]
+
+
+class JobQueue:
+    """Queues, I/O threads and results of one store; see the module docstring."""
+
+    def __init__(self, *, policy: QueuePolicy, queue_depth: int, deadline_s: float, threads: int, name: str,
+                 run: Callable[[Job], tuple[bool, int]], finish: Finish,
+                 after_run: Callable[[Job, bool, PageError | None], None], where: Callable[[bytes], str]) -> None:
+        self.policy = policy
+        self.queue_depth = queue_depth
+        self.deadline_s = deadline_s
+        self._run, self._finish, self._after_run, self._where = run, finish, after_run, where
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # queued jobs, stop
+        self._drained = threading.Condition(self._lock)  # no store pending
+        self._watch: dict[int, list[_Waiter]] = {}  # job id -> wait() calls waiting for it
+        self._queues: dict[str, deque[Job]] = {op: deque() for op in policy.order}
+        self._bypassed = dict.fromkeys(policy.order, 0)
+        self._waiting = dict.fromkeys(policy.order, 0)  # queued, not started, not done
+        self._pending: dict[int, Job] = {}  # not done, in submission order (= deadline order)
+        self._pending_ops = dict.fromkeys(policy.order, 0)
+        self._results: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._stop = False
+        self.late_results_dropped = 0
+        self._threads = [threading.Thread(target=self._thread, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    # ----------------------------------------------------------------- submit
+    def new_job(self, op: str, key: bytes, **fields: Any) -> Job:
+        """A job with a fresh id and its deadline (not yet submitted)."""
+        now = time.monotonic()
+        return Job(next(self._ids), op, key, submitted=now, deadline=now + self.deadline_s, **fields)
+
+    def submit(self, job: Job, reject: PageError | None = None) -> int:
+        """Queue ``job``, or complete it at once: with ``reject`` if given, else when the queue
+        is closed or full. Never blocks; returns the job id."""
+        with self._lock:
+            self._pending[job.id] = job
+            self._pending_ops[job.op] += 1
+            if reject is None and self._closed:
+                reject = PageCancelled("the engine is closed", key=job.key)
+            if reject is None and self._waiting[job.op] >= self.queue_depth:
+                reject = PageQueueFull(f"{job.op} queue is full ({self.queue_depth} queued); poll results faster "
+                                       'or raise the "queue_depth" setting', key=job.key)
+            if reject is not None:
+                self._complete_locked(job, reject)
+                return job.id
+            job.queued = True
+            self._waiting[job.op] += 1
+            self._queues[job.op].append(job)
+            self._work.notify()
+            return job.id
+
+    # ----------------------------------------------------------------- results
+    def poll(self) -> list[Any]:
+        """Every result finished since the last poll/wait (never blocks)."""
+        with self._lock:
+            self._expire_locked(time.monotonic())
+            out = list(self._results.values())
+            self._results.clear()
+            return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None) -> list[Any]:
+        """Wait until the given jobs finish (or ``timeout``); the results of those that did.
+        Results returned here are not returned again by ``poll``."""
+        ids = list(job_ids)
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._expire_locked(time.monotonic())
+            waiter = _Waiter(self._lock)
+            for i in ids:
+                if i in self._pending:
+                    self._watch.setdefault(i, []).append(waiter)
+                    waiter.remaining += 1
+            try:
+                while waiter.remaining > 0:
+                    left = self._next_wake(time.monotonic(), end)
+                    if left is not None and left <= 0:
+                        break
+                    waiter.cond.wait(left)
+                    self._expire_locked(time.monotonic())
+            finally:
+                for i in ids:
+                    ws = self._watch.get(i)
+                    if ws and waiter in ws:
+                        ws.remove(waiter)
+                        if not ws:
+                            del self._watch[i]
+            return [self._results.pop(i) for i in ids if i in self._results]
+
+    def flush(self, timeout: float | None, op: str = "store") -> bool:
+        """Wait until no job of class ``op`` is pending (ok, failed or timed out); False if
+        ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                self._expire_locked(now)
+                if self._pending_ops[op] == 0:
+                    return True
+                left = self._next_wake(now, end)
+                if left is not None and left <= 0:
+                    return False
+                self._drained.wait(left)
+
+    def close(self, timeout: float, drain_op: str = "store") -> None:
+        """Cancel later submits, let queued ``drain_op`` jobs finish (up to ``timeout``), cancel
+        the rest, stop the threads. Idempotent."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self.flush(timeout, drain_op):
+            logger.warning("closing with %ss still queued after %.1f s; they are cancelled", drain_op, timeout)
+        with self._lock:
+            for q in self._queues.values():
+                while q:
+                    job = q.popleft()
+                    if not job.done:
+                        self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
+            self._stop = True
+            self._work.notify_all()
+        for t in self._threads:
+            t.join(max(end - time.monotonic(), 0.05))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            logger.warning("I/O threads still blocked in a system call at close: %s", stuck)
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot: ``queued_<op>s`` per class, ``pending`` and ``late_results_dropped``."""
+        with self._lock:
+            out = {f"queued_{op}s": n for op, n in self._waiting.items()}
+            out["pending"] = len(self._pending)
+            out["late_results_dropped"] = self.late_results_dropped
+            return out
+
+    # ----------------------------------------------------------------- internals
+    def _next_wake(self, now: float, end: float | None) -> float | None:
+        """Seconds until the caller's end or the earliest pending deadline, whichever is first."""
+        first = next(iter(self._pending.values()), None)
+        wake = end
+        if first is not None:
+            wake = first.deadline if wake is None else min(wake, first.deadline)
+        return None if wake is None else max(wake - now, 0.0) + (0.001 if wake != end else 0.0)
+
+    def _expire_locked(self, now: float) -> None:
+        expired = []
+        for job in self._pending.values():  # one deadline length: insertion order is deadline order
+            if job.deadline > now:
+                break
+            expired.append(job)
+        for job in expired:
+            self._complete_locked(job, PageTimeout(
+                f"{job.op} did not finish within {self.deadline_s:.3f} s "
+                "(deadline_ms setting); the file system may be stalled", path=self._where(job.key), key=job.key))
+
+    def _complete_locked(self, job: Job, error: PageError | None, stored: bool = False, nbytes: int = 0) -> bool:
+        """Complete ``job`` once; False if it was already completed (a late result, dropped)."""
+        if job.done:
+            self.late_results_dropped += 1
+            return False
+        job.done = True
+        del self._pending[job.id]
+        if job.queued:
+            job.queued = False
+            self._waiting[job.op] -= 1
+        self._pending_ops[job.op] -= 1
+        if self._pending_ops[job.op] == 0:
+            self._drained.notify_all()
+        for w in self._watch.pop(job.id, ()):
+            w.remaining -= 1
+            if w.remaining == 0:
+                w.cond.notify()
+        self._results[job.id] = self._finish(job, error, stored, nbytes, time.monotonic() - job.submitted)
+        return True
+
+    def _pick_locked(self) -> Job | None:
+        """The next job by the policy (None: nothing queued). Skipped done jobs are dropped."""
+        while True:
+            ready = [op for op in self.policy.order if self._queues[op]]
+            if not ready:
+                return None
+            starved = [op for op in ready if self._bypassed[op] >= self.policy.max_bypass]
+            op = starved[0] if starved else ready[0]
+            job = self._queues[op].popleft()
+            if job.done:  # expired or cancelled while queued; its resources are already back
+                continue
+            for other in ready:
+                self._bypassed[other] = 0 if other == op else self._bypassed[other] + 1
+            return job
+
+    def _thread(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop:
+                    job = self._pick_locked()
+                    if job is not None:
+                        break
+                    self._work.wait()
+                else:
+                    return
+                job.queued = False
+                self._waiting[job.op] -= 1
+                if time.monotonic() >= job.deadline:
+                    self._complete_locked(job, PageTimeout(
+                        f"{job.op} waited in the queue past its {self.deadline_s:.3f} s deadline "
+                        "(deadline_ms setting)", key=job.key))
+                    continue
+                job.started = True
+            error, stored, nbytes = self._execute(job)
+            with self._lock:
+                accepted = self._complete_locked(job, error, stored, nbytes)
+            self._after_run(job, accepted, error)
+
+    def _execute(self, job: Job) -> tuple[PageError | None, bool, int]:
+        try:
+            stored, nbytes = self._run(job)
+            return None, stored, nbytes
+        except PageError as exc:
+            if exc.key is None:  # readers deep in format.py do not know the key
+                exc.key = job.key
+            return exc, False, 0
+        except Exception as exc:  # a bug must still come back as a per-key failure
+            logger.exception("unexpected error in %s of key %s", job.op, job.key.hex()[:16])
+            return PageError(f"internal error: {exc!r}", key=job.key), False, 0
