@@ -41,7 +41,15 @@ import numpy as np
 import torch
 import zstandard
 
-from tierstore.format import FORMAT_VERSION, Codec, GroupKind, PageExpectation, PageLayout, PageMeta, encode_page
+from tierstore.format import (
+    FORMAT_VERSION,
+    Codec,
+    GroupKind,
+    PageExpectation,
+    PageLayout,
+    PageMeta,
+    encode_page,
+)
 from tierstore.identity import GroupSpec, Namespace
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.views import make_attention_caches, mamba_state_views
