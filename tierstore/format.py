@@ -403,6 +403,31 @@ def decode_header(buf: bytes | memoryview, *, path: str | None = None) -> PageHe
         raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
 
 
+def decode_header_any_version(buf: bytes | memoryview, *, path: str | None = None) -> tuple[int, PageHeader]:
+    """(format version, header) of a page of any version with this header layout (1 to 3).
+
+    For reports on older trees only (``fsck --deep``): nothing is ever served from such a page.
+    Checks as ``decode_header`` except the version."""
+    buf = memoryview(buf)
+    if len(buf) < PREAMBLE_LEN or bytes(buf[: len(MAGIC)]) != MAGIC:
+        raise PageFormatError("not a tierstore page (bad magic)", path=path)
+    _, version, _, header_len = struct.unpack_from("<8sHHI", buf)
+    if not 1 <= version <= FORMAT_VERSION:
+        raise PageFormatError(f"unknown page format version {version}", path=path)
+    patched = bytearray(buf[:PREAMBLE_LEN])
+    struct.pack_into("<H", patched, 8, FORMAT_VERSION)
+    header_len_of(patched, path=path)  # magic, flags, header length
+    if len(buf) < header_len:
+        raise PageTruncated(f"file ends inside its {header_len}-byte header", path=path)
+    (stored_sum,) = _CHECKSUM.unpack_from(buf, header_len - 8)
+    if checksum(buf[: header_len - 8]) != stored_sum:
+        raise PageCorrupt("header checksum mismatch", path=path)
+    try:
+        return version, _parse_header(buf, header_len)
+    except (struct.error, UnicodeDecodeError, ValueError, PageFormatError) as exc:
+        raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
+
+
 def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
     (_, _, _, _, payload_len, ns, group_index, kind, codec, key_len, token_count, rank,
      head_start, head_count, nsec) = _PREAMBLE.unpack_from(buf, 0)
