@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import numpy as np
 import zstandard
 
 from tierstore.errors import PageError, PageIOError, PageMissing
@@ -281,6 +280,8 @@ def deep_check_page(header: PageHeader, page: memoryview) -> tuple[str, str] | N
     Recomputes what the page's content determines beyond its checksums: alignment gaps zero
     (canonical bytes) and floating-point sections free of NaN/Inf bit patterns. Pure function
     of its arguments (safe from the read pool's threads)."""
+    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/test_cli.py)
+
     layout = header.layout
     gap = nonzero_gap(layout, page)
     if gap is not None:
