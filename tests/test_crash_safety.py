@@ -18,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tierstore.format import PageExpectation
+from tierstore.format import PageExpectation, zero_gaps
 from tierstore.fsck import FsckOptions, run_fsck
 from tierstore.identity import MANIFEST_NAME
 from tierstore.mapper import locate, parse_temp_name
@@ -36,7 +36,11 @@ def crash_namespace():  # noqa: ANN201 - also imported by the writer script
 def pattern(key: bytes, group: int, n: int) -> bytes:
     """The bytes a page of ``key`` holds: cheap to make, different per key and group."""
     block = hashlib.sha256(key + bytes([group])).digest()
-    return (block * (n // len(block) + 1))[:n]
+    data = bytearray((block * (n // len(block) + 1))[:n])
+    layout = crash_namespace().groups[group].layout
+    if n == layout.nbytes:
+        zero_gaps(layout, data)  # a page's alignment gaps are zero (canonical bytes, format 3)
+    return bytes(data)
 
 
 WRITER = textwrap.dedent(

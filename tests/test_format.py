@@ -326,3 +326,26 @@ def test_header_template_is_encode_header_with_fields_patched(label: str, make_n
     assert tmpl.parse(memoryview(other), meta.key) is None  # another rank: not our header
     buf[-1] ^= 1
     assert tmpl.parse(memoryview(buf), meta.key) is None  # a damaged header
+
+
+def test_pages_of_format_2_are_cleanly_refused(tmp_path, monkeypatch) -> None:
+    """Format 3 zeroes alignment gaps (canonical bytes); a format-2 page is not read: the
+    reader says which version it found (its tree is another namespace, see test_fsck)."""
+    import pytest
+
+    import tierstore.format as fmt
+    from tierstore.errors import PageFormatError
+    from tierstore.pagefile import read_page
+    from tierstore.testing import golden
+
+    assert fmt.FORMAT_VERSION == 3
+    gp = next(g for g in golden.golden_pages() if g.name == "gdn_gaps")
+    monkeypatch.setattr(fmt, "FORMAT_VERSION", 2)
+    header, pieces = fmt.encode_page(gp.meta, gp.layout, gp.expected)
+    monkeypatch.undo()
+    path = tmp_path / "old.kvp"
+    path.write_bytes(header + b"".join(bytes(p) for p in pieces))
+    with pytest.raises(PageFormatError, match="unsupported page format version 2; this tierstore reads 3"):
+        read_page(path, gp.expectation(), memoryview(bytearray(gp.layout.nbytes)))
+    version, old = fmt.decode_header_any_version(path.read_bytes())
+    assert (version, old.meta) == (2, gp.meta)  # only fsck --deep reads such headers, to report them

@@ -367,7 +367,7 @@ def test_namespace_of_another_format_is_reported_and_left_alone(root: Path, hybr
     # that version may use it, and its pages are never served here.
     import dataclasses
 
-    old = dataclasses.replace(hybrid_ns, format_version=hybrid_ns.format_version - 1)
+    old = dataclasses.replace(hybrid_ns, format_version=1)
     write_manifest(root, old)
     page = root / old.digest / "g0" / "r0" / "ab" / "cd" / (page_key(3).hex() + ".kvp")
     page.parent.mkdir(parents=True)
@@ -645,3 +645,110 @@ def test_io_errors_are_reported_but_never_repaired_by_deletion(root: Path, fille
     rc, rep = fsck(root, "--repair")
     assert rc == 4 and _problems(rep) == {target: ("unreadable", "io")}
     assert filled[0].path.exists()
+
+
+# -- canonical bytes and --deep -------------------------------------------------------------
+
+def _golden_gdn_tree(root: Path) -> tuple[Path, object]:
+    """The golden GDN page (sections with alignment gaps) at its place in a tree."""
+    from tierstore.testing import golden
+
+    gp = next(g for g in golden.golden_pages() if g.name == "gdn_gaps")
+    write_manifest(root, gp.namespace)
+    path = FileMapper(root, gp.namespace.digest, 0, 0).path_for(gp.meta.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(golden.GOLDEN_DIR / gp.filename, path)
+    return path, gp
+
+
+def test_non_zero_gap_bytes_make_a_bad_page(root: Path) -> None:
+    path, gp = _golden_gdn_tree(root)
+    assert fsck(root)[0] == 0 and fsck(root, "--deep")[0] == 0
+    data = bytearray(path.read_bytes())
+    data[4096 + gp.layout.gaps[0][0]] = 0x42  # not covered by any checksum
+    path.write_bytes(bytes(data))
+    for args in ((), ("--deep",)):
+        rc, rep = fsck(root, *args)
+        assert rc == 4 and _problems(rep) == {str(path): ("bad_page", "checksum")}
+        assert "alignment gap" in rep["problems"][0]["message"]
+
+
+def test_deep_reports_nan_and_inf_that_checksums_cannot_see(root: Path, hybrid_ns: Namespace,
+                                                            filled: list[StoredPage]) -> None:
+    assert fsck(root, "--deep")[0] == 0  # realistic values: nothing to report
+    layout = hybrid_ns.groups[2].layout
+    good = bytearray(page_bytes(layout, page_key(90), 2))
+    o_bf16 = layout.offsets[0]  # a bf16 conv state: quiet NaN 0x7FC0
+    good[o_bf16 : o_bf16 + 2] = (0x7FC0).to_bytes(2, "little")
+    nan_page = write_page(root, hybrid_ns, 2, page_key(90), data=bytes(good))
+    inf = bytearray(page_bytes(layout, page_key(91), 2))
+    o_f32 = layout.offsets[1]  # an fp32 SSM state: +Inf
+    inf[o_f32 + 8 : o_f32 + 12] = (0x7F800000).to_bytes(4, "little")
+    inf_page = write_page(root, hybrid_ns, 2, page_key(91), data=bytes(inf), codec=Codec.ZSTD)
+    assert fsck(root)[0] == 0  # valid checksums: only the deep check sees them
+    rc, rep = fsck(root, "--deep")
+    assert rc == 4
+    assert _problems(rep) == {str(nan_page.path): ("bad_page", "nonfinite"), str(inf_page.path): ("bad_page", "nonfinite")}
+    assert "NaN/Inf" in rep["problems"][0]["message"]
+    rc, rep = fsck(root, "--deep", "--repair")
+    assert rc == 1 and not nan_page.path.exists() and not inf_page.path.exists()
+    assert fsck(root, "--deep")[0] == 0
+
+
+def test_deep_check_page_dtype_rules() -> None:
+    import numpy as np
+
+    from tierstore.format import PageLayout, SectionSpec, decode_header, encode_page
+    from tierstore.fsck import deep_check_page
+    from tierstore.testing.pages import page_meta
+
+    for dtype, bad in (("float8_e4m3fn", 0x7F), ("float8_e5m2", 0xFC), ("float16", 0x7C00), ("uint8", None)):
+        layout = PageLayout((SectionSpec("s", dtype, (8,)),))
+        ns = hybrid_namespace()
+        meta = page_meta(ns, 0, page_key(1))
+        buf = bytearray(np.full(layout.nbytes, 0x01, dtype=np.uint8).tobytes())
+        header = decode_header(encode_page(meta, layout, buf)[0])
+        assert deep_check_page(header, memoryview(buf)) is None
+        if bad is not None:
+            size = layout.sections[0].itemsize
+            buf[size : 2 * size] = bad.to_bytes(size, "little")
+            assert deep_check_page(header, memoryview(buf))[0] == "nonfinite"
+
+
+def test_deep_counts_non_canonical_pages_of_an_older_format_and_leaves_them(root: Path, monkeypatch) -> None:
+    """A format-2 tree (gaps not zeroed then): fsck reports the namespace, --deep also counts
+    its pages with non-zero gap bytes; nothing is read as ours or changed, --repair included."""
+    import dataclasses
+
+    import tierstore.format as fmt
+    from tierstore.format import PageMeta, encode_page
+    from tierstore.testing import golden
+
+    gp = next(g for g in golden.golden_pages() if g.name == "gdn_gaps")
+    old = dataclasses.replace(gp.namespace, format_version=2)
+    write_manifest(root, old)
+    monkeypatch.setattr(fmt, "FORMAT_VERSION", 2)  # encode_header writes the module's version
+    paths = []
+    for i, gap_byte in enumerate((0, 0x37, 0x99)):
+        key = page_key(i)
+        header, _ = encode_page(PageMeta(old.digest_bytes, key, 0, gp.meta.group_kind, 16), gp.layout, gp.expected)
+        payload = bytearray(gp.expected)
+        for a, b in gp.layout.gaps:
+            payload[a:b] = bytes([gap_byte]) * (b - a)
+        path = FileMapper(root, old.digest, 0, 0).path_for(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(header + bytes(payload))
+        paths.append(path)
+    monkeypatch.undo()
+    before = [p.read_bytes() for p in paths]
+    manifest = str(root / old.digest / MANIFEST_NAME)
+    rc, rep = fsck(root)
+    assert rc == 4 and _problems(rep) == {manifest: ("manifest", "manifest")}
+    for args in (("--deep",), ("--deep", "--repair")):
+        rc, rep = fsck(root, *args)
+        assert rc == 4
+        kinds = sorted((p["path"], p["kind"]) for p in rep["problems"])
+        assert kinds == [(manifest, "manifest"), (manifest, "noncanonical")]
+        msg = next(p["message"] for p in rep["problems"] if p["kind"] == "noncanonical")
+        assert "page format 2: 2 of 3 page(s)" in msg
+    assert [p.read_bytes() for p in paths] == before

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "writer process is gone is stale at once")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: only when stderr is a terminal)")
+    p.add_argument("--deep", action="store_true",
+                   help="also recompute each page's content checks: zero alignment gaps, no NaN/Inf in "
+                   "floating-point sections; and count non-canonical pages in trees of older page formats")
 
     p = sub.add_parser("stats", help="per namespace and group: files, bytes, token coverage, age",
                        description="Reads only page headers (the first 4 KiB of each file).")
@@ -134,7 +137,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
 
     report = run_fsck(FsckOptions(
         root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
-        tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress,
+        tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
     ))
     if args.json:
         _print_json(report.to_json())

@@ -1,4 +1,4 @@
-"""Page file format v2: the bytes of one page file, and nothing about where it lives.
+"""Page file format v3: the bytes of one page file, and nothing about where it lives.
 
 A page is one KV-cache group x one stored chunk x all layers of that group (x one rank's
 slice). Its payload is the concatenation of named, typed sections (``PageLayout``); the
@@ -25,10 +25,25 @@ integers little-endian; documented in docs/DESIGN.md):
     payload: each section at its stored offset (multiples of SECTION_ALIGN), gaps zero.
 
 With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (same offsets),
-so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame.
+so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame,
+at the first SECTION_ALIGN multiple after the previous frame.
 There are no timestamps or host names in a page: the same tokens give the same bytes.
 ``HeaderTemplate`` is one writer's exact codec-NONE header with the variable fields (key, token
 count, checksums) patched in place; its offsets come from the structs below.
+
+Canonical bytes (format 3). Every byte of a file is determined by the page's content: the
+alignment gaps between sections (``PageLayout.gaps``, < SECTION_ALIGN bytes each; in a ZSTD
+payload the padding between frames) are zero. Writers: every copy into a page buffer writes
+its gaps (``kernels.GroupCopier.gather`` on both backends zeroes them in the same pass;
+``decode_payload`` zeroes them in its output), and ``encode_page`` zeroes them in what it
+writes whatever its input held. Readers reject a file whose gap bytes are not zero
+(``check_gaps``, called by ``decode_payload``, hence by ``pagefile.read_page`` and fsck):
+section checksums do not cover the gaps, so this check is what keeps a stale byte (a previous
+page's, possibly another tenant's) from travelling through a shared tree unnoticed. Format 2
+did not zero the gaps of layouts that have any (Mamba/GDN states whose size is not a multiple
+of SECTION_ALIGN); its trees are another namespace and are refused (see FORMAT_VERSION).
+The files under tests/golden/ pin these bytes: a change that alters them must change
+FORMAT_VERSION (``python -m tierstore.testing.golden --write`` regenerates them).
 
 Nothing here executes code from a file: the header is parsed with ``struct`` only, and a
 header must be self-consistent (a checksum-valid crafted one too): sections inside the payload,
@@ -57,9 +72,11 @@ from tierstore.errors import (
 )
 
 MAGIC = b"TSKVPAGE"
-# 2: the bytes of version 1 in a tree with one fan-out level (mapper.py). The namespace digest
-# covers this number, so a tree of another version is another namespace: never read as ours.
-FORMAT_VERSION = 2
+# 2: the bytes of version 1 in a tree with one fan-out level (mapper.py).
+# 3: alignment gaps are zero (canonical bytes, see above) and readers reject non-zero ones.
+# The namespace digest covers this number, so a tree of another version is another namespace:
+# never read as ours (fsck reports it and leaves it alone; ``read_page`` refuses its pages).
+FORMAT_VERSION = 3
 HEADER_ALIGN = 4096
 SECTION_ALIGN = 64
 MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page
@@ -196,6 +213,13 @@ class PageLayout:
         return tuple((o, o + s.nbytes) for o, s in zip(self.offsets, self.sections, strict=True))
 
     @cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of each non-empty alignment gap between sections in a page buffer;
+        canonical pages hold zeros there (< SECTION_ALIGN bytes each)."""
+        spans = self.spans
+        return tuple((e, o) for (_, e), (o, _) in zip(spans, spans[1:], strict=False) if o > e)
+
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of a page buffer (sections at ``offsets``, the last one unpadded)."""
         if not self.sections:
@@ -217,6 +241,66 @@ class PageLayout:
 def section_checksums(layout: PageLayout, data: memoryview) -> tuple[int, ...]:
     """The checksum of each section of a page buffer of ``layout`` (what the header records)."""
     return tuple(checksum(data[o:e]) for o, e in layout.spans)
+
+
+_ZERO_GAP = bytes(SECTION_ALIGN)  # the only content a gap may have (gaps are < SECTION_ALIGN)
+
+
+def nonzero_gap(layout: PageLayout, buf: bytes | memoryview) -> tuple[int, int] | None:
+    """The first alignment gap of a page buffer of ``layout`` holding a non-zero byte, or None."""
+    view = memoryview(buf).cast("B")
+    for a, b in layout.gaps:
+        if view[a:b] != _ZERO_GAP[: b - a]:
+            return a, b
+    return None
+
+
+def zero_gaps(layout: PageLayout, buf: memoryview | bytearray) -> None:
+    """Write zeros into every alignment gap of a writable page buffer of ``layout``."""
+    view = memoryview(buf).cast("B")
+    for a, b in layout.gaps:
+        view[a:b] = _ZERO_GAP[: b - a]
+
+
+def check_gaps(layout: PageLayout, buf: bytes | memoryview, *, path: str | None = None,
+               key: bytes | None = None) -> None:
+    """Raise PageCorrupt unless every alignment gap of the page buffer ``buf`` is zero.
+
+    The cheap reader check of canonical bytes (at most SECTION_ALIGN - 1 bytes per section):
+    a non-zero gap byte is damage the section checksums do not see, or a file from a writer
+    that does not zero gaps (format 2 and older, or a bug); such a file is never served.
+    """
+    bad = nonzero_gap(layout, buf)
+    if bad is not None:
+        a, b = bad
+        name = layout.sections[[e for _, e in layout.spans].index(a)].name
+        raise PageCorrupt(f"non-zero bytes in the alignment gap after section {name!r} (page bytes {a}..{b}): "
+                          "not a canonical format-3 page (damaged, or written by a writer that does not "
+                          "zero gaps); it is not served", path=path, key=key)
+
+
+def check_stored_gaps(header: PageHeader, payload: bytes | memoryview, *, path: str | None = None) -> None:
+    """Raise unless a stored payload is canonical outside its sections: codec NONE, the layout's
+    gaps are zero; codec ZSTD, each frame starts at the first SECTION_ALIGN multiple after the
+    previous one (PageFormatError otherwise), the padding is zero (PageCorrupt otherwise) and
+    the payload ends with the last frame."""
+    view = memoryview(payload).cast("B")
+    if header.codec == Codec.NONE:
+        check_gaps(header.layout, view, path=path, key=header.meta.key)
+        return
+    pos = 0
+    for e in header.sections:
+        start = _align(pos, SECTION_ALIGN)
+        if e.stored_offset != start:
+            raise PageFormatError(f"section {e.spec.name!r}: zstd frame at payload offset {e.stored_offset}, "
+                                  f"the canonical place is {start}", path=path, key=header.meta.key)
+        if view[pos:start] != _ZERO_GAP[: start - pos]:
+            raise PageCorrupt(f"non-zero padding before the zstd frame of section {e.spec.name!r}: not a "
+                              "canonical format-3 page; it is not served", path=path, key=header.meta.key)
+        pos = start + e.stored_len
+    if header.payload_len != pos:
+        raise PageFormatError(f"payload runs {header.payload_len - pos} bytes past its last zstd frame",
+                              path=path, key=header.meta.key)
 
 
 @dataclass(frozen=True)
@@ -339,6 +423,31 @@ def decode_header(buf: bytes | memoryview, *, path: str | None = None) -> PageHe
         raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
 
 
+def decode_header_any_version(buf: bytes | memoryview, *, path: str | None = None) -> tuple[int, PageHeader]:
+    """(format version, header) of a page of any version with this header layout (1 to 3).
+
+    For reports on older trees only (``fsck --deep``): nothing is ever served from such a page.
+    Checks as ``decode_header`` except the version."""
+    buf = memoryview(buf)
+    if len(buf) < PREAMBLE_LEN or bytes(buf[: len(MAGIC)]) != MAGIC:
+        raise PageFormatError("not a tierstore page (bad magic)", path=path)
+    _, version, _, header_len = struct.unpack_from("<8sHHI", buf)
+    if not 1 <= version <= FORMAT_VERSION:
+        raise PageFormatError(f"unknown page format version {version}", path=path)
+    patched = bytearray(buf[:PREAMBLE_LEN])
+    struct.pack_into("<H", patched, 8, FORMAT_VERSION)
+    header_len_of(patched, path=path)  # magic, flags, header length
+    if len(buf) < header_len:
+        raise PageTruncated(f"file ends inside its {header_len}-byte header", path=path)
+    (stored_sum,) = _CHECKSUM.unpack_from(buf, header_len - 8)
+    if checksum(buf[: header_len - 8]) != stored_sum:
+        raise PageCorrupt("header checksum mismatch", path=path)
+    try:
+        return version, _parse_header(buf, header_len)
+    except (struct.error, UnicodeDecodeError, ValueError, PageFormatError) as exc:
+        raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
+
+
 def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
     (_, _, _, _, payload_len, ns, group_index, kind, codec, key_len, token_count, rank,
      head_start, head_count, nsec) = _PREAMBLE.unpack_from(buf, 0)
@@ -404,12 +513,20 @@ def encode_page(
 ) -> tuple[bytes, list[memoryview | bytes]]:
     """Build the header and payload pieces of a page from a page buffer of ``layout``.
 
-    With codec NONE the payload is ``data`` itself (zero-copy). ``compressor`` is a
-    ``zstandard.ZstdCompressor`` owned by the calling thread (required for ZSTD).
+    With codec NONE the payload is ``data`` itself (zero-copy) when its alignment gaps are zero,
+    else a copy with zero gaps: the file is canonical whatever the gaps of ``data`` held.
+    ``compressor`` is a ``zstandard.ZstdCompressor`` owned by the calling thread (required for
+    ZSTD; frames depend on its level and on the zstd library version).
     """
     data = memoryview(data).cast("B")
     if len(data) != layout.nbytes:
         raise ValueError(f"page buffer has {len(data)} bytes, layout needs {layout.nbytes}")
+    if codec == Codec.NONE and nonzero_gap(layout, data) is not None:
+        # Canonical bytes whatever the caller's buffer held in its gaps (a reused buffer): the
+        # file gets a copy with zero gaps; the caller's buffer is left as it is.
+        canon = bytearray(data)
+        zero_gaps(layout, canon)
+        data = memoryview(canon)
     entries: list[SectionEntry] = []
     pieces: list[memoryview | bytes] = []
     if codec == Codec.NONE:
@@ -447,12 +564,19 @@ def decode_payload(
     """Verify every section of ``payload`` and leave the page buffer in ``out``.
 
     With codec NONE, ``payload=None`` means the payload was read straight into ``out``
-    (verify in place, no copy). Raises
-    PageCorrupt on the first bad section; ``out`` then holds garbage and must not be used.
+    (verify in place, no copy). Raises PageCorrupt on the first bad section or on non-zero
+    gap bytes (``check_stored_gaps``; PageFormatError for misplaced zstd frames); ``out`` then
+    holds garbage and must not be used. On success the gaps of ``out`` are zero.
     """
     out = memoryview(out).cast("B")
     if len(out) != header.layout.nbytes:
         raise ValueError(f"output buffer has {len(out)} bytes, page needs {header.layout.nbytes}")
+    if header.codec == Codec.NONE and payload is None:
+        check_gaps(header.layout, out, path=path, key=header.meta.key)
+    else:
+        if payload is not None:
+            check_stored_gaps(header, payload, path=path)
+        zero_gaps(header.layout, out)  # the output's gaps may hold an earlier page's bytes
     for e, off in zip(header.sections, header.layout.offsets, strict=True):
         raw_len = e.spec.nbytes
         if header.codec == Codec.NONE:

@@ -24,6 +24,15 @@ Contract:
   a file swapped in after the scan is never followed out of ROOT nor removed by mistake.
 - Exit codes as e2fsck: 0 clean, 1 errors found and all repaired, 4 errors left,
   8 operational error (ROOT missing, bad option), 32 interrupted.
+- Every read rejects non-zero alignment-gap bytes (``format.check_gaps``: canonical bytes).
+  ``--deep`` (``FsckOptions.deep``) also recomputes, per verified page (``deep_check_page``,
+  one call per page, no shared state): gap bytes zero, and no NaN/Inf bit pattern in a
+  floating-point section (a KV cache or Mamba state holding one poisons every request that
+  loads it; integer and byte sections have no invalid encodings). Such a page is a bad page
+  (kinds ``noncanonical``, ``nonfinite``). In namespaces of an older page format (never
+  walked, never repaired) it counts the pages written non-canonically (non-zero gaps, which
+  format 3 forbids) and reports them on the namespace's manifest finding (kind
+  ``noncanonical``; left for a human like the namespace itself).
 
 Threading: ``run_fsck`` is called from one thread; it uses a private pool for reads.
 """
@@ -43,7 +52,16 @@ from typing import Any
 import zstandard
 
 from tierstore.errors import PageError, PageIOError, PageMissing
-from tierstore.format import PageExpectation, check_expectation
+from tierstore.format import (
+    FORMAT_VERSION,
+    PageExpectation,
+    PageHeader,
+    check_expectation,
+    check_stored_gaps,
+    decode_header_any_version,
+    nonzero_gap,
+)
+from tierstore.identity import MANIFEST_NAME
 from tierstore.inventory import (
     BAD_PAGE,
     FOREIGN,
@@ -90,6 +108,7 @@ class FsckOptions:
     tmp_age: float = 3600.0  # seconds after which a temp of another host (or a live pid) is stale
     quarantine_bad: bool = False  # move bad pages to ROOT/.quarantine instead of deleting them
     progress: bool | None = None  # None: on a terminal only
+    deep: bool = False  # also check values (NaN/Inf) and older trees' gap bytes (deep_check_page)
 
 
 @dataclass
@@ -183,8 +202,9 @@ class PageVerifier:
     scan allocates nothing per page for namespaces with a manifest.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deep: bool = False) -> None:
         self._local = threading.local()
+        self.deep = deep
 
     def _buffer(self, nbytes: int) -> memoryview:
         bufs: dict[int, bytearray] = self._local.__dict__.setdefault("bufs", {})
@@ -205,10 +225,14 @@ class PageVerifier:
         try:
             if ref.group is not None and ns_bytes is not None:
                 expect = PageExpectation(ns_bytes, ref.key, ref.group_index, ref.rank, ref.group.layout)
-                header = read_page(path, expect, self._buffer(ref.group.layout.nbytes), self._decompressor())
+                page = self._buffer(ref.group.layout.nbytes)
+                header = read_page(path, expect, page, self._decompressor())
                 if header.meta.group_kind != ref.group.kind:
                     return self._bad(ref, "format", f"page says group kind {header.meta.group_kind.name.lower()}, "
                                                     f"the manifest's group {ref.group_index} is {ref.group.kind.name.lower()}")
+                deep = deep_check_page(header, page) if self.deep else None
+                if deep is not None:
+                    return self._bad(ref, *deep)
             else:
                 # No usable manifest: verify what the page says about itself and its place.
                 # The header is checked first: inspect_page allocates the layout it declares.
@@ -233,6 +257,86 @@ class PageVerifier:
     @staticmethod
     def _bad(ref: PageRef, kind: str, message: str) -> PageVerdict:
         return PageVerdict(problem=Finding(ref.path, BAD_PAGE, kind, message, size=ref.size, mtime=ref.mtime, fingerprint=ref.fingerprint))
+
+
+# Floating-point dtypes -> (same-size unsigned view, mask, pattern): a value v is NaN or Inf
+# when v & mask == pattern (all exponent bits set; fp8 e4m3fn has only NaN, s.1111.111; the
+# fnuz types only 0x80).
+_NONFINITE: dict[str, tuple[str, int, int]] = {
+    "bfloat16": ("<u2", 0x7F80, 0x7F80),
+    "float16": ("<u2", 0x7C00, 0x7C00),
+    "float32": ("<u4", 0x7F800000, 0x7F800000),
+    "float64": ("<u8", 0x7FF0000000000000, 0x7FF0000000000000),
+    "float8_e4m3fn": ("u1", 0x7F, 0x7F),
+    "float8_e5m2": ("u1", 0x7C, 0x7C),
+    "float8_e4m3fnuz": ("u1", 0xFF, 0x80),
+    "float8_e5m2fnuz": ("u1", 0xFF, 0x80),
+}
+
+
+def deep_check_page(header: PageHeader, page: memoryview) -> tuple[str, str] | None:
+    """(kind, message) of the first problem ``--deep`` finds in a verified page buffer, or None.
+
+    Recomputes what the page's content determines beyond its checksums: alignment gaps zero
+    (canonical bytes) and floating-point sections free of NaN/Inf bit patterns. Pure function
+    of its arguments (safe from the read pool's threads)."""
+    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/test_cli.py)
+
+    layout = header.layout
+    gap = nonzero_gap(layout, page)
+    if gap is not None:
+        return "noncanonical", f"non-zero bytes in the alignment gap at page bytes {gap[0]}..{gap[1]}"
+    for spec, (o, e) in zip(layout.sections, layout.spans, strict=True):
+        rule = _NONFINITE.get(spec.dtype)
+        if rule is None or e == o:
+            continue
+        words = np.frombuffer(page[o:e], dtype=rule[0])
+        bad = int(np.count_nonzero((words & np.array(rule[1], dtype=rule[0])) == rule[2]))
+        if bad:
+            return "nonfinite", (f"section {spec.name!r} ({spec.dtype}) holds {bad} NaN/Inf value(s): a KV "
+                                 "cache or state that poisons every request loading it")
+    return None
+
+
+def old_tree_findings(inv: Inventory) -> list[Finding]:
+    """For each namespace of an older page format: a finding counting its pages whose gap bytes
+    are not zero (non-canonical). The tree is only read (with O_NOFOLLOW), never changed."""
+    out = []
+    for nsd in inv.namespaces:
+        if nsd.walk or nsd.namespace is None or nsd.namespace.format_version >= FORMAT_VERSION:
+            continue
+        total, bad = 0, 0
+        for dirpath, _, names in os.walk(nsd.path, followlinks=False):
+            for name in names:
+                if not name.endswith(".kvp") or name.startswith("."):
+                    continue
+                total += 1
+                bad += not _old_page_is_canonical(os.path.join(dirpath, name))
+        if bad:
+            out.append(Finding(str(nsd.path / MANIFEST_NAME), MANIFEST, "noncanonical",
+                               f"page format {nsd.namespace.format_version}: {bad} of {total} page(s) have non-zero "
+                               f"alignment-gap bytes (written before format {FORMAT_VERSION} zeroed them; such "
+                               "bytes may come from earlier pages); never served here, left as is"))
+    return out
+
+
+def _old_page_is_canonical(path: str) -> bool:
+    """False when a page of an older format has non-zero gap bytes (unreadable files: True,
+    they are not this check's business)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_UNMANIFESTED_PAGE_BYTES:
+                return True
+            data = os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+        _, header = decode_header_any_version(data, path=path)
+        check_stored_gaps(header, memoryview(data)[header.header_len : header.header_len + header.payload_len])
+    except (OSError, PageError) as exc:
+        return not (isinstance(exc, PageError) and "non-zero" in exc.message)
+    return True
 
 
 class SafeRoot:
@@ -340,7 +444,7 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     progress = Progress("fsck", enabled=options.progress)
     try:
         inv: Inventory = walk_root(
-            options.root, visitor=PageVerifier(), namespace=options.namespace, jobs=options.jobs,
+            options.root, visitor=PageVerifier(options.deep), namespace=options.namespace, jobs=options.jobs,
             tmp_age=options.tmp_age, progress=progress,
         )
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
@@ -350,6 +454,8 @@ def run_fsck(options: FsckOptions) -> FsckReport:
         progress.close()
     report.root = str(inv.root)
     report.problems = inv.findings
+    if options.deep:
+        report.problems.extend(old_tree_findings(inv))
     report.temps_active = inv.temps_active
     report.vanished = inv.vanished
     report.namespaces = len(inv.namespaces)

@@ -1,10 +1,12 @@
 """Copies between vLLM's KV-cache views and canonical page buffers (one KV-cache group).
 
 ``GroupCopier(sources, layout, blocks_per_page, concat_dims, backend)`` is the contract
-(docs in /tmp/contracts.md, docs/design/kernels.md): ``sources[i]`` is a strided view
+(docs/DESIGN.md section 7): ``sources[i]`` is a strided view
 ``[num_blocks, *block_shape]`` feeding ``layout.sections[i]``; the adapter expresses every
 physical layout (LBHNC, LBNHC, split K/V planes, kernel-block splits, transposed conv
-states) as such a view, so the canonical bytes never depend on it.
+states) as such a view, so the canonical bytes never depend on it. A gather writes every byte
+of each page buffer, the zero alignment gaps between sections included (format.py, "Canonical
+bytes"), so what a reused buffer held before never reaches a file.
 
 Backends: ``"triton"`` (one stride-generic kernel family; compiled on CUDA, the interpreter
 on CPU when ``TRITON_INTERPRET=1`` was set before import), ``"torch"`` (reference.py; any

@@ -1,16 +1,19 @@
 """xxh3-64 section checksums of canonical pages, computed on the pages' device (Triton).
 
-Contract (/tmp/team/contracts.md, A): ``SectionHasher(layout, device).hash(pages)`` takes
+Contract (docs/DESIGN.md section 7): ``SectionHasher(layout, device).hash(pages)`` takes
 ``pages`` ``[n, layout.nbytes]`` uint8 (rows contiguous; a row stride larger than
 ``layout.nbytes`` is accepted) on ``device`` and returns ``[n, len(layout.sections)]`` int64
 whose bit patterns are exactly ``xxhash.xxh3_64_intdigest(section_bytes)`` (seed 0, default
-192-byte secret) -- the section checksums of format v1 (``tierstore.format.checksum``).
+192-byte secret) -- the section checksums of the page format (``tierstore.format.checksum``;
+unchanged since format 1). Gap bytes between sections are not hashed: readers check them
+(``format.check_gaps``).
 Convert a value with ``v & 0xFFFFFFFFFFFFFFFF``. ``verify(pages, expect)`` compares against
 sums of the same form and returns ``[n]`` bool. Both only queue work on the current stream
 (no host synchronisation); every length is supported (``supported`` is False only when Triton
 cannot run on the device: no Triton, or CPU tensors without ``TRITON_INTERPRET=1``).
 
-Algorithm (XXH3_64bits of xxhash 0.8, deps/xxhash/xxhash.h), two launches per call:
+Algorithm (XXH3_64bits of xxhash 0.8: ``xxhash.h`` of https://github.com/Cyan4973/xxHash, the
+library the ``xxhash`` Python package wraps), two launches per call:
 
 * long sections (> 240 bytes), one program per (section, page): the input is cut into 1024-byte
   blocks of 16 stripes x 8 lanes of 64-bit words. Within a block each accumulator lane only

@@ -8,7 +8,12 @@ along dim ``d`` (``S[d] = blocks_per_page * B[d]``, every other dim equal); with
 page holds exactly one block and ``S == B`` (Mamba states). Both copy paths (torch reference
 and Triton) use this plan, so they agree on what the canonical bytes are.
 
-Pure functions over tensor metadata; a PlannedCopier is immutable after construction.
+Every gather writes whole page buffers: sections and the zero alignment gaps between them
+(``PageLayout.gaps``), so a reused page buffer (a staging slot, a scratch row) never passes an
+earlier page's bytes on to a file. Scatters read sections only.
+
+Pure functions over tensor metadata; a PlannedCopier is immutable after construction except
+for a per-device cache of the gap index (``gap_index``).
 """
 
 from __future__ import annotations
@@ -151,6 +156,18 @@ class PlannedCopier:
         self.blocks_per_page = blocks_per_page
         self.sections = plan_sections(sources, layout, blocks_per_page, concat_dims)
         self.device = self.sections[0].source.device
+        self._gap_index: dict[torch.device, torch.Tensor] = {}
+
+    def gap_index(self, device: torch.device) -> torch.Tensor | None:
+        """int64 byte indexes of every alignment gap of a page buffer (on ``device``), or None
+        when the layout has no gaps. A gather writes zeros there (format.py: canonical bytes)."""
+        if not self.layout.gaps:
+            return None
+        idx = self._gap_index.get(device)
+        if idx is None:  # a benign race: two threads build the same small tensor
+            idx = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in self.layout.gaps]).to(device)
+            self._gap_index[device] = idx
+        return idx
 
     def check_batch(self, block_ids: torch.Tensor, pages: PagesArg) -> int:
         """Validate one gather/scatter call; returns the number of pages."""

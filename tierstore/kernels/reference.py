@@ -2,7 +2,8 @@
 
 This is the path used on CPU (vLLM's CPU platform) and the oracle the Triton kernels are
 tested against. ``gather`` copies ``block_ids`` [n_pages, blocks_per_page] of every source view
-into page buffers at the layout's section offsets; ``scatter`` is the inverse. Every copy is a
+into page buffers at the layout's section offsets and zeroes the alignment gaps between them
+(canonical bytes: nothing of a reused buffer survives); ``scatter`` is the inverse. Every copy is a
 bit copy (sources are reinterpreted as same-size integers), so fp8 and bf16 need no arithmetic
 support from the device. One ``index_select`` per section per call; no Python loop over pages
 when ``pages`` is one 2-D tensor.
@@ -62,6 +63,17 @@ class ReferenceCopier(PlannedCopier):
             else:
                 for p, page in enumerate(pages):
                     page[sec.offset : end].copy_(data[p])
+        self._zero_gaps(pages)
+
+    def _zero_gaps(self, pages: PagesArg) -> None:
+        """The gaps between sections are part of the page: zero them (one op per buffer)."""
+        if not self.layout.gaps:
+            return
+        if isinstance(pages, torch.Tensor):
+            pages.index_fill_(1, self.gap_index(pages.device), 0)
+        else:
+            for page in pages:
+                page.index_fill_(0, self.gap_index(page.device), 0)
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
         """Pages -> blocks. With CPU block ids, a page whose ids are negative is skipped (as in

@@ -1,7 +1,7 @@
 """GPU <-> staging-slot transfer path for one KV-cache group (never blocks the forward pass).
 
 ``PageTransfer(copier, ...)`` moves pages between the engine's KV cache and host staging
-buffers (the IOEngine's ``StagingSlot`` tensors, pinned when CUDA is available):
+buffers (the IOEngine's ``StagingSlot`` tensors; pinned when the engine has ``pin=True`` on CUDA):
 
 - store: ``start_store(block_ids, slots)`` makes a side stream wait for the work already
   queued on the caller's current stream (the forward pass that wrote the KV), gathers the
@@ -26,8 +26,14 @@ This checks the bytes the GPU actually received (after PCIe), not just those on 
 
 Nothing here synchronizes the host with the GPU except ``synchronize()``/``wait()``: callers
 poll. Device memory is bounded by ``scratch_pages`` x page size; pinned memory is the
-caller's slots (bounded by the IOEngine's pool) plus tiny per-call block-id buffers from
-torch's caching host allocator. A start that does not fit in the free scratch returns None
+caller's slots (bounded by the IOEngine's pool; pinned only when it was created with
+``pin=True`` on a CUDA host, else host copies block the calling thread and a warning says so)
+plus per-scratch-row buffers for block ids, checksums and check results, allocated once
+(``_alloc_row_buffers``): no pinned allocation per call.
+
+Canonical bytes: a store's gather writes whole scratch rows (sections and zero alignment
+gaps, ``GroupCopier.gather``) and the whole row is copied to the slot, so neither an earlier
+page in the scratch nor one in the slot reaches a file. A start that does not fit in the free scratch returns None
 (try again after ``poll``); a batch larger than the scratch raises ValueError.
 
 On CPU (sources on the CPU) there is no scratch and no stream: the copier gathers straight

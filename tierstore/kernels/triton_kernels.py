@@ -8,7 +8,9 @@ and page strides. Copies are bit copies in the widest word (8, 4, 2 or 1 bytes) 
 every byte offset and stride involved, so dtypes (fp8, bf16, fp16, fp32) do not matter.
 
 Each launch covers all sections that share a tile shape (an attention group: one launch; a
-Mamba group: usually two, the conv and the SSM states). The grid is (page x kernel block,
+Mamba group: usually two, the conv and the SSM states). A gather of a layout with alignment
+gaps (``PageLayout.gaps``) adds one small launch (per word size) that writes zeros into them
+(``ZERO``), so a page buffer's bytes never depend on what it held before (format.py). The grid is (page x kernel block,
 tile); a tile is ``ROWS x COLS`` words of one section. Per-section descriptors (int64: source
 offset, page offset, strides, sizes) live in a small device tensor built once; all address
 arithmetic is 64-bit. Sources are addressed relative to one anchor storage and pages relative
@@ -64,6 +66,7 @@ def _page_copy_kernel(
     ROW_DIMS: tl.constexpr,
     SCATTER: tl.constexpr,
     VEC: tl.constexpr,  # words per 16 bytes when every row start and width is 16-byte aligned, else 1
+    ZERO: tl.constexpr = False,  # gather only: the descriptors are alignment gaps; write zeros
 ):
     pb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) + tile_offset
@@ -109,10 +112,14 @@ def _page_copy_kernel(
     c = col_tile * COLS + tl.arange(0, COLS).to(tl.int64)
     if SCATTER:  # a negative block id: a page that failed verification; write nothing
         width = tl.where(blk >= 0, width, 0)
+    if ZERO:  # a gap is one row per page: only the page's first kernel block writes it
+        width = tl.where(j == 0, width, 0)
     mask = rmask[:, None] & (c < width)[None, :]
     src_off = src_start + src_row[:, None] + c[None, :]
     dst_off = dst_start + dst_row[:, None] + c[None, :]
-    if SCATTER:
+    if ZERO:  # no source is read
+        tl.store(page_base + dst_off, tl.zeros([ROWS, COLS], dtype=page_base.dtype.element_ty), mask=mask)
+    elif SCATTER:
         vals = tl.load(page_base + dst_off, mask=mask)
         tl.store(src_base + src_off, vals, mask=mask)
     else:
@@ -202,6 +209,7 @@ class _Launch:
     desc: torch.Tensor
     tile_sec: torch.Tensor
     src_anchor: torch.Tensor  # word-typed tensor at the first section's storage base
+    zero: bool = False  # a gather's gap-zeroing launch (ZERO): descriptors are gaps, not sections
 
 
 def _word_view_of_storage(t: torch.Tensor, word: int) -> torch.Tensor:
@@ -242,16 +250,44 @@ class TritonCopier(PlannedCopier):
         self.max_cols = max_cols
         self.num_warps = num_warps
         self.vector_hints = vector_hints
-        self._plans: dict[int, list[_Launch]] = {}
+        self._plans: dict[tuple[int, bool], list[_Launch]] = {}
         self._lock = threading.Lock()
 
     # -- planning -------------------------------------------------------------------------
-    def _plan(self, page_align: int) -> list[_Launch]:
+    def _plan(self, page_align: int, gaps: bool = False) -> list[_Launch]:
+        """Launches of a copy; ``gaps`` (gathers): plus those that zero the alignment gaps."""
         with self._lock:
-            plan = self._plans.get(page_align)
+            plan = self._plans.get((page_align, gaps))
             if plan is None:
-                plan = self._plans[page_align] = self._build_plan(page_align)
+                plan = self._build_plan(page_align)
+                if gaps:
+                    plan = plan + self._gap_launches(page_align)
+                self._plans[(page_align, gaps)] = plan
             return plan
+
+    def _gap_launches(self, page_align: int) -> list[_Launch]:
+        """One ZERO launch per word size among the layout's gaps (usually one; none without gaps).
+
+        Each gap is a one-row descriptor (no source); a gap is < 64 bytes, so one tile covers it.
+        Kept apart from the section launches so that their word size and 16-byte hints are
+        never narrowed by a gap's alignment."""
+        by_word: dict[int, list[tuple[int, int]]] = {}
+        for a, b in self.layout.gaps:
+            word = math.gcd(a, b - a, page_align, 8)
+            by_word.setdefault(word, []).append((a, b))
+        launches = []
+        anchor = self.sections[0].source
+        for word, gaps in by_word.items():
+            cols = triton.next_power_of_2(max((b - a) // word for a, b in gaps))
+            desc = [[0, a // word, 0, 0, (b - a) // word, 1, 1, i, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+                    for i, (a, b) in enumerate(gaps)]
+            launches.append(_Launch(
+                word=word, rows=1, cols=cols, row_dims=1, n_tiles=len(gaps), vec=1,
+                desc=torch.tensor(desc, dtype=torch.int64).to(self.device),
+                tile_sec=torch.arange(len(gaps), dtype=torch.int32).to(self.device),
+                src_anchor=_word_view_of_storage(anchor, word), zero=True,
+            ))
+        return launches
 
     def _build_plan(self, page_align: int) -> list[_Launch]:
         buckets: dict[tuple[int, int], list[_SectionRows]] = {}
@@ -321,7 +357,7 @@ class TritonCopier(PlannedCopier):
             return
         ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous().view(-1)
         page_anchor, starts_bytes, align = self._page_table(pages, n)
-        for launch in self._plan(align):
+        for launch in self._plan(align, gaps=not scatter):
             w = launch.word
             page_words = _word_view_of_storage(page_anchor, w)
             starts = starts_bytes // w
@@ -330,7 +366,7 @@ class TritonCopier(PlannedCopier):
                 args = (launch.src_anchor, page_words, launch.desc, launch.tile_sec, ids, starts,
                         self.blocks_per_page, tile0)
                 meta = dict(NF=NF, ROWS=launch.rows, COLS=launch.cols, ROW_DIMS=launch.row_dims,
-                            SCATTER=scatter, num_warps=self.num_warps)
+                            SCATTER=scatter, ZERO=launch.zero, num_warps=self.num_warps)
                 try:
                     _page_copy_kernel[grid](*args, VEC=launch.vec, **meta)
                 except Exception as exc:  # a Triton build that rejects the hints: run without them
@@ -341,6 +377,7 @@ class TritonCopier(PlannedCopier):
                     _page_copy_kernel[grid](*args, VEC=1, **meta)
 
     def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
+        """Blocks -> pages: every byte of each page is written (sections, and zero gaps)."""
         self._run(block_ids, pages, scatter=False)
 
     def scatter(self, pages: PagesArg, block_ids: torch.Tensor) -> None:
@@ -348,7 +385,8 @@ class TritonCopier(PlannedCopier):
         self._run(block_ids, pages, scatter=True)
 
     def describe(self) -> list[dict[str, int]]:
-        """Launch shapes for the natural page alignment (for benchmarks and docs)."""
+        """Launch shapes of the section copies for the natural page alignment (for benchmarks and
+        docs; a gather of a layout with gaps adds one small gap-zeroing launch per word size)."""
         return [
             {"word": la.word, "rows": la.rows, "cols": la.cols, "row_dims": la.row_dims, "tiles": la.n_tiles,
              "vec": la.vec}
