@@ -62,6 +62,7 @@ from tierstore.format import (
     PageMeta,
     encode_page,
     section_checksums,
+    zero_gaps,
 )
 from tierstore.identity import Namespace, namespace_dir, write_manifest
 from tierstore.ioqueue import Job, JobQueue, QueuePolicy
@@ -342,6 +343,7 @@ class IOEngine:
         if self.codec == Codec.NONE:
             tmpl = self._template(len(key))
             hl = tmpl.header_len
+            zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
             file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
             tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else section_checksums(self.layout, slot.view))
             pagefile.publish(final, tmp, [file_buf], key=key, fsync=self.config.fsync, direct=self.odirect,

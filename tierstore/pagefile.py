@@ -54,6 +54,7 @@ from tierstore.format import (
     PageHeader,
     PageLayout,
     check_expectation,
+    check_gaps,
     checksum,
     decode_header,
     decode_payload,
@@ -308,7 +309,7 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
                   plan: list[tuple[int, int, int, int]], *, key: bytes, path: str, verify: bool,
                   already_read: bool) -> list[int] | None:
     """Read a file of exactly ``tmpl.header_len + layout.nbytes`` bytes into ``file_buf`` (the
-    header lands right before ``page``) and check it in place: the header's section checksums.
+    header lands right before ``page``) and check it in place: the header's section checksums and zero alignment gaps.
 
     None: the header is not byte for byte ``tmpl``'s for ``key`` (the caller takes
     ``read_page``, which names the error). ``verify=False``: the sections are not hashed (the
@@ -324,7 +325,10 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
     if not verify:
         if not already_read:
             readinto_exact(fd, file_buf[: hl + layout.nbytes], 0, path)
-        return tmpl.parse(file_buf[:hl], key)
+        parsed = tmpl.parse(file_buf[:hl], key)
+        if parsed is not None:
+            check_gaps(layout, page, path=path, key=key)  # the caller hashes only the sections
+        return parsed
     sums: list[int] | None = None
     for start, end, first_sec, last_sec in plan:
         if not already_read:
@@ -337,6 +341,7 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
             o, e = layout.spans[i]
             if checksum(page[o:e]) != sums[i]:
                 raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+    check_gaps(layout, page, path=path, key=key)  # canonical bytes: the gaps are not hashed
     return sums
 
 
