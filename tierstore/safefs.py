@@ -87,7 +87,13 @@ def open_dir(name: str, dir_fd: int) -> int:
     except OSError as exc:
         if exc.errno in _LINK_ERRNOS:
             raise UnsafeEntry("symlink", name, "a symlink where a directory belongs") from None
-        if exc.errno == errno.ENOTDIR:
+        if exc.errno == errno.ENOTDIR:  # Linux says ENOTDIR for a symlink under O_DIRECTORY too
+            try:
+                is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+            except OSError:
+                is_link = False
+            if is_link:
+                raise UnsafeEntry("symlink", name, "a symlink where a directory belongs") from None
             raise UnsafeEntry("not_dir", name, "not a directory") from None
         raise
 
