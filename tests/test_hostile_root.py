@@ -162,9 +162,21 @@ def test_fifo_and_deep_tree_and_odd_names(root: Path) -> None:
             fd = nfd
     finally:
         os.close(fd)
-    rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
-    assert rep.evicted == len(paths)
-    assert any("not a regular file" in u for u in rep.unsafe)
+    try:
+        rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
+        assert rep.evicted == len(paths)
+        assert any("not a regular file" in u for u in rep.unsafe)
+    finally:
+        _remove_chain(deep, 1200)  # pytest's own cleanup of tmp_path would recurse too deep
+
+
+def _remove_chain(top: Path, depth: int) -> None:
+    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+    for _ in range(depth - 1):
+        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    for fd in reversed(fds):
+        os.rmdir("d", dir_fd=fd)
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ lease
