@@ -16,6 +16,16 @@ Contract (``tierstore gc ROOT --max-bytes N``, and ``GcDaemon`` as the backgroun
    ENOENT/ESTALE mean another evictor got there first.
 5. Renew the lease while working; stop evicting as soon as it is lost. Release it.
 
+Hostile roots (anything under ROOT is untrusted input): every directory is opened with
+``O_NOFOLLOW`` relative to its parent's fd and every unlink/rename is an ``*at`` call on the fd
+that was checked, after re-checking the victim's (device, inode, mtime) (safefs.py): a symlinked
+trash, namespace or fan-out directory, even one swapped in between scan and eviction, is
+reported in ``unsafe`` and never followed. The walk is iterative with the layout's depth. The
+cap counts only bytes gc can free: allocated blocks (``st_blocks * 512``) of regular,
+single-link pages at their place, temps and trash entries; everything else (a 1 TiB sparse
+foreign file, hard-linked pages) is counted in ``other_bytes`` and warned about, never a reason
+to evict. A lease problem (a directory at the lease path) is reported in ``lease_problem``.
+
 No sqlite and no lock on the shared root: everything is files, renames and stats.
 Threading: ``collect`` is a plain function; ``GcDaemon`` is one daemon thread per root.
 """
@@ -29,13 +39,17 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tierstore.mapper import host_tag, locate, parse_temp_name
+from tierstore import safefs
+from tierstore.display import escape
+from tierstore.mapper import fanout, host_tag, parse_index_dir, parse_page_name, parse_temp_name
 from tierstore.metrics import TierMetrics
 from tierstore.tiers.lease import LEASE_NAME, Lease
 
@@ -44,6 +58,9 @@ log = logging.getLogger(__name__)
 TRASH_DIR = ".tierstore-trash"
 _NS_RE = re.compile(r"^[0-9a-f]{32}$")
 _GONE = (errno.ENOENT, errno.ESTALE)
+_PAGE_DEPTH = 4  # namespace / g<group> / r<rank> / <fan-out> / page
+# Called between the scan and the evictions (tests swap a directory for a symlink here).
+_after_scan_hook: Callable[[], None] | None = None
 
 
 @dataclass
@@ -63,6 +80,8 @@ class GcReport:
     vanished: int = 0  # victims another evictor or fsck removed first
     temps_removed: int = 0
     trash_removed: int = 0
+    lease_problem: str | None = None  # the lease path is not a lease file (see lease.py)
+    unsafe: list[str] = field(default_factory=list)  # entries gc refused to follow or touch
     seconds: float = 0.0
     started: float = 0.0  # wall clock (Unix seconds) when this node held the lease
     finished: float = 0.0
@@ -70,9 +89,29 @@ class GcReport:
 
 @dataclass(frozen=True)
 class _Page:
-    path: str
-    size: int
+    parts: tuple[str, ...]  # directory parts under the root
+    name: str
+    ident: safefs.Identity
+    size: int  # allocated bytes: what evicting it frees
     stamp: int  # mtime in ns
+
+
+def _allocated(st: os.stat_result) -> int:
+    return st.st_blocks * 512
+
+
+def _is_page_place(parts: tuple[str, ...], name: str) -> bool:
+    if len(parts) != _PAGE_DEPTH or not _NS_RE.match(parts[0]):
+        return False
+    key = parse_page_name(name)
+    return (key is not None and parse_index_dir(parts[1], "g") is not None
+            and parse_index_dir(parts[2], "r") is not None and fanout(key) == parts[3])
+
+
+def _unsafe(rep: GcReport, where: str, what: str) -> None:
+    if len(rep.unsafe) < 100:
+        rep.unsafe.append(f"{escape(where)}: {what}")
+    log.warning("tierstore gc: %s: %s; not followed, not touched", escape(where), what)
 
 
 def parse_bytes(text: str) -> int:
@@ -92,24 +131,18 @@ def parse_bytes(text: str) -> int:
     return n
 
 
-def _sweep_trash(trash: Path, grace_s: float, rep: GcReport) -> None:
+def _sweep_trash(trash_fd: int, grace_s: float, rep: GcReport) -> None:
     now = time.time_ns()
-    try:
-        entries = list(os.scandir(trash))
-    except FileNotFoundError:
-        return
-    for e in entries:
-        try:
-            born = int(e.name.split(".", 1)[0])  # names start with the eviction time in ns
-        except ValueError:
-            born = 0
-        try:
-            size = e.stat(follow_symlinks=False).st_size
-        except OSError:
+    for name, st in safefs._list(trash_fd):
+        if not stat.S_ISREG(st.st_mode):
+            _unsafe(rep, f"{TRASH_DIR}/{name}", "not a regular file in the trash")
             continue
+        born_text = name.split(".", 1)[0]  # names start with the eviction time in ns
+        born = int(born_text) if born_text.isascii() and born_text.isdigit() and len(born_text) <= 20 else 0
+        size = _allocated(st)
         if now - born >= grace_s * 1e9:
             try:
-                os.unlink(e.path)
+                safefs.unlink_at(name, trash_fd, safefs.identity(st))
                 rep.trash_removed += 1
             except OSError as exc:
                 if exc.errno not in _GONE:
@@ -118,62 +151,105 @@ def _sweep_trash(trash: Path, grace_s: float, rep: GcReport) -> None:
             rep.trash_bytes += size
 
 
-def _scan(root: Path, temp_max_age_s: float, rep: GcReport, lease: Lease) -> list[_Page]:
+def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> list[_Page]:
     pages: list[_Page] = []
     now = time.time()
-    try:
-        top = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False) and _NS_RE.match(e.name)]
-    except FileNotFoundError:
-        return pages
-    for ns in top:
-        for dirpath, _dirnames, filenames in os.walk(ns.path):
-            lease.renew_if_due()
-            for name in filenames:
-                full = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(full, follow_symlinks=False)
-                except OSError:
-                    continue  # vanished under us (ENOENT / ESTALE): not ours to count
-                if name.endswith(".kvp") and locate(root, full) is not None:
-                    pages.append(_Page(full, st.st_size, st.st_mtime_ns))
-                    rep.page_bytes += st.st_size
-                elif parse_temp_name(name) is not None:
-                    if now - st.st_mtime > temp_max_age_s:
-                        with contextlib.suppress(OSError):
-                            os.unlink(full)
-                            rep.temps_removed += 1
-                            continue
-                    rep.temp_bytes += st.st_size
-                else:
-                    rep.other_bytes += st.st_size
+
+    def descend(parts: tuple[str, ...]) -> bool:
+        return _NS_RE.match(parts[0]) is not None
+
+    def on_error(parts: tuple[str, ...], exc: BaseException) -> None:
+        if isinstance(exc, safefs.UnsafeEntry):
+            _unsafe(rep, "/".join(parts), exc.reason)
+
+    for d in safefs.walk(root_fd, max_depth=_PAGE_DEPTH, descend=descend, on_error=on_error):
+        lease.renew_if_due()
+        if not d.parts:
+            continue  # the root: its files are the lease, config, ...: not gc's
+        for name, st in d.entries:
+            where = "/".join((*d.parts, name))
+            if stat.S_ISDIR(st.st_mode):
+                if len(d.parts) >= _PAGE_DEPTH:
+                    _unsafe(rep, where, "a directory deeper than the layout")
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                _unsafe(rep, where, "a symlink")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                _unsafe(rep, where, "not a regular file")
+                continue
+            if _is_page_place(d.parts, name):
+                if st.st_nlink != 1:
+                    _unsafe(rep, where, f"a page with {st.st_nlink} links (counted as foreign)")
+                    rep.other_bytes += _allocated(st)
+                    continue
+                pages.append(_Page(d.parts, name, safefs.identity(st), _allocated(st), st.st_mtime_ns))
+                rep.page_bytes += _allocated(st)
+            elif parse_temp_name(name) is not None:
+                if now - st.st_mtime > temp_max_age_s:
+                    try:
+                        safefs.unlink_at(name, d.fd, safefs.identity(st))
+                        rep.temps_removed += 1
+                        continue
+                    except OSError:
+                        pass
+                rep.temp_bytes += _allocated(st)
+            else:
+                rep.other_bytes += _allocated(st)
     rep.pages = len(pages)
     return pages
 
 
-def _evict(victim: _Page, trash: Path, grace_s: float, rep: GcReport) -> None:
+def _evict(victim: _Page, root_fd: int, trash_fd: int, grace_s: float, rep: GcReport) -> None:
+    where = "/".join((*victim.parts, victim.name))
     try:
-        st = os.stat(victim.path)
+        dir_fd = safefs.open_dir_path(root_fd, victim.parts)
+    except safefs.UnsafeEntry as exc:
+        _unsafe(rep, "/".join(victim.parts), f"{exc.reason} since the scan")
+        return
     except OSError:
         rep.vanished += 1
         return
-    if st.st_mtime_ns != victim.stamp:
-        rep.skipped_recent += 1
-        return
-    dest = trash / f"{time.time_ns()}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.kvp"
     try:
-        os.rename(victim.path, dest)
-    except OSError as exc:
-        if exc.errno in _GONE:
+        try:
+            st = safefs.lstat_at(victim.name, dir_fd)
+        except OSError:
             rep.vanished += 1
             return
-        raise
+        if safefs.identity(st) != victim.ident or not stat.S_ISREG(st.st_mode):
+            _unsafe(rep, where, "replaced since the scan")
+            return
+        if st.st_mtime_ns != victim.stamp:
+            rep.skipped_recent += 1
+            return
+        dest = f"{time.time_ns()}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.kvp"
+        try:
+            safefs.rename_at(victim.name, dir_fd, dest, trash_fd, victim.ident)
+        except safefs.UnsafeEntry:
+            _unsafe(rep, where, "replaced since the scan")
+            return
+        except OSError as exc:
+            if exc.errno in _GONE:
+                rep.vanished += 1
+                return
+            raise
+    finally:
+        os.close(dir_fd)
     rep.evicted += 1
     rep.evicted_bytes += victim.size
     if grace_s <= 0:
         with contextlib.suppress(OSError):
-            os.unlink(dest)
+            safefs.unlink_at(dest, trash_fd, victim.ident)
     else:
         rep.trash_bytes += victim.size
+
+
+def _open_trash(root_fd: int, rep: GcReport) -> int | None:
+    try:
+        return safefs.open_dir_path(root_fd, (TRASH_DIR,), create=True)
+    except safefs.UnsafeEntry as exc:
+        _unsafe(rep, TRASH_DIR, f"{exc.reason}: gc neither sweeps nor evicts; remove it")
+        return None
 
 
 def collect(
@@ -193,19 +269,44 @@ def collect(
     rep = GcReport()
     lease = lease or Lease(root)
     if not lease.acquire():
-        rep.busy = True
+        rep.lease_problem = lease.problem
+        rep.busy = lease.problem is None
+        if lease.problem:
+            log.warning("tierstore gc %s: %s", root, lease.problem)
         rep.seconds = time.monotonic() - t0
         return rep
     rep.started = time.time()
+    root_fd = safefs.open_root(root)
     try:
-        trash = root / TRASH_DIR
-        trash.mkdir(exist_ok=True)
-        _sweep_trash(trash, trash_grace_s, rep)
-        pages = _scan(root, temp_max_age_s, rep, lease)
-        rep.total_before = rep.page_bytes + rep.temp_bytes + rep.other_bytes + rep.trash_bytes
-        # Bytes outside the trash; evicted pages wait in the trash for the grace period and are
-        # counted again by the next pass until they are unlinked.
+        _collect_locked(root_fd, max_bytes, low_watermark, trash_grace_s, temp_max_age_s, lease, dry_run, rep)
+    finally:
+        os.close(root_fd)
+        rep.finished = time.time()
+        lease.release()
+    if metrics is not None:
+        metrics.evicted(rep.evicted, rep.evicted_bytes)
+        metrics.set_capacity(rep.total_after, max_bytes)
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+def _collect_locked(root_fd: int, max_bytes: int, low_watermark: float, grace_s: float, temp_max_age_s: float,
+                    lease: Lease, dry_run: bool, rep: GcReport) -> None:
+    trash_fd = _open_trash(root_fd, rep)
+    if trash_fd is None:
+        return
+    try:
+        _sweep_trash(trash_fd, grace_s, rep)
+        pages = _scan(root_fd, temp_max_age_s, rep, lease)
+        if rep.other_bytes:
+            log.warning("tierstore gc: %d bytes under the root are not pages gc can free (foreign, "
+                        "hard-linked or unexpected files); they do not count toward the cap", rep.other_bytes)
+        # Only what gc can free counts; evicted pages wait in the trash for the grace period and
+        # are counted again by the next pass until they are unlinked.
+        rep.total_before = rep.page_bytes + rep.temp_bytes + rep.trash_bytes
         live = rep.total_before - rep.trash_bytes
+        if _after_scan_hook is not None:
+            _after_scan_hook()
         if rep.total_before > max_bytes and not dry_run:
             target = int(max_bytes * low_watermark)
             pages.sort(key=lambda p: p.stamp)
@@ -214,20 +315,14 @@ def collect(
                     break
                 if not lease.renew_if_due():
                     rep.lease_lost = True
-                    log.warning("tierstore gc %s: lease lost to another node; stopping", root)
+                    log.warning("tierstore gc: lease lost to another node; stopping")
                     break
                 before = rep.evicted_bytes
-                _evict(victim, trash, trash_grace_s, rep)
+                _evict(victim, root_fd, trash_fd, grace_s, rep)
                 live -= rep.evicted_bytes - before
         rep.total_after = live + rep.trash_bytes
     finally:
-        rep.finished = time.time()
-        lease.release()
-    if metrics is not None:
-        metrics.evicted(rep.evicted, rep.evicted_bytes)
-        metrics.set_capacity(rep.total_after, max_bytes)
-    rep.seconds = time.monotonic() - t0
-    return rep
+        os.close(trash_fd)
 
 
 class GcDaemon:
@@ -308,6 +403,8 @@ def run(args: argparse.Namespace) -> int:
                       lease=lease, dry_run=args.dry_run)
         if args.json:
             print(json.dumps(asdict(rep)), flush=True)
+        elif rep.lease_problem:
+            print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", flush=True)
         elif rep.busy:
             print(f"tierstore gc: another node holds the gc lease ({root / LEASE_NAME}); nothing done")
         else:
@@ -315,6 +412,9 @@ def run(args: argparse.Namespace) -> int:
                   f"(cap {args.max_bytes}); evicted {rep.evicted} pages / {rep.evicted_bytes} bytes, "
                   f"removed {rep.temps_removed} stale temps, {rep.trash_removed} trash entries in {rep.seconds:.2f} s"
                   + (" [dry run]" if args.dry_run else ""), flush=True)
+        if not args.json:
+            for line in rep.unsafe:
+                print(f"tierstore gc: refused {line}", flush=True)
         if args.loop <= 0:
-            return 0
+            return 1 if rep.lease_problem else 0
         time.sleep(args.loop)
