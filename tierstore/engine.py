@@ -934,6 +934,15 @@ class IOEngine:
             raise PageTruncated("file ended while reading the page", path=spath)
         return True
 
+    # shim until merge: PageStore.settle over confirm_page/discard_page (the lead drops it)
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        """The caller's verdict on an unverified load: not ``ok`` removes the damaged file, on a
+        short-lived thread (an unlink on a hung mount must not stall the caller)."""
+        if not ok:
+            key = bytes(result.key)
+            threading.Thread(target=self.discard_page, args=(key, reason or "checksum mismatch"),
+                             name="tierstore-discard", daemon=True).start()
+
 
 class _HeaderTemplate:
     """The exact header this engine writes for a key length, with the variable fields known.
