@@ -52,12 +52,12 @@ from typing import Any
 import torch
 import xxhash
 
+from tierstore.bench.page_cache import CacheDropper, prime
 from tierstore.config import TierStoreConfig
 from tierstore.engine import ALIGN, IOEngine
-from tierstore.format import GroupKind
-from tierstore.identity import GroupSpec, Namespace
-from tierstore.layout import attention_layout
+from tierstore.identity import Namespace
 from tierstore.mapper import fanout
+from tierstore.testing.pages import simple_namespace
 
 MIB = 1 << 20
 SYSTEMS = ("raw", "tierstore", "vllm_fs")
@@ -71,43 +71,12 @@ def bench_namespace(page_bytes: int, *, layers: int = 16, heads: int = 8, head_s
     tokens, rest = divmod(page_bytes, layers * per_token)
     if rest or tokens <= 0:
         raise ValueError(f"page size {page_bytes} is not a multiple of {layers} layers x {per_token} bytes/token")
-    names = tuple(f"model.layers.{i}.self_attn" for i in range(layers))
-    layout = attention_layout(names, heads, tokens, head_size, dtype)
-    group = GroupSpec(GroupKind.ATTENTION, tokens, tokens, names, layout)
-    return Namespace(model=model, dtype=dtype, groups=(group,), hash_algo="sha256")
+    return simple_namespace(dtype, model=model, tokens_per_chunk=tokens, num_layers=layers, num_kv_heads=heads,
+                            head_size=head_size)
 
 
 def _key(size_tag: str, run: int, i: int) -> bytes:
     return f"{size_tag}-{run}-{i}".encode().ljust(32, b"\0")
-
-
-class _CacheDropper:
-    """Drop the page cache of given files: drop_caches when permitted, else fadvise."""
-
-    def __init__(self, method: str = "auto") -> None:
-        self.method = "fadvise"
-        if method == "fadvise":
-            return
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-            self.method = "drop_caches"
-        except OSError:
-            pass
-
-    def drop(self, paths: Sequence[Path]) -> None:
-        if self.method == "drop_caches":
-            os.sync()  # only clean pages drop; everything here was fsynced already
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -152,18 +121,6 @@ def _fsync_all(paths: Sequence[Path], threads: int) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(one, paths))
-
-
-def _prime(paths: Sequence[Path | str], threads: int) -> None:
-    """Read every file once, buffered, so that its pages are in the page cache."""
-
-    def one(p: Path | str) -> None:
-        with open(p, "rb", buffering=0) as f:
-            while f.read(8 * MIB):
-                pass
 
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, paths))
@@ -333,7 +290,7 @@ def _import_vllm_io() -> tuple[Any | None, str]:
     return vio, "C extension" if getattr(vio, "_HAS_FSIO_C", False) else "pure Python"
 
 
-def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _CacheDropper,
+def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: CacheDropper,
                 vio: Any | None, log: Callable[[str], None]) -> dict[str, Any]:
     page_bytes = page_mib * MIB
     n = max(args.total_mib // page_mib, 2 * args.threads)
@@ -393,7 +350,7 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
             # Warm: every system's pages brought into the page cache the same way, at one time.
             dropper.drop([p for s in order for p in all_paths[s]])
             for s in order:
-                _prime(all_paths[s], args.threads)
+                prime(all_paths[s], args.threads)
             passes = args.warm_passes  # a warm pass is short: repeat it to be measurable
             for s in order:
                 x = impl[s]
@@ -482,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
 
-    dropper = _CacheDropper(args.cache_drop)
+    dropper = CacheDropper(args.cache_drop)
     vio, vinfo = (None, "skipped (--no-vllm)") if args.no_vllm else _import_vllm_io()
     sizes = [int(x) for x in str(args.page_mib).split(",") if x.strip()]
     load0 = os.getloadavg()
