@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tierstore.bench import kernels as bk
+from tierstore.bench import transfer as bk
 
 
 def test_idle_tracks_progress_and_reports_a_stall(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -21,7 +21,45 @@ def test_idle_tracks_progress_and_reports_a_stall(monkeypatch: pytest.MonkeyPatc
 def test_median_run_pairs_ratios_and_keeps_the_spread() -> None:
     runs = [{"store_gbps": g, "store_ratio": r, "verified": v, "case": "c", "raw_files": {"write_gbps": w}}
             for g, r, v, w in ((1.0, 0.5, True, 2.0), (3.0, 0.9, True, 4.0), (2.0, 0.7, False, 3.0))]
-    out = bk._median_run(runs)
+    out = bk.median_run(runs)
     assert out["store_gbps"] == 2.0 and out["store_ratio"] == 0.7 and out["raw_files"] == {"write_gbps": 3.0}
     assert out["verified"] is False  # every repeat must verify
     assert out["repeats"] == 3 and [r["store_ratio"] for r in out["per_repeat"]] == [0.5, 0.9, 0.7]
+
+
+def test_worker_pipelines_store_and_load_a_case_on_the_cpu(tmp_path) -> None:
+    """The transfer benchmark drives the vLLM worker's pipelines; on the CPU (torch copier, no
+    scratch) a store then a load into poisoned blocks gives back the gathered pages."""
+    import torch
+
+    from tierstore.bench import kernels as kern
+    from tierstore.config import TierStoreConfig
+    from tierstore.engine import IOEngine
+    from tierstore.kernels import GroupCopier
+    from tierstore.kernels.transfer import PageTransfer
+    from tierstore.testing.pages import layout_namespace
+
+    shape = kern.AttnShape("tiny", 2, 2, 16, 16, 2, torch.float16, ("LBNHC",))
+    case = kern.build_attention(shape, "LBNHC", 6, "cpu")
+    views, lay, bpp, cds = case.copier_args
+    copier = GroupCopier(views, lay, bpp, cds, backend="torch")
+    want = torch.zeros(6, lay.nbytes, dtype=torch.uint8)
+    copier.gather(case.ids, want)
+    ns = layout_namespace(lay, 32)
+    config = TierStoreConfig(root=str(tmp_path), io_threads=2, odirect="off")
+    keys = [i.to_bytes(4, "little") * 4 for i in range(6)]
+    with IOEngine(tmp_path, ns, 0, config=config, staging_slots=4) as engine:
+        pipes = bk.WorkerPipelines(case, engine, PageTransfer(copier, "cpu"), batch=2, tokens=32)
+        pipes.run("store", keys, case.ids)
+        assert pipes.counters["store_pages_ok"] == 6 and all(engine.contains(k) for k in keys)
+        for v in views:
+            v[case.block_ids_flat] = 0
+        pipes.run("load", keys, case.ids)
+        assert pipes.counters["load_pages_ok"] == 6 and engine.free_slots == 4
+    got = torch.zeros_like(want)
+    copier.gather(case.ids, got)
+    assert torch.equal(got, want)
+    with IOEngine(tmp_path, ns, 0, config=config, staging_slots=4) as engine:
+        pipes = bk.WorkerPipelines(case, engine, PageTransfer(copier, "cpu"), batch=2, tokens=32)
+        with pytest.raises(RuntimeError, match="load job failed"):
+            pipes.run("load", [b"missing-page-key"], case.ids[:1])

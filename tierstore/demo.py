@@ -191,9 +191,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 # --------------------------------------------------------------------------- pages mode
 def _hybrid_namespace(p: dict[str, int], model: str, dtype: str = "bfloat16") -> Any:
-    from tierstore.format import GroupKind
-    from tierstore.identity import GroupSpec, Namespace
-    from tierstore.layout import attention_layout, mamba_layout
+    from tierstore.testing.pages import hybrid_namespace
 
     n = p["layers"]
     # Layer order of a hybrid model in miniature: [mamba x3, full] repeated, with every other
@@ -201,17 +199,12 @@ def _hybrid_namespace(p: dict[str, int], model: str, dtype: str = "bfloat16") ->
     full = tuple(f"model.layers.{4 * i + 3}.self_attn" for i in range(n))
     swa = tuple(f"model.layers.{4 * i + 1}.self_attn" for i in range(n))
     mamba = tuple(f"model.layers.{4 * i + j}.linear_attn" for i in range(n) for j in (0, 2))[:n]
-    states = [("conv", (p["conv_dim"], 3), dtype),
-              ("ssm", (p["ssm_heads"], p["ssm_head_dim"], p["ssm_state"]), "float32")]
     chunk = p["chunk"]
-    groups = (
-        GroupSpec(GroupKind.ATTENTION, chunk, chunk, full,
-                  attention_layout(full, p["kv_heads"], chunk, p["head_size"], dtype)),
-        GroupSpec(GroupKind.SLIDING_WINDOW, chunk, chunk, swa,
-                  attention_layout(swa, p["kv_heads"], chunk, p["head_size"], dtype), sliding_window=p["window"]),
-        GroupSpec(GroupKind.MAMBA, chunk, chunk, mamba, mamba_layout(mamba, states)),
-    )
-    return Namespace(model=model, dtype=dtype, groups=groups, hash_algo="sha256")
+    return hybrid_namespace(
+        model=model, revision=None, dtype=dtype, block_size=chunk, tokens_per_chunk=chunk,
+        num_kv_heads=p["kv_heads"], head_size=p["head_size"], sliding_window=p["window"],
+        conv_dim=p["conv_dim"], conv_width=4, ssm_heads=p["ssm_heads"], ssm_head_dim=p["ssm_head_dim"],
+        ssm_state_size=p["ssm_state"], layer_names=(full, swa, mamba))
 
 
 def _chunk_keys(n_chunks: int, chunk: int) -> list[bytes]:
@@ -301,7 +294,7 @@ def _child_store(spec: dict[str, Any]) -> dict[str, Any]:
 def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     import xxhash
 
-    from tierstore.bench.io import _CacheDropper, _prime
+    from tierstore.bench.page_cache import CacheDropper, prime
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.identity import read_manifest
@@ -319,9 +312,9 @@ def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
     wanted = [(int(gk.split(":")[0]), bytes.fromhex(gk.split(":")[1])) for gk in expected]
     paths = [engines[g].mapper.path_for(k) for g, k in wanted]
     if spec["cache"] == "cold":
-        _CacheDropper("fadvise").drop(paths)  # these files only, no root needed
+        CacheDropper("fadvise").drop(paths)  # these files only, no root needed
     else:
-        _prime(paths, threads=1)  # read each file once, buffered
+        prime(paths, threads=1)  # read each file once, buffered
     verified = nbytes = 0
     failed: list[str] = []
     check_seconds = 0.0  # the demo's own byte comparison, not tierstore's work: not counted
@@ -500,10 +493,10 @@ def _child_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     llm.generate([{"prompt_token_ids": spec["warmup"]}], full, use_tqdm=False)
     dropper = None
     if spec.get("drop_caches"):
-        from tierstore.bench.io import _CacheDropper
+        from tierstore.bench.page_cache import CacheDropper
 
         time.sleep(1.0)  # let the warm-up's stores land: the caches are dropped before each set
-        dropper = _CacheDropper()
+        dropper = CacheDropper()
         if dropper.method != "drop_caches":
             raise RuntimeError("--drop-caches: cannot write /proc/sys/vm/drop_caches (run as root)")
     results = []

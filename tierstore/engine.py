@@ -414,6 +414,15 @@ class IOEngine:
         """Every staging slot (bench/io.py walks them)."""
         return self._pool.slots
 
+    # shim until merge: PageStore.settle over confirm_page/discard_page (the lead drops it)
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        """The caller's verdict on an unverified load: not ``ok`` removes the damaged file, on a
+        short-lived thread (an unlink on a hung mount must not stall the caller)."""
+        if not ok:
+            key = bytes(result.key)
+            threading.Thread(target=self.discard_page, args=(key, reason or "checksum mismatch"),
+                             name="tierstore-discard", daemon=True).start()
+
 
 # ----------------------------------------------------------------- setup (at construction)
 def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper) -> None:

@@ -2,15 +2,16 @@
 
     python tools/store_timeline.py [--repeats 3] [--fresh-dirs]
 
-Needs CUDA (it runs ``tierstore.bench.kernels.transfer_pipeline``). For each transfer case it
-times, in every thread, ``os.open``, ``os.mkdir``, the page write (``pagefile.pwritev_all``),
-``os.replace`` and ``os.close`` during the pipeline's stores, and ``os.write`` of the raw-file
-baseline (one file per page in one directory; its opens include the read-back), then prints calls per page, the median and the
+Needs CUDA (it runs ``tierstore.bench.transfer.transfer_pipeline``: the vLLM worker's store
+and load pipelines). For each transfer case it times, in every thread, ``os.open``,
+``os.mkdir``, the page write (``pagefile.pwritev_all``), ``os.replace`` and ``os.close`` during
+the pipeline's stores, and ``os.write`` of the raw-file baseline (one file per page in one
+directory; its opens include the read-back), then prints calls per page, the median and the
 total thread time of each, and the store ratio against the raw write of the same repeat.
 
 ``--fresh-dirs`` removes the engine's fan-out directories right after it made them, so every
 store into an empty directory recreates it on ENOENT: what a tree whose directories are made
-by stores costs (docs/DESIGN.md §7, "Where the store gap was"; the two-level tree of format 1
+by stores costs (docs/DESIGN.md, "Where the store gap was"; the two-level tree of format 1
 made one to three directories per store).
 
 This wraps functions for timing (monkeypatching): a diagnostic, not a benchmark to compare
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 from tierstore import engine as engine_mod  # noqa: E402
 from tierstore import pagefile  # noqa: E402
 from tierstore.bench import kernels as bk  # noqa: E402
+from tierstore.bench import transfer as bt  # noqa: E402
 
 _calls: dict[str, list[float]] = defaultdict(list)
 _lock = threading.Lock()
@@ -86,7 +88,7 @@ def _install(fresh_dirs: bool) -> None:
     engine_mod.IOEngine.submit_store = store  # type: ignore[method-assign]
     engine_mod.IOEngine.submit_load = load  # type: ignore[method-assign]
     engine_mod.IOEngine.__init__ = start  # type: ignore[method-assign]
-    raw_files = bk.raw_files
+    raw_files = bt.raw_files
 
     def raw(*args: Any, **kwargs: Any) -> dict[str, float]:
         _phase[0] = "raw"
@@ -95,7 +97,7 @@ def _install(fresh_dirs: bool) -> None:
         finally:
             _phase[0] = "armed"
 
-    bk.raw_files = raw
+    bt.raw_files = raw
 
 
 def _report(phase: str, pages: int) -> str:
@@ -129,8 +131,8 @@ def main() -> int:
             bufs = [memoryview(slab.numpy())[i * page : (i + 1) * page] for i in range(n)]
             for r in range(args.repeats):
                 _calls.clear()
-                raw = bk.raw_files(tmp, bufs, 4, cold=False)
-                out = bk.transfer_pipeline(case, tmp, max(1, (64 << 20) // page), 4, cold=False)
+                raw = bt.raw_files(tmp, bufs, 4, cold=False)
+                out = bt.transfer_pipeline(case, tmp, max(1, (64 << 20) // page), 4, cold=False)
                 print(f"{case.label[:60]} repeat {r + 1}: store {out['store_gbps']} GB/s, raw write "
                       f"{raw['write_gbps']} GB/s, ratio {out['store_gbps'] / raw['write_gbps']:.3f}")
                 print(f"    raw:   {_report('raw', n)}")

@@ -108,6 +108,10 @@ class FakeEngine:
         self.discarded.append(key)
         self.pages.pop(key, None)
 
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        if not ok:
+            self.discard_page(result.key, reason)
+
     def poll(self) -> list[IOResult]:
         out = list(self._results)
         self._results.clear()
@@ -260,7 +264,7 @@ def _until(worker: TierStoreWorker, job_id: int, limit: int = 50) -> Any:
 def _no_leaks(worker: TierStoreWorker, engine: FakeEngine, transfer: FakeTransfer) -> None:
     assert engine.free_slots == len(engine.slots), "a staging slot leaked"
     assert not engine.held_by_transfer and not transfer.inflight
-    assert not worker._jobs and not any(worker._transfers.values()) and not any(worker._load_ready.values())
+    assert not worker.jobs.open_jobs and all(p.idle() for p in worker.pipelines)
 
 
 def test_store_submits_only_finished_gathers_with_gpu_sums() -> None:

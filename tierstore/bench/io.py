@@ -52,12 +52,12 @@ from typing import Any
 import torch
 import xxhash
 
+from tierstore.bench.page_cache import CacheDropper, prime
 from tierstore.config import TierStoreConfig
 from tierstore.engine import ALIGN, IOEngine
-from tierstore.format import GroupKind
-from tierstore.identity import GroupSpec, Namespace
-from tierstore.layout import attention_layout
+from tierstore.identity import Namespace
 from tierstore.mapper import fanout
+from tierstore.testing.pages import simple_namespace
 
 MIB = 1 << 20
 SYSTEMS = ("raw", "tierstore", "vllm_fs")
@@ -71,43 +71,12 @@ def bench_namespace(page_bytes: int, *, layers: int = 16, heads: int = 8, head_s
     tokens, rest = divmod(page_bytes, layers * per_token)
     if rest or tokens <= 0:
         raise ValueError(f"page size {page_bytes} is not a multiple of {layers} layers x {per_token} bytes/token")
-    names = tuple(f"model.layers.{i}.self_attn" for i in range(layers))
-    layout = attention_layout(names, heads, tokens, head_size, dtype)
-    group = GroupSpec(GroupKind.ATTENTION, tokens, tokens, names, layout)
-    return Namespace(model=model, dtype=dtype, groups=(group,), hash_algo="sha256")
+    return simple_namespace(dtype, model=model, tokens_per_chunk=tokens, num_layers=layers, num_kv_heads=heads,
+                            head_size=head_size)
 
 
 def _key(size_tag: str, run: int, i: int) -> bytes:
     return f"{size_tag}-{run}-{i}".encode().ljust(32, b"\0")
-
-
-class _CacheDropper:
-    """Drop the page cache of given files: drop_caches when permitted, else fadvise."""
-
-    def __init__(self, method: str = "auto") -> None:
-        self.method = "fadvise"
-        if method == "fadvise":
-            return
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-            self.method = "drop_caches"
-        except OSError:
-            pass
-
-    def drop(self, paths: Sequence[Path]) -> None:
-        if self.method == "drop_caches":
-            os.sync()  # only clean pages drop; everything here was fsynced already
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -152,18 +121,6 @@ def _fsync_all(paths: Sequence[Path], threads: int) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(one, paths))
-
-
-def _prime(paths: Sequence[Path | str], threads: int) -> None:
-    """Read every file once, buffered, so that its pages are in the page cache."""
-
-    def one(p: Path | str) -> None:
-        with open(p, "rb", buffering=0) as f:
-            while f.read(8 * MIB):
-                pass
 
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, paths))
@@ -333,7 +290,71 @@ def _import_vllm_io() -> tuple[Any | None, str]:
     return vio, "C extension" if getattr(vio, "_HAS_FSIO_C", False) else "pure Python"
 
 
-def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _CacheDropper,
+def _open_systems(order: list[str], work: Path, ns: Namespace, sources: list[memoryview], args: argparse.Namespace,
+                  cfg: TierStoreConfig, tag: str, slots: int, page_bytes: int, vio: Any | None,
+                  impl: dict[str, Any]) -> None:
+    """Build each system's writer/reader under ``work`` into ``impl`` (filled as they open, so
+    the caller's cleanup closes what did open)."""
+    dest = slots if args.load_buffers == "slots" else 0
+    for s in order:
+        if s == "raw":
+            impl[s] = _Raw(work / "raw", sources, args.threads, page_bytes, dest)
+        elif s == "tierstore":
+            impl[s] = _Tierstore(work / "ts", ns, sources, args.threads, cfg, tag, slots)
+            if args.cold_loads == "buffered":
+                impl[s].engine.direct_loads = False
+        else:
+            impl[s] = _VllmFs(work / "vllm", sources, args.threads, page_bytes, vio, dest)
+
+
+def _measure_repeat(impl: dict[str, Any], order: list[str], n: int, run: int, gb: float, args: argparse.Namespace,
+                    dropper: CacheDropper, rates: dict[str, dict[str, list[float]]],
+                    cpu: dict[str, dict[str, list[float]]]) -> None:
+    """One repeat: store (to durable), cold loads, warm loads of every system; GB/s and CPU
+    seconds per GB are appended to ``rates`` and ``cpu``."""
+    for s in order:  # store, each to durable
+        x = impl[s]
+        t_buf = _timed(lambda x=x, run=run: x.store(n, run) if isinstance(x, _Tierstore) else x.store(n))
+        paths = x.paths() if isinstance(x, _Tierstore) else x.paths
+        cpu_store = _CPU["last"]
+        t_sync = _timed(lambda paths=paths: _fsync_all(paths, args.threads))
+        rates[s].setdefault("store_buffered", []).append(gb / t_buf)
+        rates[s].setdefault("store", []).append(gb / (t_buf + t_sync))
+        cpu[s].setdefault("store", []).append((cpu_store + _CPU["last"]) / gb)
+    all_paths = {s: (impl[s].paths() if s == "tierstore" else impl[s].paths) for s in order}
+    # Raw reads the tierstore files (header + payload, no verification): the same bytes in
+    # the same disk blocks and, warm, the same page-cache pages, so the ratio is the
+    # engine's own cost (on a VM, where a page-cache page sits in host memory can change
+    # copy speed by 40%).
+    impl["raw"].load_paths = all_paths["raw"] = all_paths["tierstore"]
+    # Cold: nothing of this system's pages in the page cache. Several short rounds, the
+    # order reversed every round, each round's systems measured back to back (paired).
+    for rnd in range(args.cold_rounds):
+        for s in (order if rnd % 2 == 0 else order[::-1]):
+            dropper.drop(all_paths[s])
+            rates[s].setdefault("load", []).append(gb / _timed(impl[s].load))
+            cpu[s].setdefault("load", []).append(_CPU["last"] / gb)
+    # Warm: every system's pages brought into the page cache the same way, at one time.
+    dropper.drop([p for s in order for p in all_paths[s]])
+    for s in order:
+        prime(all_paths[s], args.threads)
+    passes = args.warm_passes  # a warm pass is short: repeat it to be measurable
+    for s in order:
+        x = impl[s]
+        rates[s].setdefault("load_warm", []).append(
+            passes * gb / _timed(lambda x=x, k=passes: [x.load() for _ in range(k)]))
+        cpu[s].setdefault("load_warm", []).append(_CPU["last"] / (passes * gb))
+
+
+def _engine_info(impl: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    engine = impl["tierstore"].engine
+    st = engine.stats
+    return {"io_mode": st["io_mode"], "odirect_reason": st["odirect_reason"], "codec": st["codec"],
+            "threads": args.threads, "odirect_cold_loads": engine.direct_loads,
+            "loads_read_with_odirect_last_run": st["loads_odirect"], "header_bytes": engine._header_len(32)}
+
+
+def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: CacheDropper,
                 vio: Any | None, log: Callable[[str], None]) -> dict[str, Any]:
     page_bytes = page_mib * MIB
     n = max(args.total_mib // page_mib, 2 * args.threads)
@@ -353,60 +374,15 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
     vllm_info: dict[str, Any] = {}
     loadavgs: list[float] = []
     slots = 2 * args.threads + 2  # the engine's staging slots (its default for this thread count)
-    dest = slots if args.load_buffers == "slots" else 0
     for run in range(args.repeat):
         work = root / f"{tag}-run{run}"
         order = systems[run % len(systems):] + systems[: run % len(systems)]
         impl: dict[str, Any] = {}
         try:
-            for s in order:
-                if s == "raw":
-                    impl[s] = _Raw(work / "raw", sources, args.threads, page_bytes, dest)
-                elif s == "tierstore":
-                    impl[s] = _Tierstore(work / "ts", ns, sources, args.threads, cfg, tag, slots)
-                    if args.cold_loads == "buffered":
-                        impl[s].engine.direct_loads = False
-                else:
-                    impl[s] = _VllmFs(work / "vllm", sources, args.threads, page_bytes, vio, dest)
-            for s in order:  # store, each to durable
-                x = impl[s]
-                t_buf = _timed(lambda x=x, run=run: x.store(n, run) if isinstance(x, _Tierstore) else x.store(n))
-                paths = x.paths() if isinstance(x, _Tierstore) else x.paths
-                cpu_store = _CPU["last"]
-                t_sync = _timed(lambda paths=paths: _fsync_all(paths, args.threads))
-                rates[s].setdefault("store_buffered", []).append(gb / t_buf)
-                rates[s].setdefault("store", []).append(gb / (t_buf + t_sync))
-                cpu[s].setdefault("store", []).append((cpu_store + _CPU["last"]) / gb)
-            all_paths = {s: (impl[s].paths() if s == "tierstore" else impl[s].paths) for s in order}
-            # Raw reads the tierstore files (header + payload, no verification): the same bytes in
-            # the same disk blocks and, warm, the same page-cache pages, so the ratio is the
-            # engine's own cost (on a VM, where a page-cache page sits in host memory can change
-            # copy speed by 40%).
-            impl["raw"].load_paths = all_paths["raw"] = all_paths["tierstore"]
-            # Cold: nothing of this system's pages in the page cache. Several short rounds, the
-            # order reversed every round, each round's systems measured back to back (paired).
-            for rnd in range(args.cold_rounds):
-                for s in (order if rnd % 2 == 0 else order[::-1]):
-                    dropper.drop(all_paths[s])
-                    rates[s].setdefault("load", []).append(gb / _timed(impl[s].load))
-                    cpu[s].setdefault("load", []).append(_CPU["last"] / gb)
-            # Warm: every system's pages brought into the page cache the same way, at one time.
-            dropper.drop([p for s in order for p in all_paths[s]])
-            for s in order:
-                _prime(all_paths[s], args.threads)
-            passes = args.warm_passes  # a warm pass is short: repeat it to be measurable
-            for s in order:
-                x = impl[s]
-                rates[s].setdefault("load_warm", []).append(
-                    passes * gb / _timed(lambda x=x, k=passes: [x.load() for _ in range(k)]))
-                cpu[s].setdefault("load_warm", []).append(_CPU["last"] / (passes * gb))
+            _open_systems(order, work, ns, sources, args, cfg, tag, slots, page_bytes, vio, impl)
+            _measure_repeat(impl, order, n, run, gb, args, dropper, rates, cpu)
             if "tierstore" in impl:
-                st = impl["tierstore"].engine.stats
-                engine_info = {"io_mode": st["io_mode"], "odirect_reason": st["odirect_reason"],
-                               "codec": st["codec"], "threads": args.threads,
-                               "odirect_cold_loads": impl["tierstore"].engine.direct_loads,
-                               "loads_read_with_odirect_last_run": st["loads_odirect"],
-                               "header_bytes": impl["tierstore"].engine._header_len(32)}
+                engine_info = _engine_info(impl, args)
             if "vllm_fs" in impl:
                 vllm_info = {"o_direct": impl["vllm_fs"].use_o_direct}
             loadavgs.append(round(os.getloadavg()[0], 2))
@@ -418,17 +394,26 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
                 impl["tierstore"].close()
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(f"{work / 'vllm'}_r0", ignore_errors=True)
+    out = _summary(page_bytes, n, gb, args.repeat, systems, rates, cpu, engine_info)
+    if vllm_info:
+        out["vllm_fs"] = vllm_info
+    out["loadavg_per_repeat"] = loadavgs
+    return out
+
+
+def _summary(page_bytes: int, n: int, gb: float, repeats: int, systems: list[str],
+             rates: dict[str, dict[str, list[float]]], cpu: dict[str, dict[str, list[float]]],
+             engine_info: dict[str, Any]) -> dict[str, Any]:
+    """One page size's report: medians, and the ratios of tierstore to each baseline."""
     med = {s: {ph: statistics.median(v) for ph, v in rates[s].items()} for s in systems}
     out: dict[str, Any] = {
-        "page_bytes": page_bytes, "pages": n, "gigabytes": gb, "repeats": args.repeat,
+        "page_bytes": page_bytes, "pages": n, "gigabytes": gb, "repeats": repeats,
         "gbps": med, "gbps_all_runs": rates,
         "cpu_seconds_per_gb": {s: {ph: statistics.median(v) for ph, v in cpu[s].items()} for s in systems},
         "header_bytes": engine_info.get("header_bytes"),
         "overhead_per_page": engine_info.get("header_bytes", 0) / page_bytes,
         "engine": engine_info,
     }
-    if vllm_info:
-        out["vllm_fs"] = vllm_info
     # Ratios: the median of paired ratios (tierstore / baseline measured in the same repeat or
     # round, back to back), which cancels slow drifts of the machine's background load; the
     # range of those paired ratios is the noise of this run. Ratios of the medians are kept too.
@@ -448,7 +433,6 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: _C
             if ph != "store_buffered":
                 cpu_ratio[name] = out["cpu_seconds_per_gb"][base][ph] / out["cpu_seconds_per_gb"]["tierstore"][ph]
     out["samples_per_ratio"] = {ph: len(rates["tierstore"][ph]) for ph in ("store", "load", "load_warm")}
-    out["loadavg_per_repeat"] = loadavgs
     return out
 
 
@@ -482,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
 
-    dropper = _CacheDropper(args.cache_drop)
+    dropper = CacheDropper(args.cache_drop)
     vio, vinfo = (None, "skipped (--no-vllm)") if args.no_vllm else _import_vllm_io()
     sizes = [int(x) for x in str(args.page_mib).split(",") if x.strip()]
     load0 = os.getloadavg()

@@ -8,13 +8,11 @@ Qwen3.5-0.8B-class hybrid with 544-token unified blocks, a Gemma3-class sliding-
   Triton and the torch reference, against ``torch.index_select`` / ``index_copy_`` moving the
   same bytes (whole physical block rows of every layer, no reordering) into/out of a dense
   buffer. Ratio = GroupCopier GB/s / baseline GB/s (target >= 0.9).
-- ``transfer``: store = GPU cache -> gather -> pinned staging slot -> IOEngine page file,
-  load = page file -> IOEngine slot -> GPU scratch -> scatter into the cache, pipelined in
-  batches, against raw PCIe (one large pinned<->device copy) and raw file write/read (plain
-  ``os.write`` / ``os.preadv`` of the same bytes, one file per page, the same thread count and
-  cache state) measured in the same run. Ratio = pipeline GB/s / min(PCIe, raw file) GB/s
-  (target >= 0.85). Loads are measured warm (page cache) and, when the page cache can be
-  dropped (root), cold.
+- ``transfer`` (``tierstore.bench.transfer``): the vLLM worker's own store and load pipelines
+  (GPU cache -> gather -> pinned staging slot -> IOEngine page file and back), against raw
+  PCIe and raw file write/read of the same bytes measured in the same run. Ratio = pipeline
+  GB/s / min(PCIe, raw file) GB/s (target >= 0.85). Loads are measured warm (page cache) and,
+  when the page cache can be dropped (root), cold.
 
 GB/s counts page payload bytes once (10^9 bytes/s). Timings: CUDA events / triton.testing
 ``do_bench`` medians for kernels; wall clock with a final synchronize for transfers.
@@ -28,24 +26,20 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-GB = 1e9
-STALL_S = 60.0  # a pipeline with no progress for this long is a bug: raise, with its state
+from tierstore.bench.transfer import GB, median_run, raw_files, raw_pcie, transfer_pipeline
 
 
 def _log(msg: str) -> None:
@@ -242,328 +236,6 @@ def host_direct_row(case: Case, reps: int, pcie: dict[str, float]) -> dict[str, 
     return out
 
 
-# ---------------------------------------------------------------------------- raw baselines
-def raw_pcie(nbytes: int, device: str, reps: int = 5) -> dict[str, float]:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    res = {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        res[f"{name}_gbps"] = round(nbytes / statistics.median(times) / GB, 2)
-    return res
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def raw_files(root: Path, bufs: list[memoryview], threads: int, cold: bool) -> dict[str, float]:
-    """Plain write (no header, no checksum, no rename) then read of one file per buffer."""
-    d = root / "raw"
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    paths = [d / f"p{i}" for i in range(len(bufs))]
-    total = sum(len(b) for b in bufs)
-
-    def write(i: int) -> None:
-        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = bufs[i]
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-
-    def read(i: int) -> None:
-        fd = os.open(paths[i], os.O_RDONLY)
-        try:
-            pos = 0
-            while pos < len(bufs[i]):
-                n = os.preadv(fd, [bufs[i][pos:]], pos)
-                if n <= 0:
-                    raise OSError("short read")
-                pos += n
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as ex:
-        os.sync()  # no earlier writeback running under the measurement
-        t0 = time.perf_counter()
-        list(ex.map(write, range(len(bufs))))
-        w = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        list(ex.map(read, range(len(bufs))))
-        r_warm = time.perf_counter() - t0
-        r_cold = None
-        if cold and _drop_caches():
-            t0 = time.perf_counter()
-            list(ex.map(read, range(len(bufs))))
-            r_cold = time.perf_counter() - t0
-    shutil.rmtree(d, ignore_errors=True)
-    out = {"write_gbps": round(total / w / GB, 2), "read_warm_gbps": round(total / r_warm / GB, 2)}
-    if r_cold is not None:
-        out["read_cold_gbps"] = round(total / r_cold / GB, 2)
-    return out
-
-
-# ---------------------------------------------------------------------------- pipelines
-def _idle(progressed: bool, last: float) -> tuple[float, bool]:
-    """A pipeline loop's bookkeeping: (time of the last progress, stalled). Without progress it
-    sleeps briefly; ``STALL_S`` without any is a stall (a hang is a bug: the caller raises)."""
-    now = time.perf_counter()
-    if progressed:
-        return now, False
-    if now - last > STALL_S:
-        return last, True
-    time.sleep(0.0005)
-    return last, False
-
-
-def transfer_pipeline(case: Case, root: Path, batch: int, threads: int, cold: bool, slots: int = 0) -> dict[str, Any]:
-    from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
-    from tierstore.format import GroupKind
-    from tierstore.identity import GroupSpec, Namespace
-    from tierstore.kernels import GroupCopier
-    from tierstore.kernels.transfer import PageTransfer
-
-    views, lay, bpp, cds = case.copier_args
-    n = case.ids.shape[0]
-    ids_cpu = case.ids.cpu()
-    copier = GroupCopier(views, lay, bpp, cds)
-    tokens = lay.sections[0].shape[1] if case.layout_name != "mamba" else 1
-    kind = GroupKind.MAMBA if case.layout_name == "mamba" else GroupKind.ATTENTION
-    group = GroupSpec(kind, tokens, tokens, tuple(s.name for s in lay.sections), lay)
-    ns = Namespace(model=f"bench/{case.label}", dtype="bfloat16", groups=(group,), hash_algo="sha256")
-    shutil.rmtree(root / "ts", ignore_errors=True)
-    config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off")
-    n_slots = slots or 3 * batch
-    transfer = PageTransfer(copier, scratch_pages=2 * batch)
-    transfer.warm_up()
-    keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
-    total = lay.nbytes * n
-    out: dict[str, Any] = {"case": case.label, "pages": n, "page_bytes": lay.nbytes, "batch": batch,
-                           "io_threads": threads, "staging_slots": n_slots,
-                           "checksums_on_gpu": transfer.checksums_on_gpu}
-    verify_on_cpu = not transfer.checksums_on_gpu
-    with IOEngine(root / "ts", ns, 0, config=config, staging_slots=n_slots, pin=True) as engine:
-        out["slots_pinned"] = engine.pinned
-        # warm-up (untimed): compiles the gather/scatter/checksum kernels of this shape for the
-        # batch sizes Triton specializes differently (1, other, multiples of 16)
-        for k in sorted({1, 2, min(batch, n), min(16, batch, n)}):
-            wslots = [engine.acquire_slot() for _ in range(k)]
-            wh = transfer.start_store(ids_cpu[:k], wslots)
-            transfer.wait()
-            transfer.start_load(wslots, ids_cpu[:k], expect=wh.sums if wh is not None else None)
-            transfer.wait()
-            for s in wslots:
-                engine.release_slot(s)
-        # ---- store: cache -> scratch -> pinned slot -> file
-        os.sync()
-        torch.cuda.synchronize()
-        t0 = last = time.perf_counter()
-        next_page = 0
-        waiting: list[tuple[Any, int]] = []  # (handle, first page)
-        stored = failed = batches = 0
-        while stored + failed < n:
-            progressed = False
-            for h in transfer.poll():
-                first = next(p for hh, p in waiting if hh is h)
-                waiting = [(hh, p) for hh, p in waiting if hh is not h]
-                sums = h.sums  # the GPU's section checksums (None: the engine hashes)
-                for j, slot in enumerate(h.slots):
-                    engine.submit_store(keys[first + j], slot, tokens, sums=sums[j] if sums else None)
-                progressed = True
-            free = engine.free_slots
-            want = min(batch, n - next_page)
-            # Start a full batch, or what is free once the engine is about to run dry: starting
-            # each slot as it frees (a page per launch) pays a transfer's fixed cost per page.
-            if next_page < n and free > 0 and (free >= want or (
-                    not waiting and engine.stats["queued_stores"] < threads)):
-                k = min(want, free)
-                slots = [engine.acquire_slot() for _ in range(k)]
-                h = transfer.start_store(ids_cpu[next_page : next_page + k], slots)
-                if h is None:
-                    for s in slots:
-                        engine.release_slot(s)
-                else:
-                    waiting.append((h, next_page))
-                    next_page += k
-                    batches += 1
-                    progressed = True
-            for r in engine.poll():
-                if r.ok:
-                    stored += 1
-                else:
-                    failed += 1
-                    out.setdefault("store_errors", str(r.error))
-                progressed = True
-            last, stalled = _idle(progressed, last)
-            if stalled:
-                raise RuntimeError(f"store pipeline stalled: {stored} stored, {failed} failed, next page {next_page}, "
-                                   f"{len(waiting)} transfers waiting, engine {engine.stats}")
-        out["store_s"] = time.perf_counter() - t0
-        out["store_gbps"] = round(total / out["store_s"] / GB, 2)
-        out["store_failed"] = failed
-        out["store_pages_per_transfer"] = round(n / max(1, batches), 2)
-
-        # ---- load: file -> slot -> scratch -> scatter (warm, then cold)
-        def load_all() -> float:
-            torch.cuda.synchronize()
-            t0 = last = time.perf_counter()
-            submitted = 0
-            ready: list[tuple[Any, int, Any]] = []  # (slot, page, header sums to check or None)
-            started: list[Any] = []
-            failed: list[int] = []
-            done_pages = 0
-            job_page: dict[int, int] = {}
-            while done_pages < n:
-                progressed = False
-                while submitted < n and engine.free_slots > 0 and len(job_page) < n_slots:
-                    job_page[engine.submit_load(keys[submitted], verify=verify_on_cpu)] = submitted
-                    submitted += 1
-                    progressed = True
-                for r in engine.poll():
-                    page = job_page.pop(r.job_id)
-                    if not r.ok:
-                        raise RuntimeError(f"load failed: {r.error}")
-                    ready.append((r.slot, page, None if r.verified else r.sums))
-                    progressed = True
-                if ready:  # start with what is there (up to a batch): keeps the engine's slots cycling
-                    take = ready[:batch]
-                    rows = torch.stack([ids_cpu[p] for _, p, _ in take])
-                    expect = [c for _, _, c in take]
-                    h = transfer.start_load([s for s, _, _ in take], rows,
-                                            expect=expect if any(c is not None for c in expect) else None)
-                    if h is not None:
-                        ready = ready[len(take):]
-                        started.append(h)
-                        progressed = True
-                still = []
-                for h in started:
-                    if h.slots_free():
-                        for s in h.slots:
-                            engine.release_slot(s)
-                        done_pages += len(h.slots)
-                    else:
-                        still.append(h)
-                started = still
-                for h in transfer.poll():
-                    failed.extend(h.failed)
-                last, stalled = _idle(progressed, last)
-                if stalled:
-                    raise RuntimeError(f"load pipeline stalled: {done_pages} done, {submitted} submitted, "
-                                       f"{len(ready)} ready, {len(started)} started, engine {engine.stats}")
-            for h in transfer.wait():
-                failed.extend(h.failed)
-            torch.cuda.synchronize()
-            if failed:
-                raise RuntimeError(f"{len(failed)} pages failed the GPU checksum check")
-            return time.perf_counter() - t0
-
-        # check: poison the blocks, load, and compare with the pages gathered before
-        ref = GroupCopier(views, lay, bpp, cds, backend="torch")
-        want = torch.zeros(n, lay.nbytes, dtype=torch.uint8, device=views[0].device)
-        got = torch.zeros_like(want)
-        ref.gather(case.ids, want)
-
-        def poison() -> None:
-            for v in views:
-                v[case.block_ids_flat] = 0
-
-        poison()
-        warm = load_all()
-        ref.gather(case.ids, got)
-        out["verified"] = bool(torch.equal(got, want))
-        out["load_warm_gbps"] = round(total / warm / GB, 2)
-        if cold and _drop_caches():
-            poison()
-            out["load_cold_gbps"] = round(total / load_all() / GB, 2)
-            got.zero_()
-            ref.gather(case.ids, got)
-            out["verified"] = out["verified"] and bool(torch.equal(got, want))
-        out["engine_io_mode"] = engine.stats["io_mode"]
-        # the same engine without the GPU: how much of the gap to raw files is the engine's own
-        eng = engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold, hash_on_cpu=verify_on_cpu)
-        out.update(eng)
-    shutil.rmtree(root / "ts", ignore_errors=True)
-    return out
-
-
-def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on_cpu: bool = True) -> dict[str, float]:
-    """IOEngine store then load of the same number of pages from/to its slots, no GPU.
-
-    ``hash_on_cpu=False``: the engine's work in the GPU-checksum pipeline (sums handed in,
-    loads not verified by the engine), i.e. the engine's I/O alone."""
-    n = len(keys)
-    fake_sums = None if hash_on_cpu else [0] * len(engine.layout.sections)
-    total = engine.layout.nbytes * n
-    os.sync()
-    t0 = time.perf_counter()
-    submitted = done = 0
-    while done < n:
-        while submitted < n and engine.free_slots > 0:
-            slot = engine.acquire_slot()  # holds the bytes of an earlier page: content does not matter
-            engine.submit_store(keys[submitted], slot, tokens, sums=fake_sums)
-            submitted += 1
-        res = engine.poll()
-        done += len(res)
-        if not res:
-            time.sleep(0.0005)
-    store_s = time.perf_counter() - t0
-
-    def load() -> float:
-        t0 = time.perf_counter()
-        submitted = done = 0
-        while done < n:
-            while submitted < n and engine.free_slots > 0:
-                engine.submit_load(keys[submitted], verify=hash_on_cpu)
-                submitted += 1
-            res = engine.poll()
-            for r in res:
-                if not r.ok:
-                    raise RuntimeError(f"engine-only load failed: {r.error}")
-                engine.release_slot(r.slot)
-            done += len(res)
-            if not res:
-                time.sleep(0.0005)
-        return time.perf_counter() - t0
-
-    out = {"engine_only_store_gbps": round(total / store_s / GB, 2), "engine_only_load_warm_gbps": round(total / load() / GB, 2)}
-    if cold and _drop_caches():
-        out["engine_only_load_cold_gbps"] = round(total / load() / GB, 2)
-    return out
-
-
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row for a case: every number is the median over the repeats (each ratio paired
-    with the raw figures of its own repeat), with the per-repeat ratios kept for the spread."""
-    out = dict(runs[-1])
-    for key, val in runs[-1].items():
-        if isinstance(val, float | int) and not isinstance(val, bool):
-            out[key] = round(statistics.median(r[key] for r in runs if key in r), 3)
-    out["raw_files"] = {k: round(statistics.median(r["raw_files"][k] for r in runs), 2) for k in runs[-1]["raw_files"]}
-    out["verified"] = all(r.get("verified") for r in runs)
-    out["repeats"] = len(runs)
-    out["per_repeat"] = [{k: r[k] for k in ("store_ratio", "load_warm_ratio", "load_cold_ratio", "store_gbps",
-                                            "load_warm_gbps", "engine_only_store_gbps", "engine_only_load_warm_gbps")
-                          if k in r} | {"raw_files": r["raw_files"]} for r in runs]
-    return out
-
-
 # ---------------------------------------------------------------------------- driver
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -614,6 +286,104 @@ def _print(rep: dict[str, Any]) -> None:
                   + "; per-repeat ratio ranges " + ", ".join(f"{k} {a}-{b}" for k, (a, b) in spread.items()))
 
 
+def _per_page(shape: AttnShape | MambaShape) -> int:
+    """Payload bytes of one page of ``shape``."""
+    if isinstance(shape, MambaShape):
+        return shape.layers * (shape.conv_dim * shape.conv_len * 2 + shape.heads * shape.head_v * shape.head_k * 4)
+    return shape.layers * shape.heads * shape.kernel_tokens * shape.blocks_per_page * 2 * shape.head_size * 2
+
+
+def _kernel_cases(mib: int, device: str) -> list[Case]:
+    cases: list[Case] = []
+    for shape in model_shapes():
+        n = max(4, mib * 2**20 // _per_page(shape))
+        if isinstance(shape, MambaShape):
+            cases.append(build_mamba(shape, n, device))
+        else:
+            cases.extend(build_attention(shape, layout, n, device) for layout in shape.layouts)
+    return cases
+
+
+def _transfer_case_makers(mib: int, device: str) -> list[Callable[[], Case]]:
+    """Builders (a case holds device memory: one at a time) of the transfer cases."""
+    makers: list[Callable[[], Case]] = []
+    for shape in model_shapes():
+        n = max(8, mib * 2**20 // _per_page(shape))
+        if isinstance(shape, MambaShape):
+            makers.append(lambda s=shape, n=n: build_mamba(s, n, device))
+        elif shape.blocks_per_page in (4, 17):
+            layout = shape.layouts[-1] if shape.layouts[-1] != "SPLIT_NHD" else "LBNHC"
+            makers.append(lambda s=shape, n=n, lo=layout: build_attention(s, lo, n, device))
+    return makers
+
+
+def _run_kernels(args: argparse.Namespace, rep: dict[str, Any], device: str, save: Callable[[], None]) -> None:
+    configs: list[dict[str, Any]] = [{"tile_words": 4096, "num_warps": 4},
+                                     {"tile_words": 4096, "num_warps": 4, "vector_hints": False}]
+    sweep = configs + [{"tile_words": 2048, "num_warps": 4}, {"tile_words": 8192, "num_warps": 8},
+                       {"tile_words": 16384, "num_warps": 8}]
+    cases = _kernel_cases(args.mib, device)
+    for i, case in enumerate(cases):
+        _log(f"kernels: {case.label}")
+        rep["kernels"].extend(kernel_rows(case, args.reps, sweep if i == 0 and args.sweep else configs))
+        save()
+    pcie = raw_pcie(256 * 2**20, device)
+    rep["host_direct"] = [host_direct_row(c, args.reps, pcie) for c in cases if c.layout_name in ("LBNHC", "mamba")]
+    _log(f"host direct {rep['host_direct']}")
+    save()
+
+
+def _random_pages(n: int, page: int) -> tuple[torch.Tensor, list[memoryview]]:
+    """A pinned slab of ``n`` random pages and a view of each (the raw-file baseline's bytes)."""
+    slab = torch.empty(n * page, dtype=torch.uint8).pin_memory()
+    slab.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).repeat(n * page >> 20)[: n * page]
+               if (n * page) % (1 << 20) == 0 else torch.randint(0, 256, (n * page,), dtype=torch.uint8))
+    return slab, [memoryview(slab.numpy())[i * page : (i + 1) * page] for i in range(n)]
+
+
+def _transfer_repeat(args: argparse.Namespace, case: Case, tmp: Path, bufs: list[memoryview],
+                     pcie: dict[str, float], repeat: int) -> dict[str, Any]:
+    """One raw-files-then-pipeline pair (paired: drift hits both alike), with its ratios."""
+    _log(f"transfer: {case.label}: repeat {repeat + 1}/{args.repeats}: raw files")
+    raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
+    _log(f"raw files {raw}; pipeline")
+    batch = args.batch or max(1, (args.batch_mib << 20) // case.page_layout.nbytes)
+    t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold, slots=args.slots)
+    t["raw_files"] = raw
+    t["store_ratio"] = round(t["store_gbps"] / min(pcie["d2h_gbps"], raw["write_gbps"]), 3)
+    t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pcie["h2d_gbps"], raw["read_warm_gbps"]), 3)
+    t["store_vs_engine_only"] = round(t["store_gbps"] / t["engine_only_store_gbps"], 3)
+    t["load_warm_vs_engine_only"] = round(t["load_warm_gbps"] / t["engine_only_load_warm_gbps"], 3)
+    if "load_cold_gbps" in t and "read_cold_gbps" in raw:
+        t["load_cold_ratio"] = round(t["load_cold_gbps"] / min(pcie["h2d_gbps"], raw["read_cold_gbps"]), 3)
+    return t
+
+
+def _run_transfers(args: argparse.Namespace, rep: dict[str, Any], device: str, save: Callable[[], None]) -> None:
+    tmp = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="tierstore-bench-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    faulthandler.dump_traceback_later(150, repeat=True)  # a hang shows where
+    try:
+        _log("raw PCIe")
+        rep["raw_pcie"] = raw_pcie(args.transfer_mib * 2**20, device)
+        _log(f"raw PCIe {rep['raw_pcie']}")
+        for make in _transfer_case_makers(args.transfer_mib, device):
+            case = make()
+            slab, bufs = _random_pages(case.ids.shape[0], case.page_layout.nbytes)
+            runs = [_transfer_repeat(args, case, tmp, bufs, rep["raw_pcie"], r) for r in range(args.repeats)]
+            del bufs, slab
+            t = median_run(runs)
+            rep["transfer"].append(t)
+            _log(f"pipeline {t}")
+            save()
+            del case
+            torch.cuda.empty_cache()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if not args.root:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("tierstore bench kernels: needs a CUDA device (the kernels' CPU path is the torch "
@@ -626,88 +396,15 @@ def run(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node(), "kernels": [], "transfer": [],
     }
-    configs: list[dict[str, Any]] = [{"tile_words": 4096, "num_warps": 4},
-                                     {"tile_words": 4096, "num_warps": 4, "vector_hints": False}]
-    sweep = configs + [{"tile_words": 2048, "num_warps": 4}, {"tile_words": 8192, "num_warps": 8},
-                       {"tile_words": 16384, "num_warps": 8}]
-    cases: list[Case] = []
-    for shape in [] if args.skip_kernels else model_shapes():
-        if isinstance(shape, MambaShape):
-            per_page = shape.layers * (shape.conv_dim * shape.conv_len * 2 + shape.heads * shape.head_v * shape.head_k * 4)
-            n = max(4, args.mib * 2**20 // per_page)
-            cases.append(build_mamba(shape, n, device))
-        else:
-            per_page = shape.layers * shape.heads * shape.kernel_tokens * shape.blocks_per_page * 2 * shape.head_size * 2
-            n = max(4, args.mib * 2**20 // per_page)
-            for layout in shape.layouts:
-                cases.append(build_attention(shape, layout, n, device))
+
     def save() -> None:
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(rep, indent=2) + "\n")
 
-    for i, case in enumerate([] if args.skip_kernels else cases):
-        _log(f"kernels: {case.label}")
-        rep["kernels"].extend(kernel_rows(case, args.reps, sweep if i == 0 and args.sweep else configs))
-        save()
-    if cases:
-        pcie = raw_pcie(256 * 2**20, device)
-        rep["host_direct"] = [host_direct_row(c, args.reps, pcie) for c in cases
-                              if c.layout_name in ("LBNHC", "mamba")]
-        _log(f"host direct {rep['host_direct']}")
-        save()
+    if not args.skip_kernels:
+        _run_kernels(args, rep, device, save)
     if not args.skip_transfer:
-        tmp = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="tierstore-bench-"))
-        tmp.mkdir(parents=True, exist_ok=True)
-        faulthandler.dump_traceback_later(150, repeat=True)  # a hang shows where
-        try:
-            _log("raw PCIe")
-            rep["raw_pcie"] = raw_pcie(args.transfer_mib * 2**20, device)
-            _log(f"raw PCIe {rep['raw_pcie']}")
-            transfer_cases = []
-            for shape in model_shapes():
-                if isinstance(shape, MambaShape):
-                    per_page = shape.layers * (shape.conv_dim * shape.conv_len * 2 + shape.heads * shape.head_v * shape.head_k * 4)
-                    transfer_cases.append(lambda s=shape, p=per_page: build_mamba(s, max(8, args.transfer_mib * 2**20 // p), device))
-                elif shape.blocks_per_page in (4, 17):
-                    per_page = shape.layers * shape.heads * shape.kernel_tokens * shape.blocks_per_page * 2 * shape.head_size * 2
-                    transfer_cases.append(lambda s=shape, p=per_page: build_attention(
-                        s, s.layouts[-1] if s.layouts[-1] != "SPLIT_NHD" else "LBNHC", max(8, args.transfer_mib * 2**20 // p), device))
-            for make in transfer_cases:
-                case = make()
-                n = case.ids.shape[0]
-                page = case.page_layout.nbytes
-                slab = torch.empty(n * page, dtype=torch.uint8).pin_memory()
-                slab.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).repeat(n * page >> 20)[: n * page]
-                           if (n * page) % (1 << 20) == 0 else torch.randint(0, 256, (n * page,), dtype=torch.uint8))
-                bufs = [memoryview(slab.numpy())[i * page : (i + 1) * page] for i in range(n)]
-                pc = rep["raw_pcie"]
-                runs: list[dict[str, Any]] = []
-                for r in range(args.repeats):  # raw then pipeline, paired: drift hits both alike
-                    _log(f"transfer: {case.label}: repeat {r + 1}/{args.repeats}: raw files")
-                    raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
-                    _log(f"raw files {raw}; pipeline")
-                    batch = args.batch or max(1, (args.batch_mib << 20) // page)
-                    t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold,
-                                          slots=args.slots)
-                    t["raw_files"] = raw
-                    t["store_ratio"] = round(t["store_gbps"] / min(pc["d2h_gbps"], raw["write_gbps"]), 3)
-                    t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pc["h2d_gbps"], raw["read_warm_gbps"]), 3)
-                    t["store_vs_engine_only"] = round(t["store_gbps"] / t["engine_only_store_gbps"], 3)
-                    t["load_warm_vs_engine_only"] = round(t["load_warm_gbps"] / t["engine_only_load_warm_gbps"], 3)
-                    if "load_cold_gbps" in t and "read_cold_gbps" in raw:
-                        t["load_cold_ratio"] = round(t["load_cold_gbps"] / min(pc["h2d_gbps"], raw["read_cold_gbps"]), 3)
-                    runs.append(t)
-                del bufs, slab
-                t = _median_run(runs)
-                rep["transfer"].append(t)
-                _log(f"pipeline {t}")
-                save()
-                del case
-                torch.cuda.empty_cache()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-            if not args.root:
-                shutil.rmtree(tmp, ignore_errors=True)
+        _run_transfers(args, rep, device, save)
     save()
     if args.json:
         json.dump(rep, sys.stdout, indent=2)

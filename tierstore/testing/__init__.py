@@ -1,8 +1,10 @@
-"""Test helpers for tierstore (no vLLM, no GPU, no torch).
+"""Test helpers for tierstore (importing the package needs no vLLM, GPU or torch).
 
-``tierstore.testing.pages`` builds a realistic hybrid ``Namespace`` (two attention groups
-and a Mamba-state group, several dtypes) and fills a root with deterministic page files.
-Other packages' tests import from here; nothing in the library imports this package.
+``tierstore.testing.pages`` builds namespaces (a realistic hybrid: two attention groups and a
+Mamba-state group, several dtypes; one-group ones) and fills a root with deterministic page
+files; ``tierstore.testing.tiny_models`` builds tiny local Hugging Face models (needs torch).
+Users: the tests, ``tierstore.demo`` and the benchmarks (``tierstore.bench``, tools/); the
+library proper (engine, tiers, vLLM adapter) never imports this package.
 """
 
 from tierstore.testing.pages import (
@@ -10,6 +12,7 @@ from tierstore.testing.pages import (
     corrupt_flip_bit,
     fill_pages,
     hybrid_namespace,
+    layout_namespace,
     page_bytes,
     page_key,
     page_meta,
@@ -23,6 +26,7 @@ __all__ = [
     "corrupt_flip_bit",
     "fill_pages",
     "hybrid_namespace",
+    "layout_namespace",
     "page_bytes",
     "page_key",
     "page_meta",

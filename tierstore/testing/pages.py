@@ -6,7 +6,11 @@ Contract:
   Gemma 3 in miniature): group 0 full attention, group 1 sliding-window attention (both in
   the model dtype, canonical ``[H, T, 2, D]`` sections), group 2 Mamba/GDN states (a conv
   state in the model dtype and an SSM state in float32). Every argument changes the digest.
+  ``layer_names`` replaces the three groups' layer names (the demo's deeper hybrid).
 - ``simple_namespace(dtype)`` returns a one-group namespace, handy for dtype sweeps (fp8 too).
+- ``layout_namespace(layout, ...)`` returns a one-group namespace around an existing page
+  layout (the benchmarks' model shapes). These three are the only namespace builders: the
+  tests, the demo and the benchmarks all use them.
 - ``page_key(i)`` is a 32-byte key (like vLLM's sha256 block hashes); ``page_bytes`` is a
   page buffer with values that look like KV data (normal floats in the section's dtype,
   zero padding between sections), derived only from (layout, key, group, seed): the same
@@ -67,11 +71,15 @@ def hybrid_namespace(
     hash_algo: str = "sha256",
     tp_size: int = 1,
     extra: Sequence[tuple[str, str]] = (),
+    layer_names: tuple[Sequence[str], Sequence[str], Sequence[str]] | None = None,
 ) -> Namespace:
-    """A three-group hybrid namespace: full attention, sliding window, Mamba states."""
-    full_layers = ("model.layers.1.self_attn", "model.layers.3.self_attn")
-    swa_layers = ("model.layers.0.self_attn", "model.layers.2.self_attn")
-    mamba_layers = ("model.layers.4.linear_attn", "model.layers.5.linear_attn")
+    """A three-group hybrid namespace: full attention, sliding window, Mamba states.
+    ``layer_names``: (full, sliding, mamba) layer names instead of two layers each."""
+    full_layers: Sequence[str] = ("model.layers.1.self_attn", "model.layers.3.self_attn")
+    swa_layers: Sequence[str] = ("model.layers.0.self_attn", "model.layers.2.self_attn")
+    mamba_layers: Sequence[str] = ("model.layers.4.linear_attn", "model.layers.5.linear_attn")
+    if layer_names is not None:
+        full_layers, swa_layers, mamba_layers = (tuple(names) for names in layer_names)
     states = [
         ("conv", (conv_dim, conv_width - 1), dtype),
         ("ssm", (ssm_heads, ssm_head_dim, ssm_state_size), ssm_dtype),
@@ -123,12 +131,27 @@ def simple_namespace(
 ) -> Namespace:
     """A one-group attention namespace in ``dtype`` (any name in ``format.DTYPES``)."""
     layers = tuple(f"model.layers.{i}.self_attn" for i in range(num_layers))
+    layout = attention_layout(layers, num_kv_heads, tokens_per_chunk, head_size, dtype)
+    return layout_namespace(layout, tokens_per_chunk, kind=kind, model=model, dtype=dtype, layer_names=layers)
+
+
+def layout_namespace(
+    layout: PageLayout,
+    tokens_per_chunk: int,
+    *,
+    kind: GroupKind = GroupKind.ATTENTION,
+    model: str = "tierstore-test/layout",
+    dtype: str = "bfloat16",
+    layer_names: Sequence[str] | None = None,
+) -> Namespace:
+    """A one-group namespace whose pages have ``layout`` (layer names: the section names
+    unless given; a sliding-window group gets a window of 4 pages)."""
     group = GroupSpec(
         kind=kind,
         block_size=tokens_per_chunk,
         tokens_per_chunk=tokens_per_chunk,
-        layer_names=layers,
-        layout=attention_layout(layers, num_kv_heads, tokens_per_chunk, head_size, dtype),
+        layer_names=tuple(layer_names) if layer_names is not None else tuple(s.name for s in layout.sections),
+        layout=layout,
         sliding_window=4 * tokens_per_chunk if kind == GroupKind.SLIDING_WINDOW else None,
     )
     return Namespace(model=model, dtype=dtype, groups=(group,), hash_algo="sha256")

@@ -4,11 +4,11 @@
 safetensors weights, byte-level BPE tokenizer trained on an in-memory corpus, chat template)
 that vLLM and transformers load with ``HF_HUB_OFFLINE=1``. Nothing is downloaded.
 
-Kinds (vLLM 0.32 CPU constraints from docs/design/demo.md): ``llama``, ``qwen3`` (dense),
-``gemma3`` (sliding window + full attention), ``qwen3next`` (Gated DeltaNet + full attention;
-linear head dim 128, the only size the CPU kernels take), ``gptoss`` (sliding window + full,
-MoE). Sizes: ``size="tiny"`` (default: hidden 128, head dim 32) or ``size="small"`` (hidden
-1024 x 8 layers, head dim 64: the 4k-token prefill measurement). Any other override is a
+Kinds: ``llama``, ``qwen3`` (dense), ``gemma3`` (sliding window + full attention),
+``qwen3next`` (Gated DeltaNet + full attention; linear head dim 128, the only size vLLM 0.32's
+CPU kernels take), ``gptoss`` (sliding window + full, MoE). Sizes: ``size="tiny"`` (default:
+hidden 128, head dim 32, the smallest head size vLLM 0.32's CPU attention takes) or
+``size="small"`` (hidden 1024 x 8 layers, head dim 64: the 4k-token prefill measurement). Any other override is a
 config field (``num_hidden_layers=4``) or one of ``seed``, ``dtype``, ``vocab_size``.
 
 Builds are deterministic (fixed seed, forked RNG so the caller's RNG is untouched) and cached

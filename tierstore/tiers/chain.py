@@ -832,3 +832,13 @@ class TierChain:
             out["shared_engine"] = eng.stats
         return out
 
+    # shim until merge: PageStore.settle over confirm_page/discard_page (the lead drops it)
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        """The caller's verdict on an unverified load: ``ok`` counts the hit, not ``ok`` removes
+        the damaged file, on a short-lived thread (a hung mount must not stall the caller)."""
+        if ok:
+            self.confirm_page(result.key, result.nbytes, result.seconds)
+            return
+        key = bytes(result.key)
+        threading.Thread(target=self.discard_page, args=(key, reason or "checksum mismatch"),
+                         name="tierstore-discard", daemon=True).start()

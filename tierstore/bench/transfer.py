@@ -1,0 +1,332 @@
+"""The transfer half of ``tierstore bench kernels``: the vLLM worker's store and load pipelines
+on a CUDA device against raw PCIe and raw files, measured in the same run.
+
+- ``transfer_pipeline``: store = GPU cache -> gather -> pinned staging slot -> IOEngine page
+  file, load = page file -> IOEngine slot -> GPU scratch -> scatter into the cache, driven by
+  the worker's own pipelines (``tierstore.vllm.pipelines.GroupPipelines`` with a
+  ``JobTracker``: one job of every page per direction), so the benchmark measures the code
+  vLLM runs and a protocol change is made once. ``batch`` caps the pages per transfer; the
+  transfer scratch holds two batches (one copying while the next fills).
+- ``raw_pcie``: one large pinned<->device copy; ``raw_files``: plain ``os.write`` /
+  ``os.preadv`` of the same bytes, one file per page, the same threads and cache state.
+- ``engine_only``: the same IOEngine without the GPU (how much of the gap is the engine's).
+
+Loads are measured warm (page cache) and, when the whole page cache can be dropped (root),
+cold. GB/s counts page payload bytes once (10^9 bytes/s), wall clock with a final synchronize.
+Threading: the benchmark drives its own threads; nothing here is used by the library.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import statistics
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore.bench.page_cache import CacheDropper
+
+GB = 1e9
+STALL_S = 60.0  # a pipeline with no progress for this long is a bug: raise, with its state
+
+
+def drop_page_cache() -> bool:
+    """Drop the whole page cache if permitted (root); False if not (cold loads are skipped)."""
+    dropper = CacheDropper()
+    if not dropper.drops_everything:
+        return False
+    dropper.drop()
+    return True
+
+
+# ---------------------------------------------------------------------------- raw baselines
+def raw_pcie(nbytes: int, device: str, reps: int = 5) -> dict[str, float]:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    res = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        res[f"{name}_gbps"] = round(nbytes / statistics.median(times) / GB, 2)
+    return res
+
+
+def raw_files(root: Path, bufs: list[memoryview], threads: int, cold: bool) -> dict[str, float]:
+    """Plain write (no header, no checksum, no rename) then read of one file per buffer."""
+    d = root / "raw"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    paths = [d / f"p{i}" for i in range(len(bufs))]
+    total = sum(len(b) for b in bufs)
+
+    def write(i: int) -> None:
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = bufs[i]
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+    def read(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY)
+        try:
+            pos = 0
+            while pos < len(bufs[i]):
+                n = os.preadv(fd, [bufs[i][pos:]], pos)
+                if n <= 0:
+                    raise OSError("short read")
+                pos += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as ex:
+        os.sync()  # no earlier writeback running under the measurement
+        t0 = time.perf_counter()
+        list(ex.map(write, range(len(bufs))))
+        w = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(ex.map(read, range(len(bufs))))
+        r_warm = time.perf_counter() - t0
+        r_cold = None
+        if cold and drop_page_cache():
+            t0 = time.perf_counter()
+            list(ex.map(read, range(len(bufs))))
+            r_cold = time.perf_counter() - t0
+    shutil.rmtree(d, ignore_errors=True)
+    out = {"write_gbps": round(total / w / GB, 2), "read_warm_gbps": round(total / r_warm / GB, 2)}
+    if r_cold is not None:
+        out["read_cold_gbps"] = round(total / r_cold / GB, 2)
+    return out
+
+
+def _idle(progressed: bool, last: float) -> tuple[float, bool]:
+    """A pipeline loop's bookkeeping: (time of the last progress, stalled). Without progress it
+    sleeps briefly; ``STALL_S`` without any is a stall (a hang is a bug: the caller raises)."""
+    now = time.perf_counter()
+    if progressed:
+        return now, False
+    if now - last > STALL_S:
+        return last, True
+    time.sleep(0.0005)
+    return last, False
+
+
+# ---------------------------------------------------------------------------- the worker's pipelines
+class WorkerPipelines:
+    """One group's ``GroupPipelines`` over ``engine`` and ``transfer``, run a job at a time."""
+
+    def __init__(self, case: Any, engine: Any, transfer: Any, batch: int, tokens: int) -> None:
+        from tierstore.vllm.group import WorkerGroup
+        from tierstore.vllm.jobs import JobTracker
+        from tierstore.vllm.pipelines import GroupPipelines
+
+        views, _lay, bpp, _cds = case.copier_args
+        group = WorkerGroup(index=0, vllm_group_id=0, copier=transfer.copier, engine=engine, blocks_per_chunk=bpp,
+                            kernel_ratio=1, device=views[0].device, tokens_per_page=tokens, transfer=transfer)
+        self.counters: Counter[str] = Counter()
+        self.jobs = JobTracker(self.counters, [0])
+        self.pipes = GroupPipelines(group, self.jobs, self.counters, defer_limit_s=float("inf"), batch_limit=batch)
+        self.tokens = tokens
+        self._job_ids = itertools.count(1)
+
+    def run(self, op: str, keys: list[bytes], rows: torch.Tensor) -> None:
+        """Store (``op="store"``) or load every page of ``keys`` to/from its ``rows`` (kernel
+        block ids [pages, blocks per page], CPU) as one job; raises if a page failed."""
+        job = next(self._job_ids)
+        is_load = op == "load"
+        self.jobs.open(job, is_load=is_load, keys=[(0, k) for k in keys])
+        self.jobs.expect(job, len(keys))
+        for key, row in zip(keys, rows, strict=True):
+            if is_load:
+                self.pipes.loads.add(job, key, row[None, :])
+            else:
+                self.pipes.stores.add(job, key, self.tokens, row[None, :])
+        self.jobs.seal(job)
+        last, state = time.perf_counter(), None
+        while True:
+            self.pipes.step()
+            finished = self.jobs.take_finished()
+            if finished:
+                break
+            now = (sum(self.counters.values()), self.pipes.stores.pending(), self.pipes.loads.pending(),
+                   len(self.pipes.loads.ready), len(self.pipes.poller))
+            last, stalled = _idle(now != state, last)
+            state = now
+            if stalled:
+                raise RuntimeError(f"{op} pipeline stalled: {dict(self.counters)}, state {now}, "
+                                   f"engine {self.pipes.g.engine.stats}")
+        if is_load and self.pipes.g.device.type == "cuda":
+            torch.cuda.synchronize()
+        if not finished[0].success:
+            raise RuntimeError(f"{op} job failed: {dict(self.counters)}")
+
+
+def _warm_up(transfer: Any, engine: Any, ids_cpu: torch.Tensor, batch: int) -> None:
+    """Compile (untimed) the gather/scatter/checksum kernels of this shape for the batch sizes
+    Triton specializes differently (1, other, multiples of 16)."""
+    n = ids_cpu.shape[0]
+    for k in sorted({1, 2, min(batch, n), min(16, batch, n)}):
+        slots = [engine.acquire_slot() for _ in range(k)]
+        h = transfer.start_store(ids_cpu[:k], slots)
+        transfer.wait()
+        transfer.start_load(slots, ids_cpu[:k], expect=h.sums if h is not None else None)
+        transfer.wait()
+        for s in slots:
+            engine.release_slot(s)
+
+
+def _store_timed(pipes: WorkerPipelines, keys: list[bytes], ids_cpu: torch.Tensor, total: int) -> dict[str, Any]:
+    os.sync()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pipes.run("store", keys, ids_cpu)
+    store_s = time.perf_counter() - t0
+    batches = max(1, pipes.counters["store_batches"])
+    return {"store_s": store_s, "store_gbps": round(total / store_s / GB, 2),
+            "store_failed": sum(v for k, v in pipes.counters.items() if k.startswith("store_failed:")),
+            "store_pages_per_transfer": round(len(keys) / batches, 2)}
+
+
+def _load_checked(case: Any, pipes: WorkerPipelines, keys: list[bytes], ids_cpu: torch.Tensor, total: int,
+                  cold: bool) -> dict[str, Any]:
+    """Poison the blocks, load every page (warm, then cold if the cache can be dropped) and
+    compare the blocks with the pages gathered before."""
+    from tierstore.kernels import GroupCopier
+
+    views, lay, bpp, cds = case.copier_args
+    n = case.ids.shape[0]
+    ref = GroupCopier(views, lay, bpp, cds, backend="torch")
+    want = torch.zeros(n, lay.nbytes, dtype=torch.uint8, device=views[0].device)
+    got = torch.zeros_like(want)
+    ref.gather(case.ids, want)
+    out: dict[str, Any] = {"verified": True}
+
+    def load_once(name: str) -> None:
+        for v in views:
+            v[case.block_ids_flat] = 0  # poison
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pipes.run("load", keys, ids_cpu)
+        out[f"load_{name}_gbps"] = round(total / (time.perf_counter() - t0) / GB, 2)
+        got.zero_()
+        ref.gather(case.ids, got)
+        out["verified"] = out["verified"] and bool(torch.equal(got, want))
+
+    load_once("warm")
+    if cold and drop_page_cache():
+        load_once("cold")
+    return out
+
+
+def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0) -> dict[str, Any]:
+    """Store then load every page of ``case`` through the worker's pipelines (see the module
+    docstring); the engine alone after them. ``slots``: staging slots (default 3 x batch)."""
+    from tierstore.config import TierStoreConfig
+    from tierstore.engine import IOEngine
+    from tierstore.format import GroupKind
+    from tierstore.kernels import GroupCopier
+    from tierstore.kernels.transfer import PageTransfer
+    from tierstore.testing.pages import layout_namespace
+
+    views, lay, bpp, cds = case.copier_args
+    n = case.ids.shape[0]
+    ids_cpu = case.ids.cpu()
+    tokens = lay.sections[0].shape[1] if case.layout_name != "mamba" else 1
+    kind = GroupKind.MAMBA if case.layout_name == "mamba" else GroupKind.ATTENTION
+    ns = layout_namespace(lay, tokens, kind=kind, model=f"bench/{case.label}")
+    shutil.rmtree(root / "ts", ignore_errors=True)
+    config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off")
+    n_slots = slots or 3 * batch
+    transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=2 * batch)
+    transfer.warm_up()
+    keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
+    total = lay.nbytes * n
+    out: dict[str, Any] = {"case": case.label, "pages": n, "page_bytes": lay.nbytes, "batch": batch,
+                           "io_threads": threads, "staging_slots": n_slots,
+                           "checksums_on_gpu": transfer.checksums_on_gpu}
+    with IOEngine(root / "ts", ns, 0, config=config, staging_slots=n_slots, pin=True) as engine:
+        out["slots_pinned"] = engine.pinned
+        _warm_up(transfer, engine, ids_cpu, batch)
+        pipes = WorkerPipelines(case, engine, transfer, batch, tokens)
+        out.update(_store_timed(pipes, keys, ids_cpu, total))
+        out.update(_load_checked(case, pipes, keys, ids_cpu, total, cold))
+        out["engine_io_mode"] = engine.stats["io_mode"]
+        # the same engine without the GPU: how much of the gap to raw files is the engine's own
+        out.update(engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold,
+                               hash_on_cpu=not transfer.checksums_on_gpu))
+    shutil.rmtree(root / "ts", ignore_errors=True)
+    return out
+
+
+def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on_cpu: bool = True) -> dict[str, float]:
+    """IOEngine store then load of the same number of pages from/to its slots, no GPU.
+
+    ``hash_on_cpu=False``: the engine's work in the GPU-checksum pipeline (sums handed in,
+    loads not verified by the engine), i.e. the engine's I/O alone."""
+    n = len(keys)
+    fake_sums = None if hash_on_cpu else [0] * len(engine.layout.sections)
+    total = engine.layout.nbytes * n
+    os.sync()
+    t0 = time.perf_counter()
+    submitted = done = 0
+    while done < n:
+        while submitted < n and engine.free_slots > 0:
+            slot = engine.acquire_slot()  # holds the bytes of an earlier page: content does not matter
+            engine.submit_store(keys[submitted], slot, tokens, sums=fake_sums)
+            submitted += 1
+        res = engine.poll()
+        done += len(res)
+        if not res:
+            time.sleep(0.0005)
+    store_s = time.perf_counter() - t0
+
+    def load() -> float:
+        t0 = time.perf_counter()
+        submitted = done = 0
+        while done < n:
+            while submitted < n and engine.free_slots > 0:
+                engine.submit_load(keys[submitted], verify=hash_on_cpu)
+                submitted += 1
+            res = engine.poll()
+            for r in res:
+                if not r.ok:
+                    raise RuntimeError(f"engine-only load failed: {r.error}")
+                engine.release_slot(r.slot)
+            done += len(res)
+            if not res:
+                time.sleep(0.0005)
+        return time.perf_counter() - t0
+
+    out = {"engine_only_store_gbps": round(total / store_s / GB, 2), "engine_only_load_warm_gbps": round(total / load() / GB, 2)}
+    if cold and drop_page_cache():
+        out["engine_only_load_cold_gbps"] = round(total / load() / GB, 2)
+    return out
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a case: every number is the median over the repeats (each ratio paired
+    with the raw figures of its own repeat), with the per-repeat ratios kept for the spread."""
+    out = dict(runs[-1])
+    for key, val in runs[-1].items():
+        if isinstance(val, float | int) and not isinstance(val, bool):
+            out[key] = round(statistics.median(r[key] for r in runs if key in r), 3)
+    out["raw_files"] = {k: round(statistics.median(r["raw_files"][k] for r in runs), 2) for k in runs[-1]["raw_files"]}
+    out["verified"] = all(r.get("verified") for r in runs)
+    out["repeats"] = len(runs)
+    out["per_repeat"] = [{k: r[k] for k in ("store_ratio", "load_warm_ratio", "load_cold_ratio", "store_gbps",
+                                            "load_warm_gbps", "engine_only_store_gbps", "engine_only_load_warm_gbps")
+                          if k in r} | {"raw_files": r["raw_files"]} for r in runs]
+    return out
