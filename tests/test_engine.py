@@ -670,6 +670,7 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
         assert bytes(res.slot.view) != data  # type: ignore[union-attr]
         eng.release_slot(res.slot)  # type: ignore[arg-type]
         eng.settle(res, False, "checksum mismatch found by the caller")
+        assert eng.flush(10)  # the removal runs off the caller's thread
         assert not eng.mapper.path_for(page_key(5)).exists()
         assert eng.stats["bad_pages_discarded"] == 1
     else:
@@ -704,6 +705,7 @@ def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -
         other.settle(res, False, "not the engine that served it")
     assert path.exists()
     eng.settle(res, False, "section checksum mismatch after the copy")
+    assert eng.flush(10)  # the removal runs off the caller's thread
     assert not path.exists()
     st = eng.stats
     assert st["bad_pages_discarded"] == 1 and st["loads_failed"] == {"checksum": 1} and st["loads_ok"] == 0
@@ -711,7 +713,7 @@ def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -
     assert _store(other, key, data).ok and path.exists()
     eng.settle(res, False, "settled twice")
     eng.discard_page(key, "the deprecated call settles nothing left")
-    assert path.exists() and eng.stats["bad_pages_discarded"] == 1
+    assert eng.flush(10) and path.exists() and eng.stats["bad_pages_discarded"] == 1
     assert eng.stats["loads_failed"] == {"checksum": 1}
     # A good unverified load settled ok counts as a load, once.
     [good] = eng.wait([eng.submit_load(key, verify=False)], timeout=10)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,7 @@ class IOEngine:
             "loads_unverified": 0,  # verify=False results handed out; counted ok/failed at settle
         }
         self._unsettled: dict[int, _Served] = {}  # job id -> unverified result, until settled
+        self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
         self._local = _ThreadState()
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
@@ -224,8 +226,16 @@ class IOEngine:
             self._settle(job_id, False, reason)
 
     def flush(self, timeout: float | None) -> bool:
-        """Wait until every submitted store has finished (ok, failed or timed out)."""
-        return self._queue.flush(timeout)
+        """Wait until every submitted store, and every removal of a page ``settle`` rejected, has
+        finished (ok, failed or timed out)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        done = self._queue.flush(timeout)
+        with self._stats_lock:
+            removals = list(self._removals)
+        for t in removals:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+            done = done and not t.is_alive()
+        return done
 
     def close(self, timeout: float | None = None) -> None:
         """Finish queued stores (up to ``timeout``, default flush_timeout_s), cancel the rest."""
@@ -318,7 +328,14 @@ class IOEngine:
                 failed = self._stats["loads_failed"]
                 failed[PageCorrupt.kind] = failed.get(PageCorrupt.kind, 0) + 1
         if not ok:
-            self._remove_damaged(served.key, served.source, PageCorrupt(reason or "rejected by the caller", key=served.key))
+            # Off the caller's thread: it is the vLLM worker's step, and an unlink on a hung mount
+            # must not stall it. ``flush`` waits for these removals.
+            error = PageCorrupt(reason or "rejected by the caller", key=served.key)
+            t = threading.Thread(target=self._remove_damaged, args=(served.key, served.source, error),
+                                 name="tierstore-remove-damaged", daemon=True)
+            with self._stats_lock:
+                self._removals = [r for r in self._removals if r.is_alive()] + [t]
+            t.start()
 
     def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
         """Remove the bad file a load read, so the next store of its key can replace it.
@@ -413,15 +430,6 @@ class IOEngine:
     def _slots(self) -> list[StagingSlot]:
         """Every staging slot (bench/io.py walks them)."""
         return self._pool.slots
-
-    # shim until merge: PageStore.settle over confirm_page/discard_page (the lead drops it)
-    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
-        """The caller's verdict on an unverified load: not ``ok`` removes the damaged file, on a
-        short-lived thread (an unlink on a hung mount must not stall the caller)."""
-        if not ok:
-            key = bytes(result.key)
-            threading.Thread(target=self.discard_page, args=(key, reason or "checksum mismatch"),
-                             name="tierstore-discard", daemon=True).start()
 
 
 # ----------------------------------------------------------------- setup (at construction)
