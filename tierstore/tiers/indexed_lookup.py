@@ -173,7 +173,7 @@ class IndexedLookup:
                 if idents is None:
                     continue  # timed out: the tier is down now, its index is not consulted
             rest = []
-            for i, ident in zip(todo, idents):
+            for i, ident in zip(todo, idents, strict=True):
                 index = tier.indexes[batch[i][1]]
                 if ident is None:
                     index.discard(batch[i][2])

@@ -114,7 +114,7 @@ class PageIndex:
         """Pages known (listed directories plus this process's changes; approximate while a
         listing races with changes)."""
         n = 0
-        for arr, delta in zip(self._arrays, self._delta):
+        for arr, delta in zip(self._arrays, self._delta, strict=True):
             base = 0 if arr is None else arr.shape[0]
             n += base
             for fp, (present, _seq) in list(delta.items()):
