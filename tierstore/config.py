@@ -40,7 +40,7 @@ class TierStoreConfig:
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
     deadline_ms: int = 10_000  # per operation on local disk
     shared_deadline_ms: int = 5_000  # per operation on the shared tier
-    index_refresh_s: float = 10.0  # re-list the tiers' directories for the scheduler's page index; 0 = never
+    index_refresh_s: float = 30.0  # re-list the tiers' directories for the scheduler's page index; 0 = never
     flush_timeout_s: float = 30.0  # how long shutdown waits for queued stores
     # Identity.
     model_id: str | None = None  # override the model name recorded in the namespace

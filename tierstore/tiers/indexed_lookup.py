@@ -74,7 +74,7 @@ class IndexedLookup:
     """Page indexes of the disk tiers plus their background loader and prober (module doc)."""
 
     def __init__(self, shared: Sequence[FileMapper], local: Sequence[FileMapper] | None = None,
-                 refresh_s: float = 10.0, deadline_s: float = 5.0, probe_threads: int = 16,
+                 refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
                  list_threads: int = 4) -> None:
         self.deadline_s = deadline_s
         self.refresh_s = refresh_s

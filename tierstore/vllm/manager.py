@@ -85,7 +85,7 @@ class TierStoreManager(OffloadingManager):
     def __init__(self, mappers: Sequence[FileMapper], group_of: dict[int, int],
                  tokens_per_chunk: Sequence[int], state_groups: Sequence[bool],
                  retry_after_s: float = 30.0, local_mappers: Sequence[FileMapper] | None = None,
-                 shared_deadline_s: float = 5.0, index_refresh_s: float = 10.0,
+                 shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
                  load_index: bool = True) -> None:
         self.mappers = list(mappers)
         self.local_mappers = list(local_mappers) if local_mappers else []
