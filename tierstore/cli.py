@@ -35,6 +35,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
 BENCH: dict[str, tuple[str, str]] = {
     "io": ("tierstore.bench.io", "page store/load throughput against raw file I/O (and vLLM's fs tier)"),
     "kernels": ("tierstore.bench.kernels", "gather/scatter kernel throughput"),
+    "lookup": ("tierstore.bench.lookup", "scheduler-thread page lookups: in-memory index vs stat"),
 }
 
 
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: io, kernels")
+    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name, (_, help_text) in BENCH.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)

@@ -40,6 +40,7 @@ class TierStoreConfig:
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
     deadline_ms: int = 10_000  # per operation on local disk
     shared_deadline_ms: int = 5_000  # per operation on the shared tier
+    index_refresh_s: float = 30.0  # re-list the tiers' directories for the scheduler's page index; 0 = never
     flush_timeout_s: float = 30.0  # how long shutdown waits for queued stores
     # Identity.
     model_id: str | None = None  # override the model name recorded in the namespace
@@ -102,7 +103,7 @@ class TierStoreConfig:
             raise ConfigError(
                 f'setting "transfer_scratch_mib" must be an integer >= 1 (MiB of GPU memory per KV-cache group '
                 f"for pages in flight), got {self.transfer_scratch_mib!r}")
-        for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s"):
+        for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s", "index_refresh_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f'setting "{name}" must be a number of seconds >= 0, got {v!r}')

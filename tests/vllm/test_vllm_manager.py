@@ -1,9 +1,15 @@
-"""Scheduler-side manager: lookups by file existence, failed keys skipped until replaced."""
+"""Scheduler-side manager: answers from the in-memory page index, RETRY while it cannot answer,
+no file-system call on the scheduler thread, failed keys skipped until replaced."""
 
 from __future__ import annotations
 
+import builtins
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,14 +19,17 @@ pytestmark = pytest.mark.vllm
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
 from tierstore.mapper import FileMapper  # noqa: E402
+from tierstore.tiers import indexed_lookup, page_index  # noqa: E402
 from tierstore.vllm.manager import TierStoreFileSpec, TierStoreManager  # noqa: E402
 
 VLLM_GROUP = 3  # vLLM group id of the single tierstore group 0
+NS = "ab" * 16
 
 
-def make(root: Path, retry_after_s: float = 30.0) -> tuple[TierStoreManager, FileMapper]:
-    mapper = FileMapper(root, "ab" * 16, 0)
-    return TierStoreManager([mapper], {VLLM_GROUP: 0}, [128], [False], retry_after_s=retry_after_s), mapper
+def make(root: Path, retry_after_s: float = 30.0, **kw: Any) -> tuple[TierStoreManager, FileMapper]:
+    mapper = FileMapper(root, NS, 0)
+    manager = TierStoreManager([mapper], {VLLM_GROUP: 0}, [128], [False], retry_after_s=retry_after_s, **kw)
+    return manager, mapper
 
 
 def put(mapper: FileMapper, key: bytes, data: bytes = b"page") -> Path:
@@ -32,14 +41,110 @@ def put(mapper: FileMapper, key: bytes, data: bytes = b"page") -> Path:
     return path
 
 
-def test_lookup_is_file_existence(tmp_path: Path) -> None:
-    manager, mapper = make(tmp_path)
-    ctx = ReqContext("r")
-    key = make_offload_key(b"k" * 32, VLLM_GROUP)
-    assert manager.lookup(key, ctx) == LookupResult.MISS
+def ask(manager: TierStoreManager, key: bytes, ctx: ReqContext, steps: int = 500) -> LookupResult:
+    """What vLLM's scheduler ends up with: lookups, one per step, until the answer is not RETRY."""
+    for _ in range(steps):
+        result = manager.lookup(key, ctx)
+        if result is not LookupResult.RETRY:
+            return result
+        assert manager.settle(5.0)
+    raise AssertionError("lookup kept answering RETRY")
+
+
+def until(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def key_of(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def test_cold_index_answers_retry_then_hit(tmp_path: Path) -> None:
+    mapper = FileMapper(tmp_path, NS, 0)
     put(mapper, b"k" * 32)
-    assert manager.lookup(key, ctx) == LookupResult.HIT
-    assert manager.counters == {"lookups": 2, "lookup_hits": 1, "skipped_failed": 0}
+    manager, _ = make(tmp_path, load_index=False)  # the index is still loading
+    ctx = ReqContext("r")
+    have, absent = make_offload_key(b"k" * 32, VLLM_GROUP), make_offload_key(b"x" * 32, VLLM_GROUP)
+    assert manager.lookup(have, ctx) is LookupResult.RETRY
+    assert manager.lookup(absent, ctx) is LookupResult.RETRY
+    assert manager.has_pending_work()
+    assert manager.settle()  # one background batch answers both
+    assert manager.lookup(have, ctx) is LookupResult.HIT
+    assert manager.lookup(absent, ctx) is LookupResult.MISS
+    assert manager.counters["lookup_probes"] == 2 and manager.counters["lookup_retries"] == 2
+    manager.shutdown()
+
+
+def test_loaded_index_answers_without_probes(tmp_path: Path) -> None:
+    mapper = FileMapper(tmp_path, NS, 0)
+    for i in range(50):
+        put(mapper, key_of(i))
+    manager, _ = make(tmp_path)
+    assert until(lambda: manager.pages.loaded)
+    ctx = ReqContext("r")
+    assert all(manager.lookup(make_offload_key(key_of(i), VLLM_GROUP), ctx) is LookupResult.HIT for i in range(50))
+    assert manager.lookup(make_offload_key(key_of(99), VLLM_GROUP), ctx) is LookupResult.MISS
+    assert manager.counters["lookup_probes"] == 0
+    manager.shutdown()
+
+
+class FsCallsOnThread:
+    """Records file-system calls made on one thread (os.stat, os.lstat, os.scandir, os.listdir,
+    os.open, open, Path.exists via os.stat)."""
+
+    NAMES = ("stat", "lstat", "scandir", "listdir", "open", "access", "utime", "unlink", "replace")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, thread: threading.Thread) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            monkeypatch.setattr(os, name, self._wrap(f"os.{name}", getattr(os, name), thread))
+        monkeypatch.setattr(builtins, "open", self._wrap("open", builtins.open, thread))
+
+    def _wrap(self, name: str, fn: Callable[..., Any], thread: threading.Thread) -> Callable[..., Any]:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            if threading.current_thread() is thread:
+                self.calls.append(f"{name}{a[:1]}")
+            return fn(*a, **kw)
+        return wrapper
+
+
+@pytest.mark.parametrize("with_local", [False, True])
+def test_scheduler_thread_never_calls_the_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      with_local: bool) -> None:
+    mapper = FileMapper(tmp_path / "shared", NS, 0)
+    local = [FileMapper(tmp_path / "local", NS, 0)] if with_local else None
+    for i in range(300):
+        put(mapper, key_of(i))
+    keys = [make_offload_key(key_of(i), VLLM_GROUP) for i in range(600)]
+    ctx = ReqContext("r")
+    spy = FsCallsOnThread(monkeypatch, threading.current_thread())
+    manager = TierStoreManager([mapper], {VLLM_GROUP: 0}, [128], [False], local_mappers=local,
+                               index_refresh_s=0.05)
+    answers: dict[int, LookupResult] = {}
+    for _step in range(2000):  # a scheduler loop while the index loads and refreshes
+        for i, key in enumerate(keys):
+            answers[i] = manager.lookup(key, ctx)
+        if all(a is not LookupResult.RETRY for a in answers.values()):
+            break
+        manager.on_schedule_end(None)
+        time.sleep(0.002)
+    out = manager.prepare_store(keys[250:350], ctx)
+    assert out is not None and out.keys_to_store == keys[300:350]
+    manager.complete_store(keys[300:350], ctx)
+    manager.mark_failed(keys[0], "checksum")
+    manager.mark_failed(keys[1], "timeout")
+    manager.on_schedule_end(None)
+    assert manager.lookup(keys[0], ctx) is LookupResult.MISS
+    manager.reset_cache()
+    monkeypatch.undo()  # the spy off before any settle() of the test itself
+    assert spy.calls == [], spy.calls[:10]
+    assert [answers[i] for i in range(600)] == [LookupResult.HIT] * 300 + [LookupResult.MISS] * 300
+    manager.shutdown()
 
 
 def test_content_failure_is_skipped_until_the_file_is_replaced(tmp_path: Path) -> None:
@@ -47,11 +152,18 @@ def test_content_failure_is_skipped_until_the_file_is_replaced(tmp_path: Path) -
     ctx = ReqContext("r")
     key = make_offload_key(b"k" * 32, VLLM_GROUP)
     put(mapper, b"k" * 32)
+    assert ask(manager, key, ctx) is LookupResult.HIT
     manager.mark_failed(key, "checksum")
-    assert manager.lookup(key, ctx) == LookupResult.MISS
-    assert manager.lookup(key, ctx) == LookupResult.MISS
+    assert manager.lookup(key, ctx) is LookupResult.MISS
+    assert manager.settle()
+    assert ask(manager, key, ctx) is LookupResult.MISS
+    assert manager.settle()
+    assert ask(manager, key, ctx) is LookupResult.MISS
     put(mapper, b"k" * 32, b"a fresh page")
-    assert manager.lookup(key, ctx) == LookupResult.HIT
+    assert manager.lookup(key, ctx) is LookupResult.MISS  # the re-check runs off this thread
+    assert manager.settle()
+    assert ask(manager, key, ctx) is LookupResult.HIT
+    manager.shutdown()
 
 
 def test_timeouts_are_retried_after_a_while(tmp_path: Path) -> None:
@@ -59,47 +171,97 @@ def test_timeouts_are_retried_after_a_while(tmp_path: Path) -> None:
     key = make_offload_key(b"k" * 32, VLLM_GROUP)
     put(mapper, b"k" * 32)
     manager.mark_failed(key, "timeout")
-    assert manager.lookup(key, ReqContext("r")) == LookupResult.HIT
+    assert ask(manager, key, ReqContext("r")) is LookupResult.HIT
     slow, _ = make(tmp_path, retry_after_s=60.0)
     slow.mark_failed(key, "timeout")
-    assert slow.lookup(key, ReqContext("r")) == LookupResult.MISS
+    assert ask(slow, key, ReqContext("r")) is LookupResult.MISS
+    manager.shutdown()
+    slow.shutdown()
 
 
 def test_prepare_store_skips_existing_and_in_flight_keys(tmp_path: Path) -> None:
-    manager, mapper = make(tmp_path)
+    mapper = FileMapper(tmp_path, NS, 0)
+    put(mapper, b"h" * 32)
+    manager, _ = make(tmp_path)
+    assert until(lambda: manager.pages.loaded)
     ctx = ReqContext("r")
     have, new = make_offload_key(b"h" * 32, VLLM_GROUP), make_offload_key(b"n" * 32, VLLM_GROUP)
-    put(mapper, b"h" * 32)
     out = manager.prepare_store([have, new], ctx)
     assert out is not None and out.keys_to_store == [new]
     assert isinstance(out.store_spec, TierStoreFileSpec)
     assert out.store_spec.keys == [b"n" * 32] and out.store_spec.groups == [0]
     again = manager.prepare_store([new], ctx)
     assert again is not None and again.keys_to_store == []  # already being written
-    manager.complete_store([new], ctx)
+    manager.complete_store([new], ctx)  # the worker dropped it: nothing on disk
+    assert manager.settle()
     assert manager.prepare_store([new], ctx).keys_to_store == [new]  # type: ignore[union-attr]
+    manager.shutdown()
 
 
-def test_a_hung_shared_root_never_blocks_lookups_past_the_deadline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A stat that hangs (an NFS server that stopped answering) turns into misses within the
-    deadline; later lookups answer at once while the root is down; it comes back by itself."""
-    import threading
-    import time
+def test_own_stores_are_never_a_false_miss(tmp_path: Path) -> None:
+    """A completed store answers RETRY until confirmed, then HIT, long before any refresh; with
+    the store path's hook (``page_index.note_stored``) HIT at once."""
+    manager, mapper = make(tmp_path, index_refresh_s=3600)
+    assert until(lambda: manager.pages.loaded)
+    ctx = ReqContext("r")
+    a, b = make_offload_key(b"a" * 32, VLLM_GROUP), make_offload_key(b"b" * 32, VLLM_GROUP)
+    assert manager.prepare_store([a, b], ctx).keys_to_store == [a, b]  # type: ignore[union-attr]
+    put(mapper, b"a" * 32)
+    put(mapper, b"b" * 32)
+    page_index.note_stored(mapper.base, b"b" * 32)  # what the store path does in this process
+    manager.complete_store([a, b], ctx)
+    assert manager.lookup(a, ctx) is LookupResult.RETRY
+    assert manager.lookup(b, ctx) is LookupResult.HIT
+    assert ask(manager, a, ctx) is LookupResult.HIT
+    page_index.note_removed(mapper.base, b"b" * 32)  # eviction / gc in this process
+    assert manager.lookup(b, ctx) is LookupResult.MISS
+    manager.shutdown()
 
-    from tierstore.vllm import manager as manager_mod
 
+def test_another_nodes_page_is_found_after_the_refresh_interval(tmp_path: Path) -> None:
+    manager, _ = make(tmp_path, index_refresh_s=0.2)
+    assert until(lambda: manager.pages.loaded)
+    ctx = ReqContext("r")
+    key = make_offload_key(b"o" * 32, VLLM_GROUP)
+    assert manager.lookup(key, ctx) is LookupResult.MISS
+    other_node = FileMapper(tmp_path, NS, 0)  # another process's mapper on the same root
+    put(other_node, b"o" * 32)
+    t0 = time.monotonic()
+    assert until(lambda: manager.lookup(key, ctx) is LookupResult.HIT, timeout=10)
+    assert time.monotonic() - t0 < 5  # a refresh interval (0.2 s) plus one listing, not more
+    manager.shutdown()
+
+
+def test_a_page_deleted_behind_our_back_costs_at_most_one_failed_load(tmp_path: Path) -> None:
+    manager, mapper = make(tmp_path, index_refresh_s=3600)
+    path = put(mapper, b"d" * 32)
+    ctx = ReqContext("r")
+    key = make_offload_key(b"d" * 32, VLLM_GROUP)
+    assert until(lambda: manager.pages.loaded)  # no listing after the unlink below
+    assert ask(manager, key, ctx) is LookupResult.HIT
+    path.unlink()  # gc on another node
+    assert manager.lookup(key, ctx) is LookupResult.HIT  # a stale positive: the load will fail
+    manager.mark_failed(key, "missing")  # the worker's report of that one failed load
+    assert manager.lookup(key, ctx) is LookupResult.MISS
+    assert manager.settle()
+    for _ in range(3):  # every later request recomputes without trying to load it
+        assert ask(manager, key, ctx) is LookupResult.MISS
+    manager.shutdown()
+
+
+def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stat that hangs (an NFS server that stopped answering): lookups keep answering at once
+    (RETRY while in doubt), MISS once the deadline marked the root down; it comes back by
+    itself."""
     root = tmp_path / "shared"
-    mapper = FileMapper(root, "ab" * 16, 0)
-    manager = TierStoreManager([mapper], {VLLM_GROUP: 0}, [128], [False], shared_deadline_s=0.2)
+    manager, mapper = make(root, shared_deadline_s=0.2, load_index=False)  # cold: every key probes
     ctx = ReqContext("r")
     key = make_offload_key(b"k" * 32, VLLM_GROUP)
     put(mapper, b"k" * 32)
-    assert manager.lookup(key, ctx) == LookupResult.HIT
+    assert ask(manager, key, ctx) is LookupResult.HIT
 
     hang = threading.Event()
-    real_identity, real_stat = manager_mod._file_identity, os.stat
+    real_identity, real_stat = indexed_lookup.file_identity, os.stat
 
     def hanging_identity(path):  # type: ignore[no-untyped-def]
         hang.wait(30)
@@ -110,22 +272,19 @@ def test_a_hung_shared_root_never_blocks_lookups_past_the_deadline(
             hang.wait(30)
         return real_stat(path, *a, **kw)
 
-    monkeypatch.setattr(manager_mod, "_file_identity", hanging_identity)
-    monkeypatch.setattr(manager_mod.os, "stat", hanging_stat)
-    t0 = time.monotonic()
-    assert manager.lookup(key, ctx) == LookupResult.MISS
-    first = time.monotonic() - t0
-    t0 = time.monotonic()
-    for _ in range(20):
-        assert manager.lookup(key, ctx) == LookupResult.MISS
-    later = time.monotonic() - t0
-    assert 0.15 <= first < 1.0, first
-    assert later < 0.1, later  # down: no waiting at all
-    assert not manager._shared_stat.health.up and manager._shared_stat.timeouts == 1
+    monkeypatch.setattr(indexed_lookup, "file_identity", hanging_identity)
+    monkeypatch.setattr(indexed_lookup.os, "stat", hanging_stat)
+    other = make_offload_key(b"o" * 32, VLLM_GROUP)
+    assert manager.lookup(other, ctx) is LookupResult.RETRY
+    manager.on_schedule_end(None)
+    assert manager.lookup(other, ctx) is LookupResult.RETRY  # the stat hangs; we do not
+    assert until(lambda: not manager.pages.shared_up, timeout=5)
+    assert manager.lookup(other, ctx) is LookupResult.MISS  # down: MISS at once
+    assert manager.lookup(key, ctx) is LookupResult.MISS
+    assert manager.pages.counters["probe_timeouts"] == 1
 
-    monkeypatch.setattr(manager_mod, "_file_identity", real_identity)
+    monkeypatch.setattr(indexed_lookup, "file_identity", real_identity)
     hang.set()  # the server answers again
-    deadline = time.monotonic() + 10
-    while not manager._shared_stat.health.up and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manager.lookup(key, ctx) == LookupResult.HIT
+    assert until(lambda: manager.pages.shared_up, timeout=10)
+    assert manager.lookup(key, ctx) is LookupResult.HIT
+    manager.shutdown()

@@ -1,36 +1,45 @@
-"""Scheduler side of the tierstore offloading spec: which chunks are on disk.
+"""Scheduler side of the tierstore offloading spec: which chunks are on disk, from memory.
 
-``TierStoreManager`` implements vLLM's ``OffloadingManager``. A lookup is one ``stat`` of the
-page's path (``FileMapper``) per disk tier, the local tier (``local_root``) first, then
-``root``: no reads, no locks, no state change, so vLLM may call it as often as it likes. (The
-host tier lives in the worker process and is always backed by the local or shared tier.) vLLM's offloading scheduler turns per-group answers into the hybrid hit (full
-attention: a prefix run; sliding window: the window ending at the hit; Mamba: the state at the
-boundary; the minimum across groups).
+``TierStoreManager`` implements vLLM's ``OffloadingManager``. vLLM schedules every request on
+one thread, so nothing here touches the file system on that thread: not ``lookup``, not
+``prepare_store``, not ``mark_failed``. Lookups are answered by ``IndexedLookup``: an
+in-memory ``PageIndex`` per disk tier and group (the local tier first, then ``root``), loaded
+by listing the fan-out directories on a background thread at start and refreshed every
+``index_refresh_s``. (The host tier lives in the worker process and is always backed by the
+local or shared tier.) vLLM's offloading scheduler turns per-group answers into the hybrid hit
+(full attention: a prefix run; sliding window: the window ending at the hit; Mamba: the state
+at the boundary; the minimum across groups).
+
+Answers: HIT / MISS from the index; ``LookupResult.RETRY`` ("ask again next step"; vLLM's
+``get_num_new_matched_tokens`` then returns ``(None, False)`` and the request waits while
+others are scheduled) for a key whose fan-out directory has not been listed yet and for a key
+whose store just completed and is being confirmed. Such keys are collected during the step
+and handed to the prober as one batch in ``on_schedule_end`` (as vLLM's
+``AsyncLookupManager``); its verdicts are applied on the scheduler thread at the next call.
+While the shared tier is down its index is skipped: MISS at once.
+
+Freshness: pages this process stores are confirmed (a background ``stat``) when vLLM reports
+the store complete and answered HIT from then on; when the worker runs in this process and
+the store path calls ``page_index.note_stored`` they are in the index before that. Pages of
+other nodes appear at the next refresh (``index_refresh_s``). A stale positive (gc or eviction
+elsewhere) costs one failed load: the request is recomputed and the verdict corrected.
 
 Failed loads: the worker reports the keys whose load failed; ``mark_failed`` remembers them
-with the file's identity (inode, size, mtime) so the retried lookup misses and those tokens are
-recomputed, until the file is replaced (content errors) or ``retry_after_s`` passes (timeouts
-and I/O errors). Store bookkeeping: keys being written are not offered twice.
-
-Deadlines: ``root`` may be a shared NFS export, where a hung server blocks ``stat`` for minutes.
-Every ``stat`` under ``root`` runs on a small thread pool and is waited for at most
-``shared_deadline_s``; a timeout marks the shared root down (``tiers.deadline.Health``): from
-then on its lookups answer MISS at once, and a background probe brings it back when the mount
-answers again. The scheduler thread is never blocked past the deadline. (The local tier is a
-local disk: plain ``stat``.)
+and has the prober record the file's identity (inode, size, mtime); the key misses (its tokens
+are recomputed) until the file is replaced or gone (content errors; each lookup of it
+schedules a background re-check) or ``retry_after_s`` passes (timeouts and I/O errors).
+Store bookkeeping: keys being written are not offered twice; keys the shared index has are
+not written again.
 
 Page keys are vLLM's block hashes (the offload key without its 4-byte group suffix); the
-group is part of the path. Threading: called from the scheduler thread only.
+group is part of the path. Threading: every public method is called from the scheduler thread
+only; ``IndexedLookup`` owns the background threads.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
@@ -45,14 +54,12 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
+from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.mapper import FileMapper
-from tierstore.tiers.deadline import Health
+from tierstore.tiers.indexed_lookup import Identity, IndexedLookup
 
-logger = logging.getLogger("tierstore.vllm")
-
-# Errors that say the file's bytes are wrong: skip it until it is replaced.
-CONTENT_ERRORS = frozenset({"checksum", "truncated", "format", "foreign", "key_mismatch"})
 MAX_FAILED_KEYS = 100_000
+_UNKNOWN = object()  # identity of a failed page not yet looked at by the prober
 
 
 @dataclass
@@ -67,102 +74,108 @@ class TierStoreFileSpec(LoadStoreSpec):
         return f"TierStoreFileSpec({len(self.keys)} pages)"
 
 
-def _file_identity(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class _DeadlineStat:
-    """``_file_identity`` under a root that may hang, bounded by a deadline (see module doc)."""
-
-    def __init__(self, root: os.PathLike[str] | str, deadline_s: float) -> None:
-        self.deadline_s = deadline_s
-        # Threads stuck in a hung syscall stay stuck; while the root is down nothing new is
-        # submitted, so two workers are enough and never pile up.
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-lookup")
-        self.health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(root),
-                             deadline_s=deadline_s)
-        self.timeouts = 0
-
-    def __call__(self, path: os.PathLike[str]) -> tuple[int, int, int] | None:
-        if not self.health.up:
-            return None
-        fut = self._pool.submit(_file_identity, path)
-        try:
-            return fut.result(timeout=self.deadline_s)
-        except FutureTimeout:
-            self.timeouts += 1
-            self.health.mark_down(f"a lookup took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
-            return None
+@dataclass
+class _FailedLoad:
+    kind: str
+    when: float  # monotonic time of the failure
+    seen: Identity | None | object = _UNKNOWN  # the file's identity right after the failure
 
 
 class TierStoreManager(OffloadingManager):
     def __init__(self, mappers: Sequence[FileMapper], group_of: dict[int, int],
                  tokens_per_chunk: Sequence[int], state_groups: Sequence[bool],
                  retry_after_s: float = 30.0, local_mappers: Sequence[FileMapper] | None = None,
-                 shared_deadline_s: float = 5.0) -> None:
+                 shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
+                 load_index: bool = True) -> None:
         self.mappers = list(mappers)
-        self._shared_stat = _DeadlineStat(self.mappers[0].root, shared_deadline_s)
         self.local_mappers = list(local_mappers) if local_mappers else []
+        self.pages = IndexedLookup(self.mappers, self.local_mappers or None, refresh_s=index_refresh_s,
+                                   deadline_s=shared_deadline_s)
+        self.pages.start(load=load_index)  # False: tests of a cold index
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index
         self.tokens_per_chunk = list(tokens_per_chunk)
         self.state_groups = list(state_groups)  # True: a page is a state after its end token
         self.retry_after_s = retry_after_s
         self._storing: set[OffloadKey] = set()
-        # key -> (file identity when it failed, kind, monotonic time of failure)
-        self._failed: dict[OffloadKey, tuple[tuple[int, int, int] | None, str, float]] = {}
-        self.counters: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0}
+        self._failed: dict[OffloadKey, _FailedLoad] = {}
+        self._probing: set[OffloadKey] = set()  # handed to the prober, verdict not applied yet
+        self._batch: list[tuple[OffloadKey, int, bytes]] = []  # this step's keys to probe
+        self.counters: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0,
+                                         "lookup_retries": 0, "lookup_probes": 0}
 
-    def _path(self, key: OffloadKey) -> os.PathLike[str]:
-        g = self.group_of[get_offload_group_idx(key)]
-        return self.mappers[g].path_for(get_offload_block_hash(key))
-
-    def _identity(self, key: OffloadKey) -> tuple[int, int, int] | None:
-        """Identity of the page's file in the first disk tier that has it (local, then root)."""
-        g = self.group_of[get_offload_group_idx(key)]
-        h = get_offload_block_hash(key)
-        if self.local_mappers:
-            ident = _file_identity(self.local_mappers[g].path_for(h))
-            if ident is not None:
-                return ident
-        return self._shared_stat(self.mappers[g].path_for(h))
-
-    def _exists(self, key: OffloadKey) -> bool:
-        return self._identity(key) is not None
-
+    # ------------------------------------------------------------ lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters["lookups"] += 1
-        if key in self._failed:
-            ident = self._identity(key)
-            seen, kind, when = self._failed[key]
-            if ident is None:
-                del self._failed[key]
-                return LookupResult.MISS
-            expired = kind not in CONTENT_ERRORS and time.monotonic() - when > self.retry_after_s
-            if ident == seen and not expired:
-                self.counters["skipped_failed"] += 1
-                return LookupResult.MISS
-            del self._failed[key]  # replaced (or retry time passed): try it again
+        if not self.pages.results.empty():
+            self._apply_results()
+        failed = self._failed.get(key)
+        if failed is not None and self._skip_failed(key, failed):
+            self.counters["skipped_failed"] += 1
+            return LookupResult.MISS
+        if key in self._probing and self.pages.shared_up:
+            self.counters["lookup_retries"] += 1
+            return LookupResult.RETRY
+        found = self.pages.answer(self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key))
+        if found:
             self.counters["lookup_hits"] += 1
             return LookupResult.HIT
-        if self._exists(key):
-            self.counters["lookup_hits"] += 1
-            return LookupResult.HIT
+        if found is None:
+            self._probe(key)
+            self.counters["lookup_retries"] += 1
+            return LookupResult.RETRY
         return LookupResult.MISS
 
+    def _skip_failed(self, key: OffloadKey, failed: _FailedLoad) -> bool:
+        """Whether a key whose load failed still misses; forgets it when it may be tried again."""
+        if failed.kind not in BAD_CONTENT_KINDS and time.monotonic() - failed.when > self.retry_after_s:
+            del self._failed[key]
+            return False
+        if failed.seen is not _UNKNOWN:
+            self._probe(key)  # has the file been replaced or removed since? (off this thread)
+        return True
+
+    def _probe(self, key: OffloadKey) -> None:
+        if key not in self._probing:
+            self._probing.add(key)
+            self._batch.append((key, self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key)))
+
+    def _apply_results(self) -> None:
+        while not self.pages.results.empty():
+            for key, ident in self.pages.results.get_nowait():
+                self._probing.discard(key)
+                failed = self._failed.get(key)
+                if failed is None:
+                    continue
+                if failed.seen is _UNKNOWN:
+                    failed.seen = ident
+                if ident is None or ident != failed.seen:
+                    del self._failed[key]  # gone (miss from the index) or replaced (try it)
+
+    def on_schedule_end(self, context: object) -> None:
+        """Hand this step's unanswered keys to the prober as one batch."""
+        self._apply_results()
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.counters["lookup_probes"] += len(batch)
+            self.pages.probe(batch)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._probing)
+
     def mark_failed(self, key: OffloadKey, kind: str) -> None:
-        """Remember that loading ``key`` failed with error ``kind``."""
+        """Remember that loading ``key`` failed with error ``kind`` (its identity is read by the
+        prober, off this thread)."""
         if len(self._failed) >= MAX_FAILED_KEYS:
             self._failed.pop(next(iter(self._failed)))
         try:
-            ident = self._identity(key)
+            self.group_of[get_offload_group_idx(key)]
         except (KeyError, ValueError):
             return
-        self._failed[key] = (ident, kind, time.monotonic())
+        self._failed[key] = _FailedLoad(kind, time.monotonic())
+        self._probing.discard(key)  # a verdict in flight predates the failure: probe again
+        self._probe(key)
 
+    # ------------------------------------------------------------ transfers
     def _spec(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierStoreFileSpec:
         spec = TierStoreFileSpec()
         for key in keys:
@@ -181,17 +194,41 @@ class TierStoreManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         todo = []
         for key in keys:
-            if key in self._storing or (key not in self._failed and self._shared_stat(self._path(key)) is not None):
+            if key in self._storing:
                 continue
+            if key not in self._failed and self.pages.answer_tier(
+                    "shared", self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key)):
+                continue  # the shared tier has it (an unlisted directory: store; the engine skips)
             todo.append(key)
         self._storing.update(todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=self._spec(todo, req_context), evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         self._storing.difference_update(keys)
+        if not success:
+            return
+        for key in keys:
+            # vLLM reports the job, not each page (a page may have been dropped): confirm the
+            # pages the index does not have yet; they answer RETRY meanwhile, never a false MISS.
+            if not self.pages.answer(self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key)):
+                self._probe(key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def reset_cache(self) -> None:
         self._failed.clear()
+
+    def shutdown(self) -> None:
+        self.pages.close()
+
+    # ------------------------------------------------------------ tests and benchmarks
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Flush this step's probes and wait until every verdict is applied (tests and
+        benchmarks only: it blocks the calling thread). False if ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        self.on_schedule_end(None)
+        while self._probing and time.monotonic() < deadline:
+            time.sleep(0.002)
+            self._apply_results()
+        return not self._probing

@@ -162,6 +162,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
                 shared_deadline_s=self.ts_config.shared_deadline_ms / 1000,
+                index_refresh_s=self.ts_config.index_refresh_s,
             )
         return self._manager
 

@@ -41,9 +41,11 @@ PREFIX = "tierstore_"
 
 # Adapter counters: name -> (label name or None, documentation).
 ADAPTERCOUNTER_NAMES: dict[str, tuple[str | None, str]] = {
-    "lookups": (None, "Scheduler page lookups (one stat per disk tier)."),
+    "lookups": (None, "Scheduler page lookups (answered from the in-memory page index)."),
     "lookup_hits": (None, "Scheduler page lookups that found the page."),
     "skipped_failed": (None, "Lookups answered as a miss because the page failed to load before."),
+    "lookup_retries": (None, "Lookups answered 'ask again next step' (index still loading, or a store being confirmed)."),
+    "lookup_probes": (None, "Keys looked up on disk by the background prober (one stat per tier)."),
     "load_pages_ok": (None, "Pages loaded, verified and copied into KV blocks."),
     "load_bytes": (None, "Page bytes loaded."),
     "load_jobs_ok": (None, "Load jobs (requests) restored completely."),

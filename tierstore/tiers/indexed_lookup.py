@@ -1,0 +1,240 @@
+"""IndexedLookup: "is this page on a disk tier?" answered from memory, the rest in the background.
+
+Contract:
+- One ``PageIndex`` per (tier, group): tiers in lookup order (the local tier, then the shared
+  ``root``), groups as the ``FileMapper`` lists given. ``start()`` starts two daemon threads:
+  the *loader* lists every fan-out directory of every index (local first; shared listings run
+  on a small pool, each under ``deadline_s``) and then lists them all again every
+  ``refresh_s`` (0: never again); the *prober* answers batches of keys with one ``stat`` per
+  tier (local inline, shared on a pool of ``probe_threads`` under ``deadline_s``), writes the
+  verdicts into the indexes and hands ``(token, identity)`` pairs back through ``results``.
+- ``answer(group, key)`` never touches the file system: True (some tier has it), False (no
+  tier has it, or only a tier that is down), None (an index that could hold it has not listed
+  that directory yet: ask ``probe``). ``answer_tier`` answers for one tier.
+- The shared tier's ``Health`` goes down when a listing or a batch of stats passes
+  ``deadline_s``; while down its index is not consulted (MISS at once) and not refreshed; a
+  probe thread brings it back (``tiers.deadline.Health``).
+
+Threading: ``answer``, ``answer_tier``, ``probe`` and ``results`` may be called from any thread
+and never block on I/O; everything else that touches the file system runs on this object's
+threads. ``close`` stops them (threads stuck in a hung mount are daemons and are abandoned).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierstore.mapper import FANOUT_DIRS, FileMapper
+from tierstore.tiers.deadline import Health
+from tierstore.tiers.page_index import PageIndex
+
+log = logging.getLogger(__name__)
+
+Identity = tuple[int, int, int]  # (inode, size, mtime_ns) of a page file
+ProbeItem = tuple[Any, int, bytes]  # (caller's token, group, page key)
+
+
+def file_identity(path: str | os.PathLike[str]) -> Identity | None:
+    """(inode, size, mtime_ns) of ``path``, or None when there is no such file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class TierIndexes:
+    """The indexes of one disk tier, one per group, and its health (shared tier only)."""
+
+    name: str
+    mappers: list[FileMapper]
+    health: Health | None = None
+    indexes: list[PageIndex] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.indexes = [PageIndex(m.base) for m in self.mappers]
+
+    @property
+    def up(self) -> bool:
+        return self.health is None or self.health.up
+
+
+class IndexedLookup:
+    """Page indexes of the disk tiers plus their background loader and prober (module doc)."""
+
+    def __init__(self, shared: Sequence[FileMapper], local: Sequence[FileMapper] | None = None,
+                 refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
+                 list_threads: int = 4) -> None:
+        self.deadline_s = deadline_s
+        self.refresh_s = refresh_s
+        shared_root = shared[0].root
+        health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
+                        deadline_s=deadline_s)
+        self.shared = TierIndexes("shared", list(shared), health)
+        self.local = TierIndexes("local", list(local)) if local else None
+        self.tiers = [t for t in (self.local, self.shared) if t is not None]
+        self.results: queue.SimpleQueue[list[tuple[Any, Identity | None]]] = queue.SimpleQueue()
+        self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
+        # Stuck threads stay stuck in a hung mount; nothing new is submitted while it is down.
+        self._stat_pool = ThreadPoolExecutor(probe_threads, thread_name_prefix="tierstore-probe")
+        self._list_pool = ThreadPoolExecutor(list_threads, thread_name_prefix="tierstore-list")
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.first_load_s: float | None = None  # seconds the first full listing took
+        self.counters = {"probed": 0, "probe_timeouts": 0, "list_timeouts": 0, "refreshes": 0}
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, load: bool = True) -> IndexedLookup:
+        """Start the prober and (``load``; tests leave it out to keep the index cold) the loader."""
+        threads = [("tierstore-prober", self._probe_loop)]
+        if load:
+            threads.append(("tierstore-index", self._load_loop))
+        for name, target in threads:
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._probes.put(None)
+        for t in self._threads:
+            t.join(timeout=1.0)
+        self._stat_pool.shutdown(wait=False, cancel_futures=True)
+        self._list_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def loaded(self) -> bool:
+        return all(ix.loaded for t in self.tiers for ix in t.indexes)
+
+    @property
+    def shared_up(self) -> bool:
+        return self.shared.up
+
+    # ------------------------------------------------------------ scheduler-thread API
+    def answer(self, group: int, key: bytes) -> bool | None:
+        unknown = False
+        for tier in self.tiers:
+            if not tier.up:
+                continue
+            found = tier.indexes[group].contains(key)
+            if found:
+                return True
+            unknown |= found is None
+        return None if unknown else False
+
+    def answer_tier(self, tier: str, group: int, key: bytes) -> bool | None:
+        t = self.shared if tier == "shared" else self.local
+        if t is None or not t.up:
+            return False
+        return t.indexes[group].contains(key)
+
+    def probe(self, items: list[ProbeItem]) -> None:
+        """Look these keys up on disk in the background; ``results`` gets one list back."""
+        if items:
+            self._probes.put(items)
+
+    # ------------------------------------------------------------ prober thread
+    def _probe_loop(self) -> None:
+        while True:
+            batch = self._probes.get()
+            if batch is None:
+                return
+            try:
+                self.results.put(self.probe_now(batch))
+            except Exception:  # never lose a batch: the caller would wait for it forever
+                log.exception("tierstore: lookup probe failed")
+                self.results.put([(token, None) for token, _g, _k in batch])
+
+    def probe_now(self, batch: list[ProbeItem]) -> list[tuple[Any, Identity | None]]:
+        """Stat every key of ``batch`` on each tier until found (this thread: local; shared on
+        the pool under the deadline); record the verdicts in the indexes."""
+        self.counters["probed"] += len(batch)
+        found: dict[int, Identity | None] = {}
+        todo = list(range(len(batch)))
+        for tier in self.tiers:
+            if not todo or not tier.up:
+                continue
+            if tier.health is None:
+                idents = [file_identity(tier.mappers[batch[i][1]].path_for(batch[i][2])) for i in todo]
+            else:
+                idents = self._stat_under_deadline(tier, [tier.mappers[batch[i][1]].path_for(batch[i][2]) for i in todo])
+                if idents is None:
+                    continue  # timed out: the tier is down now, its index is not consulted
+            rest = []
+            for i, ident in zip(todo, idents, strict=True):
+                index = tier.indexes[batch[i][1]]
+                if ident is None:
+                    index.discard(batch[i][2])
+                    rest.append(i)
+                else:
+                    index.add(batch[i][2])
+                    found[i] = ident
+            todo = rest
+        return [(batch[i][0], found.get(i)) for i in range(len(batch))]
+
+    def _stat_under_deadline(self, tier: TierIndexes, paths: list[Any]) -> list[Identity | None] | None:
+        futures = [self._stat_pool.submit(file_identity, p) for p in paths]
+        done, pending = wait_futures(futures, timeout=self.deadline_s)
+        if pending:
+            for f in pending:
+                f.cancel()
+            self.counters["probe_timeouts"] += 1
+            assert tier.health is not None
+            tier.health.mark_down(f"{len(pending)} lookups took longer than {self.deadline_s:.3f} s "
+                                  "(shared_deadline_ms)")
+            return None
+        return [f.result() for f in futures]
+
+    # ------------------------------------------------------------ loader thread
+    def _load_loop(self) -> None:
+        t0 = time.monotonic()
+        self.list_all()
+        self.first_load_s = time.monotonic() - t0
+        log.info("tierstore: page index loaded in %.2f s (%s)", self.first_load_s,
+                 ", ".join(f"{t.name}: {sum(len(ix) for ix in t.indexes)} pages" for t in self.tiers))
+        while self.refresh_s > 0 and not self._stop.wait(self.refresh_s):
+            self.list_all()
+            self.counters["refreshes"] += 1
+
+    def list_all(self) -> None:
+        """List every fan-out directory of every index once (this thread; shared on the pool)."""
+        for tier in self.tiers:
+            for index in tier.indexes:
+                if self._stop.is_set():
+                    return
+                if tier.health is None:
+                    for d in range(len(FANOUT_DIRS)):
+                        try:
+                            index.load_dir(d)
+                        except OSError as exc:  # the directory stays as it was; probes answer it
+                            log.warning("tierstore: cannot list %s/%s: %s", index.base, FANOUT_DIRS[d], exc)
+                elif tier.up:
+                    self._list_shared(tier, index)
+
+    def _list_shared(self, tier: TierIndexes, index: PageIndex) -> None:
+        futures: list[Future[None]] = [self._list_pool.submit(index.load_dir, d) for d in range(len(FANOUT_DIRS))]
+        for f in futures:
+            try:
+                f.result(timeout=self.deadline_s)
+            except FutureTimeout:
+                for rest in futures:
+                    rest.cancel()
+                self.counters["list_timeouts"] += 1
+                assert tier.health is not None
+                tier.health.mark_down(f"listing a directory took longer than {self.deadline_s:.3f} s "
+                                      "(shared_deadline_ms)")
+                return
+            except OSError as exc:
+                log.warning("tierstore: cannot list a directory of %s: %s", index.base, exc)
