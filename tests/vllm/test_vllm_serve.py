@@ -266,3 +266,16 @@ def test_metrics_counters_never_negative_nor_decreasing(served: dict[str, Any]) 
             seq = [s.get(name, 0.0) for s in samples]
             assert min(seq) >= 0, name
             assert all(b >= a for a, b in zip(seq, seq[1:], strict=False)), (name, seq)
+
+
+def test_stop_warnings_name_the_settings_to_change() -> None:
+    from types import SimpleNamespace
+
+    from tierstore.vllm.stop import stop_warnings
+
+    mp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    both = stop_warnings(SimpleNamespace(shutdown_timeout=0), 30.0, mp)
+    assert len(both) == 2 and "--shutdown-timeout 40" in both[0] and "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in both[1]
+    ok = {**mp, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "40"}
+    assert stop_warnings(SimpleNamespace(shutdown_timeout=45), 30.0, ok) == []
+    assert stop_warnings(SimpleNamespace(shutdown_timeout=0), 30.0, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) == []
