@@ -124,7 +124,9 @@ class VllmServer:
     def complete(self, prompt: list[int] | str, *, max_tokens: int, logprobs: int | None = None,
                  timeout_s: float = 600.0) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                                "temperature": 0.0, "ignore_eos": True}
+                                "temperature": 0.0, "ignore_eos": True,
+                                # "token_id:N" keys: byte tokens that decode alike stay apart
+                                "return_tokens_as_token_ids": True}
         if logprobs is not None:
             body["logprobs"] = logprobs
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
