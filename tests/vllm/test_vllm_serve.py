@@ -39,8 +39,9 @@ SUFFIX_TOKENS = 230  # prompt 486: one unique full block, a partial one
 MAX_TOKENS = 40  # crosses token 512: each running request needs a 5th block -> preemptions
 N_REQUESTS = 16
 CONCURRENCY = 8
-# First-token logprobs of two runs of the same KV differ by bf16 rounding of the logits under
-# other batching (measured: <= 0.016); wrong KV moves them by far more (measured: >= 0.1).
+# First-token logprobs of two runs of the same KV may differ by bf16 rounding of the logits
+# under other batching (one bf16 step of a logit near 4 is 0.03); cold vs restored measured 0.000
+# on this machine. The wrong-KV control must exceed this on most requests (asserted below).
 LOGPROB_TOL = 0.05
 STORE_DELAY_S = 1.0
 SERVER_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "1024",
