@@ -68,6 +68,7 @@ from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.spec import TierStoreOffloadingSpec
 from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, accumulate, add_adapter_counters
+from tierstore.vllm.stop import stop_warnings, sweep_at_start
 from tierstore.vllm.validation import offloaded_block_sizes, validate_engine
 from tierstore.vllm.worker import TierStoreWorker
 
@@ -200,6 +201,9 @@ class TierStoreConnector(OffloadingConnector):
                             kv_transfer_config.kv_load_failure_policy)
                 kv_transfer_config.kv_load_failure_policy = "recompute"
             write_manifest(self.ts_config.root, self.namespace)
+            for warning in stop_warnings(vllm_config, self.ts_config.flush_timeout_s):
+                logger.warning(warning)
+            sweep_at_start(self.ts_config.root, self.namespace.digest, self.ts_config.local_root)
             self.connector_scheduler = OffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
             self._reported_sched: Counter[str] = Counter()
         elif role == KVConnectorRole.WORKER:
