@@ -934,6 +934,11 @@ class IOEngine:
             raise PageTruncated("file ended while reading the page", path=spath)
         return True
 
+    def settle(self, result: Any, ok: bool, reason: str = "") -> None:  # shim until merge
+        """PageStore.settle: a damaged unverified page is removed (``discard_page``)."""
+        if not ok:
+            self.discard_page(result.key, reason or "the caller's checksum check failed")
+
 
 class _HeaderTemplate:
     """The exact header this engine writes for a key length, with the variable fields known.
