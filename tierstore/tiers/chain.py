@@ -75,6 +75,7 @@ class _Job:
     outcome: dict[ChainTier, IOResult] = field(default_factory=dict)  # store: finished sub-jobs
     asked: int = 0  # load: tiers of the list walked so far
     error: PageError | None = None  # load: the last asked tier's failure
+    backlogged: bool = False  # store: handed to the shared backlog
     done: bool = False
 
 
@@ -147,6 +148,18 @@ class TierChain:
     def shared_backlog(self) -> int:
         """Pages waiting to be uploaded to the shared tier."""
         return len(self.backlog) if self.backlog is not None else 0
+
+    def wrap_tier(self, name: str, wrap: Callable[[ChainTier], ChainTier]) -> ChainTier:
+        """Put the tier ``name`` inside ``wrap`` (e.g. ``testing.faults.FaultInjectingStore``)
+        for jobs submitted from now on; the wrapper must forward to the tier. Returns it."""
+        with self._lock:
+            old = self._by_name[name]
+            new = wrap(old)
+            self.tiers[self.tiers.index(old)] = new
+            self._by_name[name] = new
+            if self._front is old:
+                self._front = new  # type: ignore[assignment]
+            return new
 
     # ------------------------------------------------------------------ slots
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
@@ -264,8 +277,7 @@ class TierChain:
     def _on_store(self, job: _Job, tier: ChainTier, r: IOResult) -> None:
         job.subs.pop(tier, None)
         job.outcome[tier] = r
-        if not r.ok and self.backlog is not None and tier is self.backlog.target:
-            self.backlog.add(r.key)
+        self._feed_backlog(job)
         if job.done:  # decided by an earlier tier; this was a write-behind copy
             return
         failed: IOResult | None = None
@@ -281,6 +293,18 @@ class TierChain:
             failed = failed or out
         self._finish(job, (failed.error if failed else None) or PageError("no tier stored the page", key=job.key),
                      failed)
+
+    def _feed_backlog(self, job: _Job) -> None:
+        """A page the backlog's source tier stored and its target did not: upload it later
+        (only once the source's file exists, so the uploader never races the local write)."""
+        b = self.backlog
+        if b is None or job.backlogged:
+            return
+        got = {t.name: r for t, r in job.outcome.items()}
+        src, dst = got.get(b.source.name), got.get(b.target.name)
+        if src is not None and src.ok and dst is not None and not dst.ok:
+            job.backlogged = True
+            b.add(job.key)
 
     # ------------------------------------------------------------------ results
     def poll(self) -> list[IOResult]:

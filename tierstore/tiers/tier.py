@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -110,6 +110,13 @@ class EngineTier:
 
     def forget(self, key: bytes) -> None:
         """The page of ``key`` is gone (removed as damaged): drop what the tier knows of it."""
+
+    def wrap_engine(self, wrap: Callable[[IOEngine], Any]) -> Any:
+        """Put the engine inside ``wrap`` (``testing.faults.FaultInjectingStore``: failures the
+        tier sees and counts as its engine's). Call while no job is in flight; returns it."""
+        eng = self._front_engine()
+        self._engine = wrapped = wrap(eng)
+        return wrapped
 
     # ------------------------------------------------------------------ engine facade
     def _front_engine(self) -> IOEngine:
