@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tierstore.engine import StagingSlot
-from tierstore.errors import PageError
+from tierstore.errors import PageCancelled, PageError
 from tierstore.tiers.local_index import LocalIndex
 
 if TYPE_CHECKING:
@@ -52,14 +52,16 @@ class LocalAdmission:
 
     def submit(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
         with self._cond:
-            if self._stop:
-                raise RuntimeError("the local admission is closed")
-            self._queue.append((job, slot, sums))
-            self._queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="tierstore-local-admit", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            stopped = self._stop
+            if not stopped:
+                self._queue.append((job, slot, sums))
+                self._queued += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="tierstore-local-admit", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+        if stopped:  # a store after close: the engine would cancel it too
+            self._refuse(job, slot, PageCancelled("the local tier was closed before this store ran", key=job.key))
 
     def sync(self, timeout: float | None) -> bool:
         with self._cond:
