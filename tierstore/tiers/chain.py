@@ -20,17 +20,21 @@ Contract (``tierstore/store.py``; one chain per (namespace, KV-cache group, rank
   background open and touch-on-hit (``SharedTier``). A page the shared tier did not take is
   uploaded later from the local tier (``SharedBacklog``).
 
-Threading: public methods may be called from any thread. Locks, in the order they may be
-taken (never the reverse): the chain's lock (job table, routes, lent slots; held while it
-submits to and polls its tiers, never while it blocks) -> a tier's condition lock -> the tier's
-engine lock; the shared tier's health lock -> the backlog's lock (health callbacks) and the
-local index's lock are taken alone or last. ``wait`` blocks in a tier's ``wait`` (the engine's
-condition, or the local admission's) without the chain's lock, so no call polls on a timer.
-Threads a chain starts (besides each engine's I/O threads): ``tierstore-local-admit`` (one),
-``tierstore-shared-open`` (once), ``tierstore-health:shared`` (while the shared tier is down),
-``tierstore-shared-upload`` (while a backlog is uploaded), short-lived deadline threads for the
-shared tier's ``contains`` and touches (bounded), the local index's bookkeeping thread, and
-the process's gc daemon for the root when ``gc_interval_s`` is set.
+Threading: public methods may be called from any thread. Locks (a thread holding one may take
+those after it, never one before it):
+1. the chain's lock: job table, routes, lent slots; held while the chain submits to and polls
+   its tiers (so their result hooks run under it), never while it blocks;
+2. a tier's condition lock (its job maps), then 3. that tier's engine lock;
+4. the shared tier's health lock (a hook marking it down), then 5. the backlog's lock (the
+   health callback starts the uploader); the local index's lock is taken last (``defer``).
+``wait`` blocks in one tier's ``wait`` (the engine's condition, or the tier's while a store is
+in admission) without the chain's lock, so nothing polls on a timer.
+Threads a chain starts besides each engine's I/O threads: ``tierstore-local-admit`` (one; the
+admission lock alone, then the index's, then 2-3), ``tierstore-shared-open`` (once),
+``tierstore-health:shared`` (while the shared tier is down; 4-5), ``tierstore-shared-upload``
+(while a backlog is uploaded; 5 alone, then 1-3 to retire uploads), short-lived deadline
+threads for the shared tier's ``contains``, probe and touches (bounded), the local index's
+bookkeeping thread, and the process's gc daemon for the root when ``gc_interval_s`` is set.
 """
 
 from __future__ import annotations
