@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 TRASH_DIR = ".tierstore-trash"
 _NS_RE = re.compile(r"^[0-9a-f]{32}$")
-_GONE = (errno.ENOENT, errno.ESTALE)
+GONE_ERRNOS = (errno.ENOENT, errno.ESTALE)  # the file is gone (ESTALE: removed by another NFS client)
 
 
 @dataclass
@@ -112,7 +112,7 @@ def _sweep_trash(trash: Path, grace_s: float, rep: GcReport) -> None:
                 os.unlink(e.path)
                 rep.trash_removed += 1
             except OSError as exc:
-                if exc.errno not in _GONE:
+                if exc.errno not in GONE_ERRNOS:
                     rep.trash_bytes += size
         else:
             rep.trash_bytes += size
@@ -163,7 +163,7 @@ def _evict(victim: _Page, trash: Path, grace_s: float, rep: GcReport) -> None:
     try:
         os.rename(victim.path, dest)
     except OSError as exc:
-        if exc.errno in _GONE:
+        if exc.errno in GONE_ERRNOS:
             rep.vanished += 1
             return
         raise

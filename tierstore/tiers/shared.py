@@ -22,7 +22,6 @@ them up).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import threading
@@ -39,6 +38,7 @@ from tierstore.identity import Namespace
 from tierstore.metrics import TierMetrics
 from tierstore.store import IOResult
 from tierstore.tiers.deadline import DeadlineRunner, Health
+from tierstore.tiers.gc import GONE_ERRNOS, GcDaemon
 from tierstore.tiers.tier import EngineTier, TierJob
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,6 @@ class SharedTier(EngineTier):
         if not self._opened.wait(self.deadline_s):
             self.health.mark_down(f"opening the shared root took longer than {self.deadline_s:.3f} s")
         if config.gc_interval_s and config.max_bytes:
-            from tierstore.tiers.gc import GcDaemon
             GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, metrics)
 
     def _open(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
@@ -151,7 +150,7 @@ class SharedTier(EngineTier):
             try:
                 os.utime(path)
             except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                if exc.errno not in GONE_ERRNOS:  # evicted since: nothing to stamp
                     raise
 
         self._touch_runner.fire(touch)
