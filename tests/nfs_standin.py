@@ -1,7 +1,8 @@
 """Two-"node" shared-filesystem stand-in for NFS tests, built on sshfs (FUSE).
 
-Source: /work/shared/research/nfs-standin.md (recipe and measured behaviour). Added here:
-``server_pids(mount)`` and ``hung(mount)``, which SIGSTOP the mount's sftp-server so every
+The recipe, its cache profiles and what they reproduce are in this docstring and in
+``PROFILES`` below; what the tests measured on it is in docs/DESIGN.md ("Two nodes").
+``server_pids(mount)`` and ``hung(mount)`` SIGSTOP the mount's sftp-server so every
 file operation on that mount blocks, like a hard NFS mount whose server went away, and
 SIGCONT it afterwards (the mount comes back).
 

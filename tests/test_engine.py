@@ -687,7 +687,7 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
 # ---------------------------------------------------------------- settle: one owner of a damaged page
 def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -> None:
     """settle(result, False) removes the file that result was read from, once: a good page
-    republished under the name afterwards survives a second settle (or a legacy discard)."""
+    republished under the name afterwards survives a second settle."""
     ns = hybrid_namespace()
     layout = ns.groups[1].layout
     eng = _engine(root, ns, 1, tier_name="local")
@@ -712,7 +712,6 @@ def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -
     # A good page is published again under the name; settling the old result again removes nothing.
     assert _store(other, key, data).ok and path.exists()
     eng.settle(res, False, "settled twice")
-    eng.discard_page(key, "the deprecated call settles nothing left")
     assert eng.flush(10) and path.exists() and eng.stats["bad_pages_discarded"] == 1
     assert eng.stats["loads_failed"] == {"checksum": 1}
     # A good unverified load settled ok counts as a load, once.

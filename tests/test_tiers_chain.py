@@ -170,7 +170,8 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
         r = _load_unverified(st, key(1))  # local hit, nobody else sees it: unverified
         assert r.ok and not r.verified and r.sums == want
         st.release_slot(r.slot)
-        st.discard_page(key(1), "test: the caller's check failed")
+        assert r.tier == "local"
+        st.settle(r, False, "test: the caller's check failed")
         assert not st.local.mapper.path_for(key(1)).exists()
         r = _load_unverified(st, key(1))  # now from shared, promoted to local: verified there
         assert r.ok and r.verified and r.sums is None
@@ -200,7 +201,7 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
 
 def test_unverified_hit_counts_once_the_caller_confirms_it(tmp_path: Path) -> None:
     """A page loaded with verify=False is a tier hit only when the caller's check passed
-    (confirm_page); one the caller found damaged is a checksum failure and never a hit."""
+    (settle ok); one the caller found damaged is a checksum failure and never a hit."""
     from tierstore.format import checksum
 
     lay = NS.groups[0].layout
@@ -222,8 +223,9 @@ def test_unverified_hit_counts_once_the_caller_confirms_it(tmp_path: Path) -> No
             bad = _load_unverified(st, key(2))
             assert good.ok and bad.ok and not good.verified and not bad.verified
             assert m.get("hits") == hits  # nobody has checked them yet
-            st.confirm_page(key(1), good.nbytes, good.seconds)
-            st.discard_page(key(2), "test: the caller's check failed")
+            assert good.tier == bad.tier == ("local" if local else "shared")
+            st.settle(good, True)
+            st.settle(bad, False, "test: the caller's check failed")
             st.release_slot(good.slot)
             st.release_slot(bad.slot)
             assert m.get("hits") == hits + 1
@@ -289,3 +291,124 @@ def test_pages_stored_while_shared_is_down_are_uploaded_when_it_is_back(tmp_path
         other.close()
         close_shared_state()
 
+
+
+# ---------------------------------------------------------------- fault injection (no monkeypatching)
+def _section_sums(data: bytes) -> tuple[int, ...]:
+    from tierstore.format import checksum
+
+    lay = NS.groups[0].layout
+    return tuple(checksum(data[o : o + s.nbytes]) for o, s in zip(lay.offsets, lay.sections, strict=True))
+
+
+def test_damaged_page_found_by_the_tier_is_removed_once_by_its_engine(tmp_path: Path) -> None:
+    """The engine that read a damaged local page removes it; the chain does not unlink it again:
+    a good page another writer republished in between survives (the old double unlink)."""
+    from tierstore.testing.faults import Fault, FaultInjectingStore
+    from tierstore.testing.pages import write_page
+
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=MetricsRegistry(), shared=False)
+    try:
+        assert store(st, key(1)).ok and st.flush(10)
+        path = st.local.mapper.path_for(key(1))
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        held = st.wrap_tier("local", lambda t: FaultInjectingStore(t, [Fault("load", hang=True, times=1)]))
+        jid = st.submit_load(key(1))
+        end = time.monotonic() + 10
+        while path.exists() and time.monotonic() < end:  # the engine found it damaged and removed it
+            time.sleep(0.005)
+        assert not path.exists()
+        write_page(tmp_path / "local", NS, 0, key(1))  # another writer republishes a good page
+        ino = path.stat().st_ino
+        assert st.wait([jid], 0.05) == []  # the result is still held: wait blocks, then times out
+        held.release()
+        (r,) = st.wait([jid], 10)
+        assert not r.ok and r.error.kind == "checksum" and r.tier == "local"
+        assert path.exists() and path.stat().st_ino == ino  # the good page was not unlinked
+        assert st.front.stats["bad_pages_discarded"] == 1
+        assert st.m_local.failures() == {"checksum": 1}
+        ok, _, data = load(st, key(1))
+        assert ok and data == expected(st, key(1))
+    finally:
+        st.close()
+        close_shared_state()
+
+
+def test_unverified_damaged_page_is_settled_by_the_tier_that_served_it(tmp_path: Path) -> None:
+    """Bytes damaged on the way (an injected corrupt load) fail the caller's check; ``settle``
+    goes to the serving tier only: its file is removed once, the other tier's copy stays."""
+    from tierstore.testing.faults import Fault, FaultInjectingStore
+
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=MetricsRegistry())
+    try:
+        assert store(st, key(1)).ok and st.flush(10)
+        local = st.wrap_tier("local", lambda t: FaultInjectingStore(t, [Fault("load", corrupt=True, times=1)]))
+        r = _load_unverified(st, key(1))
+        assert r.ok and not r.verified and r.tier == "local"
+        assert _section_sums(bytes(r.slot.view)) != r.sums  # the caller's check fails
+        st.release_slot(r.slot)
+        st.settle(r, False, "test: section checksum mismatch")
+        assert local.settled == [(key(1), False)]
+        assert not st.local.mapper.path_for(key(1)).exists()
+        assert st.shared.mapper.path_for(key(1)).exists()  # not the shared tier's to remove
+        assert st.front.stats["bad_pages_discarded"] == 1
+        assert st.m_local.failures() == {"checksum": 1} and not st.m_shared.failures()
+        ok, _, data = load(st, key(1))  # served again from the shared tier, verified
+        assert ok and data == expected(st, key(1)) and st.m_shared.get("hits") == 1
+    finally:
+        st.close()
+        close_shared_state()
+
+
+def test_injected_shared_store_failure_goes_to_the_backlog(tmp_path: Path) -> None:
+    """An ENOSPC of the shared tier's copy leaves the local store's result ok; the page is
+    uploaded from the local tier afterwards (the injected failure hits one store only)."""
+    from tierstore.testing.faults import Fault, FaultInjectingStore
+
+    reg = MetricsRegistry()
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=reg)
+    try:
+        shared = st.wrap_tier("shared", lambda t: FaultInjectingStore(t, [Fault("store", kind="enospc", times=1)]))
+        r = store(st, key(1))
+        assert r.ok and r.tier == "local"
+        assert shared.injected[("store", "enospc")] == 1
+        end = time.monotonic() + 10
+        while (st.shared_backlog or reg.tier("shared").get("backlog_uploads") < 1) and time.monotonic() < end:
+            time.sleep(0.02)
+            st.poll()
+        assert st.flush(10)
+        assert reg.tier("shared").get("backlog_uploads") == 1
+        assert st.shared.mapper.path_for(key(1)).exists()
+    finally:
+        st.close()
+        close_shared_state()
+
+
+def test_injected_engine_failures_are_counted_by_their_tier(tmp_path: Path) -> None:
+    """Failures injected into a tier's engine: a local I/O error falls through to the shared
+    tier; a shared timeout marks the shared tier down (then skipped at once) until its probe
+    answers again."""
+    from tierstore.testing.faults import Fault, FaultInjectingStore
+
+    st = TierChain(cfg(tmp_path), NS, 0, metrics=MetricsRegistry())
+    try:
+        assert store(st, key(1)).ok and store(st, key(2)).ok and st.flush(10)
+        st.local.wrap_engine(lambda e: FaultInjectingStore(e, [Fault("load", kind="io")]))
+        ok, _, data = load(st, key(1))
+        assert ok and data == expected(st, key(1))
+        assert st.m_local.failures() == {"io": 1} and st.m_shared.get("hits") == 1
+        shared = st.shared.wrap_engine(lambda e: FaultInjectingStore(e, [Fault("load", kind="timeout", times=1)]))
+        ok, kind, _ = load(st, key(2))
+        assert not ok and kind == "timeout"
+        assert shared.injected[("load", "timeout")] == 1 and st.m_shared.failures()["timeout"] == 1
+        assert st.health.transitions >= 1  # marked down (its probe may have brought it back already)
+        end = time.monotonic() + 10
+        while not st.health.up and time.monotonic() < end:  # its probe (a stat of the root) answers
+            time.sleep(0.02)
+        ok, _, data = load(st, key(2))
+        assert ok and data == expected(st, key(2))
+    finally:
+        st.close()
+        close_shared_state()

@@ -318,7 +318,7 @@ def test_corrupt_page_fails_the_job_and_leaves_its_blocks(tmp_path: Path) -> Non
 
 def test_tier_chain_counts_a_hit_only_after_the_gpu_check(tmp_path: Path) -> None:
     """A TierChain reader (the shared tier alone: its loads reach the worker unverified): the
-    GPU checks every page, the chain counts the good ones as hits once checked (confirm_page)
+    GPU checks every page, the chain counts the good ones as hits once checked (settle)
     and the damaged one only as a checksum failure. The shared engine's slots are pinned, so
     the copies never block the thread."""
     from tierstore.config import TierStoreConfig

@@ -216,15 +216,6 @@ class IOEngine:
             raise ValueError(f"settle: result of tier {result.tier!r} given to tier {self.tier_name!r}")
         self._settle(result.job_id, ok, reason)
 
-    def discard_page(self, key: bytes, reason: str) -> None:
-        """Deprecated: ``settle(result, False, reason)``. Settles the latest unsettled result of
-        ``key``; kept until the chain and the vLLM worker call ``settle``."""
-        key = bytes(key)
-        with self._stats_lock:
-            job_id = next((j for j, s in reversed(self._unsettled.items()) if s.key == key), None)
-        if job_id is not None:
-            self._settle(job_id, False, reason)
-
     def flush(self, timeout: float | None) -> bool:
         """Wait until every submitted store, and every removal of a page ``settle`` rejected, has
         finished (ok, failed or timed out)."""

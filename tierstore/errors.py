@@ -132,3 +132,6 @@ class PageIOError(PageError):
 # transient I/O error): the store that served it removes it, and the key may be stored again.
 BAD_CONTENT_KINDS: frozenset[str] = frozenset(
     {PageCorrupt.kind, PageTruncated.kind, PageFormatError.kind, PageForeign.kind, PageKeyMismatch.kind})
+
+# errno values that mean "the file is gone" (ESTALE: removed by another NFS client).
+GONE_ERRNOS: tuple[int, ...] = (_errno.ENOENT, _errno.ESTALE)

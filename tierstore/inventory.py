@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tierstore.errors import ConfigError, PageError, PageIOError, PageMissing
+from tierstore.errors import GONE_ERRNOS, ConfigError, PageError, PageIOError, PageMissing
 from tierstore.format import FORMAT_VERSION, HEADER_ALIGN, PageHeader, decode_header, header_len_of
 from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace, read_manifest
 from tierstore.mapper import (
@@ -311,7 +311,6 @@ class _Classifier:
         return False, "may still be written"
 
 
-_GONE = (errno.ENOENT, errno.ESTALE)  # ESTALE: deleted by another NFS client
 
 
 def _lstat_entry(entry: os.DirEntry[str], inv: Inventory) -> os.stat_result | None:
@@ -319,7 +318,7 @@ def _lstat_entry(entry: os.DirEntry[str], inv: Inventory) -> os.stat_result | No
     try:
         return entry.stat(follow_symlinks=False)
     except OSError as exc:
-        if exc.errno in _GONE:
+        if exc.errno in GONE_ERRNOS:
             inv.vanished += 1
         else:
             inv.findings.append(Finding(entry.path, UNREADABLE, "io", f"cannot stat: {exc.strerror}"))
@@ -345,7 +344,7 @@ class _Walker:
             with os.scandir(path) as it:
                 return sorted(it, key=lambda e: e.name)
         except OSError as exc:
-            if exc.errno in _GONE:
+            if exc.errno in GONE_ERRNOS:
                 return []
             inv.findings.append(Finding(str(path), UNREADABLE, "io", f"cannot list directory: {exc.strerror}", is_dir=True))
             return []

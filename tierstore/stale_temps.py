@@ -26,7 +26,6 @@ sweeps racing remove each file once, the other sees ENOENT).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tierstore.errors import GONE_ERRNOS
 from tierstore.mapper import host_tag, parse_temp_name
 
 logger = logging.getLogger("tierstore.stale_temps")
@@ -41,7 +41,6 @@ logger = logging.getLogger("tierstore.stale_temps")
 DEFAULT_GRACE_S = 3600.0  # gc's and fsck's default age for temps of other hosts
 _MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _PROBE_TEMP_RE = re.compile(r"^\.odirect-probe\.(\d+)\.(\d+)\.tmp$")
-_GONE = (errno.ENOENT, errno.ESTALE)  # ESTALE: removed by another NFS client
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ def sweep_stale_temps(*directories: str | os.PathLike[str], grace_s: float = DEF
                 try:
                     st = os.stat(full, follow_symlinks=False)
                 except OSError as exc:
-                    if exc.errno not in _GONE:
+                    if exc.errno not in GONE_ERRNOS:
                         rep.errors.append(f"{full}: {exc.strerror}")
                     continue
                 rep.scanned += 1
@@ -174,7 +173,7 @@ def sweep_stale_temps(*directories: str | os.PathLike[str], grace_s: float = DEF
                     try:
                         os.unlink(full)
                     except OSError as exc:
-                        if exc.errno not in _GONE:
+                        if exc.errno not in GONE_ERRNOS:
                             rep.errors.append(f"{full}: {exc.strerror}")
                         continue
                 logger.debug("tierstore: stale temp %s removed: %s", full, why)

@@ -1,12 +1,15 @@
 """Tiers: host memory -> local disk -> shared export, and the factory the adapter calls.
 
-``open_group_store(config, namespace, group_index, rank=0, **engine_kwargs)`` returns an object
-with the ``IOEngine`` API (submit_load/submit_store/poll/wait/contains/flush/close,
-acquire_slot/release_slot, layout, mapper, stats) for one (namespace, KV-cache group, rank):
+``open_group_store(config, namespace, group_index, rank=0, **engine_kwargs)`` returns the
+``PageStore`` (``tierstore/store.py``) of one (namespace, KV-cache group, rank):
 
 - only ``root`` set (no ``local_root``, ``host_bytes`` 0): a plain ``IOEngine`` over ``root``;
-- otherwise a ``TierChain`` (see chain.py) over host memory (``host_bytes``), the local disk
-  (``local_root`` + ``local_max_bytes``) and ``root`` as the shared tier.
+- otherwise a ``TierChain`` (chain.py) driving a list of tiers, fastest first: ``HostStore``
+  (host.py: host memory, ``host_bytes``), ``LocalTier`` (local.py: the local disk,
+  ``local_root`` + ``local_max_bytes``, admitted by ``LocalAdmission``, admission.py) and
+  ``SharedTier`` (shared.py: ``root``, with health, deadlines, background open and
+  touch-on-hit). Beside the chain: ``Promotion`` (promotion.py) and ``SharedBacklog``
+  (backlog.py). The engine tiers share ``EngineTier`` (tier.py).
 
 Every chain of one process shares one ``HostTier`` (so ``host_bytes`` caps the whole process)
 and one ``LocalIndex`` per local root. With ``max_bytes`` and ``gc_interval_s`` set, one

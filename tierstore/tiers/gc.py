@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from pathlib import Path
 
 from tierstore import safefs
 from tierstore.display import escape
+from tierstore.errors import GONE_ERRNOS
 from tierstore.mapper import fanout, host_tag, parse_index_dir, parse_page_name, parse_temp_name
 from tierstore.metrics import TierMetrics
 from tierstore.tiers.lease import LEASE_NAME, Lease
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 TRASH_DIR = ".tierstore-trash"
 _NS_RE = re.compile(r"^[0-9a-f]{32}$")
-_GONE = (errno.ENOENT, errno.ESTALE)
 _PAGE_DEPTH = 4  # namespace / g<group> / r<rank> / <fan-out> / page
 # Called between the scan and the evictions (tests swap a directory for a symlink here).
 _after_scan_hook: Callable[[], None] | None = None
@@ -145,7 +144,7 @@ def _sweep_trash(trash_fd: int, grace_s: float, rep: GcReport) -> None:
                 safefs.unlink_at(name, trash_fd, safefs.identity(st))
                 rep.trash_removed += 1
             except OSError as exc:
-                if exc.errno not in _GONE:
+                if exc.errno not in GONE_ERRNOS:
                     rep.trash_bytes += size
         else:
             rep.trash_bytes += size
@@ -229,7 +228,7 @@ def _evict(victim: _Page, root_fd: int, trash_fd: int, grace_s: float, rep: GcRe
             _unsafe(rep, where, "replaced since the scan")
             return
         except OSError as exc:
-            if exc.errno in _GONE:
+            if exc.errno in GONE_ERRNOS:
                 rep.vanished += 1
                 return
             raise

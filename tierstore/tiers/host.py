@@ -7,15 +7,24 @@ the host tier holds no unverified bytes. Keys are ``(scope, key)`` where scope n
 (namespace, group, rank) so one ``HostTier`` can serve every group of a process and the cap
 holds for the whole process. A page larger than the cap is not kept.
 
+``HostStore`` puts one chain's scope of a ``HostTier`` behind the ``PageStore`` API (the first
+tier of a chain).
+
 Threading: thread-safe (one lock); copies happen outside the lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+from tierstore.errors import PageError, PageMissing, PageQueueFull
 from tierstore.metrics import TierMetrics
+from tierstore.store import IOResult
 
 
 class HostTier:
@@ -81,3 +90,110 @@ class HostTier:
     def __len__(self) -> int:
         with self._lock:
             return len(self._pages)
+
+
+class HostStore:
+    """The host tier of one chain: ``HostTier`` pages of one scope behind the ``PageStore`` API.
+
+    Every operation completes at once (a dict lookup and a copy); results wait in a list for
+    ``poll``/``wait``. The host tier owns no staging slots: a hit is copied into a slot of
+    ``slots`` (the chain's front tier), which also takes back the slot of a store. Its pages are
+    verified bytes, so its results are always ``verified``; ``durable`` is False (a page kept
+    only here is not stored). Thread-safe (one lock over the result list).
+    """
+
+    durable = False
+    available = True
+
+    def __init__(self, host: HostTier, scope: str, slots: Any, metrics: TierMetrics, tokens_per_page: int) -> None:
+        self.name = "host"
+        self.host = host
+        self.scope = scope
+        self.metrics = metrics
+        self.tokens_per_page = tokens_per_page
+        self._slots = slots
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._done: dict[int, IOResult] = {}
+
+    def _complete(self, op: str, key: bytes, started: float, error: PageError | None = None,
+                  slot: Any = None, nbytes: int = 0) -> int:
+        with self._lock:
+            jid = next(self._ids)
+            self._done[jid] = IOResult(jid, op, key, error is None, error, slot, op == "store" and error is None,
+                                       nbytes, time.monotonic() - started, tier=self.name)
+        return jid
+
+    @property
+    def layout(self) -> Any:
+        return self._slots.layout
+
+    @property
+    def free_slots(self) -> int:
+        return int(self._slots.free_slots)
+
+    def acquire_slot(self, timeout: float | None = 0) -> Any:
+        return self._slots.acquire_slot(timeout)
+
+    def release_slot(self, slot: Any) -> None:
+        self._slots.release_slot(slot)
+
+    def refuse(self, key: bytes) -> PageError:
+        raise AssertionError("the host tier is always available")
+
+    def submit_load(self, key: bytes, verify: bool = True) -> int:
+        t0 = time.monotonic()
+        data = self.host.get(self.scope, key)
+        if data is None:
+            self.metrics.miss(self.tokens_per_page)
+            return self._complete("load", key, t0, PageMissing("not in host memory", key=key))
+        slot = self._slots.acquire_slot(0)
+        if slot is None:
+            self.metrics.failure("queue_full")
+            return self._complete("load", key, t0, PageQueueFull(
+                "no free staging slot for a host-tier hit; release the slots of finished loads", key=key))
+        slot.view[:] = data
+        self.metrics.hit(self.tokens_per_page, len(data), time.monotonic() - t0)
+        return self._complete("load", key, t0, slot=slot, nbytes=len(data))
+
+    def store_copy(self, key: bytes, page: memoryview | bytes, token_count: int,
+                   sums: Sequence[int] | None = None, *, no_slot: str = "") -> int:
+        t0 = time.monotonic()
+        kept = self.host.put(self.scope, key, page)
+        return self._complete("store", key, t0, None if kept else PageQueueFull("larger than host_bytes", key=key),
+                              nbytes=len(page))
+
+    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None) -> int:
+        try:
+            return self.store_copy(key, slot.view, token_count, sums)
+        finally:
+            self._slots.release_slot(slot)
+
+    def poll(self) -> list[IOResult]:
+        with self._lock:
+            out = list(self._done.values())
+            self._done.clear()
+            return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None) -> list[IOResult]:
+        with self._lock:
+            return [self._done.pop(i) for i in job_ids if i in self._done]
+
+    def contains(self, key: bytes) -> bool:
+        return self.host.contains(self.scope, key)
+
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        """Host pages are always verified; a caller that found one bad anyway drops it."""
+        if not ok:
+            self.metrics.failure("checksum")
+            self.host.discard(self.scope, result.key)
+
+    def flush(self, timeout: float | None) -> bool:
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {"pages": len(self.host), "used_bytes": self.host.used_bytes, "cap_bytes": self.host.cap_bytes}

@@ -1,0 +1,161 @@
+"""LocalTier: the local-disk tier of a chain, an ``IOEngine`` on ``local_root`` under a cap.
+
+Contract (``EngineTier`` plus):
+- Capacity: every store passes ``LocalAdmission`` (a ``LocalIndex`` reservation, evicting
+  least-recently-used pages) before its engine sees it; a completed store commits its
+  reservation with the file's size, a failed one releases it. The capacity gauge is published
+  at most once a second and at every ``flush``.
+- Recency: a hit refreshes the page in the index; a miss or a damaged page forgets it (the
+  engine already removed the damaged file: the tier never unlinks one itself).
+- A sqlite failure of the index (e.g. disk full) is counted (``failure("index")``) and logged,
+  never raised: the page is then stored or served without bookkeeping.
+
+Threading: as ``EngineTier``; index updates are deferred to the index's bookkeeping thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine, StagingSlot
+from tierstore.errors import BAD_CONTENT_KINDS, ConfigError
+from tierstore.format import Codec, PageMeta, SectionEntry, encode_header
+from tierstore.identity import Namespace
+from tierstore.metrics import TierMetrics
+from tierstore.store import IOResult
+from tierstore.tiers.admission import LocalAdmission
+from tierstore.tiers.local_index import LocalIndex
+from tierstore.tiers.tier import EngineTier, TierJob
+
+log = logging.getLogger(__name__)
+
+
+def page_file_size(namespace: Namespace, group_index: int, key_len: int = 32, rank: int = 0) -> int:
+    """Bytes of an uncompressed page file of this group (header + payload)."""
+    group = namespace.groups[group_index]
+    lay = group.layout
+    meta = PageMeta(namespace.digest_bytes, b"\0" * key_len, group_index, group.kind, 0, rank)
+    entries = [SectionEntry(s, o, s.nbytes, 0) for s, o in zip(lay.sections, lay.offsets, strict=True)]
+    return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
+
+
+class LocalTier(EngineTier):
+    """The local disk: engine + index admission; see the module docstring."""
+
+    def __init__(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
+                 metrics: TierMetrics, index: LocalIndex | None = None, **engine_kwargs: Any) -> None:
+        assert config.local_root
+        engine = IOEngine(config.local_root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
+        super().__init__("local", engine, metrics, namespace.groups[group_index].tokens_per_chunk)
+        self.config = config
+        self._size_key = (namespace, group_index, rank)
+        try:
+            self.index = index if index is not None else LocalIndex(config.local_root, config.local_max_bytes)
+        except (sqlite3.Error, OSError) as exc:
+            engine.close(0.1)
+            raise ConfigError(f"cannot open the local tier's index under {config.local_root}: {exc}; "
+                              'free space there, fix its permissions, or unset "local_root"') from exc
+        self._own_index = index is None
+        if self.index.on_evict is None:
+            self.index.on_evict = lambda victims: metrics.evicted(len(victims), sum(v.size for v in victims))
+        self._prefix = len(str(Path(config.local_root) / "x")) - 1
+        self._header_lens: dict[int, int] = {}
+        self._capacity_at = 0.0
+        self._admission = LocalAdmission(self, self.index, self.file_size_estimate)
+        self.publish_capacity()
+
+    # ------------------------------------------------------------------ index
+    def index_failed(self, op: str, exc: sqlite3.Error) -> None:
+        self.metrics.failure("index")
+        log.warning("tierstore local index %s failed: %s", op, exc)
+
+    def publish_capacity(self) -> None:
+        self._capacity_at = time.monotonic()
+        try:
+            used = self.index.used_bytes()
+        except sqlite3.Error as exc:
+            self.index_failed("used_bytes", exc)
+            return
+        self.metrics.set_capacity(used, self.config.local_max_bytes)
+
+    def relpath(self, key: bytes) -> str:
+        """The page's path relative to local_root (the local index's key)."""
+        return str(self.mapper.path_for(key))[self._prefix:]
+
+    def file_size_estimate(self, key: bytes) -> int:
+        """Upper bound of a page file's size (exact for codec none)."""
+        n = self._header_lens.get(len(key))
+        if n is None:
+            ns, group_index, rank = self._size_key
+            n = self._header_lens[len(key)] = page_file_size(ns, group_index, len(key), rank)
+        # zstd frames of incompressible data can be slightly larger than the raw bytes
+        slack = 0 if self.config.codec == "none" else 64 * len(self.layout.sections) + 4096
+        return n + slack
+
+    # ------------------------------------------------------------------ EngineTier hooks
+    def admit(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
+        self._admission.submit(job, slot, sums)
+
+    def on_load(self, r: IOResult) -> None:
+        if r.ok:
+            self.index.defer("touch", self.relpath(r.key))
+        elif r.error is not None and (r.error.kind == "missing" or r.error.kind in BAD_CONTENT_KINDS):
+            self.forget(r.key)  # a damaged copy was removed by the engine: a good one may be promoted
+
+    def on_store(self, r: IOResult, job: TierJob) -> None:
+        size: int | None = None
+        if r.ok:
+            size = self.file_size_estimate(r.key)  # exact for codec none
+            if self.config.codec != "none":
+                try:
+                    size = os.stat(self.mapper.path_for(r.key)).st_size
+                except OSError:
+                    size = None
+        if size is None:
+            self.index.defer("release", job.reservation)
+        else:
+            self.index.defer("commit", job.reservation, self.relpath(r.key), size)
+        if time.monotonic() - self._capacity_at > 1.0:  # the gauge, at most once a second
+            self.publish_capacity()
+
+    def forget(self, key: bytes) -> None:
+        self.index.defer("forget", self.relpath(key))
+
+    # ------------------------------------------------------------------ lifetime
+    def flush(self, timeout: float | None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if end is None else max(end - time.monotonic(), 0.0)
+
+        ok = self._admission.sync(timeout)
+        ok = super().flush(left()) and ok
+        self.poll_into_index()
+        ok = self.index.sync(left()) and ok
+        self.publish_capacity()
+        return ok
+
+    def poll_into_index(self) -> None:
+        """Apply completed engine stores to the index now; their results stay for ``poll``."""
+        eng = self.engine()
+        if eng is None:
+            return
+        with self._cond:
+            taken = self._take(eng.poll())
+        done = self._finish(taken)  # the hooks run outside the tier's lock
+        with self._cond:
+            self._done.update((r.job_id, r) for r in done)
+
+    def close(self, timeout: float | None = None) -> None:
+        self._admission.close(timeout)
+        super().close(timeout)
+        self.poll_into_index()
+        if self._own_index:
+            self.index.close()

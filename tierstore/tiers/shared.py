@@ -1,0 +1,161 @@
+"""SharedTier: the shared export (``root``) as a tier of a chain, guarded by deadlines.
+
+Contract (``EngineTier`` plus):
+- Deadlines: every shared operation (load, store, ``contains``, touch) has the
+  ``shared_deadline_ms`` deadline (the engine's own for loads and stores, a ``DeadlineRunner``
+  for the rest). A timeout marks the tier down (``health``): from then on it is not
+  ``available``, so the chain skips it at once (no call blocks), until a probe (``stat`` of a
+  fresh name under the root, under the deadline) succeeds again.
+- Background open: the engine is built in a thread, so a mount that hangs at start-up does not
+  hang the constructor; until it is open the tier is not available.
+- LRU stamp: a hit refreshes the file's mtime (``utime``) in the background, at most once per
+  ``shared_touch_interval_s`` per page; ``tierstore gc`` evicts by it. With ``max_bytes`` and
+  ``gc_interval_s`` set, the process's gc daemon for the root is started here.
+- ``on_health`` registers a callback called with the new state when the tier goes down or up
+  (the backlog uploader starts on "up"); it runs with the health lock held and must not block.
+
+Threading: as ``EngineTier``. Threads: ``tierstore-shared-open`` (once), the health probe
+(while down), deadline threads for ``contains`` and touches (bounded: a hung mount cannot pile
+them up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine
+from tierstore.errors import GONE_ERRNOS, PageError, PageTimeout
+from tierstore.identity import Namespace
+from tierstore.metrics import TierMetrics
+from tierstore.store import IOResult
+from tierstore.tiers.deadline import DeadlineRunner, Health
+from tierstore.tiers.gc import GcDaemon
+from tierstore.tiers.tier import EngineTier, TierJob
+
+log = logging.getLogger(__name__)
+
+# engine settings a shared engine takes from the chain's (the rest come from the config)
+_SHARED_ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin")
+_TOUCHED_MAX = 100_000  # pages whose last touch is remembered (then the memory starts over)
+
+
+class SharedTier(EngineTier):
+    """The shared export: health, deadlines, background open, touch-on-hit; see module docstring."""
+
+    def __init__(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
+                 metrics: TierMetrics, **engine_kwargs: Any) -> None:
+        super().__init__("shared", None, metrics, namespace.groups[group_index].tokens_per_chunk)
+        self.root = Path(config.root)
+        self.deadline_s = config.shared_deadline_ms / 1000.0
+        self.touch_interval_s = config.shared_touch_interval_s
+        self._listeners: list[Callable[[bool], None]] = []
+        self.health = Health("shared", self._probe, self.deadline_s, on_change=self._health_changed)
+        self._stat_runner = DeadlineRunner("shared-stat", max_inflight=4)
+        self._touch_runner = DeadlineRunner("shared-touch", max_inflight=2)
+        self._touched: dict[bytes, float] = {}
+        self._touch_lock = threading.Lock()
+        self._opened = threading.Event()
+        kwargs = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ENGINE_KWARGS}
+        threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
+                         args=(config, namespace, group_index, rank, kwargs)).start()
+        if not self._opened.wait(self.deadline_s):
+            self.health.mark_down(f"opening the shared root took longer than {self.deadline_s:.3f} s")
+        if config.gc_interval_s and config.max_bytes:
+            GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, metrics)
+
+    def _open(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
+              kwargs: dict[str, Any]) -> None:
+        try:
+            self._engine = IOEngine(config.root, namespace, group_index, rank=rank, config=config,
+                                    deadline_s=self.deadline_s, **kwargs)
+        except Exception as exc:
+            log.warning("tierstore shared tier could not be opened: %s", exc)
+        finally:
+            self._opened.set()
+
+    # ------------------------------------------------------------------ health
+    def on_health(self, callback: Callable[[bool], None]) -> None:
+        self._listeners.append(callback)
+
+    def _health_changed(self, up: bool) -> None:
+        for callback in self._listeners:
+            callback(up)
+
+    def _probe(self) -> None:
+        # a name nobody has looked up: no attribute or negative cache can answer for the server
+        with contextlib.suppress(FileNotFoundError):
+            os.stat(self.root / f".tierstore-probe-{uuid.uuid4().hex}")
+        if self.engine() is None:
+            raise PageTimeout("shared engine still opening")
+
+    def engine(self) -> IOEngine | None:
+        return self._engine if self._opened.is_set() else None
+
+    @property
+    def available(self) -> bool:
+        return self.health.up and self.engine() is not None
+
+    def refuse(self, key: bytes) -> PageError:
+        self.metrics.failure("down")
+        return PageTimeout(f"shared tier is down ({self.health.reason or 'still opening'}); skipped", key=key)
+
+    # ------------------------------------------------------------------ EngineTier hooks
+    def _note_timeout(self, r: IOResult) -> None:
+        if not r.ok and r.error is not None and r.error.kind == "timeout":
+            self.health.mark_down(str(r.error))
+
+    def on_load(self, r: IOResult) -> None:
+        self._note_timeout(r)
+        if r.ok:
+            self._touch(r.key)
+
+    def on_store(self, r: IOResult, job: TierJob) -> None:
+        self._note_timeout(r)
+
+    def contains(self, key: bytes) -> bool:
+        eng = self.engine()
+        if eng is None or not self.health.up:
+            return False
+        try:
+            return self._stat_runner.call(lambda: eng.contains(key), self.deadline_s)
+        except PageTimeout as exc:
+            self.metrics.failure("timeout")
+            self.health.mark_down(str(exc))
+            return False
+
+    def _touch(self, key: bytes) -> None:
+        now = time.monotonic()
+        with self._touch_lock:
+            last = self._touched.get(key)
+            if last is not None and now - last < self.touch_interval_s:
+                return
+            if len(self._touched) > _TOUCHED_MAX:
+                self._touched.clear()
+            self._touched[key] = now
+        eng = self.engine()
+        if eng is None:
+            return
+        path = eng.mapper.path_for(key)
+
+        def touch() -> None:
+            try:
+                os.utime(path)
+            except OSError as exc:
+                if exc.errno not in GONE_ERRNOS:  # evicted since: nothing to stamp
+                    raise
+
+        self._touch_runner.fire(touch)
+
+    def close(self, timeout: float | None = None) -> None:
+        eng = self.engine()
+        if eng is not None:
+            eng.close(min(timeout or self.deadline_s, self.deadline_s) if self.health.up else 0.05)

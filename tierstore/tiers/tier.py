@@ -1,0 +1,310 @@
+"""EngineTier: one tier of a ``TierChain`` over one ``IOEngine`` (local disk, shared export).
+
+Contract: a ``PageStore`` (``tierstore/store.py``) whose results carry ``tier=self.name``.
+- Job ids are the tier's own (its counter, mapped to the engine's), so a subclass may hold a
+  job back before the engine sees it (the local tier's admission) and may complete a job
+  without the engine (``complete_now``: the tier is down, no slot is free).
+- The tier counts its own metrics as results pass through it: a verified hit, a miss, a
+  failure by kind, stored bytes. Unverified hits are counted by ``settle``.
+- Damaged pages have one owner: a load whose failure kind is in ``errors.BAD_CONTENT_KINDS``
+  was already removed by the engine that read it; a page the caller found damaged is removed by
+  ``settle`` through the engine. The tier itself never unlinks a page file (a second unlink
+  could remove a good page another writer published in between); subclasses only forget it
+  (``forget``: the local index entry).
+- Hooks for subclasses: ``admit`` (how a store reaches the engine), ``on_load``/``on_store``
+  (per-result bookkeeping after the counting here), ``available`` and ``refuse``.
+
+Threading: thread-safe. The tier's condition lock guards its job maps; under it the tier calls
+only its engine's non-blocking methods (``submit_*``, ``poll``); ``wait`` blocks on the engine
+outside it. Metrics and subclass hooks run outside it. Lock order: tier, then engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tierstore.engine import IOEngine, StagingSlot
+from tierstore.errors import PageError, PageQueueFull
+from tierstore.metrics import TierMetrics
+from tierstore.store import IOResult, PageStore
+
+
+class ChainTier(PageStore, Protocol):
+    """What a ``TierChain`` needs of a tier beyond ``PageStore`` (``EngineTier``, ``HostStore``)."""
+
+    name: str  # "host" | "local" | "shared": the ``IOResult.tier`` of its results
+    durable: bool  # a store's result may come from it (False: a cache the chain may lose)
+    metrics: TierMetrics
+
+    @property
+    def available(self) -> bool: ...
+
+    def refuse(self, key: bytes) -> PageError:
+        """The error of a job the tier cannot take now (not ``available``); counted."""
+        ...
+
+    def store_copy(self, key: bytes, page: memoryview | bytes, token_count: int,
+                   sums: Sequence[int] | None = None, *, no_slot: str = "queue_full") -> int:
+        """Store a copy of ``page`` into the tier's own slot (the caller keeps its buffer)."""
+        ...
+
+
+@dataclass(eq=False)
+class TierJob:
+    """One job of a tier, from submit until its result is handed out."""
+
+    id: int
+    op: str  # "load" | "store"
+    key: bytes
+    tokens: int
+    submitted: float
+    engine_id: int | None = None  # None: not (yet) handed to the engine
+    reservation: int | None = None  # local tier: the LocalIndex reservation of a store
+
+
+class EngineTier:
+    """A tier over one IOEngine; see the module docstring."""
+
+    durable = True  # its pages survive the process (a store's result may come from it)
+
+    def __init__(self, name: str, engine: IOEngine | None, metrics: TierMetrics, tokens_per_page: int) -> None:
+        self.name = name
+        self.metrics = metrics
+        self.tokens_per_page = tokens_per_page
+        self._engine = engine
+        self._cond = threading.Condition(threading.Lock())
+        self._ids = itertools.count(1)
+        self._jobs: dict[int, TierJob] = {}  # own id -> job whose result is not out yet
+        self._by_engine: dict[int, TierJob] = {}  # engine job id -> job
+        self._done: dict[int, IOResult] = {}  # results completed without the engine
+
+    # ------------------------------------------------------------------ what subclasses change
+    def engine(self) -> IOEngine | None:
+        """The engine, or None while it cannot be used (the shared one is still opening)."""
+        return self._engine
+
+    @property
+    def available(self) -> bool:
+        """Whether the chain should send jobs here now (False: down, skip it at once)."""
+        return self.engine() is not None
+
+    def refuse(self, key: bytes) -> PageError:
+        """The error of a job this tier cannot take now (``available`` is False); counted."""
+        self.metrics.failure("down")
+        return PageQueueFull(f"the {self.name} tier is not available", key=key)
+
+    def admit(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
+        """Hand a store to the engine (the local tier reserves room first)."""
+        self.to_engine(job, slot, sums)
+
+    def on_load(self, result: IOResult) -> None:
+        """Bookkeeping of a load result after it was counted."""
+
+    def on_store(self, result: IOResult, job: TierJob) -> None:
+        """Bookkeeping of a store result after it was counted."""
+
+    def forget(self, key: bytes) -> None:
+        """The page of ``key`` is gone (removed as damaged): drop what the tier knows of it."""
+
+    def wrap_engine(self, wrap: Callable[[IOEngine], Any]) -> Any:
+        """Put the engine inside ``wrap`` (``testing.faults.FaultInjectingStore``: failures the
+        tier sees and counts as its engine's). Call while no job is in flight; returns it."""
+        eng = self._front_engine()
+        self._engine = wrapped = wrap(eng)
+        return wrapped
+
+    # ------------------------------------------------------------------ engine facade
+    def _front_engine(self) -> IOEngine:
+        eng = self.engine()
+        if eng is None:
+            raise RuntimeError(f"the {self.name} tier's engine is not open")
+        return eng
+
+    @property
+    def layout(self) -> Any:
+        return self._front_engine().layout
+
+    @property
+    def mapper(self) -> Any:
+        return self._front_engine().mapper
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._front_engine().pinned)
+
+    @property
+    def free_slots(self) -> int:
+        eng = self.engine()
+        return eng.free_slots if eng is not None else 0
+
+    def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
+        eng = self.engine()
+        return eng.acquire_slot(timeout) if eng is not None else None
+
+    def release_slot(self, slot: StagingSlot) -> None:
+        self._front_engine().release_slot(slot)
+
+    def contains(self, key: bytes) -> bool:
+        eng = self.engine()
+        return eng is not None and self.available and eng.contains(key)
+
+    # ------------------------------------------------------------------ submit
+    def _new_job(self, op: str, key: bytes, tokens: int) -> TierJob:
+        with self._cond:
+            job = TierJob(next(self._ids), op, key, tokens, time.monotonic())
+            self._jobs[job.id] = job
+            return job
+
+    def submit_load(self, key: bytes, verify: bool = True) -> int:
+        job = self._new_job("load", key, self.tokens_per_page)
+        eng = self.engine() if self.available else None
+        if eng is None:
+            self.complete_now(job, self.refuse(key), count=False)
+            return job.id
+        with self._cond:
+            job.engine_id = eng.submit_load(key, verify)
+            self._by_engine[job.engine_id] = job
+        return job.id
+
+    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int,
+                     sums: Sequence[int] | None = None) -> int:
+        job = self._new_job("store", key, token_count)
+        if not self.available:
+            self.release_slot(slot)
+            self.complete_now(job, self.refuse(key), count=False)
+        else:
+            self.admit(job, slot, sums)
+        return job.id
+
+    def store_copy(self, key: bytes, page: memoryview | bytes, token_count: int,
+                   sums: Sequence[int] | None = None, *, no_slot: str = "queue_full") -> int:
+        """Store a copy of ``page`` (the caller keeps its buffer): a write-through or a
+        promotion. No free slot right now completes the job with ``queue_full``, counted as
+        ``no_slot``."""
+        if not self.available:
+            job = self._new_job("store", key, token_count)
+            self.complete_now(job, self.refuse(key), count=False)
+            return job.id
+        slot = self.acquire_slot(0)
+        if slot is None:
+            job = self._new_job("store", key, token_count)
+            self.metrics.failure(no_slot)
+            self.complete_now(job, PageQueueFull(f"no free staging slot in the {self.name} tier", key=key),
+                              count=False)
+            return job.id
+        slot.view[:] = page
+        return self.submit_store(key, slot, token_count, sums)
+
+    def to_engine(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
+        """Submit a store held back by ``admit`` (any thread)."""
+        eng = self._front_engine()
+        with self._cond:
+            job.engine_id = eng.submit_store(job.key, slot, job.tokens, sums=sums)
+            self._by_engine[job.engine_id] = job
+            self._cond.notify_all()
+
+    def complete_now(self, job: TierJob, error: PageError, count: bool = True) -> None:
+        """Complete ``job`` with ``error`` without the engine (any thread); ``count=False``:
+        the caller counted the failure under its own name."""
+        res = IOResult(job.id, job.op, job.key, False, error, None, False, 0,
+                       time.monotonic() - job.submitted, tier=self.name)
+        if count:
+            self._count(res, job)
+        with self._cond:
+            self._jobs.pop(job.id, None)
+            self._done[job.id] = res
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ results
+    def _take(self, raw: Iterable[Any]) -> list[tuple[TierJob, IOResult]]:
+        """Map engine results to this tier's jobs (call with the condition held)."""
+        out = []
+        for r in raw:
+            job = self._by_engine.pop(r.job_id, None)
+            if job is None:
+                continue
+            self._jobs.pop(job.id, None)
+            out.append((job, IOResult(job.id, r.op, r.key, r.ok, r.error, r.slot, r.stored, r.nbytes,
+                                      time.monotonic() - job.submitted, r.verified, r.sums, tier=self.name)))
+        return out
+
+    def _count(self, r: IOResult, job: TierJob) -> None:
+        kind = r.error.kind if r.error is not None else "error"
+        if r.op == "load":
+            if r.ok:
+                if r.verified:  # else ``settle`` counts it once the caller has checked it
+                    self.metrics.hit(job.tokens, r.nbytes, r.seconds)
+            elif kind == "missing":
+                self.metrics.miss(job.tokens)
+            else:
+                self.metrics.failure(kind)
+        elif r.ok:
+            if r.stored:
+                self.metrics.stored(r.nbytes, r.seconds)
+        else:
+            self.metrics.failure(kind)
+
+    def _finish(self, taken: list[tuple[TierJob, IOResult]]) -> list[IOResult]:
+        for job, r in taken:
+            self._count(r, job)
+            if r.op == "load":
+                self.on_load(r)
+            else:
+                self.on_store(r, job)
+        return [r for _, r in taken]
+
+    def poll(self) -> list[IOResult]:
+        eng = self.engine()
+        with self._cond:
+            taken = self._take(eng.poll()) if eng is not None else []
+            done = list(self._done.values())
+            self._done.clear()
+        return self._finish(taken) + done
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None) -> list[IOResult]:
+        ids = list(job_ids)
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:  # stores in admission get an engine id (or a result) soon
+            self._cond.wait_for(lambda: all(self._jobs[i].engine_id is not None for i in ids if i in self._jobs),
+                                timeout)
+            done = [self._done.pop(i) for i in ids if i in self._done]
+            eids = [j.engine_id for i in ids if (j := self._jobs.get(i)) is not None and j.engine_id is not None]
+        eng = self.engine()
+        if not eids or eng is None:
+            return done
+        left = None if end is None else max(end - time.monotonic(), 0.0)
+        raw = eng.wait(eids, left)
+        with self._cond:
+            taken = self._take(raw)
+        return done + self._finish(taken)
+
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        """The caller's verdict on an unverified page this tier served (``PageStore.settle``)."""
+        if ok:
+            self.metrics.hit(self.tokens_per_page, result.nbytes, result.seconds)
+            return
+        self.metrics.failure("checksum")
+        eng = self.engine() if self.available else None
+        if eng is not None:
+            eng.settle(result, False, reason or "the caller's checksum check failed")  # the one unlink
+        self.forget(result.key)
+
+    # ------------------------------------------------------------------ lifetime
+    def flush(self, timeout: float | None) -> bool:
+        eng = self.engine()
+        return eng.flush(timeout) if eng is not None and self.available else True
+
+    def close(self, timeout: float | None = None) -> None:
+        eng = self.engine()
+        if eng is not None:
+            eng.close(timeout)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        eng = self.engine()
+        return eng.stats if eng is not None else {}
