@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +33,8 @@ from tierstore.engine import IOEngine, StagingSlot
 from tierstore.errors import PageError, PageQueueFull
 from tierstore.metrics import TierMetrics
 from tierstore.store import IOResult, PageStore
+
+_UNVERIFIED_MAX = 4096  # unsettled unverified results remembered per tier (a caller that never settles)
 
 
 class ChainTier(PageStore, Protocol):
@@ -81,6 +84,8 @@ class EngineTier:
         self._ids = itertools.count(1)
         self._jobs: dict[int, TierJob] = {}  # own id -> job whose result is not out yet
         self._by_engine: dict[int, TierJob] = {}  # engine job id -> job
+        # page key -> the engine's unverified result (its job id is what the engine settles by)
+        self._unverified: OrderedDict[bytes, IOResult] = OrderedDict()
         self._done: dict[int, IOResult] = {}  # results completed without the engine
 
     # ------------------------------------------------------------------ what subclasses change
@@ -229,6 +234,10 @@ class EngineTier:
             if job is None:
                 continue
             self._jobs.pop(job.id, None)
+            if r.ok and not r.verified:  # the engine's own result, for ``settle``
+                self._unverified[bytes(r.key)] = r
+                while len(self._unverified) > _UNVERIFIED_MAX:  # a caller that never settles
+                    self._unverified.popitem(last=False)
             out.append((job, IOResult(job.id, r.op, r.key, r.ok, r.error, r.slot, r.stored, r.nbytes,
                                       time.monotonic() - job.submitted, r.verified, r.sums, tier=self.name)))
         return out
@@ -285,13 +294,15 @@ class EngineTier:
 
     def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
         """The caller's verdict on an unverified page this tier served (``PageStore.settle``)."""
+        with self._cond:
+            raw = self._unverified.pop(bytes(result.key), None)
+        eng = self.engine()
+        if raw is not None and eng is not None:  # the engine counts it, and removes a bad file once
+            eng.settle(raw, ok, reason or "the caller's checksum check failed")
         if ok:
             self.metrics.hit(self.tokens_per_page, result.nbytes, result.seconds)
             return
         self.metrics.failure("checksum")
-        eng = self.engine() if self.available else None
-        if eng is not None:
-            eng.settle(result, False, reason or "the caller's checksum check failed")  # the one unlink
         self.forget(result.key)
 
     # ------------------------------------------------------------------ lifetime
