@@ -8,8 +8,8 @@ import tracemalloc
 from pathlib import Path
 
 from tierstore.mapper import FileMapper
-from tierstore.tiers import page_index
-from tierstore.tiers.page_index import PageIndex, fingerprint
+from tierstore import page_index
+from tierstore.page_index import PageIndex, fingerprint
 
 
 def key_of(i: int) -> bytes:

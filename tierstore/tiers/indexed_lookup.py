@@ -36,7 +36,7 @@ from typing import Any
 
 from tierstore.mapper import FANOUT_DIRS, FileMapper
 from tierstore.tiers.deadline import Health
-from tierstore.tiers.page_index import PageIndex
+from tierstore.page_index import PageIndex
 
 log = logging.getLogger(__name__)
 
