@@ -499,24 +499,24 @@ class IOEngine:
 def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper, config: TierStoreConfig,
                   perms: safefs.Perms) -> None:
     """Check that the root is ours to trust (``trust.check_root_trust``: ConfigError naming
-    ``trust_shared_root``), write the namespace's manifest and make the 256 fan-out directories
-    (ConfigError for a symlinked one), so stores never create a directory (see mapper.py; one
-    removed later is made again by ``pagefile.RankDir``). A read-only root is logged: loads
-    still work."""
+    ``trust_shared_root``), make the 256 fan-out directories (ConfigError for a symlinked
+    directory on the way: checked before the manifest is written into it), so stores never
+    create a directory (see mapper.py; one removed later is made again by
+    ``pagefile.RankDir``), and write the manifest. A read-only root is logged: loads still work."""
     with contextlib.suppress(OSError):  # reported below by the manifest and the fan-out directories
         os.makedirs(root, exist_ok=True)
     if root.is_dir():
         check_root_trust(root, trust_shared_root=config.trust_shared_root)
     try:
-        write_manifest(root, namespace)
-    except OSError as exc:
-        logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
-                       namespace_dir(root, namespace), exc.strerror)
-    try:
         mapper.make_fanout_dirs(perms)
     except OSError as exc:
         logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
                        mapper.base, exc.strerror)
+    try:
+        write_manifest(root, namespace)
+    except OSError as exc:
+        logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
+                       namespace_dir(root, namespace), exc.strerror)
 
 
 def _decide_odirect(mode: str, codec: Codec, root: Path, namespace: Namespace, mapper: FileMapper) -> tuple[bool, str]:

@@ -202,7 +202,10 @@ def publish(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        if dir_fd is None:
+            os.replace(tmp, final)
+        else:
+            os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
