@@ -52,6 +52,10 @@ class TierStoreConfig:
     # Device memory per KV-cache group for pages between the KV cache and the staging slots
     # (CUDA only; outside vLLM's KV budget, so keep it small). At least one page is always kept.
     transfer_scratch_mib: int = 64
+    # A root others can write to (issue 17; docs/DESIGN.md, threat model).
+    shared_group_access: bool = False  # create files 0660 and directories 2770 (a fleet's service group)
+    trust_shared_root: bool = False  # accept a root that other users can write to (trust.py)
+    mac_key_file: str | None = None  # fleet key: every page carries a MAC; pages without a valid one are refused
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
@@ -107,6 +111,12 @@ class TierStoreConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f'setting "{name}" must be a number of seconds >= 0, got {v!r}')
+        for name in ("shared_group_access", "trust_shared_root"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f'setting "{name}" must be true or false, got {getattr(self, name)!r}')
+        if self.mac_key_file is not None and (not isinstance(self.mac_key_file, str) or not self.mac_key_file):
+            raise ConfigError(f'setting "mac_key_file" must be the path of the fleet key file (at least 16 '
+                              f"secret bytes, mode 0600), got {self.mac_key_file!r}; leave it unset for no MAC")
         if self.gc_interval_s and self.max_bytes is None:
             raise ConfigError('setting "gc_interval_s" needs "max_bytes" (the cap that gc keeps "root" under)')
 

@@ -20,6 +20,16 @@ file operation, each with its failure policy), ``mapper.FileMapper`` (every file
   each piece hashed while in the CPU cache; an uncached one is read with O_DIRECT in one
   request (one disk read, no readahead). A header that is not byte for byte ours (another
   codec or header length, damage) goes through ``pagefile.read_page``, which names the error.
+- A root others can write to (issue 17): at start the root must pass ``trust.check_root_trust``
+  (setting ``trust_shared_root``) and the group/rank/fan-out directories must not be symlinks
+  (``FileMapper.make_fanout_dirs``, a ConfigError otherwise); files are created 0600 and
+  directories 0700 (0660/2770 with ``shared_group_access``). Every load, store and discard
+  reaches its file through ``pagefile.RankDir`` (directory fds, no symlink followed) and
+  opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
+  is a ``PageUnsafe`` failure, never served, never removed. With ``mac_key_file`` every page
+  carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac",
+  a bad-content kind: the file is removed like a damaged one); such an engine writes and reads
+  buffered (the 40-byte trailer does not fit O_DIRECT's alignment).
 - Verification and damaged pages (the rule is store.py's): a load whose
   bytes prove bad (``errors.BAD_CONTENT_KINDS``) removes the file it read, once, so the key can
   be stored again; a load with ``verify=False`` is settled by the caller (``settle``), which
@@ -33,6 +43,7 @@ do file I/O holding no lock; zstd (de)compressors and cachestat arguments are pe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -45,7 +56,7 @@ from typing import Any
 import torch
 import zstandard
 
-from tierstore import pagefile
+from tierstore import pagefile, safefs
 from tierstore.config import TierStoreConfig
 from tierstore.directio import (
     ALIGN,
@@ -54,8 +65,17 @@ from tierstore.directio import (
     cachestat_available,
     cachestat_pages,
 )
-from tierstore.errors import BAD_CONTENT_KINDS, ConfigError, PageCorrupt, PageError, PageQueueFull
+from tierstore.errors import (
+    BAD_CONTENT_KINDS,
+    ConfigError,
+    PageCorrupt,
+    PageError,
+    PageQueueFull,
+    PageStoreError,
+)
 from tierstore.format import (
+    FLAG_MAC,
+    MAC_TRAILER_LEN,
     Codec,
     HeaderTemplate,
     PageExpectation,
@@ -67,10 +87,12 @@ from tierstore.format import (
 )
 from tierstore.identity import Namespace, namespace_dir, write_manifest
 from tierstore.ioqueue import Job, JobQueue, QueuePolicy
-from tierstore.mapper import MAX_KEY_BYTES, FileMapper, check_key
-from tierstore.pagefile import FileIdentity, probe_odirect, read_page
+from tierstore.mac import PageMac
+from tierstore.mapper import MAX_KEY_BYTES, FileMapper, check_key, fanout
+from tierstore.pagefile import FileIdentity, probe_odirect
 from tierstore.staging import StagingPool, StagingSlot
 from tierstore.store import IOResult
+from tierstore.trust import check_root_trust
 
 __all__ = ["ALIGN", "WARM_PIECE_BYTES", "IOEngine", "IOResult", "StagingSlot", "probe_odirect"]
 
@@ -124,9 +146,20 @@ class IOEngine:
         self.warm_piece_bytes = WARM_PIECE_BYTES
         self._plans: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
 
-        _prepare_root(self.root, namespace, self.mapper)
-        self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root, namespace,
-                                                            self.mapper)
+        self.perms = safefs.GROUP_SHARED if self.config.shared_group_access else safefs.PRIVATE
+        self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
+        self._flags = FLAG_MAC if self.mac is not None else 0
+        self._trailer = MAC_TRAILER_LEN if self.mac is not None else 0
+        _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
+        self._dirs = pagefile.RankDir(self.root, (namespace.digest, f"g{group_index}", f"r{rank}"), self.perms)
+        if self.mac is not None:
+            if self.config.odirect == "on":
+                raise ConfigError('setting "odirect" is "on" but "mac_key_file" appends a 40-byte tag to each page, '
+                                  'which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
+            self.odirect, self.odirect_reason = False, "mac_key_file: pages carry an unaligned MAC trailer"
+        else:
+            self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root,
+                                                                namespace, self.mapper)
         self.direct_loads = self.odirect and cachestat_available()
         n_slots = staging_slots if staging_slots is not None else 2 * self.config.io_threads + 2
         if n_slots <= 0:
@@ -231,6 +264,8 @@ class IOEngine:
     def close(self, timeout: float | None = None) -> None:
         """Finish queued stores (up to ``timeout``, default flush_timeout_s), cancel the rest."""
         self._queue.close(self.config.flush_timeout_s if timeout is None else timeout)
+        if not self._queue.counts()["pending"]:
+            self._dirs.close()  # an I/O thread stuck past its deadline may still use the fd
 
     def __enter__(self) -> IOEngine:
         return self
@@ -337,7 +372,15 @@ class IOEngine:
         if source is None:
             return
         path = self.mapper.final_path(key)
-        if pagefile.remove_damaged(path, source):
+        try:
+            dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
+        except (PageError, OSError):
+            return  # gone, or a directory on the way is no longer ours: nothing is touched
+        try:
+            removed = pagefile.remove_damaged_at(dir_fd, os.path.basename(path), source)
+        finally:
+            os.close(dir_fd)
+        if removed:
             logger.warning("removed damaged page %s (%s)", path, error)
             with self._stats_lock:
                 self._stats["bad_pages_discarded"] += 1
@@ -345,23 +388,51 @@ class IOEngine:
     # ----------------------------------------------------------------- file operations
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
         final = self.mapper.final_path(key)
-        if os.path.exists(final):  # before hashing anything: names are content addresses
-            return False, self._nbytes
-        tmp = self.mapper.temp_path(key, final)
+        name = os.path.basename(final)
+        try:
+            dir_fd = self._dirs.fanout(fanout(key), create=True, where=final, key=key)
+        except OSError as exc:
+            raise PageStoreError(f"cannot open the page's directory: {exc.strerror}", errno=exc.errno, path=final,
+                                 key=key) from exc
+        try:
+            return self._store_in(dir_fd, name, final, key, slot, token_count, sums)
+        finally:
+            os.close(dir_fd)
+
+    def _store_in(self, dir_fd: int, name: str, final: str, key: bytes, slot: StagingSlot, token_count: int,
+                  sums: tuple[int, ...] | None) -> tuple[bool, int]:
+        """``_do_store`` in the checked fan-out directory ``dir_fd``."""
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            return False, self._nbytes  # before hashing anything: names are content addresses
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+        tmp = os.path.basename(self.mapper.temp_path(key, final))
+        mode = self.perms.file_mode
         if self.codec == Codec.NONE:
             tmpl = self._template(len(key))
             hl = tmpl.header_len
             zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
             file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
             tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else section_checksums(self.layout, slot.view))
-            pagefile.publish(final, tmp, [file_buf], key=key, fsync=self.config.fsync, direct=self.odirect,
-                             exact_len=hl + self._nbytes)
+            pieces: list[Any] = [file_buf]
+            if self.mac is not None:
+                pieces.append(self.mac.tag(file_buf[:hl], slot.view))
+            pagefile.publish(name, tmp, pieces, key=key, fsync=self.config.fsync, direct=self.odirect,
+                             exact_len=hl + self._nbytes, dir_fd=dir_fd, mode=mode, where=final)
         else:
             st = self._local
             if st.compressor is None:
                 st.compressor = zstandard.ZstdCompressor(level=self.config.zstd_level)
-            header, payload = encode_page(self._meta(key, token_count), self.layout, slot.view, Codec.ZSTD, st.compressor)
-            pagefile.publish(final, tmp, [header, *payload], key=key, fsync=self.config.fsync)
+            header, payload = encode_page(self._meta(key, token_count), self.layout, slot.view, Codec.ZSTD,
+                                          st.compressor, self._flags)
+            pieces = [header, *payload]
+            if self.mac is not None:
+                pieces.append(self.mac.tag(header, payload))
+            pagefile.publish(name, tmp, pieces, key=key, fsync=self.config.fsync, dir_fd=dir_fd, mode=mode,
+                             where=final)
         return True, self._nbytes
 
     def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
@@ -369,10 +440,14 @@ class IOEngine:
         path = self.mapper.final_path(key)
         tmpl = self._template(len(key))
         hl = tmpl.header_len
-        fd, st = pagefile.open_page(path, key)
+        dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
+        try:
+            fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+        finally:
+            os.close(dir_fd)
         slot._source = pagefile.file_identity(st)
         try:
-            if st.st_size == hl + self._nbytes:
+            if st.st_size == hl + self._nbytes + self._trailer:
                 file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
                 cold = self.direct_loads and cachestat_pages(fd, self._local.cachestat) <= 0
                 if cold:
@@ -381,18 +456,23 @@ class IOEngine:
                 read = cold and pagefile.read_direct(fd, file_buf, hl + self._nbytes, path)
                 sums = pagefile.read_own_page(fd, tmpl, file_buf, slot.view, self.layout, self._read_plan(hl),
                                               key=key, path=path, verify=verify, already_read=read)
+                if read:  # the general reader below and the trailer are unaligned reads
+                    pagefile.clear_direct(fd)
                 if sums is not None:
+                    if self.mac is not None:  # never served without a valid tag, verified or not
+                        trailer = os.pread(fd, MAC_TRAILER_LEN, hl + self._nbytes)
+                        self.mac.verify(file_buf[:hl], slot.view, trailer, path=path)
                     return self._nbytes, (None if verify else tuple(sums))
+            # Not byte for byte the header this engine writes (another codec or header length, a
+            # wrong size, a damaged header): the general reader verifies it or names the error.
+            with self._stats_lock:
+                self._stats["loads_general_reader"] += 1
+            pagefile.read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac)
+            return self._nbytes, None
         except OSError as exc:
             raise pagefile.read_error(exc, "read", path, key) from exc
         finally:
             os.close(fd)
-        # Not byte for byte the header this engine writes (another codec or header length, a
-        # wrong size, a damaged header): the general reader verifies it or names the error.
-        with self._stats_lock:
-            self._stats["loads_general_reader"] += 1
-        read_page(Path(path), self.expectation(key), slot.view, self._local.decompressor)
-        return self._nbytes, None
 
     # ----------------------------------------------------------------- cached shapes
     def _meta(self, key: bytes, token_count: int) -> PageMeta:
@@ -402,7 +482,7 @@ class IOEngine:
     def _template(self, key_len: int) -> HeaderTemplate:
         tmpl = self._templates.get(key_len)
         if tmpl is None:
-            tmpl = self._templates[key_len] = HeaderTemplate(self._meta(b"\0" * key_len, 0), self.layout)
+            tmpl = self._templates[key_len] = HeaderTemplate(self._meta(b"\0" * key_len, 0), self.layout, self._flags)
         return tmpl
 
     def _header_len(self, key_len: int) -> int:
@@ -424,20 +504,27 @@ class IOEngine:
 
 
 # ----------------------------------------------------------------- setup (at construction)
-def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper) -> None:
-    """Write the namespace's manifest and make the 256 fan-out directories, so stores never
-    create a directory (see mapper.py; one removed later is made again by pagefile.publish).
-    A read-only root is logged: loads still work."""
+def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper, config: TierStoreConfig,
+                  perms: safefs.Perms) -> None:
+    """Check that the root is ours to trust (``trust.check_root_trust``: ConfigError naming
+    ``trust_shared_root``), make the 256 fan-out directories (ConfigError for a symlinked
+    directory on the way: checked before the manifest is written into it), so stores never
+    create a directory (see mapper.py; one removed later is made again by
+    ``pagefile.RankDir``), and write the manifest. A read-only root is logged: loads still work."""
+    with contextlib.suppress(OSError):  # reported below by the manifest and the fan-out directories
+        os.makedirs(root, exist_ok=True)
+    if root.is_dir():
+        check_root_trust(root, trust_shared_root=config.trust_shared_root)
+    try:
+        mapper.make_fanout_dirs(perms)
+    except OSError as exc:
+        logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
+                       mapper.base, exc.strerror)
     try:
         write_manifest(root, namespace)
     except OSError as exc:
         logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
                        namespace_dir(root, namespace), exc.strerror)
-    try:
-        mapper.make_fanout_dirs()
-    except OSError as exc:
-        logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
-                       mapper.base, exc.strerror)
 
 
 def _decide_odirect(mode: str, codec: Codec, root: Path, namespace: Namespace, mapper: FileMapper) -> tuple[bool, str]:

@@ -82,6 +82,15 @@ class PageKeyMismatch(PageError):
     kind = "key_mismatch"
 
 
+class PageUnsafe(PageError):
+    """The entry under a page's name is not what tierstore writes there: a symlink, a FIFO or
+    other non-regular file, a file with more than one link, or a file larger than any page of
+    the expected layout. Never served, and never removed or touched (it may be someone
+    else's file); fsck reports it."""
+
+    kind = "unsafe"
+
+
 class PageTimeout(PageError):
     """The operation did not finish before its deadline."""
 
@@ -130,8 +139,11 @@ class PageIOError(PageError):
 
 # Kinds of load failure that prove the file under the final name is bad (its bytes, not a
 # transient I/O error): the store that served it removes it, and the key may be stored again.
+# "mac" (mac.PageUnauthenticated: a fleet key is configured and the page has no valid tag) is
+# one: a planted or key-less page would otherwise block its key forever. "unsafe" is not: a
+# symlink or hard link is never acted on.
 BAD_CONTENT_KINDS: frozenset[str] = frozenset(
-    {PageCorrupt.kind, PageTruncated.kind, PageFormatError.kind, PageForeign.kind, PageKeyMismatch.kind})
+    {PageCorrupt.kind, PageTruncated.kind, PageFormatError.kind, PageForeign.kind, PageKeyMismatch.kind, "mac"})
 
 # errno values that mean "the file is gone" (ESTALE: removed by another NFS client).
 GONE_ERRNOS: tuple[int, ...] = (_errno.ENOENT, _errno.ESTALE)

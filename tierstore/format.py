@@ -8,7 +8,7 @@ integers little-endian; documented in docs/DESIGN.md):
     preamble (72 bytes)
       0  8  magic  b"TSKVPAGE"
       8  2  format version (2)
-     10  2  flags (0; readers reject unknown bits)
+     10  2  flags (FLAG_MAC or 0; readers reject unknown bits)
      12  4  header_len: payload starts here; a multiple of HEADER_ALIGN (4096)
      16  8  payload_len
      24 16  namespace digest
@@ -23,6 +23,8 @@ integers little-endian; documented in docs/DESIGN.md):
       .  .  zero padding up to header_len - 8
       header_len - 8  8  xxh3-64 of header[0 : header_len - 8]
     payload: each section at its stored offset (multiples of SECTION_ALIGN), gaps zero.
+    trailer (only with flag FLAG_MAC, MAC_TRAILER_LEN bytes): the keyed tag of mac.PageMac over
+            the header and the stored payload (opt-in fleet key, ``mac_key_file``).
 
 With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (same offsets),
 so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame,
@@ -48,7 +50,10 @@ FORMAT_VERSION (``python -m tierstore.testing.golden --write`` regenerates them)
 Nothing here executes code from a file: the header is parsed with ``struct`` only, and a
 header must be self-consistent (a checksum-valid crafted one too): sections inside the payload,
 codec NONE sections at their layout offsets, and a page buffer of at most ``MAX_PAGE_BYTES``
-(readers allocate the size a header declares).
+(readers allocate the size a header declares), and a ZSTD payload of at most
+``zstd_payload_bound(layout)`` bytes (what zstd can emit for the layout's sections), so a reader
+never allocates more than the layout it expects, whatever a header or a frame declares
+(frames are decoded by ``safe_zstd`` into the page buffer, with a hard output cap).
 Threading: pure functions over immutable values; safe from any thread. A ZSTD compressor or
 decompressor object must not be shared between threads (callers pass their own).
 """
@@ -63,6 +68,7 @@ from functools import cached_property
 
 import xxhash
 
+from tierstore import safe_zstd
 from tierstore.errors import (
     PageCorrupt,
     PageForeign,
@@ -83,6 +89,9 @@ MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page
 # A page buffer larger than this is garbage or hostile, not a page: readers such as
 # ``pagefile.inspect_page`` allocate what a header declares, so the bound is checked here.
 MAX_PAGE_BYTES = 64 << 30
+FLAG_MAC = 0x1  # a MAC trailer follows the payload (mac.py)
+KNOWN_FLAGS = FLAG_MAC
+MAC_TRAILER_LEN = 40  # mac.TRAILER_LEN (tests check they agree)
 # The preamble's fields in order (the table in the module docstring): one source for the
 # struct and for the byte offset of each field (``PREAMBLE_OFFSETS``, used by HeaderTemplate).
 _PREAMBLE_FIELDS = (
@@ -154,6 +163,25 @@ def checksum_as_int64(value: int) -> int:
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def zstd_frame_bound(raw_len: int) -> int:
+    """Largest zstd frame for ``raw_len`` input bytes (ZSTD_COMPRESSBOUND) plus the frame
+    header and checksum room: what a writer can legitimately produce."""
+    small = ((128 << 10) - raw_len) >> 11 if raw_len < (128 << 10) else 0
+    return raw_len + (raw_len >> 8) + small + 64
+
+
+def zstd_payload_bound(layout: PageLayout) -> int:
+    """Largest ZSTD payload of a page of ``layout`` (each frame at most ``zstd_frame_bound``,
+    aligned to SECTION_ALIGN)."""
+    return sum(_align(zstd_frame_bound(s.nbytes), SECTION_ALIGN) for s in layout.sections)
+
+
+def max_file_size(layout: PageLayout, header_len: int) -> int:
+    """Largest valid file of a page of ``layout`` with an ``header_len``-byte header (either
+    codec, with a MAC trailer): readers refuse a larger file before reading its payload."""
+    return header_len + max(layout.nbytes, zstd_payload_bound(layout)) + MAC_TRAILER_LEN
 
 
 @dataclass(frozen=True)
@@ -338,14 +366,19 @@ class PageHeader:
     sections: tuple[SectionEntry, ...]
     header_len: int
     payload_len: int
+    flags: int = 0
     layout: PageLayout = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", PageLayout(tuple(e.spec for e in self.sections)))
 
     @property
+    def has_mac(self) -> bool:
+        return bool(self.flags & FLAG_MAC)
+
+    @property
     def file_size(self) -> int:
-        return self.header_len + self.payload_len
+        return self.header_len + self.payload_len + (MAC_TRAILER_LEN if self.has_mac else 0)
 
 
 @dataclass(frozen=True)
@@ -359,13 +392,17 @@ class PageExpectation:
     layout: PageLayout | None = None
 
 
-def encode_header(meta: PageMeta, codec: Codec, sections: Sequence[SectionEntry], payload_len: int) -> bytes:
-    """Serialize a header, padded to HEADER_ALIGN, with its checksum in the last 8 bytes."""
+def encode_header(meta: PageMeta, codec: Codec, sections: Sequence[SectionEntry], payload_len: int,
+                  flags: int = 0) -> bytes:
+    """Serialize a header, padded to HEADER_ALIGN, with its checksum in the last 8 bytes.
+    ``flags``: FLAG_MAC when a MAC trailer will follow the payload (0: the golden bytes)."""
+    if flags & ~KNOWN_FLAGS:
+        raise ValueError(f"unknown header flags {flags:#x}")
     table = b"".join(_encode_section_entry(e) for e in sections)
     body_len = PREAMBLE_LEN + len(meta.key) + len(table) + _CHECKSUM.size
     header_len = _align(body_len, HEADER_ALIGN)
     pre = _PREAMBLE.pack(
-        MAGIC, FORMAT_VERSION, 0, header_len, payload_len, meta.namespace, meta.group_index,
+        MAGIC, FORMAT_VERSION, flags, header_len, payload_len, meta.namespace, meta.group_index,
         int(meta.group_kind), int(codec), len(meta.key), meta.token_count, meta.rank,
         meta.head_start, meta.head_count, len(sections),
     )
@@ -400,7 +437,7 @@ def header_len_of(prefix: bytes | memoryview, *, path: str | None = None) -> int
         raise PageFormatError("not a tierstore page (bad magic)", path=path)
     if version != FORMAT_VERSION:
         raise PageFormatError(f"unsupported page format version {version}; this tierstore reads {FORMAT_VERSION}", path=path)
-    if flags != 0:
+    if flags & ~KNOWN_FLAGS:
         raise PageFormatError(f"unknown header flags {flags:#x}", path=path)
     if header_len % HEADER_ALIGN or not PREAMBLE_LEN < header_len <= MAX_HEADER_LEN:
         raise PageFormatError(f"bad header length {header_len}", path=path)
@@ -449,7 +486,7 @@ def decode_header_any_version(buf: bytes | memoryview, *, path: str | None = Non
 
 
 def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
-    (_, _, _, _, payload_len, ns, group_index, kind, codec, key_len, token_count, rank,
+    (_, _, flags, _, payload_len, ns, group_index, kind, codec, key_len, token_count, rank,
      head_start, head_count, nsec) = _PREAMBLE.unpack_from(buf, 0)
     pos = PREAMBLE_LEN
     key = bytes(buf[pos : pos + key_len])
@@ -477,9 +514,10 @@ def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
     if pos > header_len - 8:
         raise ValueError("section table runs past the header")
     meta = PageMeta(ns, key, group_index, GroupKind(kind), token_count, rank, head_start, head_count)
-    header = PageHeader(meta, Codec(codec), tuple(entries), header_len, payload_len)
+    header = PageHeader(meta, Codec(codec), tuple(entries), header_len, payload_len, flags)
     if header.layout.nbytes > MAX_PAGE_BYTES:
         raise ValueError(f"layout declares {header.layout.nbytes} bytes, more than any page ({MAX_PAGE_BYTES})")
+
     if header.codec == Codec.NONE:
         lay = header.layout
         if any(e.stored_offset != o or e.stored_len != e.spec.nbytes for e, o in zip(entries, lay.offsets, strict=True)):
@@ -487,6 +525,24 @@ def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
         if payload_len != lay.nbytes:
             raise ValueError("payload length disagrees with the layout")
     return header
+
+
+def check_payload_bound(header: PageHeader, *, path: str | None = None) -> None:
+    """Raise PageFormatError unless a ZSTD header's payload and frames are no larger than zstd
+    emits for its layout (``zstd_payload_bound``). Readers call it before allocating or reading
+    the payload, after the layout was checked against the one they expect: what they allocate
+    is then bounded by that layout, never by what a file declares."""
+    if header.codec != Codec.ZSTD:
+        return  # codec NONE: payload_len == layout.nbytes (``_parse_header``)
+    bound = zstd_payload_bound(header.layout)
+    if header.payload_len > bound:
+        raise PageFormatError(f"zstd payload of {header.payload_len} bytes, more than zstd emits for the "
+                              f"page's layout ({bound}); not a page this tierstore wrote", path=path,
+                              key=header.meta.key)
+    for e in header.sections:
+        if e.stored_len > zstd_frame_bound(e.spec.nbytes):
+            raise PageFormatError(f"section {e.spec.name!r}: zstd frame of {e.stored_len} bytes for "
+                                  f"{e.spec.nbytes} raw bytes", path=path, key=header.meta.key)
 
 
 def check_expectation(header: PageHeader, expect: PageExpectation, *, path: str | None = None) -> None:
@@ -510,13 +566,15 @@ def encode_page(
     data: bytes | memoryview,
     codec: Codec = Codec.NONE,
     compressor: object | None = None,
+    flags: int = 0,
 ) -> tuple[bytes, list[memoryview | bytes]]:
     """Build the header and payload pieces of a page from a page buffer of ``layout``.
 
     With codec NONE the payload is ``data`` itself (zero-copy) when its alignment gaps are zero,
     else a copy with zero gaps: the file is canonical whatever the gaps of ``data`` held.
     ``compressor`` is a ``zstandard.ZstdCompressor`` owned by the calling thread (required for
-    ZSTD; frames depend on its level and on the zstd library version).
+    ZSTD; frames depend on its level and on the zstd library version). ``flags``: FLAG_MAC when
+    the caller appends a MAC trailer (``mac.PageMac.tag`` over the header and the pieces).
     """
     data = memoryview(data).cast("B")
     if len(data) != layout.nbytes:
@@ -550,7 +608,7 @@ def encode_page(
         payload_len = pos
     else:
         raise ValueError(f"unknown codec {codec!r}")
-    return encode_header(meta, codec, entries, payload_len), pieces
+    return encode_header(meta, codec, entries, payload_len, flags), pieces
 
 
 def decode_payload(
@@ -567,6 +625,9 @@ def decode_payload(
     (verify in place, no copy). Raises PageCorrupt on the first bad section or on non-zero
     gap bytes (``check_stored_gaps``; PageFormatError for misplaced zstd frames); ``out`` then
     holds garbage and must not be used. On success the gaps of ``out`` are zero.
+    ZSTD frames are decoded by ``safe_zstd.decompress_into`` straight into ``out`` (a frame
+    declaring another size than its section is refused before anything is allocated);
+    ``decompressor`` is accepted for compatibility and unused.
     """
     out = memoryview(out).cast("B")
     if len(out) != header.layout.nbytes:
@@ -583,15 +644,13 @@ def decode_payload(
             if payload is not None:
                 out[off : off + raw_len] = payload[e.stored_offset : e.stored_offset + raw_len]
         else:
-            if decompressor is None or payload is None:
-                raise ValueError("codec ZSTD needs a decompressor")
-            try:
-                raw = decompressor.decompress(payload[e.stored_offset : e.stored_offset + e.stored_len], max_output_size=raw_len)  # type: ignore[attr-defined]
-            except Exception as exc:  # zstd.ZstdError: a damaged frame
-                raise PageCorrupt(f"section {e.spec.name!r}: bad zstd frame ({exc})", path=path) from exc
-            if len(raw) != raw_len:
-                raise PageCorrupt(f"section {e.spec.name!r}: decompressed to {len(raw)} bytes, expected {raw_len}", path=path)
-            out[off : off + raw_len] = raw
+            if payload is None:
+                raise ValueError("codec ZSTD needs the stored payload")
+            frame = payload[e.stored_offset : e.stored_offset + e.stored_len]
+            try:  # straight into the page buffer, never more than the section (safe_zstd.py)
+                safe_zstd.decompress_into(frame, out[off : off + raw_len], path=path)
+            except PageCorrupt as exc:
+                raise PageCorrupt(f"section {e.spec.name!r}: {exc.message}", path=path, key=header.meta.key) from exc
         if checksum(out[off : off + raw_len]) != e.checksum:
             raise PageCorrupt(f"section {e.spec.name!r} checksum mismatch", path=path)
 
@@ -608,13 +667,14 @@ class HeaderTemplate:
     Threading: immutable after construction; safe from any thread.
     """
 
-    def __init__(self, proto: PageMeta, layout: PageLayout) -> None:
-        """``proto``: the writer's identity; only the length of its key matters."""
+    def __init__(self, proto: PageMeta, layout: PageLayout, flags: int = 0) -> None:
+        """``proto``: the writer's identity; only the length of its key matters. ``flags``:
+        FLAG_MAC for a writer with a fleet key (the trailer is not part of the template)."""
         key_len = len(proto.key)
         meta = PageMeta(proto.namespace, b"\0" * key_len, proto.group_index, proto.group_kind, 0,
                         proto.rank, proto.head_start, proto.head_count)
         entries = [SectionEntry(sp, o, sp.nbytes, 0) for sp, o in zip(layout.sections, layout.offsets, strict=True)]
-        self.blank = encode_header(meta, Codec.NONE, entries, layout.nbytes)  # key, counts, sums: 0
+        self.blank = encode_header(meta, Codec.NONE, entries, layout.nbytes, flags)  # key, counts, sums: 0
         self.header_len = hl = len(self.blank)
         self.key_len = key_len
         self._key_off = PREAMBLE_LEN

@@ -37,6 +37,9 @@ from pathlib import Path
 
 import xxhash
 
+from tierstore import safefs
+from tierstore.errors import ConfigError
+
 PAGE_SUFFIX = ".kvp"
 TEMP_SUFFIX = ".tmp"
 MAX_KEY_BYTES = 96  # 192 hex characters keep every file name under 255 bytes
@@ -160,20 +163,44 @@ class FileMapper:
         directory = os.path.dirname(final) if final is not None else f"{self._base}/{fanout(key)}"
         return f"{directory}/{_temp_name(key)}"
 
-    def make_fanout_dirs(self) -> int:
+    def make_fanout_dirs(self, perms: safefs.Perms = safefs.PRIVATE) -> int:
         """Create this group and rank's directory and those of its 256 fan-out directories that
-        are missing (one readdir when they all exist); the number created. Safe to race with
-        other engines and nodes. Raises OSError (e.g. a read-only root)."""
-        self.base.mkdir(parents=True, exist_ok=True)
-        have = set(os.listdir(self.base))
+        are missing (one readdir when they all exist), with ``perms.dir_mode``; the number
+        created. Every component under the root is opened without following a symlink: a
+        namespace, group, rank or fan-out directory that is a symlink (or not a directory)
+        raises ``ConfigError`` naming it (an engine never reads or writes through it). Safe to
+        race with other engines and nodes. Raises OSError (e.g. a read-only root)."""
+        os.makedirs(self.root, exist_ok=True)  # the root itself: the operator's path
+        parts = (self.namespace, f"g{self.group_index}", f"r{self.rank}")
+        root_fd = safefs.open_root(self.root)
+        try:
+            base_fd = safefs.open_dir_path(root_fd, parts, create=True, perms=perms)
+        except safefs.UnsafeEntry as exc:
+            raise ConfigError(f"refusing the cache tree under {os.fsdecode(self.root)!r}: {exc}. tierstore "
+                              "never follows a symlink under its root (another user could point it anywhere); "
+                              "remove the entry (tierstore fsck reports it)") from None
+        finally:
+            os.close(root_fd)
         made = 0
-        for name in FANOUT_DIRS:
-            if name not in have:
-                try:
-                    os.mkdir(self.base / name)
-                    made += 1
-                except FileExistsError:
-                    pass
+        try:
+            with os.scandir(base_fd) as it:
+                have = {e.name: e.is_dir(follow_symlinks=False) for e in it}
+            bad = sorted(n for n in FANOUT_DIRS if n in have and not have[n])
+            if bad:
+                raise ConfigError(f"refusing the cache tree {self.base}: fan-out entries {bad[:4]} are not "
+                                  "directories (a symlink?); tierstore never follows a symlink under its root; "
+                                  "remove them (tierstore fsck reports them)")
+            for name in FANOUT_DIRS:
+                if name not in have:
+                    try:
+                        os.mkdir(name, perms.dir_mode, dir_fd=base_fd)
+                        made += 1
+                    except FileExistsError:
+                        continue
+                    if perms.dir_mode & 0o7070:  # setgid and group bits: not left to the umask
+                        os.chmod(name, perms.dir_mode, dir_fd=base_fd, follow_symlinks=False)
+        finally:
+            os.close(base_fd)
         return made
 
     def __repr__(self) -> str:

@@ -11,13 +11,24 @@ docstring. Shared rules:
 - Publishing is atomic (``publish``): a reader sees a whole page under a final name or none.
 - Functions do not log, except ``publish``'s O_DIRECT fallback (a condition an operator should
   know about).
+- A root others can write to (issue 17): page files are opened ``O_NOFOLLOW|O_NONBLOCK`` and
+  served only if ``fstat`` says regular file with one link (else ``PageUnsafe``, never removed:
+  a FIFO fails at once instead of blocking an I/O thread); temps are created ``O_EXCL|O_NOFOLLOW``
+  with mode 0600 unless the caller says otherwise; ``RankDir`` reaches a fan-out directory
+  through directory fds opened without following links (safefs.py), and the ``*_at``/``dir_fd``
+  forms act relative to it, so a directory swapped for a symlink never redirects a write or
+  an unlink outside the root. Before a payload is allocated or read, the file size and the
+  header are checked against the expected layout (``format.max_file_size``,
+  ``format.check_payload_bound``): memory is bounded by the layout, not by the file.
+- With a fleet key (``mac``), a page is served only if its MAC trailer verifies (mac.py).
 
 Operations: ``publish`` (temp + optional fsync + rename, O_DIRECT when asked),
 ``publish_page`` (an encoded page, unless one exists); ``probe_odirect``; ``open_page``,
-``read_plan`` and ``read_own_page`` (the engine's fast read of a file it would have written:
+``RankDir`` (the directory fds of one group/rank), ``read_plan`` and ``read_own_page`` (the engine's fast read of a file it would have written:
 page-cache check, O_DIRECT, hashing piece by piece); ``read_page`` (read and verify any page),
-``inspect_page`` (verify with no expectation, for fsck); ``remove_damaged`` (remove a bad page
-once, only if it is still the file that was read); ``pwritev_all`` / ``preadv_upto`` /
+``read_page_fd`` (the same on an fd ``open_page`` checked), ``inspect_page`` (verify with no
+expectation, for fsck); ``remove_damaged`` / ``remove_damaged_at`` (remove a bad page once, only
+if it is still the regular, single-link file that was read); ``pwritev_all`` / ``preadv_upto`` /
 ``readinto_exact`` (vectored I/O that retries short calls).
 
 Threading: every function is reentrant and uses only its own file descriptors; buffers
@@ -36,6 +47,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tierstore import safefs
 from tierstore.directio import ALIGN, O_DIRECT
 from tierstore.errors import (
     PageCorrupt,
@@ -45,9 +57,12 @@ from tierstore.errors import (
     PageMissing,
     PageStoreError,
     PageTruncated,
+    PageUnsafe,
 )
 from tierstore.format import (
     HEADER_ALIGN,
+    MAC_TRAILER_LEN,
+    MAX_PAGE_BYTES,
     Codec,
     HeaderTemplate,
     PageExpectation,
@@ -55,21 +70,30 @@ from tierstore.format import (
     PageLayout,
     check_expectation,
     check_gaps,
+    check_payload_bound,
     checksum,
     decode_header,
     decode_payload,
     header_len_of,
+    max_file_size,
 )
+from tierstore.mac import PageMac, PageUnauthenticated
 
 __all__ = [
-    "O_DIRECT", "MISSING_ERRNOS", "FileIdentity", "file_identity", "inspect_page", "open_page",
+    "O_DIRECT", "MISSING_ERRNOS", "FileIdentity", "RankDir", "file_identity", "inspect_page", "open_page",
     "preadv_upto", "probe_odirect", "publish", "publish_page", "pwritev_all", "read_error",
-    "read_own_page", "read_page", "read_plan", "readinto_exact", "remove_damaged",
+    "read_own_page", "read_page", "read_page_fd", "read_plan", "readinto_exact", "remove_damaged",
+    "remove_damaged_at",
 ]
 
 MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 logger = logging.getLogger("tierstore.pagefile")
 FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns): one file, not one name
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: a FIFO under a page's name opens at once (and is then refused by fstat) instead
+# of blocking an I/O thread; on a regular file it changes nothing.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 
 
 # ------------------------------------------------------------------ errors and raw I/O
@@ -140,39 +164,53 @@ def _make_dirs(path: str) -> None:
 
 # ------------------------------------------------------------------ publish
 def publish(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None, fsync: bool = False,
-            direct: bool = False, exact_len: int = 0) -> None:
+            direct: bool = False, exact_len: int = 0, dir_fd: int | None = None, mode: int = 0o600,
+            where: str | None = None) -> None:
     """Write ``pieces`` to ``tmp`` (a unique name beside ``final``), then rename it to ``final``.
 
-    A missing fan-out directory is created. ``direct``: open with O_DIRECT (the pieces are
-    aligned and padded to ALIGN); the padding is cut off afterwards to ``exact_len`` bytes. If
-    the O_DIRECT write is refused at run time (EINVAL: another file system under the root?),
-    the first ``exact_len`` bytes of the first piece are rewritten buffered, with a warning.
+    ``dir_fd``: ``final`` and ``tmp`` are names in that (checked) directory, ``where`` the path
+    for messages; otherwise they are paths and a missing fan-out directory is created. The temp
+    is created ``O_EXCL|O_NOFOLLOW`` with ``mode`` (0600; a mode with group bits is set with
+    fchmod, whatever the umask). ``direct``: open with O_DIRECT (the pieces are aligned and
+    padded to ALIGN); the padding is cut off afterwards to ``exact_len`` bytes. If the O_DIRECT
+    write is refused at run time (EINVAL: another file system under the root?), the first
+    ``exact_len`` bytes of the first piece are rewritten buffered, with a warning.
     ``fsync``: the data is on disk before the rename.
 
     Failure policy: any OSError removes the temp file and raises ``PageStoreError`` with the
     errno (its kind: ``enospc``, ``readonly``, ``permission``, ``io``); ``final`` is untouched.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC | (O_DIRECT if direct else 0)
+    where_tmp = tmp if dir_fd is None else f"{os.path.dirname(where or '')}/{tmp}"
     try:
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
         except FileNotFoundError:
+            if dir_fd is not None:
+                raise
             _make_dirs(os.path.dirname(final))
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, mode)
     except OSError as exc:
-        raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=tmp, key=key) from exc
+        raise PageStoreError(f"cannot create temp file: {exc.strerror}", errno=exc.errno, path=where_tmp,
+                             key=key) from exc
     try:
         try:
-            _write_pieces(fd, tmp, pieces, direct, exact_len)
+            if mode & 0o070:
+                os.fchmod(fd, mode)  # a fleet sharing a group: the umask must not take its bits
+            _write_pieces(fd, where_tmp, pieces, direct, exact_len)
             if fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, final)
+        if dir_fd is None:
+            os.replace(tmp, final)
+        else:
+            os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise PageStoreError(f"cannot write page: {exc.strerror}", errno=exc.errno, path=where or final,
+                             key=key) from exc
 
 
 def _write_pieces(fd: int, tmp: str, pieces: list[Any], direct: bool, exact_len: int) -> None:
@@ -182,10 +220,12 @@ def _write_pieces(fd: int, tmp: str, pieces: list[Any], direct: bool, exact_len:
     except OSError as exc:
         if not (direct and exc.errno == errno.EINVAL):
             raise
+        import fcntl  # Linux/Unix only, like O_DIRECT itself
+
         logger.warning("O_DIRECT write refused (%s); rewriting %s buffered", exc.strerror, tmp)
-        with open(tmp, "r+b", buffering=0) as f:  # a plain descriptor on the same file
-            f.truncate(0)
-            pwritev_all(f.fileno(), [memoryview(pieces[0])[:exact_len]])
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+        os.ftruncate(fd, 0)
+        pwritev_all(fd, [memoryview(pieces[0])[:exact_len], *pieces[1:]])
         return
     if direct and exact_len % ALIGN:  # the last block was padded for O_DIRECT
         os.ftruncate(fd, exact_len)
@@ -238,25 +278,105 @@ def probe_odirect(directory: Path) -> tuple[bool, str]:
 
 
 # ------------------------------------------------------------------ the engine's fast read
-def open_page(path: str | Path, key: bytes | None) -> tuple[int, os.stat_result]:
-    """Open a page file for reading: (fd, fstat). The caller closes the fd.
+def open_page(path: str | Path, key: bytes | None, *, dir_fd: int | None = None,
+              where: str | None = None) -> tuple[int, os.stat_result]:
+    """Open a page file for reading: (fd, fstat). The caller closes the fd. ``dir_fd``: ``path``
+    is a name in that checked directory (``where``: the path for messages).
 
-    Failure policy: ``read_error``'s mapping; ``PageFormatError`` (fd closed) if it is not a
-    regular file.
+    Failure policy: ``read_error``'s mapping; ``PageUnsafe`` (fd closed) for a symlink (not
+    followed), a FIFO, device or directory (opened non-blocking, never read) or a file with more
+    than one link.
     """
+    where = str(where if where is not None else path)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
-        raise read_error(exc, "open", path, key) from exc
+        if exc.errno in _LINK_ERRNOS:
+            raise PageUnsafe("a symlink under a page's name: not followed, not served", path=where, key=key) from None
+        raise read_error(exc, "open", where, key) from exc
     try:
         st = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
-        raise read_error(exc, "read", path, key) from exc
-    if not stat.S_ISREG(st.st_mode):
+        raise read_error(exc, "read", where, key) from exc
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise PageFormatError("not a regular file", path=str(path), key=key)
+        what = (f"{st.st_nlink} links (tierstore never hard-links a page)" if stat.S_ISREG(st.st_mode)
+                else f"not a regular file (file type {stat.S_IFMT(st.st_mode):#o})")
+        raise PageUnsafe(f"{what}: not served, left for fsck", path=where, key=key)
     return fd, st
+
+
+class RankDir:
+    """The directory of one (namespace, group, rank): an fd opened from the root component by
+    component without following a symlink (safefs.open_dir_path), and its fan-out directories
+    opened per operation relative to it (``fanout``), so no name under the root is ever
+    followed out of it. A symlinked component raises ``PageUnsafe``.
+
+    The fd is opened at first use and again when its directory has been removed (``st_nlink``
+    0: the tree was deleted and made again); superseded fds stay open until ``close`` (another
+    thread may be using one). Threading: safe from any thread.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], parts: tuple[str, ...], perms: safefs.Perms = safefs.PRIVATE):
+        self.root, self.parts, self.perms = os.fspath(root), parts, perms
+        self._fd = -1
+        self._old: list[int] = []
+        self._lock = threading.Lock()
+
+    def _reopen(self, create: bool, stale: int) -> int:
+        with self._lock:
+            if self._fd != stale:
+                return self._fd  # another thread reopened it meanwhile
+            root_fd = safefs.open_root(self.root)
+            try:
+                fd = safefs.open_dir_path(root_fd, self.parts, create=create, perms=self.perms)
+            finally:
+                os.close(root_fd)
+            if self._fd >= 0:
+                self._old.append(self._fd)
+            self._fd = fd
+            return fd
+
+    def rank_fd(self, create: bool = False) -> int:
+        """The held fd of the rank directory (do not close it)."""
+        fd = self._fd
+        return fd if fd >= 0 else self._reopen(create, fd)
+
+    def fanout(self, name: str, *, create: bool = False, where: str = "", key: bytes | None = None) -> int:
+        """An fd of the fan-out directory ``name`` (the caller closes it); ``create``: make it
+        (and the chain above it) when missing. Raises ``PageUnsafe`` for a symlinked or
+        non-directory component, ``PageMissing`` when absent and not ``create``, OSError else."""
+        try:
+            fd = self.rank_fd(create)
+            for attempt in range(2):
+                try:
+                    return safefs.open_dir(name, fd)
+                except FileNotFoundError:
+                    if attempt == 0 and os.fstat(fd).st_nlink == 0:  # the rank dir was removed
+                        fd = self._reopen(create, fd)
+                        continue
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, self.perms.dir_mode, dir_fd=fd)
+                        if self.perms.dir_mode & 0o070:
+                            os.chmod(name, self.perms.dir_mode, dir_fd=fd, follow_symlinks=False)
+                    return safefs.open_dir(name, fd)
+            raise FileNotFoundError(errno.ENOENT, "fan-out directory missing")  # pragma: no cover
+        except safefs.UnsafeEntry as exc:
+            raise PageUnsafe(f"a directory on the way to the page is not one tierstore made ({exc}); "
+                             "nothing under it is read or written", path=where, key=key) from None
+        except FileNotFoundError as exc:
+            raise PageMissing("no such page (its directory is missing)", path=where, key=key) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (*self._old, self._fd):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._fd, self._old = -1, []
 
 
 def file_identity(st: os.stat_result) -> FileIdentity:
@@ -305,6 +425,13 @@ def read_direct(fd: int, padded_file: memoryview, file_len: int, path: str) -> b
     return True
 
 
+def clear_direct(fd: int) -> None:
+    """Turn O_DIRECT off on ``fd`` again (after ``read_direct``) for unaligned reads."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+
+
 def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: memoryview, layout: PageLayout,
                   plan: list[tuple[int, int, int, int]], *, key: bytes, path: str, verify: bool,
                   already_read: bool) -> list[int] | None:
@@ -348,76 +475,124 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
 def remove_damaged(path: str, served: FileIdentity | None) -> bool:
     """Remove the page file at ``path`` if it is still the file that was read (``served``);
     True if removed. A different file under the name (republished since) is left alone.
+    Path-based (the directories are followed); the engine uses ``remove_damaged_at``.
 
     Failure policy: never raises; a file that is gone or cannot be removed is left (False).
-    Races an unlink by another process only in the window between stat and unlink.
     """
     try:
-        if served is not None and file_identity(os.stat(path)) != served:
+        dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return remove_damaged_at(dir_fd, os.path.basename(path), served)
+    finally:
+        os.close(dir_fd)
+
+
+def remove_damaged_at(dir_fd: int, name: str, served: FileIdentity | None) -> bool:
+    """Unlink ``name`` in the checked directory ``dir_fd`` if it is a regular file with one
+    link and still the file that was read (``served``: device, inode and ctime compared on an
+    ``lstat`` relative to ``dir_fd``); True if removed.
+
+    Failure policy: never raises. Races an unlink by another process only in the window
+    between the lstat and the unlink, and only within ``dir_fd``.
+    """
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             return False
-        os.unlink(path)
+        if served is not None and file_identity(st) != served:
+            return False
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         return False
     return True
 
 
 # ------------------------------------------------------------------ read and verify any page
-def _read_header(fd: int, path: str, file_size: int) -> PageHeader:
+def _read_header(fd: int, path: str, file_size: int, layout: PageLayout | None = None) -> tuple[PageHeader, bytes]:
+    """The verified header of the open page and its bytes. ``layout``: the expected one; a file
+    larger than any page of it is refused before the rest of the header is read."""
     first = os.pread(fd, HEADER_ALIGN, 0)
     header_len = header_len_of(first, path=path)
+    if layout is not None and file_size > max_file_size(layout, header_len):
+        raise PageFormatError(f"file has {file_size} bytes, more than any page of the expected layout "
+                              f"({max_file_size(layout, header_len)}); not read", path=path)
     buf = first if header_len <= len(first) else first + os.pread(fd, header_len - len(first), len(first))
     header = decode_header(buf, path=path)
     if file_size < header.file_size:
         raise PageTruncated(f"file has {file_size} bytes, header says {header.file_size}", path=path)
     if file_size > header.file_size:
         raise PageTruncated(f"file has {file_size} bytes, more than the {header.file_size} its header says", path=path)
+    return header, buf[: header.header_len]
+
+
+def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation | None, out: memoryview,
+                 *, mac: PageMac | None = None) -> PageHeader:
+    """``read_page`` on an fd that ``open_page`` opened and checked (the caller closes it).
+
+    Order (nothing is allocated before the checks that bound it): the file size against the
+    expected layout, the header checksum, the exact file size, the expectation (namespace,
+    key, group, rank, layout), the zstd payload bound, then the payload is read (codec NONE
+    straight into ``out``), its MAC trailer verified when ``mac`` is given (a page without
+    one: ``PageUnauthenticated``, kind "mac"), and every section checksum and gap checked.
+    """
+    key = expect.key if expect else None
+    try:
+        header, hbytes = _read_header(fd, path, st.st_size, expect.layout if expect is not None else None)
+        if expect is not None:
+            check_expectation(header, expect, path=path)
+        check_payload_bound(header, path=path)
+        out = memoryview(out).cast("B")
+        if mac is not None and not header.has_mac:
+            raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not served",
+                                      path=path, key=key)
+        in_place = header.codec == Codec.NONE and len(out) == header.payload_len
+        payload = out if in_place else memoryview(bytearray(header.payload_len))
+        readinto_exact(fd, payload, header.header_len, path)
+        if mac is not None:
+            trailer = os.pread(fd, MAC_TRAILER_LEN, header.header_len + header.payload_len)
+            mac.verify(hbytes, payload, trailer, path=path)
+        decode_payload(header, None if in_place else payload, out, path=path)
+    except OSError as exc:
+        raise read_error(exc, "read", path, key) from exc
     return header
 
 
 def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
-              decompressor: object | None = None) -> PageHeader:
+              decompressor: object | None = None, *, mac: PageMac | None = None) -> PageHeader:
     """Read, verify and decode a page into ``out`` (``layout.nbytes`` bytes); its header.
 
     Verifies the header checksum, namespace, key/group/rank and layout (``expect``), the exact
-    file size and every section checksum. Failure policy: a typed ``PageError`` (missing, io,
-    truncated, checksum, format, foreign, key_mismatch); ``out`` then holds garbage.
+    file size, the MAC (``mac``) and every section checksum. Failure policy: a typed
+    ``PageError`` (missing, io, truncated, checksum, format, foreign, key_mismatch, unsafe,
+    mac); ``out`` then holds garbage. ``decompressor`` is accepted for compatibility, unused.
     """
     spath = str(path)
-    key = expect.key if expect else None
+    fd, st = open_page(spath, expect.key if expect else None)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise read_error(exc, "open", path, key) from exc
-    try:
-        try:
-            header = _read_header(fd, spath, os.fstat(fd).st_size)
-            if expect is not None:
-                check_expectation(header, expect, path=spath)
-            out = memoryview(out).cast("B")
-            if header.codec == Codec.NONE and len(out) == header.payload_len:
-                readinto_exact(fd, out, header.header_len, spath)
-                decode_payload(header, None, out, path=spath)
-            else:
-                payload = memoryview(bytearray(header.payload_len))
-                readinto_exact(fd, payload, header.header_len, spath)
-                decode_payload(header, payload, out, decompressor, path=spath)
-        except OSError as exc:
-            raise read_error(exc, "read", path, key) from exc
+        return read_page_fd(fd, st, spath, expect, out, mac=mac)
     finally:
         os.close(fd)
-    return header
 
 
-def inspect_page(path: Path, decompressor: object | None = None) -> PageHeader:
-    """Fully verify a page with no expectation; its header. Failure policy: ``read_page``'s."""
-    fd, st = open_page(path, None)
+def inspect_page(path: Path, decompressor: object | None = None, *, max_page_bytes: int = MAX_PAGE_BYTES,
+                 mac: PageMac | None = None) -> PageHeader:
+    """Fully verify a page with no expectation; its header. The page buffer its header declares
+    is allocated only if it is at most ``max_page_bytes`` (fsck passes the manifest's layout
+    size) and the zstd payload is within its bound. Failure policy: ``read_page``'s."""
+    spath = str(path)
+    fd, st = open_page(spath, None)
     try:
         try:
-            header = _read_header(fd, str(path), st.st_size)
+            header, _ = _read_header(fd, spath, st.st_size)
         except OSError as exc:
-            raise read_error(exc, "read", path, None) from exc
+            raise read_error(exc, "read", spath, None) from exc
+        if header.layout.nbytes > max_page_bytes:
+            raise PageFormatError(f"header declares a {header.layout.nbytes}-byte page, more than "
+                                  f"{max_page_bytes}; not read", path=spath)
+        check_payload_bound(header, path=spath)
+        out = memoryview(bytearray(header.layout.nbytes))
+        return read_page_fd(fd, st, spath, None, out, mac=mac)
     finally:
         os.close(fd)
-    out = memoryview(bytearray(header.layout.nbytes))
-    read_page(path, None, out, decompressor)
-    return header
