@@ -7,8 +7,8 @@ import os
 import tracemalloc
 from pathlib import Path
 
-from tierstore.mapper import FileMapper
 from tierstore import page_index
+from tierstore.mapper import FileMapper
 from tierstore.page_index import PageIndex, fingerprint
 
 
@@ -85,3 +85,28 @@ def test_memory_per_page_is_small(tmp_path: Path) -> None:
     tracemalloc.stop()
     assert len(index) == n
     assert held / n <= 64, held / n
+
+
+def test_the_engine_and_local_evictions_feed_the_index(tmp_path) -> None:
+    """The store path adds this process's own pages at once (never a stale miss), and the
+    removal of a damaged page and a local eviction drop them (no stale hit)."""
+    from tierstore.engine import IOEngine
+    from tierstore.mapper import FileMapper
+    from tierstore.testing.pages import page_bytes, page_key, simple_namespace
+
+    ns = simple_namespace()
+    base = FileMapper(tmp_path, ns.digest, 0, 0).base
+    index = PageIndex(base)
+    eng = IOEngine(tmp_path, ns, 0)
+    try:
+        key = page_key(1)
+        slot = eng.acquire_slot(5)
+        assert slot is not None
+        slot.view[:] = page_bytes(eng.layout, key, 1)
+        [res] = eng.wait([eng.submit_store(key, slot, 16)], timeout=10)
+        assert res.ok and index.contains(key) is True
+        page_index.note_removed_file(tmp_path, str(eng.mapper.path_for(key).relative_to(tmp_path)))
+        assert index.contains(key) is False
+        page_index.note_removed_file(tmp_path, "not/a/page")  # ignored
+    finally:
+        eng.close()

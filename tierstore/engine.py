@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import zstandard
 
-from tierstore import pagefile, safefs
+from tierstore import page_index, pagefile, safefs
 from tierstore.config import TierStoreConfig
 from tierstore.directio import (
     ALIGN,
@@ -381,6 +381,7 @@ class IOEngine:
         finally:
             os.close(dir_fd)
         if removed:
+            page_index.note_removed(self.mapper.base, key)
             logger.warning("removed damaged page %s (%s)", path, error)
             with self._stats_lock:
                 self._stats["bad_pages_discarded"] += 1
@@ -395,9 +396,11 @@ class IOEngine:
             raise PageStoreError(f"cannot open the page's directory: {exc.strerror}", errno=exc.errno, path=final,
                                  key=key) from exc
         try:
-            return self._store_in(dir_fd, name, final, key, slot, token_count, sums)
+            result = self._store_in(dir_fd, name, final, key, slot, token_count, sums)
         finally:
             os.close(dir_fd)
+        page_index.note_stored(self.mapper.base, key)  # this process's own pages: never a stale miss
+        return result
 
     def _store_in(self, dir_fd: int, name: str, final: str, key: bytes, slot: StagingSlot, token_count: int,
                   sums: tuple[int, ...] | None) -> tuple[bool, int]:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tierstore.mapper import FANOUT_DIRS, PAGE_SUFFIX
+from tierstore.mapper import FANOUT_DIRS, PAGE_SUFFIX, locate
 
 _SUFFIX_LEN = len(PAGE_SUFFIX)
 _DIRS = len(FANOUT_DIRS)
@@ -183,11 +183,11 @@ _registry_lock = threading.Lock()
 
 def _register(index: PageIndex) -> None:
     with _registry_lock:
-        _registry.setdefault(str(index.base), weakref.WeakSet()).add(index)
+        _registry.setdefault(os.path.abspath(index.base), weakref.WeakSet()).add(index)
 
 
 def _indexes(base: str | os.PathLike[str]) -> list[PageIndex]:
-    found = _registry.get(str(base))
+    found = _registry.get(os.path.abspath(base))
     if not found:
         return []
     with _registry_lock:
@@ -206,3 +206,11 @@ def note_removed(base: str | os.PathLike[str], key: bytes) -> None:
     """Hook for eviction, gc and the removal of a damaged page under ``base``."""
     for index in _indexes(base):
         index.discard(key)
+
+
+def note_removed_file(root: str | os.PathLike[str], relpath: str) -> None:
+    """Hook for evictions that know a page by its path under ``root`` (the local tier's
+    LocalIndex, gc): drops the page from every index of its directory; other paths are ignored."""
+    loc = locate(root, os.path.join(root, relpath))
+    if loc is not None:
+        note_removed(os.path.join(root, loc.namespace, f"g{loc.group_index}", f"r{loc.rank}"), loc.key)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.mapper import FANOUT_DIRS, FileMapper
-from tierstore.tiers.deadline import Health
 from tierstore.page_index import PageIndex
+from tierstore.tiers.deadline import Health
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tierstore import page_index
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine, StagingSlot
 from tierstore.errors import BAD_CONTENT_KINDS, ConfigError
@@ -64,7 +65,14 @@ class LocalTier(EngineTier):
                               'free space there, fix its permissions, or unset "local_root"') from exc
         self._own_index = index is None
         if self.index.on_evict is None:
-            self.index.on_evict = lambda victims: metrics.evicted(len(victims), sum(v.size for v in victims))
+            root = config.local_root
+
+            def on_evict(victims: list[Any]) -> None:
+                metrics.evicted(len(victims), sum(v.size for v in victims))
+                for v in victims:  # lookups stop answering HIT for evicted pages at once
+                    page_index.note_removed_file(root, v.path)
+
+            self.index.on_evict = on_evict
         self._prefix = len(str(Path(config.local_root) / "x")) - 1
         self._header_lens: dict[int, int] = {}
         self._capacity_at = 0.0
