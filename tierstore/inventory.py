@@ -49,6 +49,7 @@ from tierstore.mapper import (
     parse_page_name,
     parse_temp_name,
 )
+from tierstore.stale_temps import TempWriter, writer_gone
 
 # Finding categories. Every one except TEMP_ACTIVE is a problem for fsck.
 BAD_PAGE = "bad_page"  # a page file that fails verification (kind: the PageError kind)
@@ -303,14 +304,10 @@ class _Classifier:
         self.host = host_tag()
 
     def temp_is_stale(self, host: str, pid: int, mtime: float) -> tuple[bool, str]:
-        if host == self.host and not pid_alive(pid):
-            return True, f"writer pid {pid} on this host is gone"
-        age = self.now - mtime
-        if age > self.tmp_age:
-            return True, f"temp file is {age:.0f} s old (older than --tmp-age {self.tmp_age:.0f} s)"
-        return False, "may still be written"
-
-
+        """``stale_temps``' one rule: stale only when its writer is provably gone (``host`` ""
+        when the name does not say; then by age against ``--tmp-age``)."""
+        return writer_gone(TempWriter(host or None, pid), mtime, grace_s=self.tmp_age, now=self.now,
+                           this_host=self.host, stuck_after_s=self.tmp_age)
 
 
 def _lstat_entry(entry: os.DirEntry[str], inv: Inventory) -> os.stat_result | None:

@@ -102,8 +102,13 @@ def _process_state(pid: int) -> tuple[bool, float | None]:
 
 
 def writer_gone(writer: TempWriter, mtime: float, *, grace_s: float = DEFAULT_GRACE_S,
-                now: float | None = None, this_host: str | None = None) -> tuple[bool, str]:
-    """Whether the writer of a temp last written at ``mtime`` is provably gone; (gone, why)."""
+                now: float | None = None, this_host: str | None = None,
+                stuck_after_s: float | None = None) -> tuple[bool, str]:
+    """Whether the writer of a temp last written at ``mtime`` is provably gone; (gone, why).
+
+    ``stuck_after_s`` (fsck's ``--tmp-age`` only, an operator's explicit choice): a temp of a
+    live writer on this host untouched for longer counts as abandoned too. The engine, gc and
+    the local index never pass it: they never touch a temp a live process may be writing."""
     now = time.time() if now is None else now
     if writer.host is not None and writer.host == (this_host or host_tag()):
         alive, started = _process_state(writer.pid)
@@ -112,6 +117,9 @@ def writer_gone(writer: TempWriter, mtime: float, *, grace_s: float = DEFAULT_GR
         # /proc start times have clock-tick resolution and btime whole seconds: 2 s of slack.
         if started is not None and started > mtime + 2.0:
             return True, f"pid {writer.pid} now belongs to a process started after the temp was written"
+        if stuck_after_s is not None and now - mtime > stuck_after_s:
+            return True, (f"writer pid {writer.pid} is alive but the temp is {now - mtime:.0f} s old "
+                          f"(older than --tmp-age {stuck_after_s:.0f} s)")
         return False, f"writer pid {writer.pid} on this host is alive"
     age = now - mtime
     where = "another host" if writer.host is not None else "an unknown host"

@@ -49,8 +49,9 @@ from pathlib import Path
 from tierstore import safefs
 from tierstore.display import escape
 from tierstore.errors import GONE_ERRNOS
-from tierstore.mapper import fanout, host_tag, parse_index_dir, parse_page_name, parse_temp_name
+from tierstore.mapper import fanout, host_tag, parse_index_dir, parse_page_name
 from tierstore.metrics import TierMetrics
+from tierstore.stale_temps import temp_writer, writer_gone
 from tierstore.tiers.lease import LEASE_NAME, Lease
 
 log = logging.getLogger(__name__)
@@ -184,8 +185,8 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> l
                     continue
                 pages.append(_Page(d.parts, name, safefs.identity(st), _allocated(st), st.st_mtime_ns))
                 rep.page_bytes += _allocated(st)
-            elif parse_temp_name(name) is not None:
-                if now - st.st_mtime > temp_max_age_s:
+            elif (writer := temp_writer(name)) is not None:
+                if writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
                     try:
                         safefs.unlink_at(name, d.fd, safefs.identity(st))
                         rep.temps_removed += 1

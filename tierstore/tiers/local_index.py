@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierstore.mapper import host_tag, locate, parse_temp_name
+from tierstore.mapper import locate
+from tierstore.stale_temps import temp_writer, writer_gone
 
 log = logging.getLogger(__name__)
 
@@ -377,16 +378,16 @@ class LocalIndex:
 
     @staticmethod
     def _remove_dead_temp(full: str, name: str) -> bool:
-        t = parse_temp_name(name)
-        if t is None or t.host != host_tag():
+        """Remove a temp whose writer is provably gone (``stale_temps``: the one rule)."""
+        writer = temp_writer(name)
+        if writer is None:
             return False
         try:
-            os.kill(t.pid, 0)
-            return False  # a live process (maybe another rank) may still be writing it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+            mtime = os.lstat(full).st_mtime
+        except OSError:
             return False
+        if not writer_gone(writer, mtime)[0]:
+            return False  # a live process (maybe another rank) may still be writing it
         with contextlib.suppress(FileNotFoundError):
             os.unlink(full)
         return True
