@@ -172,6 +172,7 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
         st.release_slot(r.slot)
         assert r.tier == "local"
         st.settle(r, False, "test: the caller's check failed")
+        assert st.flush(10)  # the removal runs off the caller's thread
         assert not st.local.mapper.path_for(key(1)).exists()
         r = _load_unverified(st, key(1))  # now from shared, promoted to local: verified there
         assert r.ok and r.verified and r.sums is None
@@ -351,6 +352,7 @@ def test_unverified_damaged_page_is_settled_by_the_tier_that_served_it(tmp_path:
         st.release_slot(r.slot)
         st.settle(r, False, "test: section checksum mismatch")
         assert local.settled == [(key(1), False)]
+        assert st.flush(10)  # the removal runs off the caller's thread
         assert not st.local.mapper.path_for(key(1)).exists()
         assert st.shared.mapper.path_for(key(1)).exists()  # not the shared tier's to remove
         assert st.front.stats["bad_pages_discarded"] == 1

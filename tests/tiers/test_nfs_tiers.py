@@ -26,7 +26,7 @@ from tierstore.testing.pages import page_bytes, simple_namespace, write_page
 from tierstore.tiers import TierChain, gc
 from tierstore.tiers.chain import page_file_size
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the node scripts and stand-ins
 
 
 def _two_nodes(profile_a: str, profile_b: str):

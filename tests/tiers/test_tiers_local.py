@@ -142,7 +142,7 @@ _CHURN = textwrap.dedent("""
 
 def test_accounting_after_sigkill(tmp_path: Path) -> None:
     cap = 16 * PAGE_FILE
-    script = _CHURN.format(tests=str(Path(__file__).parent), shared=str(tmp_path / "shared"),
+    script = _CHURN.format(tests=str(Path(__file__).resolve().parents[1]), shared=str(tmp_path / "shared"),
                            local=str(tmp_path / "local"), cap=cap)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

@@ -16,7 +16,7 @@ from nfs_standin import TwoNodeMount, unavailable_reason  # noqa: E402
 
 from tierstore.testing.tiny_models import cached_tiny_model  # noqa: E402
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the node scripts and stand-ins
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
