@@ -48,7 +48,7 @@ def test_each_kind_builds_and_loads(kind: str, tmp_path: Path) -> None:
         raw = json.loads((path / "config.json").read_text())
         full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
         per_layer = {int(k): v for k, v in raw["per_layer_config"].items()}
-        assert full and all(per_layer[i]["head_dim"] == 2 * cfg.head_dim for i in full)
+        assert full and all(per_layer[i]["head_dim"] == 2 * raw["head_dim"] for i in full)
     if kind == "qwen3next":
         assert cfg.linear_key_head_dim == 128 and cfg.linear_value_head_dim == 128
     tok = AutoTokenizer.from_pretrained(path)
