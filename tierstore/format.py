@@ -158,7 +158,7 @@ def checksum(data: bytes | memoryview) -> int:
 # hand-off, one per section. ``HASH_HOLD_GIL_BELOW`` > 0 hashes sections below that many bytes
 # through the same xxhash library's ``XXH3_64bits`` via ``ctypes.PyDLL``, keeping the GIL (no
 # hand-off; the result is xxhash's own, checked at import). Measured on 16 cores it did NOT
-# help (2 MiB pages, 8-16 threads: 0.6-0.75x of releasing), so the default is 0 (always
+# help (2 MiB pages, 8-16 threads: 0.6-0.8x of releasing), so the default is 0 (always
 # release); ``TIERSTORE_HASH_HOLD_GIL_BELOW`` sets it for benches.
 HASH_HOLD_GIL_BELOW = int(os.environ.get("TIERSTORE_HASH_HOLD_GIL_BELOW", 0))
 
