@@ -9,13 +9,38 @@ README.md. Immutable once built; safe to share between threads.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from tierstore.errors import ConfigError
 
 _CODECS = ("none", "zstd")
+
+# The measured knee of the engine's I/O threads (docs/measurements/scaling.md): on a 16-core
+# machine, CPU-path throughput peaks at 8 threads (Python threads share one GIL past that),
+# and on the GPU path (checksums on the GPU) 8 threads reach within ~10% of 16. Threads mostly
+# wait in system calls, so fewer cores than threads is fine; 4 is the floor (a disk queue).
+IO_THREADS_KNEE = 8
+
+
+def default_io_threads(cpus: int | None = None) -> int:
+    """The ``io_threads`` default: half the usable cores, at least 4, at most the knee."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
+    return max(4, min(IO_THREADS_KNEE, cpus // 2))
+
+
+def io_threads_advice(io_threads: int, cpus: int | None = None) -> str | None:
+    """A warning when ``io_threads`` is far from the knee for this machine (None: fine)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
+    if io_threads > 2 * max(IO_THREADS_KNEE, cpus):
+        return (f'setting "io_threads" is {io_threads}, more than twice max(the measured knee {IO_THREADS_KNEE}, '
+                f"{cpus} cores): extra threads only wait for Python's GIL and throughput falls; "
+                f"leave it unset for the default ({default_io_threads(cpus)})")
+    return None
 _ODIRECT = ("auto", "on", "off")
 
 
@@ -34,7 +59,7 @@ class TierStoreConfig:
     codec: str = "none"  # "none" or "zstd"
     zstd_level: int = 1
     # I/O engine.
-    io_threads: int = 4
+    io_threads: int = field(default_factory=default_io_threads)  # see default_io_threads
     queue_depth: int = 256  # bounded depth of each of the load and store queues
     fsync: bool = False  # fsync each page before publishing it
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"

@@ -57,7 +57,7 @@ import torch
 import zstandard
 
 from tierstore import page_index, pagefile, safefs
-from tierstore.config import TierStoreConfig
+from tierstore.config import TierStoreConfig, io_threads_advice
 from tierstore.directio import (
     ALIGN,
     CachestatArgs,
@@ -161,6 +161,9 @@ class IOEngine:
             self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root,
                                                                 namespace, self.mapper)
         self.direct_loads = self.odirect and cachestat_available()
+        advice = io_threads_advice(self.config.io_threads)
+        if advice:
+            logger.warning(advice)
         n_slots = staging_slots if staging_slots is not None else 2 * self.config.io_threads + 2
         if n_slots <= 0:
             raise ConfigError(f"staging_slots must be positive, got {n_slots}")

@@ -60,12 +60,14 @@ decompressor object must not be shared between threads (callers pass their own).
 
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
 
+import numpy as np
 import xxhash
 
 from tierstore import safe_zstd
@@ -149,6 +151,54 @@ _DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
 def checksum(data: bytes | memoryview) -> int:
     """xxh3-64 of ``data`` (the checksum used for sections and headers)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+# Section checksums on the I/O threads' hot path (docs/measurements/scaling.md). xxhash's
+# functions release the GIL while they hash; with many I/O threads, taking it back is a GIL
+# hand-off, one per section. ``HASH_HOLD_GIL_BELOW`` > 0 hashes sections below that many bytes
+# through the same xxhash library's ``XXH3_64bits`` via ``ctypes.PyDLL``, keeping the GIL (no
+# hand-off; the result is xxhash's own, checked at import). Measured on 16 cores it did NOT
+# help (2 MiB pages, 8-16 threads: 0.6-0.8x of releasing), so the default is 0 (always
+# release); ``TIERSTORE_HASH_HOLD_GIL_BELOW`` sets it for benches.
+HASH_HOLD_GIL_BELOW = int(os.environ.get("TIERSTORE_HASH_HOLD_GIL_BELOW", 0))
+
+
+def _native_xxh3() -> Callable[[int, int], int] | None:
+    """``XXH3_64bits(address, length)`` of the loaded xxhash extension, GIL held; or None."""
+    try:
+        import ctypes
+
+        import xxhash._xxhash as ext
+
+        fn = ctypes.PyDLL(ext.__file__).XXH3_64bits
+        fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+        probe = bytes(range(251)) * 9
+        buf = ctypes.create_string_buffer(probe, len(probe))
+        if fn(ctypes.addressof(buf), len(probe)) != xxhash.xxh3_64_intdigest(probe):
+            return None
+        return fn  # type: ignore[no-any-return]
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+_XXH3_AT = _native_xxh3()
+
+
+def _address(data: memoryview) -> int:
+    """The address of a C-contiguous buffer's first byte (read-only buffers too)."""
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
+
+
+def section_sums(spans: Sequence[tuple[int, int]], data: memoryview, first: int = 0,
+                 end: int | None = None) -> list[int]:
+    """``checksum`` of ``data[o:e]`` for the spans ``first`` to ``end`` (the hot path: see
+    ``HASH_HOLD_GIL_BELOW``); equal to ``[checksum(data[o:e]) ...]`` byte for byte."""
+    chosen = spans[first:end]
+    if _XXH3_AT is None or HASH_HOLD_GIL_BELOW <= 0 or not chosen:
+        return [checksum(data[o:e]) for o, e in chosen]
+    base = _address(data)
+    hold, fn = HASH_HOLD_GIL_BELOW, _XXH3_AT
+    return [fn(base + o, e - o) if e - o < hold else checksum(data[o:e]) for o, e in chosen]
 
 
 U64_MASK = (1 << 64) - 1
@@ -268,7 +318,7 @@ class PageLayout:
 
 def section_checksums(layout: PageLayout, data: memoryview) -> tuple[int, ...]:
     """The checksum of each section of a page buffer of ``layout`` (what the header records)."""
-    return tuple(checksum(data[o:e]) for o, e in layout.spans)
+    return tuple(section_sums(layout.spans, memoryview(data).cast("B")))
 
 
 _ZERO_GAP = bytes(SECTION_ALIGN)  # the only content a gap may have (gaps are < SECTION_ALIGN)
@@ -703,13 +753,13 @@ class HeaderTemplate:
         _TOKEN_COUNT.pack_into(buf, self._token_off, token_count)
         for o, c in zip(self.sum_offsets, sums, strict=True):
             _CHECKSUM.pack_into(buf, o, c)
-        _CHECKSUM.pack_into(buf, self._sum_off, checksum(memoryview(buf)[: self._sum_off]))
+        _CHECKSUM.pack_into(buf, self._sum_off, section_sums(((0, self._sum_off),), memoryview(buf).cast("B"))[0])
 
     def parse(self, hview: memoryview, key: bytes) -> list[int] | None:
         """The section checksums if ``hview`` is exactly this template's header for ``key``;
         None otherwise (the caller then takes ``decode_header``'s slow path)."""
         h = bytes(hview)
-        if checksum(memoryview(h)[: self._sum_off]) != _CHECKSUM.unpack_from(h, self._sum_off)[0]:
+        if section_sums(((0, self._sum_off),), memoryview(h))[0] != _CHECKSUM.unpack_from(h, self._sum_off)[0]:
             return None
         if h[self._key_off : self._key_off + self.key_len] != key:
             return None

@@ -71,11 +71,11 @@ from tierstore.format import (
     check_expectation,
     check_gaps,
     check_payload_bound,
-    checksum,
     decode_header,
     decode_payload,
     header_len_of,
     max_file_size,
+    section_sums,
 )
 from tierstore.mac import PageMac, PageUnauthenticated
 
@@ -464,10 +464,10 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
             sums = tmpl.parse(file_buf[:hl], key)
             if sums is None:
                 return None
-        for i in range(first_sec, last_sec):
-            o, e = layout.spans[i]
-            if checksum(page[o:e]) != sums[i]:
-                raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+        got = section_sums(layout.spans, page, first_sec, last_sec)
+        if got != sums[first_sec:last_sec]:
+            i = next(first_sec + j for j, c in enumerate(got) if c != sums[first_sec + j])
+            raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
     check_gaps(layout, page, path=path, key=key)  # canonical bytes: the gaps are not hashed
     return sums
 

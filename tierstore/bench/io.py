@@ -436,12 +436,45 @@ def _summary(page_bytes: int, n: int, gb: float, repeats: int, systems: list[str
     return out
 
 
+_SWEEP_PHASES = (("store", "store"), ("store_buffered", "store_buf"), ("load_warm", "load_warm"), ("load", "load_cold"))
+
+
+def _sweep_row(mib: int, threads: int, size: dict[str, Any]) -> dict[str, Any]:
+    """One row of a thread sweep: per phase tierstore GB/s, raw GB/s (same pages, same thread
+    count), vllm_fs GB/s when measured, and the paired ratio to raw."""
+    g, r = size["gbps"], size["ratios"]
+    row: dict[str, Any] = {"page_mib": mib, "threads": threads}
+    for ph, name in _SWEEP_PHASES:
+        row[f"{name}_gbps"] = round(g["tierstore"][ph], 2)
+        row[f"raw_{name}_gbps"] = round(g["raw"][ph], 2)
+        row[f"{name}_vs_raw"] = round(r[f"{ph}_vs_raw"], 3)
+        if "vllm_fs" in g:
+            row[f"vllm_{name}_gbps"] = round(g["vllm_fs"][ph], 2)
+            row[f"{name}_vs_vllm_fs"] = round(r[f"{ph}_vs_vllm_fs"], 3)
+    return row
+
+
+def _print_sweep(rows: list[dict[str, Any]], log: Callable[[str], None]) -> None:
+    """The sweep as a markdown table (ratio = tierstore / raw parallel file I/O, paired)."""
+    cols = [("MiB", "page_mib"), ("thr", "threads")]
+    for _, name in _SWEEP_PHASES:
+        cols += [(f"{name} ts", f"{name}_gbps"), (f"{name} raw", f"raw_{name}_gbps"), ("ratio", f"{name}_vs_raw")]
+        if any(f"vllm_{name}_gbps" in r for r in rows):
+            cols += [(f"{name} vllm", f"vllm_{name}_gbps"), ("vs vllm", f"{name}_vs_vllm_fs")]
+    log("| " + " | ".join(c for c, _ in cols) + " |")
+    log("|" + "---|" * len(cols))
+    for r in rows:
+        log("| " + " | ".join(str(r.get(k, "")) for _, k in cols) + " |")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", required=True, help="scratch directory on the disk to measure (files are removed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--page-mib", default="2,16", help="page sizes in MiB, comma separated (default 2,16)")
     parser.add_argument("--total-mib", type=int, default=256, help="MiB per page size and system per run (default 256)")
-    parser.add_argument("--threads", type=int, default=4, help="I/O threads of every system (default 4)")
+    parser.add_argument("--threads", default="4",
+                        help="I/O threads of every system; a comma list (1,4,8,16) sweeps them, one table row "
+                             "per page size and thread count (default 4)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per page size; medians are reported (default 5)")
     parser.add_argument("--warm-passes", type=int, default=4, help="reads of every page per warm measurement (default 4)")
     parser.add_argument("--cold-rounds", type=int, default=2,
@@ -469,12 +502,19 @@ def run(args: argparse.Namespace) -> int:
     dropper = CacheDropper(args.cache_drop)
     vio, vinfo = (None, "skipped (--no-vllm)") if args.no_vllm else _import_vllm_io()
     sizes = [int(x) for x in str(args.page_mib).split(",") if x.strip()]
+    thread_counts = [int(x) for x in str(args.threads).split(",") if x.strip()]
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    per_size = {}
-    for mib in sizes:
-        log(f"page size {mib} MiB ...")
-        per_size[f"{mib}MiB"] = _bench_size(root, mib, args, dropper, vio, log)
+    per_size: dict[str, Any] = {}
+    sweep: list[dict[str, Any]] = []
+    for threads in thread_counts:
+        args.threads = threads
+        for mib in sizes:
+            log(f"page size {mib} MiB, {threads} threads ...")
+            per_size[f"{mib}MiB"] = _bench_size(root, mib, args, dropper, vio, log)
+            sweep.append(_sweep_row(mib, threads, per_size[f"{mib}MiB"]))
+    if len(thread_counts) > 1:
+        _print_sweep(sweep, log)
     result: dict[str, Any] = {
         "benchmark": "tierstore bench io",
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "loadavg_before": load0,
@@ -482,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
         "cache_drop": dropper.method,
         "vllm_fs": vinfo,
         "seconds": time.perf_counter() - t0,
-        "sizes": per_size,
+        "sizes": per_size,  # the last thread count's
+        "sweep": sweep,
     }
     # Headline ratios: the worst page size (each is a median over repeats).
     for name in ("store_vs_raw", "store_buffered_vs_raw", "load_vs_raw", "load_warm_vs_raw",

@@ -248,7 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-mib", type=int, default=64,
                         help="payload per transfer batch when --batch is not given (default 64 MiB, the "
                              "vLLM worker's transfer_scratch_mib: it batches by bytes too)")
-    parser.add_argument("--io-threads", type=int, default=4, help="IOEngine and raw-file threads (default 4)")
+    parser.add_argument("--io-threads", default="4",
+                        help="IOEngine and raw-file threads; a comma list (1,4,8,16) sweeps them (default 4)")
     parser.add_argument("--slots", type=int, default=0, help="IOEngine staging slots (default 3 x batch)")
     parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench repetition time in ms (default 100)")
@@ -284,6 +285,21 @@ def _print(rep: dict[str, Any]) -> None:
                   f"load warm {t['load_warm_gbps']} (x{t['load_warm_ratio']})"
                   + (f", cold {t['load_cold_gbps']} (x{t.get('load_cold_ratio')})" if "load_cold_gbps" in t else "")
                   + "; per-repeat ratio ranges " + ", ".join(f"{k} {a}-{b}" for k, (a, b) in spread.items()))
+        _print_sweep(rep)
+
+
+def _print_sweep(rep: dict[str, Any]) -> None:
+    """The transfer rows as one markdown table: per case and thread count, pipeline GB/s, raw
+    parallel file I/O GB/s (same pages, same threads), PCIe GB/s, ratio to min(PCIe, raw)."""
+    pcie = rep["raw_pcie"]
+    print("\n| case | thr | store | raw write | PCIe d2h | ratio | load warm | raw read | PCIe h2d | ratio "
+          "| engine-only store | engine-only load |")
+    print("|" + "---|" * 12)
+    for t in rep["transfer"]:
+        raw = t["raw_files"]
+        print(f"| {t['case'][:48]} | {t['io_threads']} | {t['store_gbps']} | {raw['write_gbps']} | {pcie['d2h_gbps']} "
+              f"| {t['store_ratio']} | {t['load_warm_gbps']} | {raw['read_warm_gbps']} | {pcie['h2d_gbps']} "
+              f"| {t['load_warm_ratio']} | {t.get('engine_only_store_gbps')} | {t.get('engine_only_load_warm_gbps')} |")
 
 
 def _per_page(shape: AttnShape | MambaShape) -> int:
@@ -367,15 +383,19 @@ def _run_transfers(args: argparse.Namespace, rep: dict[str, Any], device: str, s
         _log("raw PCIe")
         rep["raw_pcie"] = raw_pcie(args.transfer_mib * 2**20, device)
         _log(f"raw PCIe {rep['raw_pcie']}")
+        thread_counts = [int(x) for x in str(args.io_threads).split(",") if x.strip()]
         for make in _transfer_case_makers(args.transfer_mib, device):
             case = make()
             slab, bufs = _random_pages(case.ids.shape[0], case.page_layout.nbytes)
-            runs = [_transfer_repeat(args, case, tmp, bufs, rep["raw_pcie"], r) for r in range(args.repeats)]
+            for threads in thread_counts:
+                args.io_threads = threads
+                runs = [_transfer_repeat(args, case, tmp, bufs, rep["raw_pcie"], r) for r in range(args.repeats)]
+                t = median_run(runs)
+                rep["transfer"].append(t)
+                _log(f"pipeline {t}")
+                save()
+            args.io_threads = ",".join(map(str, thread_counts))
             del bufs, slab
-            t = median_run(runs)
-            rep["transfer"].append(t)
-            _log(f"pipeline {t}")
-            save()
             del case
             torch.cuda.empty_cache()
     finally:
