@@ -420,7 +420,6 @@ def _load_manifest(nsd: NamespaceDir, root_fd: int) -> None:
         nsd.error = (f"written by tierstore page format {ns.format_version}; this tierstore uses "
                      f"format {FORMAT_VERSION} and never serves these pages "
                      "(left as is: delete the directory once no node uses that version)")
-        nsd.namespace = None
         nsd.walk = False
     else:
         nsd.namespace = ns
@@ -625,10 +624,13 @@ class _Walker:
                        orphan: bool, group: GroupSpec | None) -> None:
         """``_leaf_entry``; an exception from this one entry is a finding about it."""
         try:
-            self._leaf_entry(e, inv, nsd, g, r, orphan, group)
+            ref = self._leaf_entry(e, inv, nsd, g, r, orphan, group)
         except Exception as exc:  # noqa: BLE001 - untrusted input: one entry never ends the walk
             inv.findings.append(Finding(e.path, UNREADABLE, "error",
                                         f"could not classify: {type(exc).__name__}: {str(exc)[:200]}"))
+            return
+        if ref is not None:
+            self._visit(ref, inv)  # a visitor's own failure is a bug: it stops the walk
 
     def _fan_dir_listed(self, inv: Inventory, nsd: NamespaceDir, aa: Path, g: int, r: int,
                         group: GroupSpec | None) -> Inventory:
@@ -663,21 +665,22 @@ class _Walker:
         return inv
 
     def _leaf_entry(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
-                    orphan: bool, group: GroupSpec | None) -> None:
+                    orphan: bool, group: GroupSpec | None) -> PageRef | None:
+        """Classify one entry of a fan-out directory; the page to visit, if it is one."""
         if not e.is_file(follow_symlinks=False):
             self._other(e, inv, "page files")
-            return
+            return None
         tmp = parse_temp_name(e.name)
         if tmp is not None:
             self._temp(e, inv, tmp.host, tmp.pid)
-            return
+            return None
         key = parse_page_name(e.name)
         if key is None:
             self._other(e, inv, "page files")
-            return
+            return None
         st = _lstat_entry(e, inv)
         if st is None:
-            return
+            return None
         if self.progress:
             self.progress.advance(files=1, nbytes=st.st_size)
         common = dict(size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
@@ -685,14 +688,16 @@ class _Walker:
             why = (f"group {g} is not in the namespace's manifest" if nsd.group(g) is None
                    else f"rank {r} is outside the manifest's parallel layout ({nsd.world_size} ranks)")
             inv.findings.append(Finding(e.path, ORPHAN, "orphan", why, **common))  # type: ignore[arg-type]
-            return
+            return None
         loc = locate(self.root, e.path)
         if loc is None or (loc.namespace, loc.group_index, loc.rank, loc.key) != (nsd.name, g, r, key):
             inv.findings.append(Finding(e.path, BAD_PAGE, "misplaced",
                                         "page name does not belong in this fan-out directory", **common))  # type: ignore[arg-type]
-            return
+            return None
         inv.pages_seen += 1
-        ref = PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fingerprint(st), group)
+        return PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fingerprint(st), group)
+
+    def _visit(self, ref: PageRef, inv: Inventory) -> None:
         verdict = self.visitor(ref) if self.visitor else PageVerdict()
         if verdict.vanished:
             inv.vanished += 1
@@ -705,8 +710,9 @@ class _Walker:
         tokens = verdict.token_count
         from_header = tokens is not None
         if tokens is None:
-            tokens = group.tokens_per_chunk if group is not None else 0
-        inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add(st.st_size, st.st_mtime, tokens, from_header)
+            tokens = ref.group.tokens_per_chunk if ref.group is not None else 0
+        inv.tallies.setdefault((ref.ns.name, ref.group_index, ref.rank), GroupTally()).add(
+            ref.size, ref.mtime, tokens, from_header)
 
 
 def resolve_namespace_filter(root: Path, namespace: str | None) -> str | None:
