@@ -239,10 +239,10 @@ class GroupTally:
         self.tokens += other.tokens
         self.tokens_from_headers += other.tokens_from_headers
         self.listed += other.listed
-        for t in (other.oldest, other.newest):
-            if t is not None:
-                self.oldest = t if self.oldest is None else min(self.oldest, t)
-                self.newest = t if self.newest is None else max(self.newest, t)
+        if other.oldest is not None:  # None in a listing: oldest unknown, newest from dir times
+            self.oldest = other.oldest if self.oldest is None else min(self.oldest, other.oldest)
+        if other.newest is not None:
+            self.newest = other.newest if self.newest is None else max(self.newest, other.newest)
 
 
 @dataclass
