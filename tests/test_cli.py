@@ -37,7 +37,7 @@ def test_stats_counts_files_bytes_tokens_and_age(root: Path, hybrid_ns: Namespac
     dense = simple_namespace("float8_e4m3fn")
     fill_pages(root, dense, 3)
 
-    rc, st = _run_json(capsys, "stats", str(root), "--json")
+    rc, st = _run_json(capsys, "stats", str(root), "--json", "--exact")
     assert rc == 0
     by_ns = {n["namespace"]: n for n in st["namespaces"]}
     assert set(by_ns) == {hybrid_ns.digest, dense.digest}

@@ -88,13 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "floating-point sections; and count non-canonical pages in trees of older page formats")
 
     p = sub.add_parser("stats", help="per namespace and group: files, bytes, token coverage, age",
-                       description="Reads only page headers (the first 4 KiB of each file).")
+                       description="Answers from the directory listing (one readdir per fan-out directory, "
+                       "no stat or read per page): bytes and token coverage are estimated from the layout "
+                       "(marked ~). --exact stats every page and reads its header (the first 4 KiB).")
     _add_root(p)
+    p.add_argument("--exact", action="store_true",
+                   help="exact figures: stat every page and read its header (slow at millions of pages)")
     p.add_argument("--no-headers", action="store_true",
-                   help="read no file at all; estimate token coverage as tokens_per_chunk x files")
+                   help="with --exact: stat every page but read none; estimate token coverage as "
+                   "tokens_per_chunk x files")
 
     p = sub.add_parser("ls", help="one line per namespace and group (reads no file, only directories)")
     _add_root(p)
+    p.add_argument("--exact", action="store_true",
+                   help="exact bytes and ages: stat every page (slow at millions of pages)")
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -153,7 +160,8 @@ def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
     progress = Progress("stats" if not listing else "ls")
     try:
         stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs,
-                              read_headers=not listing and not args.no_headers, progress=progress)
+                              read_headers=not listing and not args.no_headers, progress=progress,
+                              listing=not args.exact)
     finally:
         progress.close()
     if args.json:

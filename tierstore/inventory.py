@@ -8,7 +8,20 @@ Contract:
   page files, temp files (live or stale), orphans (pages of a group or rank the manifest does
   not know), NFS/FUSE silly-rename leftovers, symlinks and anything else (foreign). Each page
   file at its proper place is handed to a ``PageVisitor`` (fsck verifies it completely,
-  ``stats`` reads only its header, ``ls`` reads nothing); the walk itself never opens a file.
+  ``stats --exact`` reads only its header, ``ls --exact`` reads nothing); the walk itself never
+  opens a page file.
+- ``listing=True`` (the default of ``tierstore stats`` and ``ls``) answers from the directory
+  listing alone: page names are counted per (namespace, group, rank) without a ``stat`` or a
+  read per page (one ``readdir`` per fan-out directory and one ``stat`` of the directory).
+  Approximate there, and said so in the output: bytes are the layout's uncompressed page size
+  x count (an upper bound for zstd pages), token coverage is ``tokens_per_chunk`` x count,
+  "newest" is the fan-out directories' last change (a store or a removal), "oldest" is
+  unknown, and a page whose name is in the wrong fan-out directory is counted (fsck finds it).
+  Everything that is not a page name (temps, foreign files, symlinks) is classified as usual.
+- Untrusted input: manifests are read through ``safefs`` (no symlink followed, FIFOs refused,
+  at most ``MANIFEST_MAX_BYTES``); every exception from one manifest or one entry becomes a
+  finding about that entry and the walk goes on; pids in temp names are range-checked. Text
+  renderings escape names and manifest strings (``display.escape``); the dicts keep raw values.
 - Names skipped everywhere: ``.snapshot`` (NetApp snapshots) and names beginning with
   ``.tierstore`` (reserved for tierstore's own state, e.g. gc bookkeeping of the tiers
   package). Skipped at ROOT only: ``.quarantine`` (fsck's quarantine) and ``lost+found``.
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import json
 import os
 import re
 import stat as _stat
@@ -35,12 +49,25 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, TextIO
 
+from tierstore import safefs
+from tierstore.display import escape
 from tierstore.errors import GONE_ERRNOS, ConfigError, PageError, PageIOError, PageMissing
-from tierstore.format import FORMAT_VERSION, HEADER_ALIGN, PageHeader, decode_header, header_len_of
-from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace, read_manifest
+from tierstore.format import (
+    FORMAT_VERSION,
+    HEADER_ALIGN,
+    Codec,
+    PageHeader,
+    PageMeta,
+    SectionEntry,
+    decode_header,
+    encode_header,
+    header_len_of,
+)
+from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace
 from tierstore.mapper import (
     host_tag,
     is_fanout_name,
@@ -67,6 +94,13 @@ RESERVED_PREFIX = ".tierstore"
 SKIP_AT_ROOT = (".quarantine", "lost+found")
 QUARANTINE_DIR = ".quarantine"
 
+# Manifests are a few KiB (tens for models with hundreds of layers); a bigger one is refused
+# before it is read, so a planted 500 MB file costs nothing.
+MANIFEST_MAX_BYTES = 4 << 20
+# Linux's PID_MAX_LIMIT: a temp name with a larger pid was not written by tierstore.
+PID_LIMIT = 1 << 22
+
+_PAGE_NAME_RE = re.compile(r"^(?:[0-9a-f]{2}){1,96}\.kvp$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 _MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.(.+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _SILLY_PREFIXES = (".nfs", ".fuse_hidden")
@@ -178,6 +212,7 @@ class GroupTally:
     bytes: int = 0
     tokens: int = 0
     tokens_from_headers: int = 0  # files whose token count came from their header
+    listed: int = 0  # files counted from the listing alone (bytes estimated from the layout)
     oldest: float | None = None
     newest: float | None = None
 
@@ -189,15 +224,25 @@ class GroupTally:
         self.oldest = mtime if self.oldest is None else min(self.oldest, mtime)
         self.newest = mtime if self.newest is None else max(self.newest, mtime)
 
+    def add_listed(self, count: int, page_bytes: int, tokens_per_page: int, dir_mtime: float | None) -> None:
+        """``count`` pages seen only by name; ``dir_mtime`` is their directory's last change."""
+        self.files += count
+        self.listed += count
+        self.bytes += count * page_bytes
+        self.tokens += count * tokens_per_page
+        if dir_mtime is not None and count:
+            self.newest = dir_mtime if self.newest is None else max(self.newest, dir_mtime)
+
     def merge(self, other: GroupTally) -> None:
         self.files += other.files
         self.bytes += other.bytes
         self.tokens += other.tokens
         self.tokens_from_headers += other.tokens_from_headers
-        for t in (other.oldest, other.newest):
-            if t is not None:
-                self.oldest = t if self.oldest is None else min(self.oldest, t)
-                self.newest = t if self.newest is None else max(self.newest, t)
+        self.listed += other.listed
+        if other.oldest is not None:  # None in a listing: oldest unknown, newest from dir times
+            self.oldest = other.oldest if self.oldest is None else min(self.oldest, other.oldest)
+        if other.newest is not None:
+            self.newest = other.newest if self.newest is None else max(self.newest, other.newest)
 
 
 @dataclass
@@ -303,6 +348,12 @@ class _Classifier:
         self.tmp_age = tmp_age
         self.host = host_tag()
 
+    @staticmethod
+    def pid_possible(pid: int) -> bool:
+        """Whether a temp name's pid could be a process id (a 20-digit one would overflow
+        ``os.kill``): names with another are not tierstore's."""
+        return 0 < pid <= PID_LIMIT
+
     def temp_is_stale(self, host: str, pid: int, mtime: float) -> tuple[bool, str]:
         """``stale_temps``' one rule: stale only when its writer is provably gone (``host`` ""
         when the name does not say; then by age against ``--tmp-age``)."""
@@ -326,10 +377,91 @@ def _skipped(name: str) -> bool:
     return name in SKIP_EVERYWHERE or name.startswith(RESERVED_PREFIX)
 
 
+def _has_entry(root_fd: int, ns_name: str, name: str) -> bool:
+    """Whether ``ns_name/name`` exists (of any type) under the root, without following links."""
+    try:
+        os.stat(f"{ns_name}/{name}", dir_fd=root_fd, follow_symlinks=False)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _load_manifest(nsd: NamespaceDir, root_fd: int) -> None:
+    """Read and check ``nsd``'s manifest through safefs; any problem becomes ``nsd.error``.
+
+    Every exception counts (a planted manifest can raise anything from json or the dataclasses:
+    RecursionError for deep nesting, OverflowError for 1e400, ValueError, KeyError...): it is a
+    finding about this namespace, never the end of the walk.
+    """
+    try:
+        ns_fd = safefs.open_dir(nsd.name, root_fd)
+        try:
+            raw = safefs.read_small(MANIFEST_NAME, ns_fd, MANIFEST_MAX_BYTES)
+        finally:
+            os.close(ns_fd)
+        ns = Namespace.from_manifest(json.loads(raw))
+        _check_namespace_values(ns)
+    except safefs.UnsafeEntry as exc:
+        nsd.error = f"unreadable manifest: {exc}"
+        return
+    except OSError as exc:
+        nsd.error = f"unreadable manifest: {exc.strerror or exc}"
+        return
+    except Exception as exc:  # noqa: BLE001 - untrusted input: every failure is a finding
+        nsd.error = f"unreadable manifest: {type(exc).__name__}: {str(exc)[:200]}"
+        return
+    if ns.digest != nsd.name:
+        nsd.error = f"manifest describes namespace {ns.digest}, not {nsd.name}"
+    elif ns.format_version != FORMAT_VERSION:
+        # Another tierstore's tree (another page format and directory layout): its pages are
+        # never served here, and nodes that still run that version may be using them, so
+        # nothing in it is read or repaired.
+        nsd.namespace = ns
+        nsd.error = (f"written by tierstore page format {ns.format_version}; this tierstore uses "
+                     f"format {FORMAT_VERSION} and never serves these pages "
+                     "(left as is: delete the directory once no node uses that version)")
+        nsd.walk = False
+    else:
+        nsd.namespace = ns
+
+
+def _check_namespace_values(ns: Namespace) -> None:
+    """Compute what the walk and the stats use, so a value that parses but cannot be used
+    (a negative shape, a float where a count belongs) fails here, inside the manifest's try."""
+    p = ns.parallel
+    world = p.tp_size * p.pp_size * p.dcp_size * p.pcp_size
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"parallel layout has {world!r} ranks")
+    if not isinstance(ns.format_version, int):
+        raise ValueError(f"format_version {ns.format_version!r} is not an integer")
+    for g in ns.groups:
+        nbytes = g.layout.nbytes
+        if not isinstance(nbytes, int) or nbytes < 0 or not isinstance(g.tokens_per_chunk, int):
+            raise ValueError(f"group layout of {nbytes!r} bytes")
+        g.kind.name.lower()
+        len(g.layer_names)
+    ns.parallel.to_json()
+    dict(ns.extra)
+
+
+@lru_cache(maxsize=256)
+def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: int) -> int:
+    """Bytes of an uncompressed page file of this group (header + payload); 0 if unknown."""
+    try:
+        lay = ns.groups[group_index].layout
+        meta = PageMeta(ns.digest_bytes, b"\0" * key_len, group_index, ns.groups[group_index].kind, 0, rank)
+        entries = [SectionEntry(sec, off, sec.nbytes, 0) for sec, off in zip(lay.sections, lay.offsets, strict=True)]
+        return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
+    except Exception:  # noqa: BLE001 - an odd manifest: no estimate rather than no stats
+        return 0
+
+
 class _Walker:
-    def __init__(self, root: Path, visitor: PageVisitor | None, classifier: _Classifier, progress: Progress | None):
+    def __init__(self, root: Path, visitor: PageVisitor | None, classifier: _Classifier, progress: Progress | None,
+                 listing: bool = False):
         self.root = root
         self.visitor = visitor
+        self.listing = listing and visitor is None
         self.cls = classifier
         self.progress = progress
         self.stop = threading.Event()
@@ -381,6 +513,13 @@ class _Walker:
     # -- levels --------------------------------------------------------------------------
 
     def namespaces(self, inv: Inventory, only: str | None) -> list[NamespaceDir]:
+        root_fd = safefs.open_root(self.root)
+        try:
+            return self._namespaces(inv, only, root_fd)
+        finally:
+            os.close(root_fd)
+
+    def _namespaces(self, inv: Inventory, only: str | None, root_fd: int) -> list[NamespaceDir]:
         out = []
         for e in self._scandir(self.root, inv):
             if _skipped(e.name) or e.name in SKIP_AT_ROOT:
@@ -393,7 +532,7 @@ class _Walker:
                 continue
             path = Path(e.path)
             mpath = path / MANIFEST_NAME
-            has_manifest = mpath.is_file() and not mpath.is_symlink()
+            has_manifest = _has_entry(root_fd, e.name, MANIFEST_NAME)
             if not has_manifest and not _DIGEST_RE.match(e.name):
                 if only is None:
                     self._other(e, inv, "namespace directories")
@@ -402,21 +541,7 @@ class _Walker:
             if not has_manifest:
                 nsd.error = f"no {MANIFEST_NAME} (run an engine of this model once to rewrite it, or delete the directory)"
             else:
-                try:
-                    nsd.namespace = read_manifest(mpath)
-                    if nsd.namespace.digest != e.name:
-                        nsd.error = f"manifest describes namespace {nsd.namespace.digest}, not {e.name}"
-                        nsd.namespace = None
-                    elif nsd.namespace.format_version != FORMAT_VERSION:
-                        # Another tierstore's tree (another page format and directory layout):
-                        # its pages are never served here, and nodes that still run that
-                        # version may be using them, so nothing in it is read or repaired.
-                        nsd.error = (f"written by tierstore page format {nsd.namespace.format_version}; this "
-                                     f"tierstore uses format {FORMAT_VERSION} and never serves these pages "
-                                     "(left as is: delete the directory once no node uses that version)")
-                        nsd.walk = False
-                except ConfigError as exc:
-                    nsd.error = str(exc)
+                _load_manifest(nsd, root_fd)
             if nsd.error:
                 inv.findings.append(Finding(str(mpath), MANIFEST, "manifest", nsd.error))
             out.append(nsd)
@@ -458,6 +583,9 @@ class _Walker:
         return out
 
     def _temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int) -> None:
+        if not self.cls.pid_possible(pid):
+            self._other(e, inv, f"temp files named with a pid of at most {PID_LIMIT}")
+            return
         st = _lstat_entry(e, inv)
         if st is None:
             return
@@ -482,30 +610,77 @@ class _Walker:
         if self.stop.is_set():
             return inv
         group = nsd.group(g)
+        if self.listing and not orphan:
+            return self._fan_dir_listed(inv, nsd, aa, g, r, group)
         for e in self._scandir(aa, inv):
             if self.stop.is_set():
                 break
             if _skipped(e.name):
                 continue
-            self._leaf_entry(e, inv, nsd, g, r, orphan, group)
+            self._entry_guarded(e, inv, nsd, g, r, orphan, group)
+        return inv
+
+    def _entry_guarded(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
+                       orphan: bool, group: GroupSpec | None) -> None:
+        """``_leaf_entry``; an exception from this one entry is a finding about it."""
+        try:
+            ref = self._leaf_entry(e, inv, nsd, g, r, orphan, group)
+        except Exception as exc:  # noqa: BLE001 - untrusted input: one entry never ends the walk
+            inv.findings.append(Finding(e.path, UNREADABLE, "error",
+                                        f"could not classify: {type(exc).__name__}: {str(exc)[:200]}"))
+            return
+        if ref is not None:
+            self._visit(ref, inv)  # a visitor's own failure is a bug: it stops the walk
+
+    def _fan_dir_listed(self, inv: Inventory, nsd: NamespaceDir, aa: Path, g: int, r: int,
+                        group: GroupSpec | None) -> Inventory:
+        """Count page names without a stat per page (``listing``); classify the rest as usual."""
+        count = 0
+        key_len = 0
+        others: list[os.DirEntry[str]] = []
+        try:
+            dir_mtime: float | None = os.stat(aa, follow_symlinks=False).st_mtime
+            with os.scandir(aa) as it:
+                for e in it:
+                    name = e.name
+                    if name.endswith(".kvp") and _PAGE_NAME_RE.match(name) and e.is_file(follow_symlinks=False):
+                        count += 1
+                        key_len = (len(name) - 4) // 2
+                    elif not _skipped(name):
+                        others.append(e)
+        except OSError as exc:
+            if exc.errno not in GONE_ERRNOS:
+                inv.findings.append(Finding(str(aa), UNREADABLE, "io", f"cannot list directory: {exc.strerror}",
+                                            is_dir=True))
+            return inv
+        for e in sorted(others, key=lambda x: x.name):
+            self._entry_guarded(e, inv, nsd, g, r, False, group)
+        if count:
+            inv.pages_seen += count
+            if self.progress:
+                self.progress.advance(files=count)
+            page_bytes = _estimated_page_bytes(nsd.namespace, g, r, key_len) if nsd.namespace else 0
+            tokens = group.tokens_per_chunk if group is not None else 0
+            inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add_listed(count, page_bytes, tokens, dir_mtime)
         return inv
 
     def _leaf_entry(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
-                    orphan: bool, group: GroupSpec | None) -> None:
+                    orphan: bool, group: GroupSpec | None) -> PageRef | None:
+        """Classify one entry of a fan-out directory; the page to visit, if it is one."""
         if not e.is_file(follow_symlinks=False):
             self._other(e, inv, "page files")
-            return
+            return None
         tmp = parse_temp_name(e.name)
         if tmp is not None:
             self._temp(e, inv, tmp.host, tmp.pid)
-            return
+            return None
         key = parse_page_name(e.name)
         if key is None:
             self._other(e, inv, "page files")
-            return
+            return None
         st = _lstat_entry(e, inv)
         if st is None:
-            return
+            return None
         if self.progress:
             self.progress.advance(files=1, nbytes=st.st_size)
         common = dict(size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
@@ -513,14 +688,16 @@ class _Walker:
             why = (f"group {g} is not in the namespace's manifest" if nsd.group(g) is None
                    else f"rank {r} is outside the manifest's parallel layout ({nsd.world_size} ranks)")
             inv.findings.append(Finding(e.path, ORPHAN, "orphan", why, **common))  # type: ignore[arg-type]
-            return
+            return None
         loc = locate(self.root, e.path)
         if loc is None or (loc.namespace, loc.group_index, loc.rank, loc.key) != (nsd.name, g, r, key):
             inv.findings.append(Finding(e.path, BAD_PAGE, "misplaced",
                                         "page name does not belong in this fan-out directory", **common))  # type: ignore[arg-type]
-            return
+            return None
         inv.pages_seen += 1
-        ref = PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fingerprint(st), group)
+        return PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fingerprint(st), group)
+
+    def _visit(self, ref: PageRef, inv: Inventory) -> None:
         verdict = self.visitor(ref) if self.visitor else PageVerdict()
         if verdict.vanished:
             inv.vanished += 1
@@ -533,8 +710,9 @@ class _Walker:
         tokens = verdict.token_count
         from_header = tokens is not None
         if tokens is None:
-            tokens = group.tokens_per_chunk if group is not None else 0
-        inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add(st.st_size, st.st_mtime, tokens, from_header)
+            tokens = ref.group.tokens_per_chunk if ref.group is not None else 0
+        inv.tallies.setdefault((ref.ns.name, ref.group_index, ref.rank), GroupTally()).add(
+            ref.size, ref.mtime, tokens, from_header)
 
 
 def resolve_namespace_filter(root: Path, namespace: str | None) -> str | None:
@@ -574,11 +752,14 @@ def walk_root(
     tmp_age: float = 3600.0,
     now: float | None = None,
     progress: Progress | None = None,
+    listing: bool = False,
 ) -> Inventory:
-    """Classify everything under ``root``; see the module docstring."""
+    """Classify everything under ``root``; see the module docstring (``listing``: count page
+    names without a stat per page; only without a visitor)."""
     root_path = check_root(root)
     only = resolve_namespace_filter(root_path, namespace)
-    walker = _Walker(root_path, visitor, _Classifier(time.time() if now is None else now, tmp_age), progress)
+    walker = _Walker(root_path, visitor, _Classifier(time.time() if now is None else now, tmp_age), progress,
+                     listing=listing)
     inv = Inventory(root_path)
     inv.namespaces = walker.namespaces(inv, only)
     units = [(nsd, *fan) for nsd in inv.namespaces if nsd.walk for fan in walker.fan_dirs(nsd, inv)]
@@ -653,14 +834,17 @@ def collect_stats(
     jobs: int = 8,
     tmp_age: float = 3600.0,
     progress: Progress | None = None,
+    listing: bool = False,
 ) -> dict[str, Any]:
     """Per namespace and group: files, bytes, token coverage, oldest/newest, model info.
 
-    ``read_headers=False`` reads no file at all (``ls``): token coverage is then
-    ``tokens_per_chunk x files`` and ``tokens_source`` says "estimate".
+    ``read_headers=False`` reads no file at all: token coverage is then
+    ``tokens_per_chunk x files`` and ``tokens_source`` says "estimate". ``listing=True``
+    (implies no headers) does not stat pages either: bytes come from the layout
+    (``bytes_source`` "layout"), see the module docstring.
     """
-    inv = walk_root(root, visitor=read_header_tokens if read_headers else None, namespace=namespace,
-                    jobs=jobs, tmp_age=tmp_age, progress=progress)
+    inv = walk_root(root, visitor=read_header_tokens if read_headers and not listing else None,
+                    namespace=namespace, jobs=jobs, tmp_age=tmp_age, progress=progress, listing=listing)
     return stats_from_inventory(inv)
 
 
@@ -680,6 +864,7 @@ def _group_stats(g: int, spec: GroupSpec | None, tally: GroupTally, ranks: list[
         "bytes": tally.bytes,
         "tokens": tokens,
         "tokens_source": "headers" if from_headers == tally.files else ("estimate" if from_headers == 0 else "mixed"),
+        "bytes_source": "stat" if tally.listed == 0 else ("layout" if tally.listed == tally.files else "mixed"),
         "oldest": _iso(tally.oldest),
         "newest": _iso(tally.newest),
     }
@@ -720,6 +905,7 @@ def stats_from_inventory(inv: Inventory) -> dict[str, Any]:
             "num_groups": len(ns.groups) if ns else None,
             "files": all_t.files,
             "bytes": all_t.bytes,
+            "bytes_source": "stat" if all_t.listed == 0 else ("layout" if all_t.listed == all_t.files else "mixed"),
             # The prefix length served is bounded by the least-covered group.
             "tokens": min((d["tokens"] for d in glist), default=0),
             "oldest": _iso(all_t.oldest),
@@ -749,22 +935,23 @@ def _table(rows: Iterable[list[str]], header: list[str]) -> str:
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """Human-readable rendering of ``collect_stats``'s dict."""
-    out = [f"root {stats['root']}: {stats['totals']['namespaces']} namespace(s), "
+    """Human-readable rendering of ``collect_stats``'s dict (names and manifest strings escaped)."""
+    out = [f"root {escape(stats['root'])}: {stats['totals']['namespaces']} namespace(s), "
            f"{stats['totals']['files']} pages, {human_bytes(stats['totals']['bytes'])}"]
     for n in stats["namespaces"]:
         out.append("")
         if n["manifest_error"]:
-            out.append(f"namespace {n['namespace']}  (manifest: {n['manifest_error']})")
+            out.append(f"namespace {escape(n['namespace'])}  (manifest: {escape(n['manifest_error'])})")
         else:
-            rev = f"@{n['revision']}" if n["revision"] else ""
-            par = ",".join(f"{k}={v}" for k, v in n["parallel"].items() if v != 1) or "single rank"
-            out.append(f"namespace {n['namespace']}  model {n['model']}{rev}  dtype {n['dtype']}  "
-                       f"hash {n['hash_algo']}  {par}")
+            rev = f"@{escape(n['revision'])}" if n["revision"] else ""
+            par = ",".join(f"{escape(k)}={escape(v)}" for k, v in n["parallel"].items() if v != 1) or "single rank"
+            out.append(f"namespace {escape(n['namespace'])}  model {escape(n['model'])}{rev}  "
+                       f"dtype {escape(n['dtype'])}  hash {escape(n['hash_algo'])}  {par}")
         rows = []
         for g in n["groups"]:
+            approx_bytes = "~" if g.get("bytes_source", "stat") != "stat" else ""
             rows.append([
-                f"g{g['group']}", str(g["kind"]), str(g["files"]), human_bytes(g["bytes"]),
+                f"g{g['group']}", escape(g["kind"]), str(g["files"]), human_bytes(g["bytes"]) + approx_bytes,
                 f"{g['tokens']}{'~' if g['tokens_source'] != 'headers' else ''}",
                 ",".join(map(str, g["ranks"])), g["oldest"] or "-", g["newest"] or "-",
             ])
@@ -777,21 +964,27 @@ def format_stats(stats: dict[str, Any]) -> str:
         out.append("")
         out.append("other entries: " + ", ".join(f"{k}={v}" for k, v in sorted(other.items()))
                    + ("  (run `tierstore fsck` for details)" if set(other) - {"temps_active"} else ""))
-    if any(g["tokens_source"] != "headers" for n in stats["namespaces"] for g in n["groups"]):
+    groups = [g for n in stats["namespaces"] for g in n["groups"]]
+    if any(g.get("bytes_source", "stat") != "stat" for g in groups):
+        out.append("~ bytes estimated as the uncompressed page size x files, newest from directory times "
+                   "(--exact stats every page)")
+    if any(g["tokens_source"] != "headers" for g in groups):
         out.append("~ token coverage estimated as tokens_per_chunk x files")
     return "\n".join(out)
 
 
 def format_listing(stats: dict[str, Any]) -> str:
-    """One line per namespace and group (``tierstore ls``)."""
+    """One line per namespace and group (``tierstore ls``; names and manifest strings escaped)."""
     rows = []
     for n in stats["namespaces"]:
-        model = n["model"] or f"? ({n['manifest_error']})"
+        model = escape(n["model"]) if n["model"] else f"? ({escape(n['manifest_error'])})"
+        name, dtype = escape(n["namespace"]), escape(n["dtype"] or "-")
         if not n["groups"]:
-            rows.append([n["namespace"], model, n["dtype"] or "-", "-", "-", "0", "0 B", "-"])
+            rows.append([name, model, dtype, "-", "-", "0", "0 B", "-"])
         for g in n["groups"]:
-            rows.append([n["namespace"], model, n["dtype"] or "-", f"g{g['group']}", str(g["kind"]),
-                         str(g["files"]), human_bytes(g["bytes"]), g["newest"] or "-"])
+            approx = "~" if g.get("bytes_source", "stat") != "stat" else ""
+            rows.append([name, model, dtype, f"g{g['group']}", escape(g["kind"]),
+                         str(g["files"]), human_bytes(g["bytes"]) + approx, g["newest"] or "-"])
     if not rows:
-        return f"no namespaces under {stats['root']}"
+        return f"no namespaces under {escape(stats['root'])}"
     return _table(rows, ["namespace", "model", "dtype", "group", "kind", "files", "bytes", "newest"])

@@ -152,6 +152,7 @@ def test_accounting_after_sigkill(tmp_path: Path) -> None:
         p.send_signal(signal.SIGKILL)
         p.wait(10)
     idx = LocalIndex(tmp_path / "local", cap)
+    assert idx.wait_reconciled(60)  # the scan runs in the background, off the opening path
     rep = idx.last_reconcile
     assert rep is not None, "a killed session must trigger a reconciling scan"
     files = page_files(tmp_path / "local")

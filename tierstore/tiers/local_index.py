@@ -21,6 +21,22 @@ runs (bounded by the cap: the root only ever holds what the cap allows). The sca
 unindexed pages, drops rows of vanished files, fixes sizes, and removes temp files of dead
 writers on this host. A fresh index over a non-empty root is reconciled the same way.
 
+The reconciling scan runs on a background thread (``reconcile=None``, the default), so opening
+the index -- and the local tier -- does not wait for the page count (about 24 s at 10^6
+pages). Until it finishes (``wait_reconciled``, ``reconciling``) the index is correct but
+approximate: ``used_bytes`` leaves out pages it has not indexed yet, so the disk may exceed
+the cap by up to their bytes, and eviction chooses only among indexed pages (an unindexed page
+is never evicted before the scan reaches it). The scan applies its changes in small
+transactions, so stores reserve between them; it never indexes a file modified after it
+started (its writer commits it), indexes one modified shortly before only ``_SETTLE_S`` later
+if its writer has not committed it by then and never touches a temp of a live writer, so a page being
+written is never evicted by it. ``reconcile=True`` scans in the caller's thread.
+
+Untrusted root: ``.tierstore`` and its ``sessions`` directory are opened through ``safefs``
+(a symlink there is refused with ``ConfigError``, never followed; a planted ``index.sqlite``
+that is not a regular file too); the scan is iterative (``safefs.walk``, never deeper than
+the page layout), never follows a link, and skips temp names whose pid no process can have.
+
 Bookkeeping after the write (commit, touch on hit, forget, release) can be ``defer``red to one
 background thread per index that applies each batch in a single transaction; only ``reserve``
 (which must evict before the write) runs in the caller's thread.
@@ -35,6 +51,7 @@ import fcntl
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -43,6 +60,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierstore import safefs
+from tierstore.errors import ConfigError
 from tierstore.mapper import locate
 from tierstore.stale_temps import temp_writer, writer_gone
 
@@ -52,6 +71,13 @@ INDEX_DIR = ".tierstore"
 INDEX_NAME = "index.sqlite"
 SESSIONS_DIR = "sessions"
 _EVICT_BATCH = 32
+_RECONCILE_CHUNK = 2000  # rows per reconcile transaction: stores reserve in between
+_PAGE_DEPTH = 4  # <namespace>/g<i>/r<j>/<aa>: the scan never descends deeper
+_PID_LIMIT = 1 << 22
+# A page written this recently before a scan may still await its writer's commit: indexing it
+# first could let an eviction delete it before that commit lands (a row for a deleted file).
+# The scan indexes such pages only after this delay, if their writer has not.
+_SETTLE_S = 5.0  # Linux's PID_MAX_LIMIT; larger pids in temp names are not tierstore's
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pages(path TEXT PRIMARY KEY, size INTEGER NOT NULL, stamp INTEGER NOT NULL);
@@ -89,14 +115,18 @@ class LocalIndex:
     """Accounting + LRU eviction of one local root (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str], cap_bytes: int | None, *, reconcile: bool | None = None):
+        """``reconcile``: None scans in the background when needed (a dead session, or a fresh
+        index over a non-empty root); True scans now, in this thread; False never."""
         self.root = Path(root)
         self.cap_bytes = cap_bytes
+        self.root.mkdir(parents=True, exist_ok=True)  # the root itself: the operator's path
+        self._meta_fd, self._sessions_fd = self._open_meta_dirs()
         meta = self.root / INDEX_DIR
-        (meta / SESSIONS_DIR).mkdir(parents=True, exist_ok=True)
         self.path = meta / INDEX_NAME
-        fresh = not self.path.exists()
+        fresh = self._check_db_file()
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        self._check_same_dir(meta)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)  # idempotent DDL; executescript commits by itself
@@ -111,29 +141,91 @@ class LocalIndex:
         self._session_fd = self._open_session()
         dead = self._reap_dead_sessions()
         self.last_reconcile: ReconcileReport | None = None
+        self._reconcile_stop = threading.Event()
+        self._reconciler: threading.Thread | None = None
         if reconcile is None:
-            reconcile = dead > 0 or (fresh and self._root_has_namespaces())
-        if reconcile:
+            if dead > 0 or (fresh and self._root_has_namespaces()):
+                self._reconciler = threading.Thread(target=self._reconcile_in_background,
+                                                    name=f"tierstore-reconcile:{self.root}", daemon=True)
+                self._reconciler.start()
+        elif reconcile:
             self.last_reconcile = self.reconcile()
+
+    def _open_meta_dirs(self) -> tuple[int, int]:
+        """Open (creating) ``.tierstore`` and ``.tierstore/sessions`` without following a link."""
+        root_fd = safefs.open_root(self.root)
+        try:
+            meta_fd = safefs.open_dir_path(root_fd, (INDEX_DIR,), create=True)
+        except safefs.UnsafeEntry as exc:
+            raise ConfigError(
+                f"{self.root / INDEX_DIR} is {'a symlink' if exc.reason == 'symlink' else 'not a directory'}: "
+                "tierstore keeps its local index there and never follows a link (remove it, or set "
+                '"local_root" to a directory only this service writes)') from None
+        finally:
+            os.close(root_fd)
+        try:
+            sessions_fd = safefs.open_dir_path(meta_fd, (SESSIONS_DIR,), create=True)
+        except safefs.UnsafeEntry as exc:
+            os.close(meta_fd)
+            raise ConfigError(f"{self.root / INDEX_DIR / SESSIONS_DIR}: {exc}; remove it") from None
+        except BaseException:
+            os.close(meta_fd)
+            raise
+        return meta_fd, sessions_fd
+
+    def _check_db_file(self) -> bool:
+        """True when the database does not exist yet; ConfigError if something else is there."""
+        fresh = True
+        for name in (INDEX_NAME, INDEX_NAME + "-wal", INDEX_NAME + "-shm"):
+            try:
+                st = safefs.lstat_at(name, self._meta_fd)
+            except FileNotFoundError:
+                continue
+            try:
+                safefs.check_regular(st, name)
+            except safefs.UnsafeEntry as exc:
+                self._close_fds()
+                raise ConfigError(f"{self.root / INDEX_DIR / name}: {exc}; tierstore never follows a link "
+                                  "there: remove it") from None
+            if name == INDEX_NAME:
+                fresh = False
+        return fresh
+
+    def _check_same_dir(self, meta: Path) -> None:
+        """Re-check after sqlite opened the path: ``.tierstore`` is still the directory we checked."""
+        try:
+            same = safefs.identity(os.stat(meta, follow_symlinks=False)) == safefs.identity(os.fstat(self._meta_fd))
+        except OSError:
+            same = False
+        if not same:
+            self._db.close()
+            self._close_fds()
+            raise ConfigError(f"{meta} was replaced while the local index was being opened; retry, "
+                              "and check who else writes under local_root")
+
+    def _close_fds(self) -> None:
+        for fd in (self._meta_fd, self._sessions_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # ------------------------------------------------------------------ sessions
     def _open_session(self) -> int:
-        p = self.root / INDEX_DIR / SESSIONS_DIR / f"{self.session}.lock"
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(f"{self.session}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self._sessions_fd)
         fcntl.flock(fd, fcntl.LOCK_EX)  # held until close or death: liveness of this session
         return fd
 
     def _reap_dead_sessions(self) -> int:
         """Drop reservations of sessions whose process died; returns how many died."""
         dead = []
-        for p in (self.root / INDEX_DIR / SESSIONS_DIR).glob("*.lock"):
-            sid = p.stem
-            if sid == self.session:
+        for name in os.listdir(self._sessions_fd):
+            sid = name[:-len(".lock")]
+            if not name.endswith(".lock") or sid == self.session:
                 continue
             try:
-                fd = os.open(p, os.O_RDWR)
-            except FileNotFoundError:
-                continue
+                fd, _ = safefs.open_regular(name, self._sessions_fd)
+            except OSError:
+                continue  # vanished, or not a lock file we wrote: left alone
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -141,7 +233,7 @@ class LocalIndex:
                 continue  # alive
             dead.append(sid)
             with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+                os.unlink(name, dir_fd=self._sessions_fd)
             os.close(fd)
         if dead:
             with self._txn():
@@ -151,7 +243,8 @@ class LocalIndex:
 
     def _root_has_namespaces(self) -> bool:
         try:
-            return any(e.is_dir() and e.name != INDEX_DIR for e in os.scandir(self.root))
+            with os.scandir(self.root) as it:
+                return any(e.is_dir(follow_symlinks=False) and e.name != INDEX_DIR for e in it)
         except OSError:
             return False
 
@@ -335,64 +428,122 @@ class LocalIndex:
             return int(self._db.execute("SELECT COUNT(*) FROM pages").fetchone()[0])
 
     # ------------------------------------------------------------------ reconcile
+    @property
+    def reconciling(self) -> bool:
+        """Whether a background reconciling scan is still running (figures approximate)."""
+        return self._reconciler is not None and self._reconciler.is_alive()
+
+    def wait_reconciled(self, timeout: float | None = None) -> bool:
+        """Wait for the background reconciling scan, if any; False on timeout."""
+        if self._reconciler is not None:
+            self._reconciler.join(timeout)
+        return not self.reconciling
+
+    def _reconcile_in_background(self) -> None:
+        try:
+            self.last_reconcile = self.reconcile()
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("tierstore local index %s: reconciling scan failed (%s); accounting stays "
+                        "approximate until the next start", self.path, exc)
+
     def reconcile(self) -> ReconcileReport:
         """Make the index agree with the files under the root (see the module docstring)."""
         t0 = time.monotonic()
+        started = time.time()
         rep = ReconcileReport()
-        found: dict[str, tuple[int, int]] = {}
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            if Path(dirpath) == self.root:
-                dirnames[:] = [d for d in dirnames if d != INDEX_DIR]
-            for name in filenames:
-                full = os.path.join(dirpath, name)
-                rep.scanned_files += 1
-                if name.endswith(".tmp"):
-                    if self._remove_dead_temp(full, name):
-                        rep.temps_removed += 1
-                    continue
-                if locate(self.root, full) is None:
-                    continue
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:
-                    continue
-                found[os.path.relpath(full, self.root)] = (st.st_size, st.st_mtime_ns)
-        with self._txn() as db:
-            rows = dict(db.execute("SELECT path, size FROM pages").fetchall())
-            for rel in rows:
-                if rel not in found and not (self.root / rel).exists():
-                    db.execute("DELETE FROM pages WHERE path = ?", (rel,))
-                    rep.dropped += 1
-            for rel, (size, mtime) in found.items():
-                if rel not in rows:
-                    db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)", (rel, size, mtime))
-                    rep.added += 1
-                elif rows[rel] != size:
-                    db.execute("UPDATE pages SET size = ? WHERE path = ?", (size, rel))
-                    rep.resized += 1
-            victims = self._evict_locked(0)
-        self._unlink(victims)
+        found, recent = self._scan(rep, started)
+        if self._reconcile_stop.is_set():
+            return rep
+        with self._lock:
+            rows = dict(self._db.execute("SELECT path, size FROM pages").fetchall())
+        gone = [rel for rel in rows if rel not in found]
+        for i in range(0, len(gone), _RECONCILE_CHUNK):
+            with self._txn() as db:
+                for rel in gone[i:i + _RECONCILE_CHUNK]:
+                    if not os.path.lexists(self.root / rel):
+                        rep.dropped += db.execute("DELETE FROM pages WHERE path = ?", (rel,)).rowcount
+        items = list(found.items())
+        for i in range(0, len(items), _RECONCILE_CHUNK):
+            if self._reconcile_stop.is_set():
+                return rep
+            with self._txn() as db:
+                for rel, (size, mtime) in items[i:i + _RECONCILE_CHUNK]:
+                    if rel not in rows:
+                        rep.added += db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)",
+                                                (rel, size, mtime)).rowcount
+                    elif rows[rel] != size:
+                        db.execute("UPDATE pages SET size = ? WHERE path = ?", (size, rel))
+                        rep.resized += 1
+        self._evict_now()
+        if recent and not self._reconcile_stop.wait(max(0.0, started + _SETTLE_S - time.time())):
+            with self._txn() as db:
+                for rel, (size, mtime) in recent.items():
+                    if os.path.lexists(self.root / rel):
+                        rep.added += db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)",
+                                                (rel, size, mtime)).rowcount
+            self._evict_now()
         rep.seconds = time.monotonic() - t0
         log.info("tierstore local index %s reconciled: %s", self.path, rep)
         return rep
 
+    def _evict_now(self) -> None:
+        with self._txn():
+            victims = self._evict_locked(0)
+        self._unlink(victims)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+
+    def _scan(self, rep: ReconcileReport, started: float) -> tuple[dict[str, tuple[int, int]],
+                                                                     dict[str, tuple[int, int]]]:
+        """Pages under the root (relative path -> size, mtime ns), removing dead writers' temps;
+        (settled pages, pages written less than ``_SETTLE_S`` before ``started``).
+
+        Iterative and never following a link (``safefs.walk``); only directories at page depth
+        hold pages; files modified after ``started`` belong to a live writer that commits them.
+        """
+        found: dict[str, tuple[int, int]] = {}
+        recent: dict[str, tuple[int, int]] = {}
+        root_fd = safefs.open_root(self.root)
+        try:
+            for listing in safefs.walk(root_fd, max_depth=_PAGE_DEPTH, descend=_descend):
+                if self._reconcile_stop.is_set():
+                    break
+                if len(listing.parts) != _PAGE_DEPTH:
+                    continue
+                base = "/".join(listing.parts)
+                for name, st in listing.entries:
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    rep.scanned_files += 1
+                    if name.endswith(".tmp"):
+                        rep.temps_removed += self._remove_dead_temp(listing.fd, name, st)
+                        continue
+                    rel = f"{base}/{name}"
+                    if st.st_nlink != 1 or st.st_mtime > started or locate(self.root, self.root / rel) is None:
+                        continue
+                    (recent if st.st_mtime > started - _SETTLE_S else found)[rel] = (st.st_size, st.st_mtime_ns)
+        finally:
+            os.close(root_fd)
+        return found, recent
+
     @staticmethod
-    def _remove_dead_temp(full: str, name: str) -> bool:
+    def _remove_dead_temp(dir_fd: int, name: str, st: os.stat_result) -> bool:
         """Remove a temp whose writer is provably gone (``stale_temps``: the one rule)."""
         writer = temp_writer(name)
-        if writer is None:
-            return False
-        try:
-            mtime = os.lstat(full).st_mtime
-        except OSError:
-            return False
-        if not writer_gone(writer, mtime)[0]:
+        if writer is None or not 0 < writer.pid <= _PID_LIMIT:
+            return False  # not a name tierstore writes: left alone
+        if not writer_gone(writer, st.st_mtime)[0]:
             return False  # a live process (maybe another rank) may still be writing it
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(full)
+        try:
+            safefs.unlink_at(name, dir_fd, safefs.identity(st))
+        except OSError:
+            return False  # vanished, or replaced since the listing: nothing done
         return True
 
     def close(self) -> None:
+        self._reconcile_stop.set()
+        if self._reconciler is not None:
+            self._reconciler.join(30)
         with self._qcv:
             self._stopping = True
             self._qcv.notify_all()
@@ -403,5 +554,11 @@ class LocalIndex:
                 self._db.execute("DELETE FROM reservations WHERE session = ?", (self.session,))
             self._db.close()
         with contextlib.suppress(FileNotFoundError):
-            (self.root / INDEX_DIR / SESSIONS_DIR / f"{self.session}.lock").unlink()
+            os.unlink(f"{self.session}.lock", dir_fd=self._sessions_fd)
         os.close(self._session_fd)
+        self._close_fds()
+
+
+def _descend(parts: tuple[str, ...]) -> bool:
+    """Enter page-layout directories only: never ``.tierstore`` or any hidden directory."""
+    return not parts[-1].startswith(".")
