@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tierstore.config import TierStoreConfig
+from tierstore.config import TierStoreConfig, default_io_threads
 from tierstore.errors import ConfigError
 
 ROOT = {"root": "/mnt/kvcache"}
@@ -14,7 +14,7 @@ ROOT = {"root": "/mnt/kvcache"}
 
 def test_defaults_and_a_full_valid_config() -> None:
     cfg = TierStoreConfig.from_dict(dict(ROOT))
-    assert (cfg.codec, cfg.odirect, cfg.io_threads, cfg.max_bytes) == ("none", "auto", 4, None)
+    assert (cfg.codec, cfg.odirect, cfg.io_threads, cfg.max_bytes) == ("none", "auto", default_io_threads(), None)
     full = TierStoreConfig.from_dict({
         **ROOT, "local_root": "/nvme/kv", "local_max_bytes": 1 << 30, "host_bytes": 0, "max_bytes": 1 << 40,
         "gc_interval_s": 60, "codec": "zstd", "zstd_level": 3, "io_threads": 8, "fsync": True,
