@@ -63,8 +63,8 @@ class TierStoreConfig:
     queue_depth: int = 256  # bounded depth of each of the load and store queues
     fsync: bool = False  # fsync each page before publishing it
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
-    deadline_ms: int = 10_000  # per operation on local disk
-    shared_deadline_ms: int = 5_000  # per operation on the shared tier
+    deadline_ms: int = 10_000  # per operation on a lone root (local or NFS) and on the local tier
+    shared_deadline_ms: int = 5_000  # per operation on root as the shared tier, and scheduler lookups
     index_refresh_s: float = 30.0  # re-list the tiers' directories for the scheduler's page index; 0 = never
     flush_timeout_s: float = 30.0  # how long shutdown waits for queued stores
     # Identity.

@@ -9,7 +9,8 @@ for the whole process. ``MetricsRegistry.snapshot()`` returns JSON-ready dicts; 
 Counters (all monotonically increasing except the two gauges):
     hits / misses                keys looked up and found / not found (clean misses)
     hit_tokens / miss_tokens     the same in tokens
-    stores / stored_bytes        pages written (new files) and their file bytes
+    stores / stored_bytes        pages written (new files) and their page bytes (the layout's
+                                 payload size, headers not counted; evicted_bytes are file sizes)
     bytes_read                   page bytes served from this tier
     failures[kind]               typed failures by ``PageError.kind`` (checksum, timeout,
                                  enospc, io, queue_full, down, ...); a miss is not a failure
