@@ -223,7 +223,7 @@ def test_warm_loads_verify_piece_by_piece(root: Path, damaged_section: int | Non
     if damaged_section is not None:
         corrupt_flip_bit(path, hl + layout.offsets[damaged_section] + layout.sections[damaged_section].nbytes - 1)
     path.read_bytes()  # bring the whole file into the page cache: the warm path
-    plan = eng._read_plan(hl)
+    plan = eng.files.read_plan(hl)
     assert plan[0][0] == 0 and plan[-1][1] == hl + layout.nbytes
     assert all(a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))  # contiguous pieces
     assert [i for p in plan for i in range(p[2], p[3])] == list(range(len(layout.sections)))

@@ -17,6 +17,7 @@ from tierstore.errors import ConfigError
 from tierstore.inventory import MANIFEST, collect_stats, format_listing, format_stats, walk_root
 from tierstore.testing.pages import fill_pages, simple_namespace
 from tierstore.tiers.local_index import LocalIndex
+from tierstore.tiers.local_scan import Reconciler
 
 NS = simple_namespace()
 pytestmark = pytest.mark.timeout(60)
@@ -218,13 +219,13 @@ def test_local_index_opens_before_its_reconcile_ends(tmp_path: Path, monkeypatch
     local = tmp_path / "local"
     fill_pages(local, NS, N_PAGES)
     gate = threading.Event()
-    original = LocalIndex._scan
+    original = Reconciler._scan
 
     def slow_scan(self, rep, started):  # type: ignore[no-untyped-def]
         gate.wait(20)
         return original(self, rep, started)
 
-    monkeypatch.setattr(LocalIndex, "_scan", slow_scan)
+    monkeypatch.setattr(Reconciler, "_scan", slow_scan)
     idx = LocalIndex(local, 1 << 30)
     assert idx.reconciling and idx.count() == 0  # open, usable, scan still pending
     rid, _ = idx.reserve(100)

@@ -2,29 +2,29 @@
 
 The engine is policy; the mechanisms are its parts, each with its own contract:
 ``ioqueue.JobQueue`` (queues, I/O threads, deadlines, results; loads before stores, a store
-never starved), ``staging.StagingPool`` (the page buffers), ``pagefile`` (one flat function per
-file operation, each with its failure policy), ``mapper.FileMapper`` (every file name) and
-``format.HeaderTemplate`` (the exact header of our pages). What the engine decides:
+never starved), ``staging.StagingPool`` (the page buffers), ``page_files.PageFiles`` (the
+store, load and removal of this rank directory's page files, on I/O threads; built on
+``pagefile``'s flat functions, each with its failure policy), ``mapper.FileMapper`` (every file
+name) and ``format.HeaderTemplate`` (the exact header of our pages). What the engine decides:
 
 - Setup: ``manifest.json`` of the namespace and the 256 fan-out directories are written at
   start (a read-only root is logged; loads still work). O_DIRECT is used when the ``odirect``
   setting allows and ``pagefile.probe_odirect`` passes under the group's directory (never with
   codec zstd, whose frames are unaligned); cold loads read with O_DIRECT when, in addition, the
   kernel answers cachestat(2).
-- Store: an existing final file counts as stored (``stored=False``) before anything is hashed.
-  Codec none: the header (``HeaderTemplate.fill``, the caller's section sums or ours) is
-  written into the slot's frame right before the page, and the file goes out as one buffer
-  (O_DIRECT: padded to 4096, then truncated). Codec zstd: ``format.encode_page``.
-- Load: a file of exactly our size is read into the slot's frame (``pagefile.read_own_page``):
-  a page whose first block is cached is copied piece by piece (about ``warm_piece_bytes``),
-  each piece hashed while in the CPU cache; an uncached one is read with O_DIRECT in one
-  request (one disk read, no readahead). A header that is not byte for byte ours (another
-  codec or header length, damage) goes through ``pagefile.read_page``, which names the error.
+- Store (``PageFiles.store``): an existing final file counts as stored (``stored=False``)
+  before anything is hashed; the caller's section sums, or ours, go into the header. The
+  engine takes the slot at submit and gives it back to the pool when the job is done.
+- Load (``PageFiles.load``): a file of exactly our size is read into the slot's frame, a warm
+  one piece by piece (about ``warm_piece_bytes``, each piece hashed while in the CPU cache), a
+  cold one with O_DIRECT in one request; any other file goes through the general reader, which
+  names the error. A load takes a free slot at submit (none: ``queue_full``) and hands it to the
+  caller with the page.
 - A root others can write to (issue 17): at start the root must pass ``trust.check_root_trust``
   (setting ``trust_shared_root``) and the group/rank/fan-out directories must not be symlinks
   (``FileMapper.make_fanout_dirs``, a ConfigError otherwise); files are created 0600 and
   directories 0700 (0660/2770 with ``shared_group_access``). Every load, store and discard
-  reaches its file through ``pagefile.RankDir`` (directory fds, no symlink followed) and
+  reaches its file through ``PageFiles`` (``pagefile.RankDir``: directory fds, no symlink followed) and
   opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
   is a ``PageUnsafe`` failure, never served, never removed. With ``mac_key_file`` every page
   carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac",
@@ -34,11 +34,12 @@ file operation, each with its failure policy), ``mapper.FileMapper`` (every file
   bytes prove bad (``errors.BAD_CONTENT_KINDS``) removes the file it read, once, so the key can
   be stored again; a load with ``verify=False`` is settled by the caller (``settle``), which
   counts the hit or removes the file the engine served, once. A file republished under the
-  name in between is never removed (``pagefile.remove_damaged`` compares file identity).
+  name in between is never removed (``PageFiles.remove_damaged`` compares file identity).
 
 Threading: public methods may be called from any thread. Lock order: the job queue's lock,
 then the staging pool's, then the engine's stats lock (the last two are leaves). I/O threads
-do file I/O holding no lock; zstd (de)compressors and cachestat arguments are per thread.
+run ``PageFiles`` operations holding no lock; zstd compressors and cachestat arguments are per
+thread there. ``PageFiles`` counts into the engine's stats through ``_count`` (the stats lock).
 """
 
 from __future__ import annotations
@@ -54,41 +55,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zstandard
 
-from tierstore import page_index, pagefile, safefs
+from tierstore import safefs
 from tierstore.config import TierStoreConfig, io_threads_advice
-from tierstore.directio import (
-    ALIGN,
-    CachestatArgs,
-    FrameGeometry,
-    cachestat_available,
-    cachestat_pages,
-)
+from tierstore.directio import ALIGN, FrameGeometry, cachestat_available
 from tierstore.errors import (
     BAD_CONTENT_KINDS,
     ConfigError,
     PageCorrupt,
     PageError,
     PageQueueFull,
-    PageStoreError,
 )
-from tierstore.format import (
-    FLAG_MAC,
-    MAC_TRAILER_LEN,
-    Codec,
-    HeaderTemplate,
-    PageExpectation,
-    PageLayout,
-    PageMeta,
-    encode_page,
-    section_checksums,
-    zero_gaps,
-)
+from tierstore.format import Codec, PageExpectation, PageLayout
 from tierstore.identity import Namespace, namespace_dir, write_manifest
 from tierstore.ioqueue import Job, JobQueue, QueuePolicy
 from tierstore.mac import PageMac
-from tierstore.mapper import MAX_KEY_BYTES, FileMapper, check_key, fanout
+from tierstore.mapper import FileMapper, check_key
+from tierstore.page_files import WARM_PIECE_BYTES, PageFiles
 from tierstore.pagefile import FileIdentity, probe_odirect
 from tierstore.staging import StagingPool, StagingSlot
 from tierstore.store import IOResult
@@ -98,8 +81,6 @@ __all__ = ["ALIGN", "WARM_PIECE_BYTES", "IOEngine", "IOResult", "StagingSlot", "
 
 logger = logging.getLogger("tierstore.engine")
 
-# The CPU-cache-sized piece of a warm load (pagefile.read_plan; docs/DESIGN.md §5, "Load path").
-WARM_PIECE_BYTES = 1 << 20
 _MAX_UNSETTLED = 4096  # unverified load results remembered for ``settle`` (oldest forgotten)
 
 
@@ -111,15 +92,6 @@ class _Served:
     source: FileIdentity | None  # the file its bytes came from
     nbytes: int
     seconds: float
-
-
-class _ThreadState(threading.local):
-    """Per I/O thread: zstd objects and cachestat(2) arguments (allocated once)."""
-
-    def __init__(self) -> None:
-        self.compressor: zstandard.ZstdCompressor | None = None
-        self.decompressor = zstandard.ZstdDecompressor()
-        self.cachestat = CachestatArgs()
 
 
 class IOEngine:
@@ -141,17 +113,9 @@ class IOEngine:
         self.mapper = FileMapper(self.root, namespace.digest, group_index, rank)
         self.codec = Codec.ZSTD if self.config.codec == "zstd" else Codec.NONE
         self.deadline_s = deadline_s if deadline_s is not None else self.config.deadline_ms / 1000.0
-        self._nbytes = self.layout.nbytes
-        self._templates: dict[int, HeaderTemplate] = {}  # key length -> header of our pages
-        self.warm_piece_bytes = WARM_PIECE_BYTES
-        self._plans: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-
         self.perms = safefs.GROUP_SHARED if self.config.shared_group_access else safefs.PRIVATE
         self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
-        self._flags = FLAG_MAC if self.mac is not None else 0
-        self._trailer = MAC_TRAILER_LEN if self.mac is not None else 0
         _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
-        self._dirs = pagefile.RankDir(self.root, (namespace.digest, f"g{group_index}", f"r{rank}"), self.perms)
         if self.mac is not None:
             if self.config.odirect == "on":
                 raise ConfigError('setting "odirect" is "on" but "mac_key_file" appends a 40-byte tag to each page, '
@@ -160,7 +124,6 @@ class IOEngine:
         else:
             self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root,
                                                                 namespace, self.mapper)
-        self.direct_loads = self.odirect and cachestat_available()
         advice = io_threads_advice(self.config.io_threads)
         if advice:
             logger.warning(advice)
@@ -168,9 +131,6 @@ class IOEngine:
         if n_slots <= 0:
             raise ConfigError(f"staging_slots must be positive, got {n_slots}")
         self.pinned = bool(pin and torch.cuda.is_available())
-        # Header room: the longest header of this layout (keys up to MAX_KEY_BYTES).
-        self.geometry = FrameGeometry(self._template(MAX_KEY_BYTES).header_len, self._nbytes)
-        self._pool = StagingPool(self.geometry, n_slots, self.pinned)
 
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {
@@ -181,13 +141,36 @@ class IOEngine:
             "bad_pages_discarded": 0,  # damaged files removed so the key can be stored again
             "loads_unverified": 0,  # verify=False results handed out; counted ok/failed at settle
         }
+        self.files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
+                               head_count=head_count, config=self.config, codec=self.codec, perms=self.perms,
+                               mac=self.mac, odirect=self.odirect,
+                               direct_loads=self.odirect and cachestat_available(), count=self._count)
+        self.geometry: FrameGeometry = self.files.geometry
+        self._pool = StagingPool(self.geometry, n_slots, self.pinned)
         self._unsettled: dict[int, _Served] = {}  # job id -> unverified result, until settled
         self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
-        self._local = _ThreadState()
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
                                finish=self._finish, after_run=self._after_run,
                                where=lambda key: self.mapper.final_path(key))
+
+    @property
+    def direct_loads(self) -> bool:
+        """Cold loads are read with O_DIRECT (O_DIRECT works here and the kernel has cachestat)."""
+        return self.files.direct_loads
+
+    @direct_loads.setter
+    def direct_loads(self, value: bool) -> None:
+        self.files.direct_loads = value
+
+    @property
+    def warm_piece_bytes(self) -> int:
+        """The piece size of a warm load (``page_files.WARM_PIECE_BYTES``)."""
+        return self.files.warm_piece_bytes
+
+    @warm_piece_bytes.setter
+    def warm_piece_bytes(self, value: int) -> None:
+        self.files.warm_piece_bytes = value
 
     # ----------------------------------------------------------------- PageStore
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
@@ -268,7 +251,7 @@ class IOEngine:
         """Finish queued stores (up to ``timeout``, default flush_timeout_s), cancel the rest."""
         self._queue.close(self.config.flush_timeout_s if timeout is None else timeout)
         if not self._queue.counts()["pending"]:
-            self._dirs.close()  # an I/O thread stuck past its deadline may still use the fd
+            self.files.close()  # an I/O thread stuck past its deadline may still use the fd
 
     def __enter__(self) -> IOEngine:
         return self
@@ -291,7 +274,7 @@ class IOEngine:
 
     def expectation(self, key: bytes) -> PageExpectation:
         """What a page of ``key`` written for this engine must be (``pagefile.read_page``)."""
-        return PageExpectation(self.namespace.digest_bytes, key, self.group_index, self.rank, self.layout)
+        return self.files.expectation(key)
 
     # ----------------------------------------------------------------- job hooks (JobQueue)
     def _run(self, job: Job) -> tuple[bool, int]:
@@ -366,142 +349,25 @@ class IOEngine:
                 self._removals = [r for r in self._removals if r.is_alive()] + [t]
             t.start()
 
-    def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
-        """Remove the bad file a load read, so the next store of its key can replace it.
+    def _count(self, counter: str) -> None:
+        """Add one to a stats counter (``PageFiles``' report of what it did)."""
+        with self._stats_lock:
+            self._stats[counter] += 1
 
-        Names are content addresses: a damaged file under a final name would otherwise count as
-        "already stored" forever. Only the file that was read goes (``source``); a file we did
-        not get to identify (not a regular file) stays for fsck."""
-        if source is None:
-            return
-        path = self.mapper.final_path(key)
-        try:
-            dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
-        except (PageError, OSError):
-            return  # gone, or a directory on the way is no longer ours: nothing is touched
-        try:
-            removed = pagefile.remove_damaged_at(dir_fd, os.path.basename(path), source)
-        finally:
-            os.close(dir_fd)
-        if removed:
-            page_index.note_removed(self.mapper.base, key)
-            logger.warning("removed damaged page %s (%s)", path, error)
-            with self._stats_lock:
-                self._stats["bad_pages_discarded"] += 1
-
-    # ----------------------------------------------------------------- file operations
+    # ----------------------------------------------------------------- file operations (PageFiles)
+    # The I/O threads reach the files through these three, so a test can wrap one of them.
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
-        final = self.mapper.final_path(key)
-        name = os.path.basename(final)
-        try:
-            dir_fd = self._dirs.fanout(fanout(key), create=True, where=final, key=key)
-        except OSError as exc:
-            raise PageStoreError(f"cannot open the page's directory: {exc.strerror}", errno=exc.errno, path=final,
-                                 key=key) from exc
-        try:
-            result = self._store_in(dir_fd, name, final, key, slot, token_count, sums)
-        finally:
-            os.close(dir_fd)
-        page_index.note_stored(self.mapper.base, key)  # this process's own pages: never a stale miss
-        return result
-
-    def _store_in(self, dir_fd: int, name: str, final: str, key: bytes, slot: StagingSlot, token_count: int,
-                  sums: tuple[int, ...] | None) -> tuple[bool, int]:
-        """``_do_store`` in the checked fan-out directory ``dir_fd``."""
-        try:
-            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            return False, self._nbytes  # before hashing anything: names are content addresses
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
-        tmp = os.path.basename(self.mapper.temp_path(key, final))
-        mode = self.perms.file_mode
-        if self.codec == Codec.NONE:
-            tmpl = self._template(len(key))
-            hl = tmpl.header_len
-            zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
-            file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
-            tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else section_checksums(self.layout, slot.view))
-            pieces: list[Any] = [file_buf]
-            if self.mac is not None:
-                pieces.append(self.mac.tag(file_buf[:hl], slot.view))
-            pagefile.publish(name, tmp, pieces, key=key, fsync=self.config.fsync, direct=self.odirect,
-                             exact_len=hl + self._nbytes, dir_fd=dir_fd, mode=mode, where=final)
-        else:
-            st = self._local
-            if st.compressor is None:
-                st.compressor = zstandard.ZstdCompressor(level=self.config.zstd_level)
-            header, payload = encode_page(self._meta(key, token_count), self.layout, slot.view, Codec.ZSTD,
-                                          st.compressor, self._flags)
-            pieces = [header, *payload]
-            if self.mac is not None:
-                pieces.append(self.mac.tag(header, payload))
-            pagefile.publish(name, tmp, pieces, key=key, fsync=self.config.fsync, dir_fd=dir_fd, mode=mode,
-                             where=final)
-        return True, self._nbytes
+        return self.files.store(key, slot, token_count, sums)
 
     def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
-        """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""
-        path = self.mapper.final_path(key)
-        tmpl = self._template(len(key))
-        hl = tmpl.header_len
-        dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
-        try:
-            fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
-        finally:
-            os.close(dir_fd)
-        slot._source = pagefile.file_identity(st)
-        try:
-            if st.st_size == hl + self._nbytes + self._trailer:
-                file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
-                cold = self.direct_loads and cachestat_pages(fd, self._local.cachestat) <= 0
-                if cold:
-                    with self._stats_lock:
-                        self._stats["loads_odirect"] += 1
-                read = cold and pagefile.read_direct(fd, file_buf, hl + self._nbytes, path)
-                sums = pagefile.read_own_page(fd, tmpl, file_buf, slot.view, self.layout, self._read_plan(hl),
-                                              key=key, path=path, verify=verify, already_read=read)
-                if read:  # the general reader below and the trailer are unaligned reads
-                    pagefile.clear_direct(fd)
-                if sums is not None:
-                    if self.mac is not None:  # never served without a valid tag, verified or not
-                        trailer = os.pread(fd, MAC_TRAILER_LEN, hl + self._nbytes)
-                        self.mac.verify(file_buf[:hl], slot.view, trailer, path=path)
-                    return self._nbytes, (None if verify else tuple(sums))
-            # Not byte for byte the header this engine writes (another codec or header length, a
-            # wrong size, a damaged header): the general reader verifies it or names the error.
-            with self._stats_lock:
-                self._stats["loads_general_reader"] += 1
-            pagefile.read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac)
-            return self._nbytes, None
-        except OSError as exc:
-            raise pagefile.read_error(exc, "read", path, key) from exc
-        finally:
-            os.close(fd)
+        return self.files.load(key, slot, verify)
 
-    # ----------------------------------------------------------------- cached shapes
-    def _meta(self, key: bytes, token_count: int) -> PageMeta:
-        return PageMeta(self.namespace.digest_bytes, key, self.group_index, self.group.kind, token_count,
-                        self.rank, self.head_start, self.head_count)
-
-    def _template(self, key_len: int) -> HeaderTemplate:
-        tmpl = self._templates.get(key_len)
-        if tmpl is None:
-            tmpl = self._templates[key_len] = HeaderTemplate(self._meta(b"\0" * key_len, 0), self.layout, self._flags)
-        return tmpl
+    def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
+        self.files.remove_damaged(key, source, error)
 
     def _header_len(self, key_len: int) -> int:
-        """Header bytes of this engine's pages for a key of ``key_len`` bytes."""
-        return self._template(key_len).header_len
-
-    def _read_plan(self, header_len: int) -> list[tuple[int, int, int, int]]:
-        """``pagefile.read_plan`` for this layout and ``warm_piece_bytes`` (cached)."""
-        k = (header_len, self.warm_piece_bytes)
-        plan = self._plans.get(k)
-        if plan is None:
-            plan = self._plans[k] = pagefile.read_plan(self.layout, header_len, self.warm_piece_bytes)
-        return plan
+        """Header bytes of this engine's pages for a key of ``key_len`` bytes (bench/io.py)."""
+        return self.files.header_len(key_len)
 
     @property
     def _slots(self) -> list[StagingSlot]:

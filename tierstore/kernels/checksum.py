@@ -224,6 +224,66 @@ if HAVE_TRITON:
         hi = _read64(pages_u8, start + pos + 8, m) ^ _key(tab_ptr, key_off + 8)
         return _fold64(lo, hi)
 
+    # XXH3_64bits of a short section, one helper per length band as in xxhash.h
+    # (XXH3_len_1to3_64b ... XXH3_len_129to240_64b); each is masked to its band by ``m``.
+    @triton.jit
+    def _len_1to3(pages_u8, start, length, ulen, m, tab_ptr):
+        c1 = tl.load(pages_u8 + start, mask=m, other=0).to(tl.uint64)
+        c2 = tl.load(pages_u8 + start + (length >> 1), mask=m, other=0).to(tl.uint64)
+        c3 = tl.load(pages_u8 + start + length - 1, mask=m, other=0).to(tl.uint64)
+        combined = (c1 << 16) | (c2 << 24) | c3 | (ulen << 8)
+        bitflip = (_key(tab_ptr, 0) & 0xFFFFFFFF) ^ (_key(tab_ptr, 4) & 0xFFFFFFFF)
+        return _avalanche64(combined ^ bitflip)
+
+    @triton.jit
+    def _len_4to8(pages_u8, start, length, ulen, m, tab_ptr):
+        in1 = _read64(pages_u8, start, m) & 0xFFFFFFFF
+        in2 = _read64(pages_u8, start + length - 4, m) & 0xFFFFFFFF
+        h = (in2 + (in1 << 32)) ^ (_key(tab_ptr, 8) ^ _key(tab_ptr, 16))
+        h = h ^ (((h << 49) | (h >> 15)) ^ ((h << 24) | (h >> 40)))
+        h = h * 0x9FB21C651E98DF25
+        h = h ^ ((h >> 35) + ulen)
+        h = h * 0x9FB21C651E98DF25
+        return h ^ (h >> 28)
+
+    @triton.jit
+    def _len_9to16(pages_u8, start, length, ulen, m, tab_ptr):
+        lo = _read64(pages_u8, start, m) ^ (_key(tab_ptr, 24) ^ _key(tab_ptr, 32))
+        hi = _read64(pages_u8, start + length - 8, m) ^ (_key(tab_ptr, 40) ^ _key(tab_ptr, 48))
+        sw = (
+            ((lo << 56) & 0xFF00000000000000)
+            | ((lo << 40) & 0x00FF000000000000)
+            | ((lo << 24) & 0x0000FF0000000000)
+            | ((lo << 8) & 0x000000FF00000000)
+            | ((lo >> 8) & 0x00000000FF000000)
+            | ((lo >> 24) & 0x0000000000FF0000)
+            | ((lo >> 40) & 0x000000000000FF00)
+            | ((lo >> 56) & 0x00000000000000FF)
+        )
+        return _avalanche(ulen + sw + hi + _fold64(lo, hi))
+
+    @triton.jit
+    def _len_17to128(pages_u8, start, length, ulen, m, tab_ptr):
+        acc = ulen * 0x9E3779B185EBCA87
+        for i in tl.static_range(4):
+            mi = m & (length > 32 * i)
+            part = _mix16(pages_u8, start, 16 * i, length, mi, tab_ptr, 32 * i)
+            part += _mix16(pages_u8, start, length - 16 * (i + 1), length, mi, tab_ptr, 32 * i + 16)
+            acc += tl.where(mi, part, 0)
+        return _avalanche(acc)
+
+    @triton.jit
+    def _len_129to240(pages_u8, start, length, ulen, m, tab_ptr):
+        acc = ulen * 0x9E3779B185EBCA87
+        for i in tl.static_range(8):
+            acc += _mix16(pages_u8, start, 16 * i, length, m, tab_ptr, 16 * i)
+        acc_end = _mix16(pages_u8, start, length - 16, length, m, tab_ptr, 136 - 17)
+        acc = _avalanche(acc)
+        for i in tl.static_range(8, 15):
+            mi = m & (i < length // 16)
+            acc_end += tl.where(mi, _mix16(pages_u8, start, 16 * i, length, mi, tab_ptr, 16 * (i - 8) + 3), 0)
+        return _avalanche(acc + acc_end)
+
     @triton.jit
     def _hash_short_kernel(
         pages_u8,
@@ -246,61 +306,12 @@ if HAVE_TRITON:
         start = page * row_stride + sec_off
         ulen = length.to(tl.uint64)
 
-        # 0 bytes
-        h0 = _avalanche64(_key(tab_ptr, 56) ^ _key(tab_ptr, 64)) + (ulen * 0)
-        # 1 - 3 bytes
-        m13 = ok & (length >= 1) & (length <= 3)
-        c1 = tl.load(pages_u8 + start, mask=m13, other=0).to(tl.uint64)
-        c2 = tl.load(pages_u8 + start + (length >> 1), mask=m13, other=0).to(tl.uint64)
-        c3 = tl.load(pages_u8 + start + length - 1, mask=m13, other=0).to(tl.uint64)
-        combined = (c1 << 16) | (c2 << 24) | c3 | (ulen << 8)
-        bitflip = (_key(tab_ptr, 0) & 0xFFFFFFFF) ^ (_key(tab_ptr, 4) & 0xFFFFFFFF)
-        h13 = _avalanche64(combined ^ bitflip)
-        # 4 - 8 bytes
-        m48 = ok & (length >= 4) & (length <= 8)
-        in1 = _read64(pages_u8, start, m48) & 0xFFFFFFFF
-        in2 = _read64(pages_u8, start + length - 4, m48) & 0xFFFFFFFF
-        h = (in2 + (in1 << 32)) ^ (_key(tab_ptr, 8) ^ _key(tab_ptr, 16))
-        h = h ^ (((h << 49) | (h >> 15)) ^ ((h << 24) | (h >> 40)))
-        h = h * 0x9FB21C651E98DF25
-        h = h ^ ((h >> 35) + ulen)
-        h = h * 0x9FB21C651E98DF25
-        h48 = h ^ (h >> 28)
-        # 9 - 16 bytes
-        m916 = ok & (length >= 9) & (length <= 16)
-        lo = _read64(pages_u8, start, m916) ^ (_key(tab_ptr, 24) ^ _key(tab_ptr, 32))
-        hi = _read64(pages_u8, start + length - 8, m916) ^ (_key(tab_ptr, 40) ^ _key(tab_ptr, 48))
-        sw = (
-            ((lo << 56) & 0xFF00000000000000)
-            | ((lo << 40) & 0x00FF000000000000)
-            | ((lo << 24) & 0x0000FF0000000000)
-            | ((lo << 8) & 0x000000FF00000000)
-            | ((lo >> 8) & 0x00000000FF000000)
-            | ((lo >> 24) & 0x0000000000FF0000)
-            | ((lo >> 40) & 0x000000000000FF00)
-            | ((lo >> 56) & 0x00000000000000FF)
-        )
-        h916 = _avalanche(ulen + sw + hi + _fold64(lo, hi))
-        # 17 - 128 bytes
-        m17 = ok & (length >= 17) & (length <= 128)
-        acc = ulen * 0x9E3779B185EBCA87
-        for i in tl.static_range(4):
-            mi = m17 & (length > 32 * i)
-            part = _mix16(pages_u8, start, 16 * i, length, mi, tab_ptr, 32 * i)
-            part += _mix16(pages_u8, start, length - 16 * (i + 1), length, mi, tab_ptr, 32 * i + 16)
-            acc += tl.where(mi, part, 0)
-        h17 = _avalanche(acc)
-        # 129 - 240 bytes
-        m129 = ok & (length >= 129) & (length <= 240)
-        acc = ulen * 0x9E3779B185EBCA87
-        for i in tl.static_range(8):
-            acc += _mix16(pages_u8, start, 16 * i, length, m129, tab_ptr, 16 * i)
-        acc_end = _mix16(pages_u8, start, length - 16, length, m129, tab_ptr, 136 - 17)
-        acc = _avalanche(acc)
-        for i in tl.static_range(8, 15):
-            mi = m129 & (i < length // 16)
-            acc_end += tl.where(mi, _mix16(pages_u8, start, 16 * i, length, mi, tab_ptr, 16 * (i - 8) + 3), 0)
-        h129 = _avalanche(acc + acc_end)
+        h0 = _avalanche64(_key(tab_ptr, 56) ^ _key(tab_ptr, 64)) + (ulen * 0)  # 0 bytes
+        h13 = _len_1to3(pages_u8, start, length, ulen, ok & (length >= 1) & (length <= 3), tab_ptr)
+        h48 = _len_4to8(pages_u8, start, length, ulen, ok & (length >= 4) & (length <= 8), tab_ptr)
+        h916 = _len_9to16(pages_u8, start, length, ulen, ok & (length >= 9) & (length <= 16), tab_ptr)
+        h17 = _len_17to128(pages_u8, start, length, ulen, ok & (length >= 17) & (length <= 128), tab_ptr)
+        h129 = _len_129to240(pages_u8, start, length, ulen, ok & (length >= 129) & (length <= 240), tab_ptr)
 
         res = tl.where(length == 0, h0, h13)
         res = tl.where(length >= 4, h48, res)

@@ -28,7 +28,7 @@ approximate: ``used_bytes`` leaves out pages it has not indexed yet, so the disk
 the cap by up to their bytes, and eviction chooses only among indexed pages (an unindexed page
 is never evicted before the scan reaches it). The scan applies its changes in small
 transactions, so stores reserve between them; it never indexes a file modified after it
-started (its writer commits it), indexes one modified shortly before only ``_SETTLE_S`` later
+started (its writer commits it), indexes one modified shortly before only ``local_scan._SETTLE_S`` later
 if its writer has not committed it by then and never touches a temp of a live writer, so a page being
 written is never evicted by it. ``reconcile=True`` scans in the caller's thread.
 
@@ -41,17 +41,20 @@ Bookkeeping after the write (commit, touch on hit, forget, release) can be ``def
 background thread per index that applies each batch in a single transaction; only ``reserve``
 (which must evict before the write) runs in the caller's thread.
 
+Parts: ``local_sessions.IndexHome`` (the ``.tierstore`` directory and the session lock files),
+``local_scan.Reconciler`` (the reconciling scan; it changes rows only through this class's
+``page_sizes``/``drop_vanished``/``index_found``/``index_settled``/``evict_now``). This class
+owns the sqlite database: reservations, commit, touch, forget, eviction, deferred bookkeeping.
+
 Threading: one ``LocalIndex`` may be used from several threads (one connection, one lock).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import sqlite3
-import stat
 import threading
 import time
 import uuid
@@ -60,24 +63,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierstore import safefs
-from tierstore.errors import ConfigError
-from tierstore.mapper import locate
-from tierstore.stale_temps import temp_writer, writer_gone
+from tierstore.tiers.local_scan import Reconciler, ReconcileReport
+from tierstore.tiers.local_sessions import INDEX_DIR, INDEX_NAME, SESSIONS_DIR, IndexHome
+
+__all__ = ["INDEX_DIR", "INDEX_NAME", "SESSIONS_DIR", "Evicted", "LocalIndex", "ReconcileReport"]
 
 log = logging.getLogger(__name__)
 
-INDEX_DIR = ".tierstore"
-INDEX_NAME = "index.sqlite"
-SESSIONS_DIR = "sessions"
 _EVICT_BATCH = 32
-_RECONCILE_CHUNK = 2000  # rows per reconcile transaction: stores reserve in between
-_PAGE_DEPTH = 4  # <namespace>/g<i>/r<j>/<aa>: the scan never descends deeper
-_PID_LIMIT = 1 << 22
-# A page written this recently before a scan may still await its writer's commit: indexing it
-# first could let an eviction delete it before that commit lands (a row for a deleted file).
-# The scan indexes such pages only after this delay, if their writer has not.
-_SETTLE_S = 5.0  # Linux's PID_MAX_LIMIT; larger pids in temp names are not tierstore's
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS pages(path TEXT PRIMARY KEY, size INTEGER NOT NULL, stamp INTEGER NOT NULL);
@@ -101,16 +94,6 @@ class Evicted:
     size: int
 
 
-@dataclass
-class ReconcileReport:
-    scanned_files: int = 0
-    added: int = 0
-    dropped: int = 0
-    resized: int = 0
-    temps_removed: int = 0
-    seconds: float = 0.0
-
-
 class LocalIndex:
     """Accounting + LRU eviction of one local root (see the module docstring)."""
 
@@ -120,13 +103,11 @@ class LocalIndex:
         self.root = Path(root)
         self.cap_bytes = cap_bytes
         self.root.mkdir(parents=True, exist_ok=True)  # the root itself: the operator's path
-        self._meta_fd, self._sessions_fd = self._open_meta_dirs()
-        meta = self.root / INDEX_DIR
-        self.path = meta / INDEX_NAME
-        fresh = self._check_db_file()
+        self._home = IndexHome(self.root)
+        self.path = self._home.db_path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-        self._check_same_dir(meta)
+        self._home.check_unchanged(self._db)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)  # idempotent DDL; executescript commits by itself
@@ -138,115 +119,23 @@ class LocalIndex:
         self._stopping = False
         self._keeper: threading.Thread | None = None
         self.session = uuid.uuid4().hex
-        self._session_fd = self._open_session()
-        dead = self._reap_dead_sessions()
-        self.last_reconcile: ReconcileReport | None = None
-        self._reconcile_stop = threading.Event()
-        self._reconciler: threading.Thread | None = None
+        self._home.open_session(self.session)
+        dead = self._drop_dead_sessions()
+        self._reconciler = Reconciler(self)
         if reconcile is None:
-            if dead > 0 or (fresh and self._root_has_namespaces()):
-                self._reconciler = threading.Thread(target=self._reconcile_in_background,
-                                                    name=f"tierstore-reconcile:{self.root}", daemon=True)
+            if dead > 0 or (self._home.fresh and self._home.root_has_namespaces()):
                 self._reconciler.start()
         elif reconcile:
-            self.last_reconcile = self.reconcile()
+            self._reconciler.last = self.reconcile()
 
-    def _open_meta_dirs(self) -> tuple[int, int]:
-        """Open (creating) ``.tierstore`` and ``.tierstore/sessions`` without following a link."""
-        root_fd = safefs.open_root(self.root)
-        try:
-            meta_fd = safefs.open_dir_path(root_fd, (INDEX_DIR,), create=True)
-        except safefs.UnsafeEntry as exc:
-            raise ConfigError(
-                f"{self.root / INDEX_DIR} is {'a symlink' if exc.reason == 'symlink' else 'not a directory'}: "
-                "tierstore keeps its local index there and never follows a link (remove it, or set "
-                '"local_root" to a directory only this service writes)') from None
-        finally:
-            os.close(root_fd)
-        try:
-            sessions_fd = safefs.open_dir_path(meta_fd, (SESSIONS_DIR,), create=True)
-        except safefs.UnsafeEntry as exc:
-            os.close(meta_fd)
-            raise ConfigError(f"{self.root / INDEX_DIR / SESSIONS_DIR}: {exc}; remove it") from None
-        except BaseException:
-            os.close(meta_fd)
-            raise
-        return meta_fd, sessions_fd
-
-    def _check_db_file(self) -> bool:
-        """True when the database does not exist yet; ConfigError if something else is there."""
-        fresh = True
-        for name in (INDEX_NAME, INDEX_NAME + "-wal", INDEX_NAME + "-shm"):
-            try:
-                st = safefs.lstat_at(name, self._meta_fd)
-            except FileNotFoundError:
-                continue
-            try:
-                safefs.check_regular(st, name)
-            except safefs.UnsafeEntry as exc:
-                self._close_fds()
-                raise ConfigError(f"{self.root / INDEX_DIR / name}: {exc}; tierstore never follows a link "
-                                  "there: remove it") from None
-            if name == INDEX_NAME:
-                fresh = False
-        return fresh
-
-    def _check_same_dir(self, meta: Path) -> None:
-        """Re-check after sqlite opened the path: ``.tierstore`` is still the directory we checked."""
-        try:
-            same = safefs.identity(os.stat(meta, follow_symlinks=False)) == safefs.identity(os.fstat(self._meta_fd))
-        except OSError:
-            same = False
-        if not same:
-            self._db.close()
-            self._close_fds()
-            raise ConfigError(f"{meta} was replaced while the local index was being opened; retry, "
-                              "and check who else writes under local_root")
-
-    def _close_fds(self) -> None:
-        for fd in (self._meta_fd, self._sessions_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    # ------------------------------------------------------------------ sessions
-    def _open_session(self) -> int:
-        fd = os.open(f"{self.session}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self._sessions_fd)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held until close or death: liveness of this session
-        return fd
-
-    def _reap_dead_sessions(self) -> int:
+    def _drop_dead_sessions(self) -> int:
         """Drop reservations of sessions whose process died; returns how many died."""
-        dead = []
-        for name in os.listdir(self._sessions_fd):
-            sid = name[:-len(".lock")]
-            if not name.endswith(".lock") or sid == self.session:
-                continue
-            try:
-                fd, _ = safefs.open_regular(name, self._sessions_fd)
-            except OSError:
-                continue  # vanished, or not a lock file we wrote: left alone
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # alive
-            dead.append(sid)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self._sessions_fd)
-            os.close(fd)
+        dead = self._home.reap_dead_sessions()
         if dead:
             with self._txn():
                 self._db.executemany("DELETE FROM reservations WHERE session = ?", [(s,) for s in dead])
             log.warning("tierstore local index %s: %d session(s) ended without closing; reconciling", self.path, len(dead))
         return len(dead)
-
-    def _root_has_namespaces(self) -> bool:
-        try:
-            with os.scandir(self.root) as it:
-                return any(e.is_dir(follow_symlinks=False) and e.name != INDEX_DIR for e in it)
-        except OSError:
-            return False
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -284,6 +173,14 @@ class LocalIndex:
                 victims.append(Evicted(path, int(size)))
                 used -= int(size)
         return victims
+
+    def _record_locked(self, reservation: int | None, relpath: str, size: int, stamp: int) -> None:
+        """Record a published page and drop its reservation; caller holds a txn."""
+        if reservation is not None:
+            self._db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
+        self._db.execute("INSERT INTO pages(path, size, stamp) VALUES (?, ?, ?) "
+                         "ON CONFLICT(path) DO UPDATE SET size = excluded.size, stamp = excluded.stamp",
+                         (relpath, size, stamp))
 
     def _unlink(self, victims: list[Evicted]) -> None:
         for v in victims:
@@ -355,14 +252,7 @@ class LocalIndex:
         with self._txn() as db:
             for op, args, stamp in batch:
                 if op == "commit":
-                    reservation, relpath, size = args
-                    if reservation is not None:
-                        db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
-                    db.execute(
-                        "INSERT INTO pages(path, size, stamp) VALUES (?, ?, ?) "
-                        "ON CONFLICT(path) DO UPDATE SET size = excluded.size, stamp = excluded.stamp",
-                        (relpath, size, stamp),
-                    )
+                    self._record_locked(*args, stamp)
                 elif op == "touch":
                     db.execute("UPDATE pages SET stamp = ? WHERE path = ?", (stamp, args[0]))
                 elif op == "forget":
@@ -379,14 +269,8 @@ class LocalIndex:
 
     def commit(self, reservation: int | None, relpath: str, size: int) -> list[Evicted]:
         """Record a published page (and drop its reservation); evicts if still over the cap."""
-        with self._txn() as db:
-            if reservation is not None:
-                db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
-            db.execute(
-                "INSERT INTO pages(path, size, stamp) VALUES (?, ?, ?) "
-                "ON CONFLICT(path) DO UPDATE SET size = excluded.size, stamp = excluded.stamp",
-                (relpath, size, time.time_ns()),
-            )
+        with self._txn():
+            self._record_locked(reservation, relpath, size, time.time_ns())
             victims = self._evict_locked(0, keep=relpath)  # never evict the page just written
         self._unlink(victims)
         return victims
@@ -427,123 +311,74 @@ class LocalIndex:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM pages").fetchone()[0])
 
-    # ------------------------------------------------------------------ reconcile
+    # ------------------------------------------------------------------ reconcile (local_scan)
+    @property
+    def last_reconcile(self) -> ReconcileReport | None:
+        """The report of the scan run at open (background or ``reconcile=True``), once finished."""
+        return self._reconciler.last
+
     @property
     def reconciling(self) -> bool:
         """Whether a background reconciling scan is still running (figures approximate)."""
-        return self._reconciler is not None and self._reconciler.is_alive()
+        return self._reconciler.running
 
     def wait_reconciled(self, timeout: float | None = None) -> bool:
         """Wait for the background reconciling scan, if any; False on timeout."""
-        if self._reconciler is not None:
-            self._reconciler.join(timeout)
-        return not self.reconciling
-
-    def _reconcile_in_background(self) -> None:
-        try:
-            self.last_reconcile = self.reconcile()
-        except (sqlite3.Error, OSError) as exc:
-            log.warning("tierstore local index %s: reconciling scan failed (%s); accounting stays "
-                        "approximate until the next start", self.path, exc)
+        return self._reconciler.wait(timeout)
 
     def reconcile(self) -> ReconcileReport:
-        """Make the index agree with the files under the root (see the module docstring)."""
-        t0 = time.monotonic()
-        started = time.time()
-        rep = ReconcileReport()
-        found, recent = self._scan(rep, started)
-        if self._reconcile_stop.is_set():
-            return rep
-        with self._lock:
-            rows = dict(self._db.execute("SELECT path, size FROM pages").fetchall())
-        gone = [rel for rel in rows if rel not in found]
-        for i in range(0, len(gone), _RECONCILE_CHUNK):
-            with self._txn() as db:
-                for rel in gone[i:i + _RECONCILE_CHUNK]:
-                    if not os.path.lexists(self.root / rel):
-                        rep.dropped += db.execute("DELETE FROM pages WHERE path = ?", (rel,)).rowcount
-        items = list(found.items())
-        for i in range(0, len(items), _RECONCILE_CHUNK):
-            if self._reconcile_stop.is_set():
-                return rep
-            with self._txn() as db:
-                for rel, (size, mtime) in items[i:i + _RECONCILE_CHUNK]:
-                    if rel not in rows:
-                        rep.added += db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)",
-                                                (rel, size, mtime)).rowcount
-                    elif rows[rel] != size:
-                        db.execute("UPDATE pages SET size = ? WHERE path = ?", (size, rel))
-                        rep.resized += 1
-        self._evict_now()
-        if recent and not self._reconcile_stop.wait(max(0.0, started + _SETTLE_S - time.time())):
-            with self._txn() as db:
-                for rel, (size, mtime) in recent.items():
-                    if os.path.lexists(self.root / rel):
-                        rep.added += db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)",
-                                                (rel, size, mtime)).rowcount
-            self._evict_now()
-        rep.seconds = time.monotonic() - t0
-        log.info("tierstore local index %s reconciled: %s", self.path, rep)
-        return rep
+        """Make the index agree with the files under the root, in this thread (``local_scan``)."""
+        return self._reconciler.run()
 
-    def _evict_now(self) -> None:
+    def page_sizes(self) -> dict[str, int]:
+        """Every indexed page: relative path -> size."""
+        with self._lock:
+            return dict(self._db.execute("SELECT path, size FROM pages").fetchall())
+
+    def drop_vanished(self, relpaths: list[str]) -> int:
+        """Drop the rows of ``relpaths`` whose file is gone (checked inside the transaction, so
+        a writer's commit cannot slip in between); how many were dropped."""
+        dropped = 0
+        with self._txn() as db:
+            for rel in relpaths:
+                if not os.path.lexists(self.root / rel):
+                    dropped += db.execute("DELETE FROM pages WHERE path = ?", (rel,)).rowcount
+        return dropped
+
+    def index_found(self, found: list[tuple[str, tuple[int, int]]], known: dict[str, int]) -> tuple[int, int]:
+        """Add the scanned pages ``known`` lacks (stamped with their mtime) and fix the sizes that
+        differ; (added, resized)."""
+        added = resized = 0
+        with self._txn() as db:
+            for rel, (size, mtime) in found:
+                if rel not in known:
+                    added += db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)",
+                                        (rel, size, mtime)).rowcount
+                elif known[rel] != size:
+                    db.execute("UPDATE pages SET size = ? WHERE path = ?", (size, rel))
+                    resized += 1
+        return added, resized
+
+    def index_settled(self, found: list[tuple[str, tuple[int, int]]]) -> int:
+        """Add the scanned pages whose file still exists and that no writer indexed; how many."""
+        added = 0
+        with self._txn() as db:
+            for rel, (size, mtime) in found:
+                if os.path.lexists(self.root / rel):
+                    added += db.execute("INSERT OR IGNORE INTO pages(path, size, stamp) VALUES (?, ?, ?)",
+                                        (rel, size, mtime)).rowcount
+        return added
+
+    def evict_now(self) -> None:
+        """Evict down to the cap now (unlinking, and telling ``on_evict``)."""
         with self._txn():
             victims = self._evict_locked(0)
         self._unlink(victims)
         if victims and self.on_evict is not None:
             self.on_evict(victims)
 
-    def _scan(self, rep: ReconcileReport, started: float) -> tuple[dict[str, tuple[int, int]],
-                                                                     dict[str, tuple[int, int]]]:
-        """Pages under the root (relative path -> size, mtime ns), removing dead writers' temps;
-        (settled pages, pages written less than ``_SETTLE_S`` before ``started``).
-
-        Iterative and never following a link (``safefs.walk``); only directories at page depth
-        hold pages; files modified after ``started`` belong to a live writer that commits them.
-        """
-        found: dict[str, tuple[int, int]] = {}
-        recent: dict[str, tuple[int, int]] = {}
-        root_fd = safefs.open_root(self.root)
-        try:
-            for listing in safefs.walk(root_fd, max_depth=_PAGE_DEPTH, descend=_descend):
-                if self._reconcile_stop.is_set():
-                    break
-                if len(listing.parts) != _PAGE_DEPTH:
-                    continue
-                base = "/".join(listing.parts)
-                for name, st in listing.entries:
-                    if not stat.S_ISREG(st.st_mode):
-                        continue
-                    rep.scanned_files += 1
-                    if name.endswith(".tmp"):
-                        rep.temps_removed += self._remove_dead_temp(listing.fd, name, st)
-                        continue
-                    rel = f"{base}/{name}"
-                    if st.st_nlink != 1 or st.st_mtime > started or locate(self.root, self.root / rel) is None:
-                        continue
-                    (recent if st.st_mtime > started - _SETTLE_S else found)[rel] = (st.st_size, st.st_mtime_ns)
-        finally:
-            os.close(root_fd)
-        return found, recent
-
-    @staticmethod
-    def _remove_dead_temp(dir_fd: int, name: str, st: os.stat_result) -> bool:
-        """Remove a temp whose writer is provably gone (``stale_temps``: the one rule)."""
-        writer = temp_writer(name)
-        if writer is None or not 0 < writer.pid <= _PID_LIMIT:
-            return False  # not a name tierstore writes: left alone
-        if not writer_gone(writer, st.st_mtime)[0]:
-            return False  # a live process (maybe another rank) may still be writing it
-        try:
-            safefs.unlink_at(name, dir_fd, safefs.identity(st))
-        except OSError:
-            return False  # vanished, or replaced since the listing: nothing done
-        return True
-
     def close(self) -> None:
-        self._reconcile_stop.set()
-        if self._reconciler is not None:
-            self._reconciler.join(30)
+        self._reconciler.stop()
         with self._qcv:
             self._stopping = True
             self._qcv.notify_all()
@@ -553,12 +388,4 @@ class LocalIndex:
             with contextlib.suppress(sqlite3.Error):
                 self._db.execute("DELETE FROM reservations WHERE session = ?", (self.session,))
             self._db.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{self.session}.lock", dir_fd=self._sessions_fd)
-        os.close(self._session_fd)
-        self._close_fds()
-
-
-def _descend(parts: tuple[str, ...]) -> bool:
-    """Enter page-layout directories only: never ``.tierstore`` or any hidden directory."""
-    return not parts[-1].startswith(".")
+        self._home.close()

@@ -1,0 +1,256 @@
+"""PageFiles: the file operations of one (root, namespace, group, rank) directory, in the exact
+format of one ``IOEngine`` (its header, codec, MAC trailer and O_DIRECT choice).
+
+``pagefile`` holds one flat function per operation on one page file; this class binds them to
+one rank directory and one page shape, and caches what every page of that shape shares (the
+header template per key length, the warm read plan). ``IOEngine`` decides when an operation
+runs and what its result means (queue, slots, stats, settle); this module only does it.
+
+- ``store``: an existing final file counts as stored (``stored=False``) before anything is
+  hashed. Codec none: the header (``HeaderTemplate.fill``, the caller's section sums or ours)
+  is written into the slot's frame right before the page, the gaps between sections zeroed
+  (``format.zero_gaps``), and the file goes out as one buffer (O_DIRECT: padded to 4096, then
+  truncated). Codec zstd: ``format.encode_page``. With a MAC the tag is appended. Failures are
+  ``PageStoreError`` (or ``PageUnsafe`` for a directory that is not ours).
+- ``load``: a file of exactly our size is read into the slot's frame
+  (``pagefile.read_own_page``): a page whose first block is cached is copied piece by piece
+  (about ``warm_piece_bytes``), each piece hashed while in the CPU cache; an uncached one is
+  read with O_DIRECT in one request when ``direct_loads``. A header that is not byte for byte
+  ours (another codec or header length, damage) goes through ``pagefile.read_page_fd``, which
+  names the error. The identity of the file read is left in ``slot._source`` (for
+  ``remove_damaged``); errors are ``PageError``s, never served bytes.
+- ``remove_damaged``: removes the file a load read, and only that one
+  (``pagefile.remove_damaged_at`` compares file identity): a file republished under the name
+  meanwhile stays, and so does one that was never identified.
+
+Every file is reached through ``pagefile.RankDir`` (directory fds, no symlink followed) and
+opened ``O_NOFOLLOW|O_NONBLOCK``. Counters the owner keeps (``loads_odirect``,
+``loads_general_reader``, ``bad_pages_discarded``) are reported through the ``count`` callback.
+
+Threading: ``store``, ``load`` and ``remove_damaged`` may run on several threads at once
+(I/O threads); they hold no lock while doing file I/O. zstd compressors and cachestat(2)
+arguments are per thread; the template and plan caches are filled idempotently (a race builds
+the same value twice). ``count`` is called with no lock of this class held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zstandard
+
+from tierstore import page_index, pagefile, safefs
+from tierstore.config import TierStoreConfig
+from tierstore.directio import CachestatArgs, FrameGeometry, cachestat_pages
+from tierstore.errors import PageError, PageStoreError
+from tierstore.format import (
+    FLAG_MAC,
+    MAC_TRAILER_LEN,
+    Codec,
+    HeaderTemplate,
+    PageExpectation,
+    PageLayout,
+    PageMeta,
+    encode_page,
+    section_checksums,
+    zero_gaps,
+)
+from tierstore.identity import Namespace
+from tierstore.mac import PageMac
+from tierstore.mapper import MAX_KEY_BYTES, FileMapper, fanout
+from tierstore.pagefile import FileIdentity
+from tierstore.staging import StagingSlot
+
+__all__ = ["WARM_PIECE_BYTES", "PageFiles"]
+
+logger = logging.getLogger("tierstore.engine")  # the engine's log: what operators filter on
+
+# The CPU-cache-sized piece of a warm load (pagefile.read_plan; docs/DESIGN.md §5, "Load path").
+WARM_PIECE_BYTES = 1 << 20
+
+ReadPlan = list[tuple[int, int, int, int]]
+
+
+class _ThreadState(threading.local):
+    """Per I/O thread: the zstd compressor and cachestat(2) arguments (allocated once)."""
+
+    def __init__(self) -> None:
+        self.compressor: zstandard.ZstdCompressor | None = None
+        self.cachestat = CachestatArgs()
+
+
+class PageFiles:
+    """Stores, loads and removes the page files of one rank directory (module docstring)."""
+
+    def __init__(self, mapper: FileMapper, namespace: Namespace, group_index: int, rank: int, *, head_start: int,
+                 head_count: int, config: TierStoreConfig, codec: Codec, perms: safefs.Perms, mac: PageMac | None,
+                 odirect: bool, direct_loads: bool, count: Callable[[str], None]) -> None:
+        self.mapper = mapper
+        self.namespace, self.group_index, self.rank = namespace, group_index, rank
+        self.group = namespace.groups[group_index]
+        self.layout: PageLayout = self.group.layout
+        self.head_start, self.head_count = head_start, head_count
+        self.codec, self.perms, self.mac = codec, perms, mac
+        self.fsync, self.zstd_level = config.fsync, config.zstd_level
+        self.odirect = odirect  # stores write with O_DIRECT (codec none, no MAC)
+        self.direct_loads = direct_loads  # cold loads read with O_DIRECT (odirect + cachestat)
+        self.warm_piece_bytes = WARM_PIECE_BYTES
+        self._count = count
+        self._nbytes = self.layout.nbytes
+        self._flags = FLAG_MAC if mac is not None else 0
+        self._trailer = MAC_TRAILER_LEN if mac is not None else 0
+        self._templates: dict[int, HeaderTemplate] = {}  # key length -> header of our pages
+        self._plans: dict[tuple[int, int], ReadPlan] = {}
+        self._local = _ThreadState()
+        self._dirs = pagefile.RankDir(mapper.root, (namespace.digest, f"g{group_index}", f"r{rank}"), perms)
+        # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
+        self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
+
+    def close(self) -> None:
+        """Close the directory fds (only once no I/O thread can still use them)."""
+        self._dirs.close()
+
+    # ----------------------------------------------------------------- store
+    def store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
+        """Publish ``slot``'s page under ``key``: (stored, payload bytes); ``stored`` is False
+        when a file of that name exists already."""
+        final = self.mapper.final_path(key)
+        name = os.path.basename(final)
+        try:
+            dir_fd = self._dirs.fanout(fanout(key), create=True, where=final, key=key)
+        except OSError as exc:
+            raise PageStoreError(f"cannot open the page's directory: {exc.strerror}", errno=exc.errno, path=final,
+                                 key=key) from exc
+        try:
+            result = self._store_in(dir_fd, name, final, key, slot, token_count, sums)
+        finally:
+            os.close(dir_fd)
+        page_index.note_stored(self.mapper.base, key)  # this process's own pages: never a stale miss
+        return result
+
+    def _store_in(self, dir_fd: int, name: str, final: str, key: bytes, slot: StagingSlot, token_count: int,
+                  sums: tuple[int, ...] | None) -> tuple[bool, int]:
+        """``store`` in the checked fan-out directory ``dir_fd``."""
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            return False, self._nbytes  # before hashing anything: names are content addresses
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+        tmp = os.path.basename(self.mapper.temp_path(key, final))
+        mode = self.perms.file_mode
+        if self.codec == Codec.NONE:
+            tmpl = self._template(len(key))
+            hl = tmpl.header_len
+            zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
+            file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
+            tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else section_checksums(self.layout, slot.view))
+            pieces: list[Any] = [file_buf]
+            if self.mac is not None:
+                pieces.append(self.mac.tag(file_buf[:hl], slot.view))
+            pagefile.publish(name, tmp, pieces, key=key, fsync=self.fsync, direct=self.odirect,
+                             exact_len=hl + self._nbytes, dir_fd=dir_fd, mode=mode, where=final)
+        else:
+            st = self._local
+            if st.compressor is None:
+                st.compressor = zstandard.ZstdCompressor(level=self.zstd_level)
+            header, payload = encode_page(self._meta(key, token_count), self.layout, slot.view, Codec.ZSTD,
+                                          st.compressor, self._flags)
+            pieces = [header, *payload]
+            if self.mac is not None:
+                pieces.append(self.mac.tag(header, payload))
+            pagefile.publish(name, tmp, pieces, key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode, where=final)
+        return True, self._nbytes
+
+    # ----------------------------------------------------------------- load
+    def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
+        """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""
+        path = self.mapper.final_path(key)
+        tmpl = self._template(len(key))
+        hl = tmpl.header_len
+        dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
+        try:
+            fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+        finally:
+            os.close(dir_fd)
+        slot._source = pagefile.file_identity(st)
+        try:
+            if st.st_size == hl + self._nbytes + self._trailer:
+                file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
+                cold = self.direct_loads and cachestat_pages(fd, self._local.cachestat) <= 0
+                if cold:
+                    self._count("loads_odirect")
+                read = cold and pagefile.read_direct(fd, file_buf, hl + self._nbytes, path)
+                sums = pagefile.read_own_page(fd, tmpl, file_buf, slot.view, self.layout, self.read_plan(hl),
+                                              key=key, path=path, verify=verify, already_read=read)
+                if read:  # the general reader below and the trailer are unaligned reads
+                    pagefile.clear_direct(fd)
+                if sums is not None:
+                    if self.mac is not None:  # never served without a valid tag, verified or not
+                        trailer = os.pread(fd, MAC_TRAILER_LEN, hl + self._nbytes)
+                        self.mac.verify(file_buf[:hl], slot.view, trailer, path=path)
+                    return self._nbytes, (None if verify else tuple(sums))
+            # Not byte for byte the header this engine writes (another codec or header length, a
+            # wrong size, a damaged header): the general reader verifies it or names the error.
+            self._count("loads_general_reader")
+            pagefile.read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac)
+            return self._nbytes, None
+        except OSError as exc:
+            raise pagefile.read_error(exc, "read", path, key) from exc
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- damaged pages
+    def remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
+        """Remove the bad file a load read, so the next store of its key can replace it.
+
+        Names are content addresses: a damaged file under a final name would otherwise count as
+        "already stored" forever. Only the file that was read goes (``source``); a file we did
+        not get to identify (not a regular file) stays for fsck."""
+        if source is None:
+            return
+        path = self.mapper.final_path(key)
+        try:
+            dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
+        except (PageError, OSError):
+            return  # gone, or a directory on the way is no longer ours: nothing is touched
+        try:
+            removed = pagefile.remove_damaged_at(dir_fd, os.path.basename(path), source)
+        finally:
+            os.close(dir_fd)
+        if removed:
+            page_index.note_removed(self.mapper.base, key)
+            logger.warning("removed damaged page %s (%s)", path, error)
+            self._count("bad_pages_discarded")
+
+    # ----------------------------------------------------------------- cached shapes
+    def expectation(self, key: bytes) -> PageExpectation:
+        """What a page of ``key`` written here must be (``pagefile.read_page``)."""
+        return PageExpectation(self.namespace.digest_bytes, key, self.group_index, self.rank, self.layout)
+
+    def header_len(self, key_len: int) -> int:
+        """Header bytes of these pages for a key of ``key_len`` bytes."""
+        return self._template(key_len).header_len
+
+    def read_plan(self, header_len: int) -> ReadPlan:
+        """``pagefile.read_plan`` for this layout and ``warm_piece_bytes`` (cached)."""
+        k = (header_len, self.warm_piece_bytes)
+        plan = self._plans.get(k)
+        if plan is None:
+            plan = self._plans[k] = pagefile.read_plan(self.layout, header_len, self.warm_piece_bytes)
+        return plan
+
+    def _meta(self, key: bytes, token_count: int) -> PageMeta:
+        return PageMeta(self.namespace.digest_bytes, key, self.group_index, self.group.kind, token_count,
+                        self.rank, self.head_start, self.head_count)
+
+    def _template(self, key_len: int) -> HeaderTemplate:
+        tmpl = self._templates.get(key_len)
+        if tmpl is None:
+            tmpl = self._templates[key_len] = HeaderTemplate(self._meta(b"\0" * key_len, 0), self.layout, self._flags)
+        return tmpl
