@@ -3,13 +3,21 @@
 Contract:
 
 - ``run_fsck(FsckOptions)`` walks ROOT (``inventory.walk_root``; symlinks are never followed)
-  and verifies every page completely with ``pagefile.read_page`` against what its place and
+  and verifies every page completely with ``fsck_read.PageVerifier`` against what its place and
   its namespace's manifest say: header checksum, every section checksum, exact file size,
   namespace digest = directory name, key/group/rank = path (``mapper.locate``), layout and
-  group kind = the manifest's group. Pages are read concurrently by ``jobs`` threads (on
-  NFS latency dominates, so more threads than cores pay off).
-- Problems: bad pages, stale temps, orphans, foreign files, NFS/FUSE silly-rename leftovers,
-  symlinks, namespace directories without a valid manifest, unreadable directories.
+  group kind = the manifest's group. Pages are opened through checked directory fds, never
+  followed, never blocking, in memory bounded per read by the layout and in total by
+  ``budget_bytes`` (see fsck_read.py). Pages are read concurrently by ``jobs`` threads (None: 64,
+  ``READS_IN_FLIGHT``; on NFS latency dominates, so more threads than cores pay off). Every
+  exception on one page is a finding about it.
+- Problems: bad pages, stale temps, orphans, foreign files (hard-linked or non-regular page
+  names: kind ``unsafe``), NFS/FUSE silly-rename leftovers, symlinks, namespace directories
+  without a valid manifest, unreadable directories, and ``.tierstore*`` root entries that are
+  symlinks or of the wrong type (a linked trash, index or lease). Warnings (``report.warnings``,
+  no effect on the exit code): pages whose mode lets more users in than configured
+  (``group_access``), cleared by ``--repair`` with fchmod on a checked fd. Text output escapes
+  every name and string from the root (``display.escape``); JSON keeps them raw.
   Temp files that may still be written are counted, not reported as problems.
 - ``--repair`` (``FsckOptions.repair``) deletes what tierstore wrote and can never serve (bad
   pages, orphans, stale temps, old silly-rename leftovers), unlinks symlinks (the link, never
@@ -455,6 +463,9 @@ def run_fsck(options: FsckOptions) -> FsckReport:
         reserved = reserved_root_findings(inv.root) if options.namespace is None else []
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         report.error = str(exc)
+        return report
+    except Exception as exc:  # noqa: BLE001 - a report with exit 8, never a traceback
+        report.error = f"the walk stopped: {type(exc).__name__}: {exc} (a tierstore bug: please report it)"
         return report
     finally:
         progress.close()
