@@ -362,3 +362,11 @@ def test_chain_unsafe_shared_page_is_a_miss_and_the_tier_stays_up(tmp_path: Path
     finally:
         st.close()
         close_shared_state()
+
+
+def test_reserved_root_names_agree_with_their_owners() -> None:
+    from tierstore.tiers.gc import TRASH_DIR
+    from tierstore.tiers.lease import LEASE_NAME
+    from tierstore.tiers.local_index import INDEX_DIR
+
+    assert fsck_mod.RESERVED_ROOT_ENTRIES == {TRASH_DIR: True, LEASE_NAME: False, INDEX_DIR: True}
