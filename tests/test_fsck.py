@@ -422,7 +422,7 @@ def test_repair_refuses_a_directory_swapped_for_a_symlink_after_the_scan(
 ) -> None:
     _flip_payload(filled, root)
     bad = filled[0].path
-    inv = walk_root(root, visitor=__import__("tierstore.fsck", fromlist=["PageVerifier"]).PageVerifier())
+    inv = walk_root(root, visitor=__import__("tierstore.fsck", fromlist=["PageVerifier"]).PageVerifier(root))
     assert [f.path for f in inv.findings] == [str(bad)]
     # After the scan an attacker (or a confused admin) replaces the leaf directory by a
     # symlink to a directory outside ROOT holding a file of the same name.
@@ -443,7 +443,7 @@ def test_repair_skips_a_file_replaced_after_the_scan(root: Path, hybrid_ns: Name
     bad = filled[0]
     from tierstore.fsck import PageVerifier
 
-    inv = walk_root(root, visitor=PageVerifier())
+    inv = walk_root(root, visitor=PageVerifier(root))
     bad.path.unlink()  # gc removed it, a writer republished a good page under the same name
     write_page(root, hybrid_ns, bad.group_index, bad.key)
     report = FsckReport(root=str(root), repair=True, problems=inv.findings)
@@ -479,7 +479,7 @@ def test_live_tree_vanishing_files_are_not_problems(root: Path, hybrid_ns: Names
     # A visitor that deletes the page before reading it behaves like gc racing fsck.
     from tierstore.fsck import PageVerifier
 
-    verifier = PageVerifier()
+    verifier = PageVerifier(root)
 
     def racing(ref):  # type: ignore[no-untyped-def]
         os.unlink(ref.path)
@@ -563,7 +563,7 @@ def test_progress_line_only_when_enabled(root: Path, filled: list[StoredPage]) -
     shown, hidden = io.StringIO(), io.StringIO()
     for stream, enabled in ((shown, True), (hidden, False)):
         progress = Progress("fsck", stream=stream, enabled=enabled)
-        walk_root(root, visitor=PageVerifier(), progress=progress)
+        walk_root(root, visitor=PageVerifier(root), progress=progress)
         progress.close()
     assert "100.0%" in shown.getvalue() and f"{len(filled)} files" in shown.getvalue()
     assert hidden.getvalue() == ""
@@ -630,18 +630,18 @@ def test_temp_of_a_killed_unreaped_writer_is_stale(root: Path, filled: list[Stor
 def test_io_errors_are_reported_but_never_repaired_by_deletion(root: Path, filled: list[StoredPage], monkeypatch) -> None:
     import errno
 
-    import tierstore.fsck as fsck_mod
+    import tierstore.fsck_read as fsck_mod
     from tierstore.errors import PageIOError
 
-    real = fsck_mod.read_page
+    real = fsck_mod.open_page
     target = str(filled[0].path)
 
-    def flaky(path, *args, **kw):  # type: ignore[no-untyped-def]
-        if str(path) == target:
-            raise PageIOError("read failed: Input/output error", errno=errno.EIO, path=path)
-        return real(path, *args, **kw)
+    def flaky(name, *args, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("where") == target:
+            raise PageIOError("read failed: Input/output error", errno=errno.EIO, path=target)
+        return real(name, *args, **kw)
 
-    monkeypatch.setattr(fsck_mod, "read_page", flaky)
+    monkeypatch.setattr(fsck_mod, "open_page", flaky)
     rc, rep = fsck(root, "--repair")
     assert rc == 4 and _problems(rep) == {target: ("unreadable", "io")}
     assert filled[0].path.exists()

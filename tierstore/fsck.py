@@ -3,13 +3,21 @@
 Contract:
 
 - ``run_fsck(FsckOptions)`` walks ROOT (``inventory.walk_root``; symlinks are never followed)
-  and verifies every page completely with ``pagefile.read_page`` against what its place and
+  and verifies every page completely with ``fsck_read.PageVerifier`` against what its place and
   its namespace's manifest say: header checksum, every section checksum, exact file size,
   namespace digest = directory name, key/group/rank = path (``mapper.locate``), layout and
-  group kind = the manifest's group. Pages are read concurrently by ``jobs`` threads (on
-  NFS latency dominates, so more threads than cores pay off).
-- Problems: bad pages, stale temps, orphans, foreign files, NFS/FUSE silly-rename leftovers,
-  symlinks, namespace directories without a valid manifest, unreadable directories.
+  group kind = the manifest's group. Pages are opened through checked directory fds, never
+  followed, never blocking, in memory bounded per read by the layout and in total by
+  ``budget_bytes`` (see fsck_read.py). Pages are read concurrently by ``jobs`` threads (None: 64,
+  ``READS_IN_FLIGHT``; on NFS latency dominates, so more threads than cores pay off). Every
+  exception on one page is a finding about it.
+- Problems: bad pages, stale temps, orphans, foreign files (hard-linked or non-regular page
+  names: kind ``unsafe``), NFS/FUSE silly-rename leftovers, symlinks, namespace directories
+  without a valid manifest, unreadable directories, and ``.tierstore*`` root entries that are
+  symlinks or of the wrong type (a linked trash, index or lease). Warnings (``report.warnings``,
+  no effect on the exit code): pages whose mode lets more users in than configured
+  (``group_access``), cleared by ``--repair`` with fchmod on a checked fd. Text output escapes
+  every name and string from the root (``display.escape``); JSON keeps them raw.
   Temp files that may still be written are counted, not reported as problems.
 - ``--repair`` (``FsckOptions.repair``) deletes what tierstore wrote and can never serve (bad
   pages, orphans, stale temps, old silly-rename leftovers), unlinks symlinks (the link, never
@@ -39,28 +47,25 @@ Threading: ``run_fsck`` is called from one thread; it uses a private pool for re
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import os
 import stat
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import zstandard
-
-from tierstore.errors import PageError, PageIOError, PageMissing
+from tierstore import display, safefs
+from tierstore.errors import PageError
 from tierstore.format import (
     FORMAT_VERSION,
-    PageExpectation,
     PageHeader,
-    check_expectation,
     check_stored_gaps,
     decode_header_any_version,
     nonzero_gap,
 )
+from tierstore.fsck_read import MAX_UNMANIFESTED_PAGE_BYTES, MODE, MODE_GROUP_SHARED, PageVerifier
 from tierstore.identity import MANIFEST_NAME
 from tierstore.inventory import (
     BAD_PAGE,
@@ -75,15 +80,12 @@ from tierstore.inventory import (
     Finding,
     Fingerprint,
     Inventory,
-    PageRef,
-    PageVerdict,
     Progress,
+    check_root,
     fingerprint,
-    read_header,
     stats_from_inventory,
     walk_root,
 )
-from tierstore.pagefile import inspect_page, read_page
 
 EXIT_CLEAN = 0
 EXIT_REPAIRED = 1
@@ -91,11 +93,16 @@ EXIT_ERRORS_LEFT = 4
 EXIT_OPERATIONAL = 8
 EXIT_CANCELLED = 32
 
-# A page with no usable manifest is verified into a buffer of the size its header declares.
-# format.MAX_PAGE_BYTES (64 GiB) already bounds every reader; fsck runs ``jobs`` such reads at
-# once, so it verifies no unmanifested page above this (pages are a few MiB to a few hundred).
-MAX_UNMANIFESTED_PAGE_BYTES = 4 << 30
+# A page with no usable manifest is verified into a buffer of the size its header declares;
+# above MAX_UNMANIFESTED_PAGE_BYTES (fsck_read.py) it is reported, not read.
+__all__ = ["MAX_UNMANIFESTED_PAGE_BYTES", "FsckOptions", "FsckReport", "PageVerifier", "deep_check_page", "run_fsck"]
 CATEGORIES = (BAD_PAGE, STALE_TEMP, ORPHAN, FOREIGN, NFS_LEFTOVER, SYMLINK, MANIFEST, UNREADABLE)
+READS_IN_FLIGHT = 64  # default ``jobs``: on a 10 ms mount, reads in flight set the pace
+# Root entries tierstore itself creates under its reserved prefix (single source: tiers/gc.py
+# TRASH_DIR, tiers/lease.py LEASE_NAME, tiers/local_index.py INDEX_DIR; tests check they agree;
+# not imported: the tiers package imports torch, fsck must stay light) -> whether a directory.
+RESERVED_ROOT_ENTRIES = {".tierstore-trash": True, ".tierstore-gc.lease": False, ".tierstore": True}
+RESERVED_PREFIX = ".tierstore"
 _DELETE = frozenset({BAD_PAGE, ORPHAN, STALE_TEMP, NFS_LEFTOVER})
 
 
@@ -104,11 +111,13 @@ class FsckOptions:
     root: str | os.PathLike[str]
     repair: bool = False
     namespace: str | None = None  # a digest or a unique prefix
-    jobs: int = 8
+    jobs: int | None = None  # threads listing and reading pages (None: READS_IN_FLIGHT)
     tmp_age: float = 3600.0  # seconds after which a temp of another host (or a live pid) is stale
     quarantine_bad: bool = False  # move bad pages to ROOT/.quarantine instead of deleting them
     progress: bool | None = None  # None: on a terminal only
     deep: bool = False  # also check values (NaN/Inf) and older trees' gap bytes (deep_check_page)
+    group_access: bool | None = None  # pages may be 0660 (None: when their namespace dir has group bits)
+    budget_bytes: int = 1 << 30  # page buffers of all threads together (fsck_read.BufferPool)
 
 
 @dataclass
@@ -125,6 +134,10 @@ class FsckReport:
     quarantine: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # operational error (exit 8)
+    reads: dict[str, int] = field(default_factory=dict)  # max_in_flight, threads, peak_buffer_bytes
+    # Pages whose mode lets more users in than configured (category "mode"): a confidentiality
+    # warning, not damage, so not a problem for the exit code; ``--repair`` clears the bits.
+    warnings: list[Finding] = field(default_factory=list)
 
     @property
     def repaired(self) -> int:
@@ -169,94 +182,37 @@ class FsckReport:
             "quarantine": self.quarantine,
             "counts": self.counts(),
             "problems": [p.to_json() for p in self.problems],
+            "warnings": [w.to_json() for w in self.warnings],
+            "reads": self.reads,
             "namespaces": self.stats.get("namespaces", []),
         }
 
     def format_text(self) -> str:
         lines = []
-        for p in self.problems:
-            done = f"  [{p.action}]" if p.action else (f"  [NOT repaired: {p.repair_error}]" if p.repair_error else "")
-            lines.append(f"{p.category}/{p.kind}: {p.path}: {p.message}{done}")
+        for p in (*self.problems, *self.warnings):
+            # Names and manifest strings come from the root: escaped, so none forges a line.
+            done = (f"  [{p.action}]" if p.action
+                    else (f"  [NOT repaired: {display.escape(p.repair_error)}]" if p.repair_error else ""))
+            lines.append(f"{p.category}/{display.escape(p.kind)}: {display.escape(p.path)}: "
+                         f"{display.escape(p.message)}{done}")
         if self.error:
-            lines.append(f"fsck: {self.error}")
+            lines.append(f"fsck: {display.escape(self.error)}")
             return "\n".join(lines)
         c = self.counts()
         found = ", ".join(f"{c[k]} {k}" for k in CATEGORIES if c[k]) or "no problems"
+        if self.warnings:
+            found += f" ({len(self.warnings)} page(s) with too open a mode)"
         lines.append(
-            f"{self.root}: {c['namespaces']} namespace(s), {c['pages_ok']} pages ok "
+            f"{display.escape(self.root)}: {c['namespaces']} namespace(s), {c['pages_ok']} pages ok "
             f"({c['bytes_ok'] / 2**20:.1f} MiB), {c['temps_active']} temp(s) in flight; {found}"
             f" in {self.seconds:.2f} s"
         )
         if self.repair and self.problems:
             lines.append(f"repaired {self.repaired}, left {self.left}"
-                         + (f"; quarantine: {self.quarantine}" if self.quarantine else ""))
+                         + (f"; quarantine: {display.escape(self.quarantine)}" if self.quarantine else ""))
         elif self.problems:
             lines.append("run `tierstore fsck --repair` to repair")
         return "\n".join(lines)
-
-
-class PageVerifier:
-    """Visitor that reads and verifies a page completely (thread-safe).
-
-    Each pool thread keeps one page buffer per size and one zstd decompressor, so the
-    scan allocates nothing per page for namespaces with a manifest.
-    """
-
-    def __init__(self, deep: bool = False) -> None:
-        self._local = threading.local()
-        self.deep = deep
-
-    def _buffer(self, nbytes: int) -> memoryview:
-        bufs: dict[int, bytearray] = self._local.__dict__.setdefault("bufs", {})
-        buf = bufs.get(nbytes)
-        if buf is None:
-            buf = bufs[nbytes] = bytearray(nbytes)
-        return memoryview(buf)
-
-    def _decompressor(self) -> zstandard.ZstdDecompressor:
-        d = getattr(self._local, "dctx", None)
-        if d is None:
-            d = self._local.dctx = zstandard.ZstdDecompressor()
-        return d
-
-    def __call__(self, ref: PageRef) -> PageVerdict:
-        path = Path(ref.path)
-        ns_bytes = ref.ns.digest_bytes
-        try:
-            if ref.group is not None and ns_bytes is not None:
-                expect = PageExpectation(ns_bytes, ref.key, ref.group_index, ref.rank, ref.group.layout)
-                page = self._buffer(ref.group.layout.nbytes)
-                header = read_page(path, expect, page, self._decompressor())
-                if header.meta.group_kind != ref.group.kind:
-                    return self._bad(ref, "format", f"page says group kind {header.meta.group_kind.name.lower()}, "
-                                                    f"the manifest's group {ref.group_index} is {ref.group.kind.name.lower()}")
-                deep = deep_check_page(header, page) if self.deep else None
-                if deep is not None:
-                    return self._bad(ref, *deep)
-            else:
-                # No usable manifest: verify what the page says about itself and its place.
-                # The header is checked first: inspect_page allocates the layout it declares.
-                declared = read_header(ref.path).layout.nbytes
-                if declared > MAX_UNMANIFESTED_PAGE_BYTES:
-                    return self._bad(ref, "format", f"page declares {declared} bytes, more than fsck verifies "
-                                                    f"without a manifest ({MAX_UNMANIFESTED_PAGE_BYTES}); not verified")
-                header = inspect_page(path, self._decompressor())
-                expect = PageExpectation(ns_bytes or header.meta.namespace, ref.key, ref.group_index, ref.rank)
-                check_expectation(header, expect, path=ref.path)
-        except PageMissing:
-            return PageVerdict(vanished=True)
-        except PageIOError as exc:
-            # EIO, a soft NFS mount timing out...: maybe transient, so never deleted for it.
-            return PageVerdict(problem=Finding(ref.path, UNREADABLE, "io", f"cannot read the page: {exc}", size=ref.size))
-        except OSError as exc:
-            return PageVerdict(problem=Finding(ref.path, UNREADABLE, "io", f"cannot read the page: {exc.strerror}", size=ref.size))
-        except PageError as exc:
-            return self._bad(ref, exc.kind, exc.message)
-        return PageVerdict(token_count=header.meta.token_count)
-
-    @staticmethod
-    def _bad(ref: PageRef, kind: str, message: str) -> PageVerdict:
-        return PageVerdict(problem=Finding(ref.path, BAD_PAGE, kind, message, size=ref.size, mtime=ref.mtime, fingerprint=ref.fingerprint))
 
 
 # Floating-point dtypes -> (same-size unsigned view, mask, pattern): a value v is NaN or Inf
@@ -300,57 +256,94 @@ def deep_check_page(header: PageHeader, page: memoryview) -> tuple[str, str] | N
 
 def old_tree_findings(inv: Inventory) -> list[Finding]:
     """For each namespace of an older page format: a finding counting its pages whose gap bytes
-    are not zero (non-canonical). The tree is only read (with O_NOFOLLOW), never changed."""
+    are not zero (non-canonical). The tree is only read, through checked directory fds
+    (safefs.walk: iterative, no symlink followed; files opened non-blocking), never changed."""
     out = []
-    for nsd in inv.namespaces:
-        if nsd.walk or nsd.namespace is None or nsd.namespace.format_version >= FORMAT_VERSION:
-            continue
-        total, bad = 0, 0
-        for dirpath, _, names in os.walk(nsd.path, followlinks=False):
-            for name in names:
-                if not name.endswith(".kvp") or name.startswith("."):
-                    continue
-                total += 1
-                bad += not _old_page_is_canonical(os.path.join(dirpath, name))
-        if bad:
-            out.append(Finding(str(nsd.path / MANIFEST_NAME), MANIFEST, "noncanonical",
-                               f"page format {nsd.namespace.format_version}: {bad} of {total} page(s) have non-zero "
-                               f"alignment-gap bytes (written before format {FORMAT_VERSION} zeroed them; such "
-                               "bytes may come from earlier pages); never served here, left as is"))
+    root_fd = safefs.open_root(inv.root)
+    try:
+        for nsd in inv.namespaces:
+            if nsd.walk or nsd.namespace is None or nsd.namespace.format_version >= FORMAT_VERSION:
+                continue
+            try:
+                ns_fd = safefs.open_dir(nsd.name, root_fd)
+            except OSError:
+                continue  # swapped since the walk: nothing of it is read
+            total, bad = 0, 0
+            try:
+                for d in safefs.walk(ns_fd, max_depth=8):
+                    for name, st in d.entries:
+                        if name.endswith(".kvp") and not name.startswith(".") and stat.S_ISREG(st.st_mode):
+                            total += 1
+                            bad += not _old_page_is_canonical(name, d.fd)
+            finally:
+                os.close(ns_fd)
+            if bad:
+                out.append(Finding(str(nsd.path / MANIFEST_NAME), MANIFEST, "noncanonical",
+                                   f"page format {nsd.namespace.format_version}: {bad} of {total} page(s) have "
+                                   f"non-zero alignment-gap bytes (written before format {FORMAT_VERSION} zeroed "
+                                   "them; such bytes may come from earlier pages); never served here, left as is"))
+    finally:
+        os.close(root_fd)
     return out
 
 
-def _old_page_is_canonical(path: str) -> bool:
-    """False when a page of an older format has non-zero gap bytes (unreadable files: True,
-    they are not this check's business)."""
+def _old_page_is_canonical(name: str, dir_fd: int) -> bool:
+    """False when a page of an older format has non-zero gap bytes (unreadable or unsafe
+    files: True, they are not this check's business)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_UNMANIFESTED_PAGE_BYTES:
-                return True
-            data = os.pread(fd, size, 0)
-        finally:
-            os.close(fd)
-        _, header = decode_header_any_version(data, path=path)
+        data = safefs.read_small(name, dir_fd, MAX_UNMANIFESTED_PAGE_BYTES)
+        _, header = decode_header_any_version(data, path=name)
         check_stored_gaps(header, memoryview(data)[header.header_len : header.header_len + header.payload_len])
     except (OSError, PageError) as exc:
         return not (isinstance(exc, PageError) and "non-zero" in exc.message)
     return True
 
 
+def reserved_root_findings(root: Path) -> list[Finding]:
+    """Root entries under tierstore's reserved prefix that are not what tierstore creates: a
+    symlink (a linked trash, index or lease: gc or the index would act through it) or an
+    entry of the wrong type. The walk skips these names, so fsck looks at them here."""
+    out = []
+    with os.scandir(root) as it:
+        entries = [e for e in it if e.name.startswith(RESERVED_PREFIX)]
+    for e in entries:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue  # gone since the listing
+        fp = fingerprint(st)
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(e.path)
+            except OSError:
+                target = "?"
+            out.append(Finding(e.path, SYMLINK, "symlink", f"tierstore's own entry is a symbolic link to {target!r}: "
+                               "never followed; gc and the local index refuse it until it is removed",
+                               size=st.st_size, mtime=st.st_mtime, fingerprint=fp))
+            continue
+        want_dir = RESERVED_ROOT_ENTRIES.get(e.name)
+        if want_dir is None:
+            continue  # another reserved name (probes, a newer tierstore's state): not ours to judge
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if is_dir != want_dir or (not want_dir and not stat.S_ISREG(st.st_mode)):
+            what = "directory" if want_dir else "regular file"
+            out.append(Finding(e.path, FOREIGN, "reserved", f"tierstore's own entry should be a {what}, it is "
+                               f"file type {stat.S_IFMT(st.st_mode):#o}; tierstore refuses it until it is moved",
+                               size=st.st_size, mtime=st.st_mtime, is_dir=is_dir, fingerprint=fp))
+    return out
+
+
 class SafeRoot:
-    """Removes and moves entries under ROOT without ever following a symlink.
+    """Removes, moves and chmods entries under ROOT without ever following a symlink.
 
-    Every path is opened component by component from ROOT's directory fd with O_NOFOLLOW,
-    and the entry's fingerprint (device, inode, size, mtime, ctime) must still be what the scan saw.
+    Every directory is opened component by component from ROOT's fd with O_NOFOLLOW
+    (safefs.open_dir_path), every act is an ``*at`` call relative to that checked fd, and the
+    entry's fingerprint (device, inode, size, mtime, ctime) must still be what the scan saw.
     """
-
-    _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
     def __init__(self, root: Path):
         self.root = root
-        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        self.root_fd = safefs.open_root(root)
 
     def close(self) -> None:
         os.close(self.root_fd)
@@ -362,22 +355,10 @@ class SafeRoot:
         return rel
 
     def _open_dir(self, parts: tuple[str, ...], create: bool = False) -> int:
-        fd = os.dup(self.root_fd)
-        try:
-            for part in parts:
-                if create:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                nfd = os.open(part, self._DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = nfd
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return safefs.open_dir_path(self.root_fd, parts, create=create)
 
     def _check_same(self, name: str, dir_fd: int, expected: Fingerprint | None) -> os.stat_result:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        st = safefs.lstat_at(name, dir_fd)
         if expected is not None and fingerprint(st) != expected:
             raise FileExistsError("the entry changed since the scan; run fsck again")
         return st
@@ -409,17 +390,44 @@ class SafeRoot:
             os.close(src_fd)
         return str(self.root / dest_root / rel)
 
+    def chmod(self, path: str, expected: Fingerprint | None, allowed: int) -> None:
+        """Clear a page's group/other mode bits beyond ``allowed``, through an fd opened
+        O_NOFOLLOW|O_NONBLOCK in its checked directory (fchmod: a hard link, a FIFO or a
+        swapped entry is never changed)."""
+        rel = self._rel(path)
+        dir_fd = self._open_dir(rel.parts[:-1])
+        try:
+            fd, st = safefs.open_regular(rel.name, dir_fd)
+            try:
+                if expected is not None and (st.st_dev, st.st_ino) != expected[:2]:
+                    raise FileExistsError("the entry changed since the scan; run fsck again")
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~(0o077 & ~allowed))
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+
+
+# Called between the scan and the repair (tests swap directories for symlinks here).
+_before_repair_hook: Callable[[], None] | None = None
+
 
 def _repair(report: FsckReport, root: Path, quarantine_bad: bool) -> None:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     qdir = PurePosixPath(QUARANTINE_DIR) / f"{stamp}-{os.getpid()}"
+    if _before_repair_hook is not None:
+        _before_repair_hook()
     safe = SafeRoot(root)
     try:
-        for p in report.problems:
+        for p in (*report.problems, *report.warnings):
             try:
                 if p.category == SYMLINK:
                     safe.unlink(p.path, p.fingerprint)
                     p.action = "unlinked"
+                elif p.category == MODE:
+                    shared = p.kind == MODE_GROUP_SHARED
+                    safe.chmod(p.path, p.fingerprint, (safefs.GROUP_SHARED if shared else safefs.PRIVATE).file_mode)
+                    p.action = "chmod"
                 elif p.category in _DELETE and not (quarantine_bad and p.category == BAD_PAGE):
                     safe.unlink(p.path, p.fingerprint)
                     p.action = "deleted"
@@ -442,18 +450,30 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     start = time.monotonic()
     report = FsckReport(root=str(options.root), repair=options.repair)
     progress = Progress("fsck", enabled=options.progress)
+    jobs = options.jobs or READS_IN_FLIGHT
+    verifier: PageVerifier | None = None
     try:
+        root = check_root(options.root)
+        verifier = PageVerifier(root, deep=options.deep, budget_bytes=options.budget_bytes,
+                                group_access=options.group_access)
         inv: Inventory = walk_root(
-            options.root, visitor=PageVerifier(options.deep), namespace=options.namespace, jobs=options.jobs,
+            root, visitor=verifier, namespace=options.namespace, jobs=jobs,
             tmp_age=options.tmp_age, progress=progress,
         )
+        reserved = reserved_root_findings(inv.root) if options.namespace is None else []
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         report.error = str(exc)
         return report
+    except Exception as exc:  # noqa: BLE001 - a report with exit 8, never a traceback
+        report.error = f"the walk stopped: {type(exc).__name__}: {exc} (a tierstore bug: please report it)"
+        return report
     finally:
         progress.close()
+        if verifier is not None:
+            verifier.close()
     report.root = str(inv.root)
-    report.problems = inv.findings
+    report.problems = inv.findings + reserved
+    report.warnings = sorted(verifier.mode_findings, key=lambda f: f.path)
     if options.deep:
         report.problems.extend(old_tree_findings(inv))
     report.temps_active = inv.temps_active
@@ -462,11 +482,13 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     report.pages_ok = sum(t.files for t in inv.tallies.values())
     report.bytes_ok = sum(t.bytes for t in inv.tallies.values())
     report.stats = stats_from_inventory(inv)
+    report.reads = {"threads": jobs, "max_in_flight": verifier.max_reads_in_flight,
+                    "peak_buffer_bytes": verifier.pool.peak}
     if options.repair and report.problems and not inv.namespaces and any(p.category == FOREIGN for p in report.problems):
         # `tierstore fsck --repair /home` must not move a home directory into a quarantine.
         report.error = (f"{inv.root} holds no tierstore namespace, only other files; refusing to repair. "
                         "Check ROOT (it must be the cache directory itself)")
-    elif options.repair and report.problems:
+    elif options.repair and (report.problems or report.warnings):
         try:
             _repair(report, inv.root, options.quarantine_bad)
         except OSError as exc:

@@ -17,6 +17,7 @@ and nodes at once (the content is the same, the publish is atomic).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -27,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from tierstore import safefs
 from tierstore.errors import ConfigError
 from tierstore.format import FORMAT_VERSION, GroupKind, PageLayout, SectionSpec
 from tierstore.mapper import host_tag
@@ -175,24 +177,69 @@ def namespace_dir(root: str | os.PathLike[str], ns: Namespace | str) -> Path:
     return Path(root) / (ns if isinstance(ns, str) else ns.digest)
 
 
-def write_manifest(root: str | os.PathLike[str], ns: Namespace) -> Path:
-    """Create ``ROOT/<digest>/manifest.json`` unless it exists; returns its path."""
-    d = namespace_dir(root, ns)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / MANIFEST_NAME
-    if path.exists():
-        return path
-    # Named like a page temp (same host tag), so fsck judges both by the same rule.
-    tmp = d / f".{MANIFEST_NAME}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(ns.manifest(), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+MANIFEST_MAX_BYTES = 4 << 20  # real manifests are a few KiB to a few hundred (many layers)
+
+
+def write_manifest(root: str | os.PathLike[str], ns: Namespace, *, perms: safefs.Perms = safefs.PRIVATE) -> Path:
+    """Create ``ROOT/<digest>/manifest.json`` unless it exists; returns its path.
+
+    Written through the namespace directory's checked fd (safefs: a symlinked namespace
+    directory raises ``UnsafeEntry``, nothing is written through it): a temp created
+    O_EXCL|O_NOFOLLOW with ``perms.file_mode`` (0600; group bits kept whatever the umask),
+    then renamed over the final name. An existing entry of that name, of any type, is left
+    alone (fsck reports one that is not a valid manifest)."""
+    Path(root).mkdir(parents=True, exist_ok=True, mode=perms.dir_mode)
+    path = namespace_dir(root, ns) / MANIFEST_NAME
+    root_fd = safefs.open_root(root)
+    try:
+        ns_fd = safefs.open_dir_path(root_fd, (ns.digest,), create=True, perms=perms)
+    finally:
+        os.close(root_fd)
+    try:
+        try:
+            safefs.lstat_at(MANIFEST_NAME, ns_fd)
+            return path
+        except FileNotFoundError:
+            pass
+        # Named like a page temp (same host tag), so fsck judges both by the same rule.
+        tmp = f".{MANIFEST_NAME}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        data = (json.dumps(ns.manifest(), indent=2, sort_keys=True) + "\n").encode()
+        fd = safefs.create_file(tmp, ns_fd, perms)
+        try:
+            try:
+                if perms.file_mode & 0o070:
+                    os.fchmod(fd, perms.file_mode)  # a fleet sharing a group: not up to the umask
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            _publish_manifest(tmp, ns_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=ns_fd)
+            raise
+    finally:
+        os.close(ns_fd)
     return path
 
 
+def _publish_manifest(tmp: str, ns_fd: int) -> None:
+    """Rename the written temp over the manifest's name, both in the checked directory."""
+    os.replace(tmp, MANIFEST_NAME, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Namespace:
-    """Parse a manifest file (JSON only; nothing is executed)."""
+    """Parse a manifest file (JSON only; nothing is executed). Read through its directory's fd
+    without following a symlink, non-blocking, as a regular single-link file of at most
+    ``MANIFEST_MAX_BYTES`` (safefs.read_small); any failure, whatever its type (a FIFO, a
+    RecursionError of deeply nested JSON, a number out of range...), is a ``ConfigError``."""
     try:
-        data = json.loads(Path(path).read_text())
-        return Namespace.from_manifest(data)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"unreadable manifest {path}: {exc}") from exc
+        dir_fd = os.open(os.path.dirname(path) or ".", safefs.DIR_FLAGS)
+        try:
+            raw = safefs.read_small(os.path.basename(path), dir_fd, MANIFEST_MAX_BYTES)
+        finally:
+            os.close(dir_fd)
+        return Namespace.from_manifest(json.loads(raw))
+    except Exception as exc:  # noqa: BLE001 - one bad manifest is a finding, never a crash
+        raise ConfigError(f"unreadable manifest {os.fsdecode(path)}: {type(exc).__name__}: {exc}") from exc

@@ -2,8 +2,11 @@
 
 Contract: ``add(key)`` remembers a key (at most ``SHARED_BACKLOG_MAX``, in memory; the oldest
 are dropped first and counted as ``failures["backlog_full"]``). While the shared tier is up
-and the backlog is not empty, one uploader thread reads the local file, verified
-(``pagefile.read_page``), into a shared staging slot and stores it there, one page at a time
+and the backlog is not empty, one uploader thread reads the local file, verified, into a
+shared staging slot: through the local rank directory's fd without following a symlink, the
+file opened O_NOFOLLOW|O_NONBLOCK and read only if regular with one link
+(``pagefile.RankDir``, ``open_page``, ``read_page_fd``), its MAC verified when the local engine
+has a fleet key (a page without a valid tag is never uploaded), and stores it there, one page at a time
 and only while the shared engine has no store waiting in its queue (the caller's stores go
 first). A page evicted or damaged since is skipped; an upload that fails is not retried (the
 shared tier counts the failure). A restart forgets the backlog (those pages stay local-only
@@ -18,13 +21,17 @@ alone, and calls ``drain`` and the tiers without it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from tierstore import pagefile
+from tierstore.engine import IOEngine
 from tierstore.errors import PageError
-from tierstore.pagefile import read_page
+from tierstore.format import PageHeader
+from tierstore.mapper import fanout
 from tierstore.tiers.local import LocalTier
 from tierstore.tiers.shared import SharedTier
 
@@ -44,6 +51,7 @@ class SharedBacklog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._dirs: pagefile.RankDir | None = None  # the source's rank directory (opened at first upload)
         target.on_health(lambda up: self.kick() if up else None)
 
     def __len__(self) -> int:
@@ -74,6 +82,8 @@ class SharedBacklog:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)  # it stops at its next page
+        if self._dirs is not None and (thread is None or not thread.is_alive()):
+            self._dirs.close()
 
     def _next(self) -> bytes | None:
         """The next key to upload, or None when the uploader should stop (and has stopped)."""
@@ -101,11 +111,26 @@ class SharedBacklog:
             src = self.source.engine()
             assert src is not None
             try:
-                header = read_page(src.mapper.path_for(key), src.expectation(key), slot.view)
-            except (PageError, OSError) as exc:  # evicted since, or damaged: nothing to upload
+                header = self._read_local(src, key, slot.view)
+            except (PageError, OSError) as exc:  # evicted since, damaged or unsafe: nothing to upload
                 self.target.release_slot(slot)
                 log.debug("tierstore: not uploading %s to the shared tier: %s", key.hex()[:16], exc)
                 continue
             sums = [e.checksum for e in header.sections]  # of the raw sections, whatever the codec
             self.target.submit_store(key, slot, header.meta.token_count, sums=sums)
             self.target.metrics.add("backlog_uploads")
+
+    def _read_local(self, src: IOEngine, key: bytes, out: memoryview) -> PageHeader:
+        """Read and verify the local page of ``key`` into ``out`` (see the module docstring)."""
+        if self._dirs is None:
+            self._dirs = pagefile.RankDir(src.root, (src.namespace.digest, f"g{src.group_index}", f"r{src.rank}"))
+        path = src.mapper.final_path(key)
+        dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
+        try:
+            fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+        finally:
+            os.close(dir_fd)
+        try:
+            return pagefile.read_page_fd(fd, st, path, src.expectation(key), out, mac=src.mac)
+        finally:
+            os.close(fd)

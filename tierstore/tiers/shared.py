@@ -8,8 +8,16 @@ Contract (``EngineTier`` plus):
   fresh name under the root, under the deadline) succeeds again.
 - Background open: the engine is built in a thread, so a mount that hangs at start-up does not
   hang the constructor; until it is open the tier is not available.
-- LRU stamp: a hit refreshes the file's mtime (``utime``) in the background, at most once per
-  ``shared_touch_interval_s`` per page; ``tierstore gc`` evicts by it. With ``max_bytes`` and
+- LRU stamp: a hit refreshes the file's mtime in the background, at most once per
+  ``shared_touch_interval_s`` per page; ``tierstore gc`` evicts by it. The stamp is an
+  fd-based ``utime`` (futimens) on the page opened like a load opens it (``touch_page``: the
+  fan-out directory through the rank directory's fd without following a symlink, the file
+  O_NOFOLLOW|O_NONBLOCK and only if regular with one link), never a path-based ``utime``: a
+  hard-linked page or a symlinked directory never changes an outside file's mtime.
+- Failure kinds of loads: ``unsafe`` (the entry under the page's name, or a directory on the
+  way, is not what tierstore made) is a miss of this tier, never a reason to mark it down;
+  ``mac`` (no valid tag under a fleet key) is bad content, removed by the engine that read it.
+  Only ``timeout`` marks the tier down. With ``max_bytes`` and
   ``gc_interval_s`` set, the process's gc daemon for the root is started here.
 - ``on_health`` registers a callback called with the new state when the tier goes down or up
   (the backlog uploader starts on "up"); it runs with the health lock held and must not block.
@@ -31,10 +39,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierstore import pagefile
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine
-from tierstore.errors import GONE_ERRNOS, PageError, PageTimeout
+from tierstore.errors import PageError, PageMissing, PageTimeout, PageUnsafe
 from tierstore.identity import Namespace
+from tierstore.mapper import fanout
 from tierstore.metrics import TierMetrics
 from tierstore.store import IOResult
 from tierstore.tiers.deadline import DeadlineRunner, Health
@@ -64,6 +74,8 @@ class SharedTier(EngineTier):
         self._touched: dict[bytes, float] = {}
         self._touch_lock = threading.Lock()
         self._opened = threading.Event()
+        # the touch's own directory fds (the engine's are its own): no symlink followed
+        self._dirs = pagefile.RankDir(self.root, (namespace.digest, f"g{group_index}", f"r{rank}"))
         kwargs = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ENGINE_KWARGS}
         threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
                          args=(config, namespace, group_index, rank, kwargs)).start()
@@ -144,14 +156,16 @@ class SharedTier(EngineTier):
         eng = self.engine()
         if eng is None:
             return
-        path = eng.mapper.path_for(key)
+        path = eng.mapper.final_path(key)
 
         def touch() -> None:
             try:
-                os.utime(path)
-            except OSError as exc:
-                if exc.errno not in GONE_ERRNOS:  # evicted since: nothing to stamp
-                    raise
+                touch_page(self._dirs, key, path)
+            except PageMissing:
+                pass  # evicted since: nothing to stamp
+            except PageUnsafe as exc:
+                self.metrics.failure("unsafe")
+                log.debug("tierstore: not touching %s: %s", path, exc)
 
         self._touch_runner.fire(touch)
 
@@ -159,3 +173,23 @@ class SharedTier(EngineTier):
         eng = self.engine()
         if eng is not None:
             eng.close(min(timeout or self.deadline_s, self.deadline_s) if self.health.up else 0.05)
+        self._dirs.close()
+
+
+def touch_page(dirs: pagefile.RankDir, key: bytes, path: str) -> None:
+    """Set the page file's mtime to now through an fd: the fan-out directory opened from the
+    rank directory's fd (``RankDir.fanout``, no symlink followed), the file opened as a load
+    opens it (``pagefile.open_page``: O_NOFOLLOW|O_NONBLOCK, regular, one link). Raises
+    ``PageMissing`` (gone), ``PageUnsafe`` (a link, a FIFO, a hard link: nothing touched) or
+    ``PageIOError``."""
+    dir_fd = dirs.fanout(fanout(key), where=path, key=key)
+    try:
+        fd, _ = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+    finally:
+        os.close(dir_fd)
+    try:
+        os.utime(fd)
+    except OSError as exc:
+        raise pagefile.read_error(exc, "read", path, key) from exc
+    finally:
+        os.close(fd)

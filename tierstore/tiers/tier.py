@@ -11,6 +11,11 @@ Contract: a ``PageStore`` (``tierstore/store.py``) whose results carry ``tier=se
   ``settle`` through the engine. The tier itself never unlinks a page file (a second unlink
   could remove a good page another writer published in between); subclasses only forget it
   (``forget``: the local index entry).
+- Load failures of kind ``unsafe`` (errors.PageUnsafe: a symlink, FIFO or hard link under the
+  page's name, or a symlinked directory on the way) count as a miss of the tier (and as
+  ``failures["unsafe"]``); the tier forgets the key and never marks itself down for it. Kind
+  ``mac`` (a fleet key is configured and the page has no valid tag) is bad content like a
+  checksum failure (``errors.BAD_CONTENT_KINDS``).
 - Hooks for subclasses: ``admit`` (how a store reaches the engine), ``on_load``/``on_store``
   (per-result bookkeeping after the counting here), ``available`` and ``refuse``.
 
@@ -30,10 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tierstore.engine import IOEngine, StagingSlot
-from tierstore.errors import PageError, PageQueueFull
+from tierstore.errors import PageError, PageQueueFull, PageUnsafe
 from tierstore.metrics import TierMetrics
 from tierstore.store import IOResult, PageStore
 
+# Load failure kinds that mean "this tier has no page for the key" (a miss, not a fault).
+MISS_KINDS: frozenset[str] = frozenset({"missing", PageUnsafe.kind})
 _UNVERIFIED_MAX = 4096  # unsettled unverified results remembered per tier (a caller that never settles)
 
 
@@ -248,8 +255,10 @@ class EngineTier:
             if r.ok:
                 if r.verified:  # else ``settle`` counts it once the caller has checked it
                     self.metrics.hit(job.tokens, r.nbytes, r.seconds)
-            elif kind == "missing":
+            elif kind in MISS_KINDS:
                 self.metrics.miss(job.tokens)
+                if kind != "missing":
+                    self.metrics.failure(kind)
             else:
                 self.metrics.failure(kind)
         elif r.ok:
@@ -262,6 +271,8 @@ class EngineTier:
         for job, r in taken:
             self._count(r, job)
             if r.op == "load":
+                if not r.ok and r.error is not None and r.error.kind == PageUnsafe.kind:
+                    self.forget(r.key)  # never served from here: lookups must not point at it
                 self.on_load(r)
             else:
                 self.on_store(r, job)

@@ -1,0 +1,115 @@
+"""``python -m tierstore.bench.fsck``: fsck throughput (pages/s) and reads in flight.
+
+Makes (once, in ``--work``) a root of ``--pages`` small pages (``testing.pages.write_page``, one
+simple 4 KiB attention namespace) and runs ``fsck.run_fsck`` on it with each ``--jobs`` value,
+printing pages/s, the most reads in flight and the peak of page-buffer bytes. With
+``--latency-ms D`` the root is reached through the FUSE passthrough of tools/latency_fs.py
+(every operation delayed by D ms: a stand-in for a slow NFS mount); use a smaller
+``--pages`` there (each page costs several delayed operations).
+
+Run: ``python -m tierstore.bench.fsck --work DIR [--pages N] [--jobs 1,8,64] [--latency-ms 10] [--json]``.
+Threading: the benchmark drives its own threads and processes; nothing here is used by the
+library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tierstore.fsck import FsckOptions, run_fsck
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_tree(root: Path, pages: int) -> None:
+    """``pages`` valid pages under ``root`` (skipped when a previous run made them)."""
+    from tierstore.identity import write_manifest
+    from tierstore.testing.pages import page_bytes, page_key, simple_namespace, write_page
+
+    done = root.with_name(root.name + ".done")  # beside the root: fsck would call it foreign
+    if done.exists() and int(done.read_text()) == pages:
+        return
+    ns = simple_namespace()
+    root.mkdir(parents=True, exist_ok=True)
+    write_manifest(root, ns)
+    data = page_bytes(ns.groups[0].layout, b"bench")
+    for i in range(pages):
+        write_page(root, ns, 0, page_key(i), data=data)
+    done.write_text(str(pages))
+
+
+@contextlib.contextmanager
+def latency_mount(export: Path, mnt: Path, delay_ms: float) -> Iterator[Path]:
+    mnt.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "latency_fs.py"), str(export), str(mnt),
+                             "--delay-ms", str(delay_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the latency FUSE mount did not come up (is /dev/fuse usable?)")
+            time.sleep(0.1)
+        yield mnt
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        proc.wait(timeout=30)
+
+
+def measure(root: Path, jobs: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    rep = run_fsck(FsckOptions(root, jobs=jobs, progress=False))
+    seconds = time.perf_counter() - start
+    if rep.error or rep.problems:
+        raise RuntimeError(f"fsck found problems in the bench tree: {rep.error or rep.problems[:3]}")
+    return {"jobs": jobs, "pages": rep.pages_ok, "seconds": round(seconds, 3),
+            "pages_per_s": round(rep.pages_ok / seconds), **rep.reads}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--work", type=Path, required=True, help="directory for the page tree (reused)")
+    p.add_argument("--pages", type=int, default=100_000)
+    p.add_argument("--jobs", default="1,8,64", help="comma-separated thread counts")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="reach the root through latency_fs.py")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    export = args.work / f"pages-{args.pages}"
+    t0 = time.perf_counter()
+    make_tree(export, args.pages)
+    made = time.perf_counter() - t0
+    with contextlib.ExitStack() as stack:
+        root = export
+        if args.latency_ms:
+            root = stack.enter_context(latency_mount(export, args.work / "mnt", args.latency_ms))
+        rows = [measure(root, int(j)) for j in args.jobs.split(",")]
+    out = {"target": f"latency {args.latency_ms:g} ms" if args.latency_ms else "local", "tree_seconds": round(made, 1),
+           "cpus": os.cpu_count(), "rows": rows}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"fsck on {out['target']}, {args.pages} pages of 4 KiB, {out['cpus']} CPUs")
+        print(f"{'jobs':>5} {'seconds':>8} {'pages/s':>8} {'max reads in flight':>20} {'peak buffer bytes':>18}")
+        for r in rows:
+            print(f"{r['jobs']:>5} {r['seconds']:>8} {r['pages_per_s']:>8} {r['max_in_flight']:>20} "
+                  f"{r['peak_buffer_bytes']:>18}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tierstore bench fsck", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
