@@ -76,6 +76,7 @@ def _reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(RECIPES))
 def test_recipe_serves_and_hits_tierstore(family: str, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
