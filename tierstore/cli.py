@@ -36,6 +36,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "io": ("tierstore.bench.io", "page store/load throughput against raw file I/O (and vLLM's fs tier)"),
     "kernels": ("tierstore.bench.kernels", "gather/scatter kernel throughput"),
     "lookup": ("tierstore.bench.lookup", "scheduler-thread page lookups: in-memory index vs stat"),
+    "serve": ("tierstore.bench.serve", "vllm serve TTFT cold vs restored vs no connector (vLLM's bench client)"),
 }
 
 
