@@ -36,6 +36,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "io": ("tierstore.bench.io", "page store/load throughput against raw file I/O (and vLLM's fs tier)"),
     "kernels": ("tierstore.bench.kernels", "gather/scatter kernel throughput"),
     "lookup": ("tierstore.bench.lookup", "scheduler-thread page lookups: in-memory index vs stat"),
+    "fsck": ("tierstore.bench.fsck", "fsck pages/s and reads in flight at several --jobs (optionally a latency stand-in)"),
     "serve": ("tierstore.bench.serve", "vllm serve TTFT cold vs restored vs no connector (vLLM's bench client)"),
 }
 
@@ -43,8 +44,9 @@ BENCH: dict[str, tuple[str, str]] = {
 def _add_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("root", metavar="ROOT", help="the cache directory (a tier root)")
     p.add_argument("--namespace", metavar="N", help="only this namespace (its digest or a unique prefix)")
-    p.add_argument("--jobs", "-j", type=_positive_int, default=8, metavar="J",
-                   help="threads listing and reading files (default 8; on NFS more threads hide latency)")
+    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
+                   help="threads listing and reading files (default: fsck 64 reads in flight, stats/ls 8; "
+                        "on NFS more threads hide latency)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON report on stdout")
 
 
@@ -84,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "writer process is gone is stale at once")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: only when stderr is a terminal)")
+    p.add_argument("--group-access", action="store_true",
+                   help="pages of a fleet sharing a service group (shared_group_access): 0660 is not a finding")
     p.add_argument("--deep", action="store_true",
                    help="also recompute each page's content checks: zero alignment gaps, no NaN/Inf in "
                    "floating-point sections; and count non-canonical pages in trees of older page formats")
@@ -106,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup")
+    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name, (_, help_text) in BENCH.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)
@@ -147,6 +151,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     report = run_fsck(FsckOptions(
         root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
         tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
+        group_access=True if args.group_access else None,
     ))
     if args.json:
         _print_json(report.to_json())
@@ -160,7 +165,7 @@ def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
 
     progress = Progress("stats" if not listing else "ls")
     try:
-        stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs,
+        stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs or 8,
                               read_headers=not listing and not args.no_headers, progress=progress,
                               listing=not args.exact)
     finally:

@@ -393,7 +393,7 @@ def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper, config: 
         logger.warning("cannot create the fan-out directories under %s (%s); loads still work, stores may fail",
                        mapper.base, exc.strerror)
     try:
-        write_manifest(root, namespace)
+        write_manifest(root, namespace, perms=perms)
     except OSError as exc:
         logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
                        namespace_dir(root, namespace), exc.strerror)

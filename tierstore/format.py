@@ -67,7 +67,6 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
 
-import numpy as np
 import xxhash
 
 from tierstore import safe_zstd
@@ -186,6 +185,8 @@ _XXH3_AT = _native_xxh3()
 
 def _address(data: memoryview) -> int:
     """The address of a C-contiguous buffer's first byte (read-only buffers too)."""
+    import numpy as np  # only with HASH_HOLD_GIL_BELOW set: plain CLI commands stay numpy-free
+
     return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
 
 
