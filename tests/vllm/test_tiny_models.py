@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tierstore.testing.tiny_models import (  # noqa: E402
 EXPECTED_LAYER_TYPES = {
     "gemma3": {"sliding_attention", "full_attention"},
     "gptoss": {"sliding_attention", "full_attention"},
+    "gemma4": {"sliding_attention", "full_attention"},
     "qwen3next": {"linear_attention", "full_attention"},
 }
 
@@ -42,6 +44,11 @@ def test_each_kind_builds_and_loads(kind: str, tmp_path: Path) -> None:
     if kind in EXPECTED_LAYER_TYPES:
         assert set(cfg.layer_types) == EXPECTED_LAYER_TYPES[kind]
         assert len(cfg.layer_types) == cfg.num_hidden_layers
+    if kind == "gemma4":  # full layers: twice the head size of the sliding ones
+        raw = json.loads((path / "config.json").read_text())
+        full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        per_layer = {int(k): v for k, v in raw["per_layer_config"].items()}
+        assert full and all(per_layer[i]["head_dim"] == 2 * raw["head_dim"] for i in full)
     if kind == "qwen3next":
         assert cfg.linear_key_head_dim == 128 and cfg.linear_value_head_dim == 128
     tok = AutoTokenizer.from_pretrained(path)

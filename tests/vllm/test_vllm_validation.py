@@ -113,3 +113,66 @@ def test_group_layouts_are_canonical() -> None:
 
     assert lay.sections[0].shape == ((1024, 3) if engine_conv_layout() == "SD" else (3, 1024))
     assert lay.data_bytes == 3 * 1024 * 2 + 4 * 128 * 128 * 4
+
+
+# ------------------------------------------------------------------ fp8 KV and refusals
+def fp8_attn(mode_name: str = "FP8_PER_TENSOR") -> FullAttentionSpec:
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    return FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode[mode_name])
+
+
+def test_fp8_pages_record_the_element_type_of_their_bytes() -> None:
+    from tierstore.vllm.namespace import kv_storage_dtype
+
+    assert kv_storage_dtype("fp8") == kv_storage_dtype("fp8_e4m3") == "float8_e4m3fn"
+    assert kv_storage_dtype("fp8_e5m2") == "float8_e5m2"
+    assert kv_storage_dtype("auto") is None and kv_storage_dtype(None) is None
+    _, e4m3 = group_layout(fp8_attn(), ("a",), 128, "float8_e4m3fn")
+    _, e5m2 = group_layout(fp8_attn(), ("a",), 128, "float8_e5m2")
+    _, bf16 = group_layout(attn(), ("a",), 128)
+    assert [s.dtype for s in e4m3.sections] == ["float8_e4m3fn"]
+    assert [s.dtype for s in e5m2.sections] == ["float8_e5m2"]
+    assert 2 * e4m3.data_bytes == bf16.data_bytes
+
+
+@pytest.mark.parametrize("mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "NVFP4"])
+def test_kv_caches_with_scales_beside_the_bytes_are_refused(mode: str) -> None:
+    with pytest.raises(ConfigError, match=rf"FullAttentionSpec\(.*kv_quant_mode.*{mode}.*per-token scales"):
+        validate_engine(*setup([fp8_attn(mode)]), cfg())
+
+
+def test_mla_and_sparse_mla_are_refused_naming_the_spec() -> None:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"MLAAttentionSpec\(block_size=64.*head_size=576.*MLA latent cache"):
+        validate_engine(*setup([mla]), cfg())
+    swa_mla = SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+                                   sliding_window=128)
+    with pytest.raises(ConfigError, match=r"SlidingWindowMLASpec.*DeepSeek-V4"):
+        group_layout(swa_mla, ("l",), 64)
+
+
+def test_kv_scales_marker_follows_the_checkpoints_scale_tensors(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from tierstore.vllm.namespace import check_kv_scales, kv_scales_marker
+
+    plain = SimpleNamespace(model=str(tmp_path), quantization=None, revision=None)
+    assert kv_scales_marker(plain, "auto") is None  # bf16: scales unused, nothing recorded
+    assert kv_scales_marker(plain, "fp8") == "unit"
+    quant = SimpleNamespace(model=str(tmp_path), quantization="fp8", revision=None)
+    w = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)}
+    save_file(w, str(tmp_path / "model.safetensors"))
+    assert kv_scales_marker(quant, "fp8") == "unit"  # quantized weights, no KV scales: 1.0
+    save_file({**w, "model.layers.0.self_attn.k_scale": torch.tensor(0.5)}, str(tmp_path / "model.safetensors"))
+    half = kv_scales_marker(quant, "fp8")
+    assert half is not None and half.startswith("checkpoint:")
+    save_file({**w, "model.layers.0.self_attn.k_scale": torch.tensor(0.25)}, str(tmp_path / "model.safetensors"))
+    assert kv_scales_marker(quant, "fp8") not in (half, "unit")
+    check_kv_scales("unit", {"l0": (1.0, 1.0)})
+    check_kv_scales(half, {"l0": (0.5, 1.0)})  # checkpoint scales: recorded by digest
+    with pytest.raises(ConfigError, match=r"l1: k_scale=0.5.*kv_cache_dtype=auto"):
+        check_kv_scales("unit", {"l0": (1.0, 1.0), "l1": (0.5, 1.0)})

@@ -33,7 +33,7 @@ from typing import Any
 
 BUILDER_VERSION = 1
 STAMP_NAME = "tierstore-tiny.json"
-KINDS = ("llama", "qwen3", "gemma3", "qwen3next", "gptoss")
+KINDS = ("llama", "qwen3", "gemma3", "qwen3next", "gptoss", "gemma4")
 SIZES = ("tiny", "small")
 DEFAULT_VOCAB = 1024
 DEFAULT_SEED = 0
@@ -88,6 +88,13 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0,
                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                     "original_max_position_embeddings": 4096})
+    elif kind == "gemma4":
+        cls = "Gemma4TextConfig"
+        # Gemma 4's shape: 5 sliding layers per full one (here 2:1), full layers with twice the
+        # head size (per_layer_config), per-layer input embeddings, sliding window 32 tokens.
+        cfg.update(num_hidden_layers=max(3, cfg["num_hidden_layers"]), sliding_window=32,
+                   hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab,
+                   hidden_activation="gelu_pytorch_tanh")
     elif kind == "qwen3next":
         cls = "Qwen3NextConfig"
         cfg.update(num_hidden_layers=max(4, cfg["num_hidden_layers"]), linear_num_value_heads=4,
@@ -103,8 +110,13 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
     if "layer_types" not in fields:
         if kind in ("gemma3", "gptoss"):
             cfg["layer_types"] = _layer_pattern(["sliding_attention", "full_attention"], n)
+        elif kind == "gemma4":
+            cfg["layer_types"] = _layer_pattern(["sliding_attention"] * 2 + ["full_attention"], n)
         elif kind == "qwen3next":
             cfg["layer_types"] = _layer_pattern(["linear_attention"] * 3 + ["full_attention"], n)
+    if kind == "gemma4" and "per_layer_config" not in fields:
+        cfg["per_layer_config"] = {f"{i:02d}": {"head_dim": 2 * cfg["head_dim"]}
+                                   for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"}
     return cls, cfg
 
 
@@ -112,6 +124,7 @@ _MODEL_CLASSES = {
     "LlamaConfig": "LlamaForCausalLM",
     "Qwen3Config": "Qwen3ForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "Gemma4TextConfig": "Gemma4ForCausalLM",
     "GptOssConfig": "GptOssForCausalLM",
     "Qwen3NextConfig": "Qwen3NextForCausalLM",
 }

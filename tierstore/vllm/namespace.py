@@ -6,7 +6,11 @@ derive the same digest without talking to each other. It records everything that
 meaning of a page: model id and revision, KV dtype, per offloaded KV-cache group its kind,
 block size, tokens per chunk, layer names and canonical page layout (``tierstore.layout``),
 the prefix-cache hash algorithm and the seed its first hash depends on, the parallel sizes and
-the user's ``namespace_tag``.
+the user's ``namespace_tag``. A quantized (per-tensor fp8) KV cache adds its element type
+(``kv_cache_dtype``: float8_e4m3fn / float8_e5m2, also the sections' dtype and the namespace
+dtype) and what fixes its per-layer scales (``kv_scales``: "unit" or a digest of the
+checkpoint's scale tensors), so fp8 and bf16 pages, or pages quantized with other scales, never
+share a namespace. Other KV quantization modes are refused at startup.
 
 Mamba/GDN states are described in the canonical orientation (conv state ``(dim, state_len)``)
 whatever ``VLLM_SSM_CONV_STATE_LAYOUT`` the engine uses; ``MambaStates`` tells the worker how
@@ -20,9 +24,11 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
@@ -88,25 +94,74 @@ def mamba_states(spec: Any) -> MambaStates:
     return MambaStates(names, tuple(canonical), tuple(spec.dtypes), conv, layout)
 
 
-def _group_kind(spec: KVCacheSpec) -> GroupKind:
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
+# Spec classes tierstore refuses, by name (checked before the classes they derive from):
+# what the pages would need that tierstore does not have yet.
+REFUSED_SPECS: dict[str, str] = {
+    "SlidingWindowMLASpec": "a sliding-window MLA latent cache (DeepSeek-V4): latent [T, C] pages "
+                            "and the window's block rules are not implemented",
+    "HiddenStateCacheSpec": "a hidden-state cache (extract_hidden_states), not a KV cache",
+    "MLAAttentionSpec": "an MLA latent cache (DeepSeek-V2/V3, Kimi, GLM-5 DSA): one [T, C] latent "
+                        "section per layer (and, for sparse MLA/DSA, the indexer's key cache) "
+                        "is not implemented",
+    "CircularBufferSpec": "a compressor ring buffer (DeepSeek-V4 sparse attention): its state is "
+                          "not addressed by token blocks",
+    "HiSparseHotSpec": "a HiSparse hot cache: per-request, not prefix-cacheable",
+    "HiSparseResidentSpec": "a HiSparse resident cache: not prefix-cacheable by token blocks",
+    "ChunkedLocalAttentionSpec": "chunked local attention (Llama 4): loads would have to follow "
+                                 "the attention chunks, not implemented",
+    "RSWASpec": "reference sliding-window attention: vLLM evicts gap blocks mid-request",
+    "EncoderOnlyAttentionSpec": "an encoder-only cache: nothing to reuse across requests",
+    "CrossAttentionSpec": "a cross-attention (encoder) cache: nothing to reuse across requests",
+}
 
-    if isinstance(spec, MambaSpec):
+
+def describe_spec(spec: Any) -> str:
+    """One line naming a KV-cache spec and the fields that decide its page layout."""
+    fields = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "kv_quant_mode",
+              "sliding_window", "sink_len", "tokens_per_state", "num_head_slots", "cache_dtype_str",
+              "model_version")
+    parts = [f"{f}={getattr(spec, f)}" for f in fields if getattr(spec, f, None) not in (None, 1) or f == "block_size"]
+    return f"{type(spec).__name__}({', '.join(parts)})"
+
+
+def refusal(spec: Any) -> str | None:
+    """Why tierstore cannot store a KV-cache spec (None: it can)."""
+    for cls in type(spec).__mro__:
+        if cls.__name__ in REFUSED_SPECS:
+            return REFUSED_SPECS[cls.__name__]
+    if not hasattr(spec, "num_kv_heads"):  # Mamba/GDN: states, no attention fields
+        return None
+    if getattr(spec, "sink_len", None):
+        return "a static-sink cache (sink_len tokens kept outside the token blocks) is not implemented"
+    if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
+        return "a backend-packed page (num_head_slots / state_content_bytes) has no canonical [H, T, 2, D] form yet"
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        return "a compressed cache (several tokens per stored state) is not implemented"
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if quant not in SUPPORTED_KV_QUANT:
+        return (f"kv_quant_mode={quant} keeps per-token scales or packed codes beside the KV bytes, "
+                "which tierstore does not copy yet (supported: kv_cache_dtype auto, fp8, fp8_e4m3, fp8_e5m2)")
+    head_size = getattr(spec, "head_size", None)
+    if head_size is not None and getattr(spec, "head_size_v", head_size) not in (None, head_size):
+        return "K and V of different head sizes have no [H, T, 2, D] page yet"
+    return None
+
+
+def group_kind(spec: KVCacheSpec) -> GroupKind:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    why = refusal(spec)
+    if why is None and isinstance(spec, MambaSpec):
         return GroupKind.MAMBA
-    if isinstance(spec, MLAAttentionSpec):
-        return GroupKind.MLA
-    if isinstance(spec, SlidingWindowSpec):
+    if why is None and isinstance(spec, SlidingWindowSpec):
         return GroupKind.SLIDING_WINDOW
-    if isinstance(spec, FullAttentionSpec):
+    if why is None and isinstance(spec, FullAttentionSpec):
         return GroupKind.ATTENTION
     raise ConfigError(
-        f"tierstore cannot store KV-cache groups of type {type(spec).__name__} yet; "
-        "use a model with full, sliding-window or Mamba/GDN layers"
+        f"tierstore cannot store this model's KV cache {describe_spec(spec)}: "
+        f"{why or 'an unknown KV-cache spec'}. Supported: full attention, sliding window and "
+        "Mamba/GDN groups, in the model dtype or per-tensor fp8. Remove the kv_transfer_config "
+        "(TierStoreConnector) for this model; README 'Supported models and refusals' lists the rest"
     )
 
 
@@ -122,25 +177,112 @@ def representative_spec(spec: KVCacheSpec) -> KVCacheSpec:
     return spec
 
 
-def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chunk: int) -> tuple[GroupKind, PageLayout]:
-    """Canonical page layout of one group (one page = ``tokens_per_chunk`` tokens)."""
+def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chunk: int,
+                 kv_dtype: str | None = None) -> tuple[GroupKind, PageLayout]:
+    """Canonical page layout of one group (one page = ``tokens_per_chunk`` tokens).
+
+    ``kv_dtype``: element type of a quantized cache's bytes (``kv_storage_dtype``), recorded as
+    the attention sections' dtype instead of the engine's byte tensors' uint8."""
     spec = representative_spec(spec)
-    kind = _group_kind(spec)
+    kind = group_kind(spec)
     if kind == GroupKind.MAMBA:
         st = mamba_states(spec)
         states = [(n, sh, dtype_name(dt)) for n, sh, dt in zip(st.names, st.canonical_shapes, st.dtypes, strict=True)]
         return kind, mamba_layout(layer_names, states)
-    if kind == GroupKind.MLA:
-        raise ConfigError("tierstore does not support MLA KV caches yet (DeepSeek-style models)")
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)  # type: ignore[attr-defined]
-    if head_size_v != spec.head_size:  # type: ignore[attr-defined]
-        raise ConfigError("tierstore needs K and V of equal head size")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
-    if quant not in ("NONE",):
-        raise ConfigError(f"tierstore does not support quantized KV caches ({quant}) yet; use kv_cache_dtype=auto")
+    dtype = dtype_name(spec.dtype)  # type: ignore[attr-defined]
+    if kv_dtype is not None and quant != "NONE":
+        dtype = kv_dtype  # the engine keeps fp8 as bytes (uint8): record what the bytes are
     return kind, attention_layout(
-        layer_names, spec.num_kv_heads, tokens_per_chunk, spec.head_size, dtype_name(spec.dtype),  # type: ignore[attr-defined]
+        layer_names, spec.num_kv_heads, tokens_per_chunk, spec.head_size, dtype,  # type: ignore[attr-defined]
     )
+
+
+# KV quantization modes whose pages are the cache bytes alone: one scale per layer (k_scale,
+# v_scale), fixed once the weights are loaded and recorded in the namespace (``kv_scales_marker``).
+SUPPORTED_KV_QUANT = frozenset({"NONE", "FP8_PER_TENSOR"})
+# vLLM's kv_cache_dtype names of per-tensor fp8 caches -> the element type of the stored bytes.
+FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# Checkpoint tensors vLLM loads as per-layer KV-cache scales (kv_scale is remapped to k and v).
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+
+
+def kv_storage_dtype(cache_dtype: str | None) -> str | None:
+    """Element type of a quantized KV cache's bytes (``kv_cache_dtype`` fp8*); None otherwise.
+
+    "fp8" means the platform's preferred e4m3 variant (fnuz on ROCm)."""
+    name = str(cache_dtype or "auto")
+    if name not in FP8_KV_DTYPES:
+        return None
+    if name != "fp8_e5m2":
+        try:
+            from vllm.platforms import current_platform
+
+            return dtype_name(current_platform.fp8_dtype())
+        except (ImportError, AttributeError):
+            pass
+    return FP8_KV_DTYPES[name]
+
+
+def _checkpoint_files(model: Any) -> list[Path]:
+    """The local safetensors files of the engine's checkpoint (a folder, or the HF cache)."""
+    path = Path(str(model.model))
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(str(model.model), revision=getattr(model, "revision", None),
+                                          local_files_only=True, allow_patterns=["*.safetensors"]))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not readable here
+            raise ConfigError(
+                f"tierstore needs the fp8 KV-cache scales of the quantized checkpoint {model.model!r} "
+                f"to name its pages, and cannot find its files locally ({exc}): start vLLM from a local "
+                "model folder, or use kv_cache_dtype=auto"
+            ) from exc
+    return sorted(path.glob("*.safetensors"))
+
+
+def kv_scales_marker(model: Any, cache_dtype: str | None) -> str | None:
+    """What fixes the per-layer k_scale/v_scale an fp8 KV cache is quantized with; None when the
+    cache is not quantized (scales unused).
+
+    - "unit": no quantization config, so vLLM keeps every scale at 1.0 (``set_default_quant_scales``);
+      the worker checks it (``check_kv_scales``).
+    - "checkpoint:<digest>": xxh3-128 over the checkpoint's ``*.k_scale``/``*.v_scale``/``*.kv_scale``
+      tensors (names and bytes, sorted): the values vLLM loads; another checkpoint revision with
+      other scales gets another namespace. A quantized checkpoint without such tensors is "unit".
+    Read from the checkpoint files, not the loaded layers, so the scheduler derives the same value.
+    """
+    if kv_storage_dtype(cache_dtype) is None:
+        return None
+    if not getattr(model, "quantization", None):
+        return "unit"
+    from safetensors import safe_open
+
+    h = xxhash.xxh3_128()
+    found = 0
+    for f in _checkpoint_files(model):
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(k for k in st.keys() if k.endswith(KV_SCALE_SUFFIXES)):  # noqa: SIM118
+                t = st.get_tensor(name).float().contiguous()
+                h.update(name.encode() + b"\0" + t.numpy().tobytes())
+                found += 1
+    return f"checkpoint:{h.hexdigest()}" if found else "unit"
+
+
+def check_kv_scales(marker: str | None, scales: dict[str, tuple[float, float]]) -> None:
+    """Worker-side check of the loaded layers' (k_scale, v_scale) against the namespace marker:
+    "unit" promises 1.0 everywhere; a page quantized with other scales must never be served."""
+    if marker != "unit":
+        return
+    off = {name: kv for name, kv in scales.items() if kv != (1.0, 1.0)}
+    if off:
+        name, (k, v) = next(iter(off.items()))
+        raise ConfigError(
+            f"fp8 KV cache: {len(off)} attention layers (e.g. {name}: k_scale={k}, v_scale={v}) do not "
+            "use the unit scales the namespace records for a checkpoint without a quantization "
+            "config; tierstore cannot name these pages. Use kv_cache_dtype=auto, or report this setup"
+        )
 
 
 def cpu_attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
@@ -193,12 +335,14 @@ def build_namespace(
     offloading_config: OffloadingConfig,
     ts_config: TierStoreConfig,
 ) -> Namespace:
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
     groups = []
     for g in offloading_config.groups:
         vgroup = kv_cache_config.kv_cache_groups[g.group_id]
         tokens_per_chunk = g.tokens_per_block * offloading_config.cache.blocks_per_chunk
         # A Mamba page holds the state after a chunk boundary; an attention page the chunk's KV.
-        kind, layout = group_layout(vgroup.kv_cache_spec, tuple(g.layer_names), tokens_per_chunk)
+        kind, layout = group_layout(vgroup.kv_cache_spec, tuple(g.layer_names), tokens_per_chunk,
+                                    kv_storage_dtype(cache_dtype))
         spec = representative_spec(vgroup.kv_cache_spec)
         groups.append(GroupSpec(
             kind=kind,
@@ -215,6 +359,9 @@ def build_namespace(
     extra: list[tuple[str, str]] = [("hash_seed", marker), ("tokens_per_hash", str(offloading_config.cache.tokens_per_hash))]
     if ts_config.namespace_tag:
         extra.append(("tag", ts_config.namespace_tag))
+    scales = kv_scales_marker(vllm_config.model_config, cache_dtype)
+    if scales is not None:  # quantized KV: the bytes mean nothing without the dtype and scales
+        extra += [("kv_cache_dtype", str(kv_storage_dtype(cache_dtype))), ("kv_scales", scales)]
     raw = sorted({
         isa for g in offloading_config.groups
         if (isa := _attention_isa(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec, cache.cache_dtype))
@@ -226,7 +373,7 @@ def build_namespace(
     return Namespace(
         model=ts_config.model_id or str(model.model),
         revision=getattr(model, "revision", None),
-        dtype=dtype_name(offloading_config.model.dtype),
+        dtype=kv_storage_dtype(cache_dtype) or dtype_name(offloading_config.model.dtype),
         groups=tuple(groups),
         hash_algo=hash_algo,
         hash_stable=stable,

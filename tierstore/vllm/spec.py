@@ -16,7 +16,9 @@ chunks at ``max_num_batched_tokens`` (so a step's stores never wait for a slot),
 Physical layouts handled: vLLM's logical attention view ``[nb, H, N, 2*D]`` with K|V packed
 per token (CUDA backends), the CPU backend's reading of the same bytes as K and V planes per
 head (``[H, 2, N, D]`` inside a block), kernel-block splits (``kernel_ratio``) and Mamba/GDN raw
-pages (states packed from byte 0; the conv state transposed to ``(dim, state_len)``).
+pages (states packed from byte 0; the conv state transposed to ``(dim, state_len)``). Per-tensor fp8
+caches are copied as bytes; before anything is stored, the attention layers' loaded k/v scales
+are checked against the namespace's ``kv_scales`` (``check_kv_scales``).
 
 Threading: construction only; the objects it returns document their own rules.
 """
@@ -49,6 +51,7 @@ from tierstore.tiers import open_group_store
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,
+    check_kv_scales,
     cpu_attention_isa,
     mamba_states,
     representative_spec,
@@ -102,6 +105,11 @@ def attention_backend_name(vllm_config: Any, layer_name: str) -> str:
         return str(backend.get_name()) if backend is not None else ""
     except Exception:  # noqa: BLE001 - a backend without a name: treat as the standard layout
         return ""
+
+
+def layer_kv_scales(layer: Any) -> tuple[float, float]:
+    """(k_scale, v_scale) an attention layer quantizes its KV with (1.0 when it has none)."""
+    return (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
 
 
 class KTransposeFixup:
@@ -199,6 +207,8 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                     concat += [None] * len(states.names)
                 bpp = 1
             else:
+                check_kv_scales(dict(self.namespace.extra).get("kv_scales"),
+                                {layer: layer_kv_scales(self._layer(layer)) for layer in gspec.layer_names})
                 head_size = gspec.layout.sections[0].shape[3]
                 isa = cpu_attention_isa(representative_spec(vspec), self.vllm_config.cache_config.cache_dtype)
                 for layer in gspec.layer_names:

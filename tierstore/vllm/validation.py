@@ -5,6 +5,8 @@ cannot work, logs warnings for setups that work badly, and returns the chunk siz
 It runs in every process that builds the connector, before anything touches the disk.
 
 Checks:
+- every offloaded group's KV-cache spec is one tierstore can store (``namespace.refusal``: MLA,
+  sparse MLA/DSA, packed or per-token-quantized caches and the rest are refused, naming the spec);
 - a Mamba/GDN hybrid needs prefix caching in "align" mode (states exist only at block ends);
 - ``chunk_tokens`` must be a multiple of the unified block size N (every group's block), and
   equal to N when the model has sliding-window or Mamba layers (their loads and stores cover
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
-from tierstore.vllm.namespace import hash_seed_marker
+from tierstore.vllm.namespace import group_kind, hash_seed_marker, representative_spec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +58,8 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
 
     cache = vllm_config.cache_config
     groups = kv_cache_config.kv_cache_groups
+    for gid in kv_cache_config.prefix_cacheable_group_ids:  # refusals first: one clear error
+        group_kind(representative_spec(groups[gid].kv_cache_spec))
     mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
     for g in mamba:
         mode = getattr(g.kv_cache_spec, "mamba_cache_mode", "none")
