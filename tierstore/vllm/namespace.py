@@ -322,6 +322,16 @@ def hash_seed_marker(hash_algo: str) -> tuple[bool, str]:
     return False, f"random:{os.getpid()}"
 
 
+def kv_head_range(total_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(head_start, head_count) of the KV heads a tensor-parallel rank holds, as vLLM shards
+    them: ``total // tp`` heads each when they divide; when TP exceeds the KV-head count each
+    head is replicated on ``tp // total`` consecutive ranks (one head per rank). (0, 0) at
+    TP=1: the page holds every KV head (format.py: 0 means "the whole group")."""
+    if tp_size <= 1:
+        return 0, 0
+    return rank * total_kv_heads // tp_size, max(1, total_kv_heads // tp_size)
+
+
 def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
     spec = representative_spec(spec)
     if not hasattr(spec, "head_size") or not hasattr(spec, "num_kv_heads"):
