@@ -1,10 +1,12 @@
-"""Head slices (tierstore/tiers/head_slices.py): covering plans and verified assembly of one
-rank's KV heads from pages written at another tensor-parallel size (issue 13 item 2, the pure
-building blocks): TP=2 files -> a TP=1 page, a TP=1 file -> each TP=2 rank's page, byte for
-byte; a damaged piece is a typed error, never served."""
+"""Head slices (tierstore/tiers/head_slices.py, head_slice_store.py): covering plans and
+verified assembly of one rank's KV heads from pages written at another tensor-parallel size
+(issue 13 item 2, the building blocks): TP=2 files -> a TP=1 page, a TP=1 file -> each TP=2
+rank's page, byte for byte; a damaged piece is a typed error, never served; the PageStore
+wrapper serves a missing own page from the other slices with the same job id."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,57 @@ def test_a_damaged_piece_is_a_typed_error(tmp_path: Path) -> None:
     with pytest.raises(PageError) as err:
         assemble(H(0, 2), [H(0, 1), H(1, 1)], full_layout, out, files.__getitem__)
     assert err.value.kind == "checksum"
+
+
+# ---------------------------------------------------------------- HeadSliceStore (a wrapper)
+def slice_engine(root: Path, full_ns, heads: HeadRange):
+    """The rank's own store: an IOEngine whose pages are ``heads`` of the group (its own tree)."""
+    from tierstore.engine import IOEngine
+    from tierstore.testing.pages import layout_namespace
+
+    layout = slice_layout(full_ns.groups[0].layout, heads)
+    return IOEngine(root / "own", layout_namespace(layout, 16, model=f"own-{split_dir_name(heads)}"), 0,
+                    staging_slots=4)
+
+
+@pytest.mark.parametrize(("written", "need"), [([H(0, 1), H(1, 1)], H(0, 2)), ([H(0, 2)], H(1, 1))])
+def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: Path, written, need) -> None:
+    from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+
+    ns = simple_namespace("bfloat16", num_kv_heads=2)
+    full_layout, key = ns.groups[0].layout, page_key(3)
+    full = page_bytes(full_layout, key)
+    group_dir = tmp_path / "shared" / ns.digest / "g0"
+    slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
+    for h in written:  # as their writer ranks would (the full range lives in r0)
+        path, _ = slices.locate(h, key)
+        src, _ = write_slice(tmp_path / "tmp", ns, full, h, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(path)
+    assert slices.listed.wait(5) and sorted(slices.list_now()) == sorted(written)
+    store = HeadSliceStore(slice_engine(tmp_path, ns, need), need, full_layout, slices)
+    try:
+        want = bytearray(slice_layout(full_layout, need).nbytes)
+        copy_heads(memoryview(full), full_layout, H(0, 2), memoryview(want), slice_layout(full_layout, need), need)
+        job = store.submit_load(key, verify=False)
+        (res,) = store.wait([job], 10)
+        assert res.ok and res.verified and res.job_id == job, res.error
+        assert bytes(res.slot.view[: len(want)]) == bytes(want)
+        store.release_slot(res.slot)
+        st = store.stats
+        assert st["slice_loads"] == 1 and st["slice_files"] == len(written)
+        assert st["slice_bytes_scattered"] == len(want)
+        # a key no slice holds stays a plain miss; a damaged slice is a checksum failure
+        (miss,) = store.wait([store.submit_load(page_key(99))], 10)
+        assert not miss.ok and miss.error.kind == "missing"
+        corrupt_flip_bit(slices.locate(written[-1], key)[0], -60)
+        job = store.submit_load(key)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = store.poll()
+        assert len(got) == 1 and not got[0].ok and got[0].error.kind == "checksum" and got[0].slot is None
+        assert store.free_slots == 4
+    finally:
+        store.close()
+        slices.close()
