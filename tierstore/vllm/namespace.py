@@ -35,6 +35,7 @@ from tierstore.errors import ConfigError
 from tierstore.format import GroupKind, PageLayout
 from tierstore.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.layout import attention_layout, mamba_layout
+from tierstore.tiers.head_slices import rank_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -329,7 +330,8 @@ def kv_head_range(total_kv_heads: int, tp_size: int, rank: int) -> tuple[int, in
     TP=1: the page holds every KV head (format.py: 0 means "the whole group")."""
     if tp_size <= 1:
         return 0, 0
-    return rank * total_kv_heads // tp_size, max(1, total_kv_heads // tp_size)
+    heads = rank_heads(total_kv_heads, tp_size, rank)
+    return heads.start, heads.count
 
 
 def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
