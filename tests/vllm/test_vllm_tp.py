@@ -3,8 +3,10 @@
 The engines run in a subprocess (``tp_engine.py``, an ``if __name__ == "__main__"`` script:
 vLLM's workers re-import it). Checked: each rank writes its own page files (``r0``/``r1``,
 same keys), a fresh engine restores the prefix with identical tokens, damaging rank 1's files
-only makes that request recompute with identical tokens, and fsck/stats report both ranks.
-About 3 engine starts with 2 worker processes each: the slowest vLLM test (see the report).
+only makes that request recompute with identical tokens and rank 1 store its pages again when
+the next engine misses them (then a full hit: issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and
+fsck/stats report both ranks. 5 engine starts with 2 worker processes each: the slowest vLLM
+test (see the report).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
                           env=env, timeout=900)
     results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
                                          if ln.startswith("RESULT "))}
-    assert proc.returncode == 0 and len(results) == 3, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode == 0 and len(results) == 5, (proc.stdout[-2000:], proc.stderr[-4000:])
     return root, results, proc.stdout
 
 
@@ -62,6 +64,7 @@ def test_tp2_each_rank_writes_its_own_pages(tp_run) -> None:
     for rank in (0, 1):
         header = inspect_page(ns / "g0" / f"r{rank}" / r0[0])
         assert header.meta.rank == rank
+        assert (header.meta.head_start, header.meta.head_count) == (rank, 1)  # KV head `rank` of 2
         assert {s.shape[0] for s in header.layout.sections} == {1}  # [H=1, T, 2, D]: this rank's head
 
 
@@ -93,3 +96,16 @@ def test_tp2_fsck_and_stats_report_ranks(tp_run, tmp_path: Path) -> None:
     report = cli("fsck")
     assert report["counts"]["bad_page"] == 2 and report["counts"]["pages_ok"] == 2, report["counts"]
     assert all("/r1/" in p["path"] for p in report["problems"]), report["problems"]
+
+
+def test_tp2_a_page_one_rank_lost_is_stored_again_and_hits(tp_run) -> None:
+    _, res, _ = tp_run
+    assert res["damaged_rank1"]["files_before"] == {"0": 2, "1": 2}  # damaged, still there
+    # Rank 1's engine removed its damaged files; rank 0's remain. The scheduler looks at every
+    # rank's files: a miss (not a hit that fails on rank 1), recomputed and stored again ...
+    assert res["after_damage"]["files_before"] == {"0": 2, "1": 0}
+    assert res["after_damage"]["tokens"] == res["store"]["tokens"]
+    # ... so the next engine finds both ranks' files and hits.
+    assert res["restored_again"]["files_before"] == {"0": 2, "1": 2}
+    assert res["restored_again"]["cached"] == 256
+    assert res["restored_again"]["tokens"] == res["store"]["tokens"]

@@ -3,9 +3,13 @@ executor, one core per rank), run as a script because vLLM's worker processes re
 
     python tests/vllm/tp_engine.py ROOT
 
-Runs three fresh engines one after another on ROOT with the tiny Llama (2 KV heads: one per
+Runs five fresh engines one after another on ROOT with the tiny Llama (2 KV heads: one per
 rank): (1) store, (2) restore, then the payload of every page file of rank 1 is damaged,
-(3) restore again (rank 1's loads fail checksums: the request recomputes on every rank).
+(3) restore again (rank 1's loads fail checksums, its engine removes the damaged files: the
+request recomputes on every rank; vLLM does not store blocks it had planned to load),
+(4) rank 0's files alone are not a hit: a plain miss, recomputed and stored by rank 1,
+(5) a full hit again. Before the fix of issue 13 (a) the scheduler looked at rank 0's files
+only: (4) and (5) hit, failed to load on rank 1 and recomputed, and the pages never came back.
 Before the damage, ROOT is copied to ``ROOT-intact`` for the tests that inspect files.
 Prints one ``RESULT {json}`` line per engine: tokens, cached tokens, seconds.
 """
@@ -61,11 +65,13 @@ def main() -> None:
     root = sys.argv[1]
     model = str(cached_tiny_model("llama"))
     ids = prompt_token_ids(AutoTokenizer.from_pretrained(model), PROMPT_TOKENS)
-    for phase in ("store", "restore", "damaged_rank1"):
+    for phase in ("store", "restore", "damaged_rank1", "after_damage", "restored_again"):
         if phase == "damaged_rank1":
             shutil.copytree(root, root + "-intact")  # the pages of both ranks, for the file checks
             print("DAMAGED " + str(damage_rank(Path(root), 1)), flush=True)
-        print("RESULT " + json.dumps({"phase": phase, **run_engine(model, root, ids)}), flush=True)
+        rank_files = {r: len(list(Path(root).glob(f"*/g*/r{r}/*/*.kvp"))) for r in (0, 1)}
+        print("RESULT " + json.dumps({"phase": phase, "files_before": rank_files, **run_engine(model, root, ids)}),
+              flush=True)
 
 
 if __name__ == "__main__":

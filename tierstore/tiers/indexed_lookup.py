@@ -1,16 +1,21 @@
 """IndexedLookup: "is this page on a disk tier?" answered from memory, the rest in the background.
 
 Contract:
-- One ``PageIndex`` per (tier, group): tiers in lookup order (the local tier, then the shared
-  ``root``), groups as the ``FileMapper`` lists given. ``start()`` starts two daemon threads:
+- One ``PageIndex`` per (tier, group, rank): tiers in lookup order (the local tier, then the
+  shared ``root``), groups as the ``FileMapper`` lists given; a group's entry is one mapper or,
+  under tensor parallelism, one mapper per rank (every rank writes its own file of a page).
+  A page is there only when every rank's file is: a key one rank lacks (its damaged file was
+  removed, its store failed) misses, so it is recomputed and stored again instead of failing
+  to load on that rank forever. ``start()`` starts two daemon threads:
   the *loader* lists every fan-out directory of every index (local first; shared listings run
   on a small pool, each under ``deadline_s``) and then lists them all again every
   ``refresh_s`` (0: never again); the *prober* answers batches of keys with one ``stat`` per
   tier (local inline, shared on a pool of ``probe_threads`` under ``deadline_s``), writes the
   verdicts into the indexes and hands ``(token, identity)`` pairs back through ``results``.
-- ``answer(group, key)`` never touches the file system: True (some tier has it), False (no
-  tier has it, or only a tier that is down), None (an index that could hold it has not listed
-  that directory yet: ask ``probe``). ``answer_tier`` answers for one tier.
+- ``answer(group, key)`` never touches the file system: True (for every rank some tier has
+  its file), False (some rank's file is on no tier, or only on a tier that is down), None (an
+  index that could decide it has not listed that directory yet: ask ``probe``).
+  ``answer_tier`` answers for one tier (every rank's file on that tier).
 - The shared tier's ``Health`` goes down when a listing or a batch of stats passes
   ``deadline_s``; while down its index is not consulted (MISS at once) and not refreshed; a
   probe thread brings it back (``tiers.deadline.Health``).
@@ -41,6 +46,8 @@ from tierstore.tiers.deadline import Health
 log = logging.getLogger(__name__)
 
 Identity = tuple[int, int, int]  # (inode, size, mtime_ns) of a page file
+# What a probe reports for a key: one rank's Identity, or one per rank (TP > 1).
+PageIdentity = Identity | tuple[Identity, ...]
 ProbeItem = tuple[Any, int, bytes]  # (caller's token, group, page key)
 
 
@@ -53,38 +60,55 @@ def file_identity(path: str | os.PathLike[str]) -> Identity | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def per_rank(mappers: Sequence[FileMapper | Sequence[FileMapper]]) -> list[list[FileMapper]]:
+    """Each group's mappers, one per rank (a lone ``FileMapper`` is a group of one rank)."""
+    return [[m] if isinstance(m, FileMapper) else list(m) for m in mappers]
+
+
+def all_ranks(verdicts: Sequence[bool | None]) -> bool | None:
+    """False if any rank lacks the page, None if any is undecided, else True."""
+    if False in verdicts:
+        return False
+    return None if None in verdicts else True
+
+
 @dataclass
 class TierIndexes:
-    """The indexes of one disk tier, one per group, and its health (shared tier only)."""
+    """The indexes of one disk tier, one per (group, rank), and its health (shared tier only)."""
 
     name: str
-    mappers: list[FileMapper]
+    mappers: list[list[FileMapper]]
     health: Health | None = None
-    indexes: list[PageIndex] = field(init=False)
+    indexes: list[list[PageIndex]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.indexes = [PageIndex(m.base) for m in self.mappers]
+        self.indexes = [[PageIndex(m.base) for m in ranks] for ranks in self.mappers]
 
     @property
     def up(self) -> bool:
         return self.health is None or self.health.up
 
+    def all_indexes(self) -> list[PageIndex]:
+        return [ix for ranks in self.indexes for ix in ranks]
+
 
 class IndexedLookup:
     """Page indexes of the disk tiers plus their background loader and prober (module doc)."""
 
-    def __init__(self, shared: Sequence[FileMapper], local: Sequence[FileMapper] | None = None,
+    def __init__(self, shared: Sequence[FileMapper | Sequence[FileMapper]],
+                 local: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
                  list_threads: int = 4) -> None:
         self.deadline_s = deadline_s
         self.refresh_s = refresh_s
-        shared_root = shared[0].root
+        shared_mappers = per_rank(shared)
+        shared_root = shared_mappers[0][0].root
         health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
                         deadline_s=deadline_s)
-        self.shared = TierIndexes("shared", list(shared), health)
-        self.local = TierIndexes("local", list(local)) if local else None
+        self.shared = TierIndexes("shared", shared_mappers, health)
+        self.local = TierIndexes("local", per_rank(local)) if local else None
         self.tiers = [t for t in (self.local, self.shared) if t is not None]
-        self.results: queue.SimpleQueue[list[tuple[Any, Identity | None]]] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[list[tuple[Any, PageIdentity | None]]] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
         # Stuck threads stay stuck in a hung mount; nothing new is submitted while it is down.
         self._stat_pool = ThreadPoolExecutor(probe_threads, thread_name_prefix="tierstore-probe")
@@ -116,7 +140,7 @@ class IndexedLookup:
 
     @property
     def loaded(self) -> bool:
-        return all(ix.loaded for t in self.tiers for ix in t.indexes)
+        return all(ix.loaded for t in self.tiers for ix in t.all_indexes())
 
     @property
     def shared_up(self) -> bool:
@@ -124,11 +148,15 @@ class IndexedLookup:
 
     # ------------------------------------------------------------ scheduler-thread API
     def answer(self, group: int, key: bytes) -> bool | None:
+        return all_ranks([self._answer_rank(group, r, key) for r in range(len(self.shared.indexes[group]))])
+
+    def _answer_rank(self, group: int, rank: int, key: bytes) -> bool | None:
+        """Whether some tier holds ``rank``'s file of the page (None: undecided)."""
         unknown = False
         for tier in self.tiers:
             if not tier.up:
                 continue
-            found = tier.indexes[group].contains(key)
+            found = tier.indexes[group][rank].contains(key)
             if found:
                 return True
             unknown |= found is None
@@ -138,7 +166,7 @@ class IndexedLookup:
         t = self.shared if tier == "shared" else self.local
         if t is None or not t.up:
             return False
-        return t.indexes[group].contains(key)
+        return all_ranks([ix.contains(key) for ix in t.indexes[group]])
 
     def probe(self, items: list[ProbeItem]) -> None:
         """Look these keys up on disk in the background; ``results`` gets one list back."""
@@ -157,32 +185,42 @@ class IndexedLookup:
                 log.exception("tierstore: lookup probe failed")
                 self.results.put([(token, None) for token, _g, _k in batch])
 
-    def probe_now(self, batch: list[ProbeItem]) -> list[tuple[Any, Identity | None]]:
-        """Stat every key of ``batch`` on each tier until found (this thread: local; shared on
-        the pool under the deadline); record the verdicts in the indexes."""
+    def probe_now(self, batch: list[ProbeItem]) -> list[tuple[Any, PageIdentity | None]]:
+        """Stat every rank's file of every key of ``batch`` on each tier until found (this
+        thread: local; shared on the pool under the deadline); record the verdicts in the
+        indexes. A key's identity is its one rank's, or the tuple of every rank's (None when
+        any rank's file is on no tier)."""
         self.counters["probed"] += len(batch)
-        found: dict[int, Identity | None] = {}
-        todo = list(range(len(batch)))
+        files = [(i, r) for i, (_t, g, _k) in enumerate(batch) for r in range(len(self.shared.mappers[g]))]
+        found: dict[tuple[int, int], Identity] = {}
+        todo = list(range(len(files)))
         for tier in self.tiers:
             if not todo or not tier.up:
                 continue
+            paths = [tier.mappers[batch[files[j][0]][1]][files[j][1]].path_for(batch[files[j][0]][2]) for j in todo]
             if tier.health is None:
-                idents = [file_identity(tier.mappers[batch[i][1]].path_for(batch[i][2])) for i in todo]
+                idents: list[Identity | None] | None = [file_identity(p) for p in paths]
             else:
-                idents = self._stat_under_deadline(tier, [tier.mappers[batch[i][1]].path_for(batch[i][2]) for i in todo])
+                idents = self._stat_under_deadline(tier, paths)
                 if idents is None:
                     continue  # timed out: the tier is down now, its index is not consulted
             rest = []
-            for i, ident in zip(todo, idents, strict=True):
-                index = tier.indexes[batch[i][1]]
+            for j, ident in zip(todo, idents, strict=True):
+                (i, r), key = files[j], batch[files[j][0]][2]
+                index = tier.indexes[batch[i][1]][r]
                 if ident is None:
-                    index.discard(batch[i][2])
-                    rest.append(i)
+                    index.discard(key)
+                    rest.append(j)
                 else:
-                    index.add(batch[i][2])
-                    found[i] = ident
+                    index.add(key)
+                    found[files[j]] = ident
             todo = rest
-        return [(batch[i][0], found.get(i)) for i in range(len(batch))]
+        out: list[tuple[Any, PageIdentity | None]] = []
+        for i, (token, g, _k) in enumerate(batch):
+            idents = [found.get((i, r)) for r in range(len(self.shared.mappers[g]))]
+            whole = None if None in idents else (idents[0] if len(idents) == 1 else tuple(idents))
+            out.append((token, whole))  # type: ignore[arg-type]
+        return out
 
     def _stat_under_deadline(self, tier: TierIndexes, paths: list[Any]) -> list[Identity | None] | None:
         futures = [self._stat_pool.submit(file_identity, p) for p in paths]
@@ -203,7 +241,7 @@ class IndexedLookup:
         self.list_all()
         self.first_load_s = time.monotonic() - t0
         log.info("tierstore: page index loaded in %.2f s (%s)", self.first_load_s,
-                 ", ".join(f"{t.name}: {sum(len(ix) for ix in t.indexes)} pages" for t in self.tiers))
+                 ", ".join(f"{t.name}: {sum(len(ix) for ix in t.all_indexes())} files" for t in self.tiers))
         while self.refresh_s > 0 and not self._stop.wait(self.refresh_s):
             self.list_all()
             self.counters["refreshes"] += 1
@@ -211,7 +249,7 @@ class IndexedLookup:
     def list_all(self) -> None:
         """List every fan-out directory of every index once (this thread; shared on the pool)."""
         for tier in self.tiers:
-            for index in tier.indexes:
+            for index in tier.all_indexes():
                 if self._stop.is_set():
                     return
                 if tier.health is None:

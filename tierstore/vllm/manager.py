@@ -31,6 +31,12 @@ schedules a background re-check) or ``retry_after_s`` passes (timeouts and I/O e
 Store bookkeeping: keys being written are not offered twice; keys the shared index has are
 not written again.
 
+Tensor parallel: a group's mappers may be one per rank (each rank writes its own file of a
+page). A key is a HIT only when every rank's file is indexed, and a failed load's identity is
+that of every rank's file: when one rank's damaged file is removed (the others' stay) the key
+misses at once, is recomputed and stored again by that rank (the others find their file and
+skip), instead of hitting and failing to load on that rank forever.
+
 Page keys are vLLM's block hashes (the offload key without its 4-byte group suffix); the
 group is part of the path. Threading: every public method is called from the scheduler thread
 only; ``IndexedLookup`` owns the background threads.
@@ -56,7 +62,7 @@ from vllm.v1.kv_offload.base import (
 
 from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.mapper import FileMapper
-from tierstore.tiers.indexed_lookup import Identity, IndexedLookup
+from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity
 
 MAX_FAILED_KEYS = 100_000
 _UNKNOWN = object()  # identity of a failed page not yet looked at by the prober
@@ -78,13 +84,14 @@ class TierStoreFileSpec(LoadStoreSpec):
 class _FailedLoad:
     kind: str
     when: float  # monotonic time of the failure
-    seen: Identity | None | object = _UNKNOWN  # the file's identity right after the failure
+    seen: PageIdentity | None | object = _UNKNOWN  # the files' identity right after the failure
 
 
 class TierStoreManager(OffloadingManager):
-    def __init__(self, mappers: Sequence[FileMapper], group_of: dict[int, int],
+    def __init__(self, mappers: Sequence[FileMapper | Sequence[FileMapper]], group_of: dict[int, int],
                  tokens_per_chunk: Sequence[int], state_groups: Sequence[bool],
-                 retry_after_s: float = 30.0, local_mappers: Sequence[FileMapper] | None = None,
+                 retry_after_s: float = 30.0,
+                 local_mappers: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
                  load_index: bool = True) -> None:
         self.mappers = list(mappers)

@@ -35,6 +35,7 @@ from tierstore.errors import ConfigError
 from tierstore.format import GroupKind, PageLayout
 from tierstore.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.layout import attention_layout, mamba_layout
+from tierstore.tiers.head_slices import rank_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -320,6 +321,17 @@ def hash_seed_marker(hash_algo: str) -> tuple[bool, str]:
     if hash_algo in STABLE_HASH_ALGOS:
         return True, "default"
     return False, f"random:{os.getpid()}"
+
+
+def kv_head_range(total_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(head_start, head_count) of the KV heads a tensor-parallel rank holds, as vLLM shards
+    them: ``total // tp`` heads each when they divide; when TP exceeds the KV-head count each
+    head is replicated on ``tp // total`` consecutive ranks (one head per rank). (0, 0) at
+    TP=1: the page holds every KV head (format.py: 0 means "the whole group")."""
+    if tp_size <= 1:
+        return 0, 0
+    heads = rank_heads(total_kv_heads, tp_size, rank)
+    return heads.start, heads.count
 
 
 def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:

@@ -53,6 +53,7 @@ from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,
     check_kv_scales,
     cpu_attention_isa,
+    kv_head_range,
     mamba_states,
     representative_spec,
 )
@@ -162,10 +163,12 @@ class TierStoreOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            n = len(self.namespace.groups)
-            mappers = [FileMapper(self.ts_config.root, self.namespace.digest, i, self.rank) for i in range(n)]
-            local = self.ts_config.local_root
-            local_mappers = [FileMapper(local, self.namespace.digest, i, self.rank) for i in range(n)] if local else None
+            # Every rank's files answer a lookup (the scheduler runs beside rank 0): a page is a
+            # hit only when each rank can load its own part of it.
+            n, ranks = len(self.namespace.groups), range(self.config.parallel.tp_size)
+            digest, local = self.namespace.digest, self.ts_config.local_root
+            mappers = [[FileMapper(self.ts_config.root, digest, i, r) for r in ranks] for i in range(n)]
+            local_mappers = [[FileMapper(local, digest, i, r) for r in ranks] for i in range(n)] if local else None
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
@@ -232,7 +235,15 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
                                       gspec.tokens_per_chunk, gspec.layout.nbytes, self.ts_config.io_threads,
                                       self.staging_slots_override)
+            heads = (0, 0) if gspec.kind == GroupKind.MAMBA else kv_head_range(
+                self.vllm_config.model_config.get_total_num_kv_heads(), self.config.parallel.tp_size, self.rank)
+            if heads[1] and heads[1] != gspec.layout.sections[0].shape[0]:
+                raise ConfigError(f"group {i}: rank {self.rank} holds {gspec.layout.sections[0].shape[0]} KV heads, "
+                                  f"expected {heads[1]} (of {self.vllm_config.model_config.get_total_num_kv_heads()} "
+                                  f"at tensor_parallel_size={self.config.parallel.tp_size})")
+            # The header records which KV heads this rank's file holds (Mamba states: not yet).
             engine = open_group_store(self.ts_config, self.namespace, i, rank=self.rank,
+                                      head_start=heads[0], head_count=heads[1],
                                       staging_slots=slots, pin=device.type == "cuda")
             transfer = PageTransfer(copier, device,
                                     scratch_pages=transfer_scratch_pages(

@@ -1,0 +1,229 @@
+"""HeadSliceStore: a ``PageStore`` (store.py) that serves a rank's KV heads from pages written at
+another tensor-parallel size, composed around the rank's normal store.
+
+Contract:
+- Everything but loads is the inner store's (slots, stores, settle, flush, stats).
+- ``submit_load(key)`` goes to the inner store (the rank's own head slice) first. When that
+  load ends ``missing``, the key is looked for in the other head slices of the group
+  (``SliceSource.available``: listed in the background, never on the caller's thread) on this
+  store's own small thread pool: ``head_slices.cover`` picks the files, a slot is taken from the
+  inner store's pool and ``head_slices.assemble`` fills it, each file verified in full with its
+  writer's expectation before any byte is copied. The result keeps the job id and comes back
+  through ``poll``/``wait`` with ``verified=True`` (so it is never settled); a failure is the
+  typed error of the piece that failed, or the original ``missing`` when nothing covers the
+  key or no slot is free.
+- ``stats`` adds ``slice_loads`` (served from other slices), ``slice_bytes_read``,
+  ``slice_bytes_scattered``, ``slice_files`` and ``slice_failures``: the measured cost of
+  serving across a TP change (docs/DESIGN.md §9).
+
+``DirectorySlices`` is the ``SliceSource`` of one group directory: it lists ``g<g>/`` once in
+a background thread (and again every ``refresh_s``) for ``h<start>-<count>`` directories (and
+``r0``, the full head range of a TP=1 writer).
+
+Threading: every method may be called from any thread (one lock guards the job table); the
+fallback reads run on the pool; ``close`` stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import Any, Protocol
+
+from tierstore.errors import PageError
+from tierstore.format import PageExpectation, PageLayout
+from tierstore.mapper import PAGE_SUFFIX, fanout
+from tierstore.store import IOResult, PageStore
+from tierstore.tiers.head_slices import (
+    HeadRange,
+    assemble,
+    cover,
+    parse_split_dir,
+    slice_layout,
+    split_dir_name,
+)
+
+
+class SliceSource(Protocol):
+    """Which head slices of a group exist, and where a slice's page of a key is."""
+
+    def available(self) -> Sequence[HeadRange]: ...
+
+    def locate(self, heads: HeadRange, key: bytes) -> tuple[Path, PageExpectation]: ...
+
+
+class DirectorySlices:
+    """The head slices under one group directory ``ROOT/<ns>/g<g>`` (see the module docstring)."""
+
+    def __init__(self, group_dir: str | os.PathLike[str], namespace: bytes, group_index: int,
+                 full_layout: PageLayout, refresh_s: float = 30.0) -> None:
+        self.group_dir = Path(group_dir)
+        self.namespace, self.group_index, self.full_layout = namespace, group_index, full_layout
+        self.full = HeadRange(0, full_layout.sections[0].shape[0])
+        self.refresh_s = refresh_s
+        self._slices: tuple[HeadRange, ...] = ()
+        self._stop = threading.Event()
+        self.listed = threading.Event()
+        threading.Thread(target=self._loop, name="tierstore-slices", daemon=True).start()
+
+    def dir_name(self, heads: HeadRange) -> str:
+        return "r0" if heads == self.full else split_dir_name(heads)
+
+    def list_now(self) -> tuple[HeadRange, ...]:
+        """List the group directory once (blocking); the slices found."""
+        found = []
+        try:
+            with os.scandir(self.group_dir) as it:
+                for e in it:
+                    heads = self.full if e.name == "r0" else parse_split_dir(e.name)
+                    if heads is not None and heads.end <= self.full.end and e.is_dir(follow_symlinks=False):
+                        found.append(heads)
+        except OSError:
+            pass  # no group directory yet: nothing to serve from
+        self._slices = tuple(sorted(found))
+        return self._slices
+
+    def _loop(self) -> None:
+        while True:
+            self.list_now()
+            self.listed.set()
+            if self.refresh_s <= 0 or self._stop.wait(self.refresh_s):
+                return
+
+    def available(self) -> Sequence[HeadRange]:
+        return self._slices
+
+    def locate(self, heads: HeadRange, key: bytes) -> tuple[Path, PageExpectation]:
+        path = self.group_dir / self.dir_name(heads) / fanout(key) / f"{key.hex()}{PAGE_SUFFIX}"
+        rank = heads.start // heads.count if heads != self.full else 0
+        return path, PageExpectation(self.namespace, key, self.group_index, rank,
+                                     slice_layout(self.full_layout, heads))
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class HeadSliceStore:
+    """The rank's store, plus loads assembled from other head slices; see the module docstring."""
+
+    def __init__(self, inner: PageStore, heads: HeadRange, full_layout: PageLayout, slices: SliceSource,
+                 threads: int = 2, slot_wait_s: float = 1.0) -> None:
+        self.inner = inner
+        self.layout = inner.layout
+        self.heads, self.full_layout, self.slices = heads, full_layout, slices
+        if slice_layout(full_layout, heads) != inner.layout:
+            raise ValueError(f"the inner store's layout is not heads {split_dir_name(heads)} of the group")
+        self.slot_wait_s = slot_wait_s
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierstore-slices")
+        self._lock = threading.Lock()
+        self._loads: set[int] = set()  # inner load job ids not finished yet
+        self._fallbacks: dict[int, Future[IOResult]] = {}
+        self._counters = {"slice_loads": 0, "slice_bytes_read": 0, "slice_bytes_scattered": 0, "slice_files": 0,
+                          "slice_failures": 0}
+
+    # ------------------------------------------------------------ delegated
+    def acquire_slot(self, timeout: float | None = 0) -> Any:
+        return self.inner.acquire_slot(timeout)
+
+    @property
+    def free_slots(self) -> int:
+        return self.inner.free_slots
+
+    def release_slot(self, slot: Any) -> None:
+        self.inner.release_slot(slot)
+
+    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None) -> int:
+        return self.inner.submit_store(key, slot, token_count, sums)
+
+    def contains(self, key: bytes) -> bool:
+        return self.inner.contains(key)
+
+    def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
+        self.inner.settle(result, ok, reason)
+
+    def flush(self, timeout: float | None) -> bool:
+        return self.inner.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.inner.close(timeout)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.inner.stats, **self._counters}
+
+    # ------------------------------------------------------------ loads
+    def submit_load(self, key: bytes, verify: bool = True) -> int:
+        job_id = self.inner.submit_load(key, verify)
+        with self._lock:
+            self._loads.add(job_id)
+        return job_id
+
+    def _route(self, results: Iterable[IOResult]) -> list[IOResult]:
+        """Results to hand out now; a missing own page starts a fallback instead."""
+        out = []
+        for r in results:
+            with self._lock:
+                ours = r.job_id in self._loads
+                self._loads.discard(r.job_id)
+                if ours and not r.ok and r.error is not None and r.error.kind == "missing":
+                    self._fallbacks[r.job_id] = self._pool.submit(self._from_slices, r)
+                    continue
+            out.append(r)
+        return out
+
+    def _done_fallbacks(self, only: set[int] | None = None) -> list[IOResult]:
+        with self._lock:
+            done = [j for j, f in self._fallbacks.items() if f.done() and (only is None or j in only)]
+            return [self._fallbacks.pop(j).result() for j in done]
+
+    def poll(self) -> list[IOResult]:
+        return self._route(self.inner.poll()) + self._done_fallbacks()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None) -> list[IOResult]:
+        ids = set(job_ids)
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            inner_ids = ids & self._loads  # a job already handed to a fallback is not the inner store's
+        out = self._route(self.inner.wait(inner_ids, timeout)) if inner_ids else []
+        with self._lock:
+            futures = [f for j, f in self._fallbacks.items() if j in ids]
+        wait_futures(futures, timeout=None if end is None else max(0.0, end - time.monotonic()))
+        return out + self._done_fallbacks(ids)
+
+    def _from_slices(self, missing: IOResult) -> IOResult:
+        """On a pool thread: the rank's page of ``missing.key`` from the other slices."""
+        t0 = time.perf_counter()
+        key = missing.key
+        have = [h for h in self.slices.available() if h != self.heads and self.slices.locate(h, key)[0].exists()]
+        plan = cover(self.heads, have)
+        if plan is None:
+            return missing
+        slot = self.inner.acquire_slot(self.slot_wait_s)
+        if slot is None:
+            return missing  # the request recomputes; nothing was read
+        try:
+            cost = assemble(self.heads, plan, self.full_layout, slot.view, lambda h: self.slices.locate(h, key))
+        except PageError as exc:
+            self.inner.release_slot(slot)
+            with self._lock:
+                self._counters["slice_failures"] += 1
+            return IOResult(missing.job_id, "load", key, False, exc, None, False, 0,
+                            missing.seconds + time.perf_counter() - t0, tier=missing.tier)
+        except BaseException:
+            self.inner.release_slot(slot)
+            raise
+        with self._lock:
+            c = self._counters
+            c["slice_loads"] += 1
+            c["slice_bytes_read"] += cost.bytes_read
+            c["slice_bytes_scattered"] += cost.bytes_scattered
+            c["slice_files"] += cost.files
+        return IOResult(missing.job_id, "load", key, True, None, slot, False, cost.bytes_scattered,
+                        missing.seconds + time.perf_counter() - t0, verified=True, tier=missing.tier)

@@ -1,0 +1,96 @@
+"""What serving a page across a tensor-parallel change costs each rank: files opened, bytes
+read (verified) and bytes scattered, for a model shape, from real page files.
+
+    python tools/tp_change_cost.py [--kv-heads 8 --layers 32 --head-size 128 --tokens 128]
+                                   [--root DIR] [--json]
+
+For each (writer TP, reader TP) pair of {1, 2, 4, 8} (GQA replication where TP > KV heads) it
+writes the writer ranks' head-slice files of one page (tierstore.tiers.head_slices, the format
+the engine writes), then has every reader rank assemble its heads (``cover`` + ``assemble``:
+each file fully verified before a byte is copied) and prints per reader rank the files opened,
+the bytes read, the bytes scattered and their ratio (the read amplification), and the seconds
+(page cache warm: this is the CPU cost of verification and copying, not the disk's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tierstore.format import Codec, PageExpectation, PageMeta, encode_page  # noqa: E402
+from tierstore.pagefile import publish_page  # noqa: E402
+from tierstore.testing.pages import page_bytes, page_key, simple_namespace  # noqa: E402
+from tierstore.tiers.head_slices import (  # noqa: E402
+    HeadRange,
+    assemble,
+    copy_heads,
+    cover,
+    rank_heads,
+    slice_layout,
+    split_dir_name,
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--root", default=None, help="where to write the pages (default: a temp dir)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    ns = simple_namespace("bfloat16", num_kv_heads=args.kv_heads, num_layers=args.layers,
+                          head_size=args.head_size, tokens_per_chunk=args.tokens)
+    full_layout, key = ns.groups[0].layout, page_key(0)
+    everything = HeadRange(0, args.kv_heads)
+    full = memoryview(page_bytes(full_layout, key))
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+        tps = [t for t in (1, 2, 4, 8)]
+        for w_tp in tps:
+            base = Path(tmp) / f"w{w_tp}"
+            files: dict[HeadRange, tuple[Path, PageExpectation]] = {}
+            for r in range(w_tp):
+                heads = rank_heads(args.kv_heads, w_tp, r)
+                if heads in files:
+                    continue  # GQA replication: ranks holding the same head share one file
+                layout = slice_layout(full_layout, heads)
+                data = bytearray(layout.nbytes)
+                copy_heads(full, full_layout, everything, memoryview(data), layout, heads)
+                meta = PageMeta(ns.digest_bytes, key, 0, ns.groups[0].kind, args.tokens, r, heads.start, heads.count)
+                header, pieces = encode_page(meta, layout, bytes(data), Codec.NONE, None)
+                path = base / split_dir_name(heads) / f"{key.hex()}.kvp"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                publish_page(path, path.with_name(path.name + ".tmp"), header, pieces, key=key)
+                files[heads] = (path, PageExpectation(ns.digest_bytes, key, 0, r, layout))
+            for r_tp in tps:
+                need = rank_heads(args.kv_heads, r_tp, 0)  # every reader rank costs the same
+                plan = cover(need, list(files))
+                assert plan is not None
+                out = memoryview(bytearray(slice_layout(full_layout, need).nbytes))
+                t0 = time.perf_counter()
+                cost = assemble(need, plan, full_layout, out, files.__getitem__)
+                rows.append({"writer_tp": w_tp, "reader_tp": r_tp, "files": cost.files, "bytes_read": cost.bytes_read,
+                             "bytes_scattered": cost.bytes_scattered, "amplification": round(cost.amplification, 3),
+                             "seconds": round(time.perf_counter() - t0, 4)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{args.kv_heads} KV heads, {args.layers} layers, head size {args.head_size}, {args.tokens} tokens: "
+              f"{full_layout.nbytes} bytes per full page (bf16); per reader rank:")
+        print("writer TP  reader TP  files  bytes read  bytes scattered  read/scattered  seconds")
+        for x in rows:
+            print(f"{x['writer_tp']:>9}  {x['reader_tp']:>9}  {x['files']:>5}  {x['bytes_read']:>10}  "
+                  f"{x['bytes_scattered']:>15}  {x['amplification']:>14}  {x['seconds']:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
