@@ -1,9 +1,9 @@
 """Shared pieces of the hostile-root tests (issue 17, tests/test_hostile_*.py): a sentinel
-directory outside the root that no operation may touch, its snapshot, a hang guard, a deep
-directory chain, a peak-allocation probe and a zstd bomb.
+directory outside the root that no operation may touch, its snapshot, a hang guard, a directory
+swapped for a link, a deep directory chain, a peak-allocation probe and a zstd bomb.
 
-Import the ``sentinel`` fixture by name into a test module (``from hostile_helpers import
-sentinel``) so pytest finds it there. Threading: ``within`` runs its function in one daemon
+The ``sentinel`` fixture reaches the tests through tests/conftest.py, which imports it.
+Threading: ``within`` runs its function in one daemon
 thread; everything else runs in the caller's thread.
 """
 
@@ -106,3 +106,12 @@ def zstd_bomb(declared: int) -> bytes:
     co = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(size=declared)
     zeros = bytes(1 << 20)
     return b"".join([*(co.compress(zeros) for _ in range(declared >> 20)), co.flush()])
+
+
+def swap_for_link(d: Path, target: Path, aside: str = "moved") -> Path:
+    """Move ``d`` aside to its sibling ``aside`` and put a symlink to ``target`` in its place
+    (a directory swapped under a walker); the moved directory's new path."""
+    moved = d.with_name(aside)
+    os.rename(d, moved)
+    d.symlink_to(target)
+    return moved

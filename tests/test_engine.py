@@ -18,7 +18,7 @@ from tierstore import engine as engine_mod
 from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
 from tierstore.directio import O_DIRECT
-from tierstore.engine import IOEngine, IOResult, probe_odirect
+from tierstore.engine import IOEngine, probe_odirect
 from tierstore.errors import ConfigError
 from tierstore.format import Codec, PageLayout
 from tierstore.identity import MANIFEST_NAME, Namespace, read_manifest

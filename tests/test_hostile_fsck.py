@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hostile_helpers import sentinel, snapshot, traced_peak, within
+from hostile_helpers import snapshot, swap_for_link, traced_peak, within
 
 from tierstore import fsck as fsck_mod
 from tierstore import fsck_read, pagefile
@@ -92,8 +92,7 @@ def test_symlinked_page_and_fanout_dir_are_not_followed(root: Path, sentinel: Pa
     paths[0].symlink_to(sentinel / "precious0.kvp")
     fan = next(p.parent for p in paths[1:] if p.parent != paths[0].parent)
     moved = [p for p in paths if p.parent == fan]
-    os.rename(fan, fan.with_name("zz"))
-    fan.symlink_to(sentinel)
+    swap_for_link(fan, sentinel, "zz")
     before = snapshot(sentinel)
     rep = fsck(root)
     assert kinds(rep)[str(paths[0])] == ("symlink", "symlink") and kinds(rep)[str(fan)] == ("symlink", "symlink")
@@ -132,8 +131,7 @@ def test_fanout_dir_swapped_for_a_symlink_during_the_scan(root: Path, sentinel: 
     def swap_then_open(self: fsck_read.PageVerifier, parts: tuple[str, ...]) -> int:
         if parts[-1] == fan.name and not swapped:
             swapped.append(True)
-            os.rename(fan, fan.with_name("moved"))
-            fan.symlink_to(sentinel)
+            swap_for_link(fan, sentinel)
         return real(self, parts)
 
     monkeypatch.setattr(fsck_read.PageVerifier, "_dir_fd", swap_then_open)
@@ -152,8 +150,7 @@ def test_directory_swapped_for_a_symlink_during_repair_touches_nothing_outside(
     before = snapshot(sentinel)
 
     def swap() -> None:
-        os.rename(fan, fan.with_name("moved"))
-        fan.symlink_to(sentinel)
+        swap_for_link(fan, sentinel)
 
     monkeypatch.setattr(fsck_mod, "_before_repair_hook", swap)
     rep = fsck(root, repair=True)
@@ -270,8 +267,7 @@ def test_touch_is_fd_based_and_never_reaches_outside(root: Path, sentinel: Path)
         fan = paths[2].parent
         (sentinel / paths[2].name).write_bytes(b"outside file named like a page")
         before = snapshot(sentinel)
-        os.rename(fan, fan.with_name("moved"))
-        fan.symlink_to(sentinel)  # a fan-out directory replaced by a link
+        swap_for_link(fan, sentinel)  # a fan-out directory replaced by a link
         with pytest.raises(PageUnsafe):
             touch_page(dirs, page_key(2), str(paths[2]))
         assert snapshot(sentinel) == before

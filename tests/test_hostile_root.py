@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-
-from hostile_helpers import nested_dirs, sentinel, snapshot, traced_peak, within, zstd_bomb
+from hostile_helpers import nested_dirs, snapshot, swap_for_link, traced_peak, within, zstd_bomb
 
 from tierstore import display, format, safe_zstd, safefs, trust
 from tierstore.errors import ConfigError, PageCorrupt
@@ -53,9 +52,7 @@ def test_symlinked_namespace_and_fanout_are_not_walked(root: Path, sentinel: Pat
     before = snapshot(sentinel)
     (root / ("ab" * 16)).symlink_to(sentinel)  # a namespace-like name pointing outside
     fan = paths[0].parent
-    other = fan.parent / "zz"
-    os.rename(fan, other)
-    fan.symlink_to(sentinel)  # a fan-out directory replaced by a link
+    swap_for_link(fan, sentinel, "zz")  # a fan-out directory replaced by a link
     rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
     assert snapshot(sentinel) == before
     assert rep.evicted == len(paths) - sum(1 for p in paths if p.parent == fan)
@@ -71,8 +68,7 @@ def test_fanout_swapped_for_symlink_between_scan_and_eviction(
     before = snapshot(sentinel)
 
     def swap() -> None:
-        os.rename(victim_dir, victim_dir.with_name("moved"))
-        victim_dir.symlink_to(sentinel)
+        swap_for_link(victim_dir, sentinel)
 
     monkeypatch.setattr(gc, "_after_scan_hook", swap)
     rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))

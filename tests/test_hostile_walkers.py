@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from hostile_helpers import nested_dirs, sentinel, snapshot, within
+from hostile_helpers import nested_dirs, snapshot, within
 
 from tierstore import cli
 from tierstore.errors import ConfigError

@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 import stat
 import time
-import tracemalloc
 from pathlib import Path
 
 import pytest
-from hostile_helpers import sentinel, snapshot, traced_peak, zstd_bomb
+from hostile_helpers import snapshot, swap_for_link, traced_peak, zstd_bomb
 from tiers_helpers import load_page, store
 
 from tierstore import mac as mac_mod
@@ -156,8 +155,7 @@ def test_fanout_dir_swapped_for_a_symlink_after_start(root: Path, sentinel: Path
     name = eng.mapper.path_for(victim).name
     (sentinel / name).write_bytes(b"outside file named like the page")
     before = snapshot(sentinel)
-    os.rename(fan, fan.with_name("moved"))
-    os.symlink(sentinel, fan)
+    swap_for_link(fan, sentinel)
     res, _ = load_page(eng, victim)
     assert not res.ok and res.error.kind == "unsafe", res.error
     res = store(eng, victim)
@@ -176,8 +174,7 @@ def test_symlinked_directories_are_refused_at_start(root: Path, sentinel: Path, 
     base = eng.mapper.base
     eng.close()
     target = {"namespace": base.parent.parent, "rank": base, "fanout": base / "3f"}[where]
-    os.rename(target, target.with_name(target.name + ".real"))
-    os.symlink(sentinel, target)
+    swap_for_link(target, sentinel, target.name + ".real")
     before = snapshot(sentinel)
     with pytest.raises(ConfigError, match="symlink"):
         engine(root)
