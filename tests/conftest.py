@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hostile_helpers import sentinel  # noqa: F401 - the hostile-root tests' fixture, defined with its helpers
 
 from tierstore.identity import Namespace
 from tierstore.testing import hybrid_namespace

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from tiers_helpers import load_page, store_data
 
 from tierstore import engine as engine_mod
 from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
 from tierstore.directio import O_DIRECT
-from tierstore.engine import IOEngine, IOResult, probe_odirect
+from tierstore.engine import IOEngine, probe_odirect
 from tierstore.errors import ConfigError
 from tierstore.format import Codec, PageLayout
 from tierstore.identity import MANIFEST_NAME, Namespace, read_manifest
@@ -39,23 +40,6 @@ def _engine(root: Path, ns: Namespace, group: int = 0, **cfg: object) -> IOEngin
     return IOEngine(root, ns, group, config=config, **extra)  # type: ignore[arg-type]
 
 
-def _store(eng: IOEngine, key: bytes, data: bytes, token_count: int = 16) -> IOResult:
-    slot = eng.acquire_slot(timeout=5)
-    assert slot is not None
-    slot.view[:] = data
-    [res] = eng.wait([eng.submit_store(key, slot, token_count)], timeout=10)
-    return res
-
-
-def _load(eng: IOEngine, key: bytes) -> tuple[IOResult, bytes | None]:
-    [res] = eng.wait([eng.submit_load(key)], timeout=10)
-    data = None
-    if res.slot is not None:
-        data = bytes(res.slot.view)
-        eng.release_slot(res.slot)
-    return res, data
-
-
 @pytest.mark.parametrize("odirect", ["auto", "off"])
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 @pytest.mark.parametrize("group", [0, 1, 2])
@@ -65,14 +49,14 @@ def test_round_trip_hybrid_groups(root: Path, codec: str, odirect: str, group: i
     layout = ns.groups[group].layout
     pages = {page_key(i): page_bytes(layout, page_key(i), group) for i in range(4)}
     for key, data in pages.items():
-        res = _store(eng, key, data)
+        res = store_data(eng, key, data)
         assert res.ok and res.stored and res.error is None, res
     for key, data in pages.items():
         path = eng.mapper.path_for(key)
         header = inspect_page(path, zstandard.ZstdDecompressor())
         assert header.codec == (Codec.ZSTD if codec == "zstd" else Codec.NONE)
         assert header.meta.key == key and header.meta.token_count == 16
-        res, got = _load(eng, key)
+        res, got = load_page(eng, key)
         assert res.ok, res.error
         assert got == data
     st = eng.stats
@@ -90,11 +74,11 @@ def test_round_trip_dtypes_and_byte_identity(root: Path, tmp_path: Path, dtype: 
     for i in range(3):
         key = page_key(i)
         data = page_bytes(layout, key)
-        assert _store(eng, key, data).ok
+        assert store_data(eng, key, data).ok
         ref = write_page(ref_root, ns, 0, key, data=data)
         assert eng.mapper.path_for(key).read_bytes() == ref.path.read_bytes()
         assert read_stored(root, ns, ref) == data  # the reference reader accepts engine files
-        res, got = _load(eng, key)
+        res, got = load_page(eng, key)
         assert res.ok and got == data
     eng.close()
 
@@ -107,16 +91,16 @@ def test_unaligned_payload_tail(root: Path) -> None:
     assert layout.nbytes % 4096
     key = page_key(7)
     data = page_bytes(layout, key, 2)
-    assert _store(eng, key, data).ok
+    assert store_data(eng, key, data).ok
     path = eng.mapper.path_for(key)
     assert path.stat().st_size == inspect_page(path).file_size
-    res, got = _load(eng, key)
+    res, got = load_page(eng, key)
     assert res.ok and got == data
     if O_DIRECT:  # drop the page from the cache so the O_DIRECT read path runs
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        res, got = _load(eng, key)
+        res, got = load_page(eng, key)
         assert res.ok and got == data
     eng.close()
 
@@ -126,10 +110,10 @@ def test_codecs_read_each_other(root: Path) -> None:
     layout = ns.groups[0].layout
     plain, packed = _engine(root, ns, codec="none"), _engine(root, ns, codec="zstd")
     a, b = page_key(1), page_key(2)
-    assert _store(plain, a, page_bytes(layout, a)).ok
-    assert _store(packed, b, page_bytes(layout, b)).ok
-    assert _load(packed, a)[1] == page_bytes(layout, a)
-    assert _load(plain, b)[1] == page_bytes(layout, b)
+    assert store_data(plain, a, page_bytes(layout, a)).ok
+    assert store_data(packed, b, page_bytes(layout, b)).ok
+    assert load_page(packed, a)[1] == page_bytes(layout, a)
+    assert load_page(plain, b)[1] == page_bytes(layout, b)
     plain.close()
     packed.close()
 
@@ -139,7 +123,7 @@ def test_existing_page_counts_as_stored(root: Path) -> None:
     eng = _engine(root, ns)
     key = page_key(0)
     data = page_bytes(ns.groups[0].layout, key)
-    first, second = _store(eng, key, data), _store(eng, key, data)
+    first, second = store_data(eng, key, data), store_data(eng, key, data)
     assert first.ok and first.stored
     assert second.ok and not second.stored
     assert eng.stats["stores_existing"] == 1
@@ -153,7 +137,7 @@ def test_manifest_and_contains(root: Path) -> None:
     assert read_manifest(root / ns.digest / MANIFEST_NAME).digest == ns.digest
     key = page_key(3)
     assert not eng.contains(key)
-    assert _store(eng, key, page_bytes(ns.groups[0].layout, key)).ok
+    assert store_data(eng, key, page_bytes(ns.groups[0].layout, key)).ok
     assert eng.contains(key)
     eng.close()
 
@@ -175,7 +159,7 @@ def test_damaged_pages_are_typed_failures(root: Path, damage: str, kind: str) ->
     layout = ns.groups[0].layout
     key, other = page_key(0), page_key(1)
     for k in (key, other):
-        assert _store(eng, k, page_bytes(layout, k)).ok
+        assert store_data(eng, k, page_bytes(layout, k)).ok
     path = eng.mapper.path_for(key)
     if damage == "payload_bit":
         corrupt_flip_bit(path, -100)
@@ -191,7 +175,7 @@ def test_damaged_pages_are_typed_failures(root: Path, damage: str, kind: str) ->
         os.replace(ref.path, path)
     elif damage == "swapped":
         os.replace(eng.mapper.path_for(other), path)
-    res, data = _load(eng, key)
+    res, data = load_page(eng, key)
     assert not res.ok and data is None and res.slot is None
     assert res.error is not None and res.error.kind == kind, res.error
     assert res.error.key == key
@@ -199,9 +183,9 @@ def test_damaged_pages_are_typed_failures(root: Path, damage: str, kind: str) ->
     assert eng.free_slots == eng.stats["staging_slots"]
     # The damaged file is gone, so the key can be stored again and then loads clean.
     assert not path.exists() and eng.stats["bad_pages_discarded"] == 1
-    res = _store(eng, key, page_bytes(layout, key))
+    res = store_data(eng, key, page_bytes(layout, key))
     assert res.ok and res.stored
-    res, data = _load(eng, key)
+    res, data = load_page(eng, key)
     assert res.ok and data == page_bytes(layout, key)
     eng.close()
 
@@ -217,7 +201,7 @@ def test_warm_loads_verify_piece_by_piece(root: Path, damaged_section: int | Non
     layout = eng.layout
     key = page_key(7)
     data = page_bytes(layout, key, 2)
-    assert _store(eng, key, data).ok
+    assert store_data(eng, key, data).ok
     path = eng.mapper.path_for(key)
     hl = eng._header_len(len(key))
     if damaged_section is not None:
@@ -229,7 +213,7 @@ def test_warm_loads_verify_piece_by_piece(root: Path, damaged_section: int | Non
     assert [i for p in plan for i in range(p[2], p[3])] == list(range(len(layout.sections)))
     if piece_bytes == 1:
         assert len(plan) == len(layout.sections)
-    res, got = _load(eng, key)
+    res, got = load_page(eng, key)
     if damaged_section is None:
         assert res.ok and got == data, res.error
     else:
@@ -243,7 +227,7 @@ def test_warm_loads_verify_piece_by_piece(root: Path, damaged_section: int | Non
 
 def test_missing_page(root: Path) -> None:
     eng = _engine(root, simple_namespace())
-    res, _ = _load(eng, page_key(42))
+    res, _ = load_page(eng, page_key(42))
     assert not res.ok and res.error is not None and res.error.kind == "missing"
     eng.close()
 
@@ -350,8 +334,8 @@ def test_fifo_under_a_page_name_fails_fast_and_typed(root: Path) -> None:
     # The workers still serve: a normal store and load go through.
     other = page_key(6)
     data = page_bytes(ns.groups[0].layout, other)
-    assert _store(eng, other, data).ok
-    assert _load(eng, other)[1] == data
+    assert store_data(eng, other, data).ok
+    assert load_page(eng, other)[1] == data
     assert eng.stats["late_results_dropped"] == 0
     assert eng.free_slots == eng.stats["staging_slots"]
     eng.close()
@@ -362,7 +346,7 @@ def test_loads_are_served_before_stores(root: Path) -> None:
     layout = ns.groups[0].layout
     eng = _engine(root, ns, io_threads=1, staging_slots=12)
     for i in range(3):  # pages to load later
-        assert _store(eng, page_key(100 + i), page_bytes(layout, page_key(100 + i))).ok
+        assert store_data(eng, page_key(100 + i), page_bytes(layout, page_key(100 + i))).ok
     gate, started = threading.Event(), threading.Event()
     order: list[str] = []
     real_load, real_store = eng._do_load, eng._do_store
@@ -450,7 +434,7 @@ def test_staging_slots_are_aligned_tensors(root: Path) -> None:
     eng.release_slot(held := eng.acquire_slot())  # type: ignore[arg-type]
     assert held is slots[-1]
     key = page_key(3)
-    assert _store(eng, key, page_bytes(eng.layout, key, 2)).ok
+    assert store_data(eng, key, page_bytes(eng.layout, key, 2)).ok
     [res] = eng.wait([eng.submit_load(key)], timeout=10)
     assert res.ok and res.slot is slots[-1]
     eng.release_slot(res.slot)
@@ -480,7 +464,7 @@ def test_odirect_fallback_is_visible(root: Path, monkeypatch: pytest.MonkeyPatch
     assert "Invalid argument" in eng.stats["odirect_reason"]
     assert any("O_DIRECT does not work" in r.getMessage() for r in caplog.records)
     key = page_key(0)
-    assert _store(eng, key, page_bytes(ns.groups[0].layout, key)).ok
+    assert store_data(eng, key, page_bytes(ns.groups[0].layout, key)).ok
     eng.close()
     with pytest.raises(ConfigError, match='"odirect" is "on"'):
         _engine(root, ns, odirect="on")
@@ -491,7 +475,7 @@ def test_store_error_is_per_key_and_temp_removed(root: Path, monkeypatch: pytest
     eng = _engine(root, ns)
     layout = ns.groups[0].layout
     good = page_key(0)
-    assert _store(eng, good, page_bytes(layout, good)).ok
+    assert store_data(eng, good, page_bytes(layout, good)).ok
     real = os.pwritev
 
     def failing(fd: int, bufs: object, offset: int) -> int:
@@ -499,12 +483,12 @@ def test_store_error_is_per_key_and_temp_removed(root: Path, monkeypatch: pytest
 
     monkeypatch.setattr(engine_mod.os, "pwritev", failing)
     bad = page_key(1)
-    res = _store(eng, bad, page_bytes(layout, bad))
+    res = store_data(eng, bad, page_bytes(layout, bad))
     monkeypatch.setattr(engine_mod.os, "pwritev", real)
     assert not res.ok and res.error is not None and res.error.kind == "io"
     assert not eng.mapper.path_for(bad).exists()
     assert not [p for p in eng.mapper.path_for(bad).parent.iterdir() if p.name.endswith(".tmp")]
-    assert _load(eng, good)[1] == page_bytes(layout, good)
+    assert load_page(eng, good)[1] == page_bytes(layout, good)
     eng.close()
 
 
@@ -588,12 +572,12 @@ def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: 
     monkeypatch.setattr(engine_mod.os, "pwritev", refuse_first)
     key = page_key(1)
     data = page_bytes(eng.layout, key, 2)
-    res = _store(eng, key, data)
+    res = store_data(eng, key, data)
     monkeypatch.setattr(engine_mod.os, "pwritev", real)
     assert res.ok and len(calls) == 2
     path = eng.mapper.path_for(key)
     assert path.stat().st_size == inspect_page(path).file_size
-    assert _load(eng, key)[1] == data
+    assert load_page(eng, key)[1] == data
     eng.close()
 
 
@@ -611,7 +595,7 @@ def test_store_with_caller_sums_writes_the_same_file(root: Path, odirect: str) -
     layout = ns.groups[0].layout
     data = page_bytes(layout, page_key(1), 0)
     a, b = _engine(root / "a", ns, odirect=odirect), _engine(root / "b", ns, odirect=odirect)
-    assert _store(a, page_key(1), data).ok
+    assert store_data(a, page_key(1), data).ok
     slot = b.acquire_slot(timeout=5)
     assert slot is not None
     slot.view[:] = data
@@ -638,7 +622,7 @@ def test_store_with_wrong_sums_is_caught_on_read(root: Path) -> None:
     bad[-1] ^= 1
     [res] = eng.wait([eng.submit_store(page_key(3), slot, 16, sums=bad)], timeout=10)
     assert res.ok
-    res, got = _load(eng, page_key(3))
+    res, got = load_page(eng, page_key(3))
     assert not res.ok and res.error is not None and res.error.kind == "checksum" and got is None
     eng.close()
 
@@ -651,7 +635,7 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
     layout = ns.groups[1].layout
     eng = _engine(root, ns, 1, codec=codec)
     data = page_bytes(layout, page_key(5), 1)
-    assert _store(eng, page_key(5), data).ok
+    assert store_data(eng, page_key(5), data).ok
     [res] = eng.wait([eng.submit_load(page_key(5), verify=False)], timeout=10)
     assert res.ok and res.slot is not None
     assert bytes(res.slot.view) == data
@@ -674,7 +658,7 @@ def test_unverified_load_returns_header_sums(root: Path, codec: str) -> None:
     else:
         assert not res.ok and res.error is not None
     # a damaged header is still caught without verification
-    assert _store(eng, page_key(6), page_bytes(layout, page_key(6), 1)).ok
+    assert store_data(eng, page_key(6), page_bytes(layout, page_key(6), 1)).ok
     corrupt_flip_bit(eng.mapper.path_for(page_key(6)), 10)
     [res] = eng.wait([eng.submit_load(page_key(6), verify=False)], timeout=10)
     assert not res.ok and res.error is not None
@@ -692,7 +676,7 @@ def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -
     other = _engine(root, ns, 1)  # another store on the same files ("disk")
     key = page_key(9)
     data = page_bytes(layout, key, 1)
-    assert _store(eng, key, data).ok
+    assert store_data(eng, key, data).ok
     path = eng.mapper.path_for(key)
     corrupt_flip_bit(path, -1)
     [res] = eng.wait([eng.submit_load(key, verify=False)], timeout=10)
@@ -708,7 +692,7 @@ def test_damaged_page_is_removed_once_by_the_engine_that_served_it(root: Path) -
     st = eng.stats
     assert st["bad_pages_discarded"] == 1 and st["loads_failed"] == {"checksum": 1} and st["loads_ok"] == 0
     # A good page is published again under the name; settling the old result again removes nothing.
-    assert _store(other, key, data).ok and path.exists()
+    assert store_data(other, key, data).ok and path.exists()
     eng.settle(res, False, "settled twice")
     assert eng.flush(10) and path.exists() and eng.stats["bad_pages_discarded"] == 1
     assert eng.stats["loads_failed"] == {"checksum": 1}
@@ -731,7 +715,7 @@ def test_engine_found_damage_removes_only_the_file_it_read(root: Path, monkeypat
     eng = _engine(root, ns)
     key = page_key(4)
     data = page_bytes(layout, key)
-    assert _store(eng, key, data).ok
+    assert store_data(eng, key, data).ok
     path = eng.mapper.path_for(key)
     good = path.read_bytes()
     corrupt_flip_bit(path, -1)
@@ -746,9 +730,9 @@ def test_engine_found_damage_removes_only_the_file_it_read(root: Path, monkeypat
             os.replace(tmp, path)
 
     monkeypatch.setattr(eng, "_do_load", load_then_republish)
-    res, got = _load(eng, key)
+    res, got = load_page(eng, key)
     assert not res.ok and res.error is not None and res.error.kind == "checksum" and got is None
     assert path.read_bytes() == good and eng.stats["bad_pages_discarded"] == 0
     monkeypatch.undo()
-    assert _load(eng, key)[1] == data
+    assert load_page(eng, key)[1] == data
     eng.close()

@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import threading
 import time
-import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hostile_helpers import snapshot, swap_for_link, traced_peak, within
 
 from tierstore import fsck as fsck_mod
 from tierstore import fsck_read, pagefile
@@ -36,48 +34,8 @@ NS = simple_namespace()
 pytestmark = pytest.mark.timeout(120)
 
 
-def snapshot(d: Path) -> dict[str, tuple[bytes, int]]:
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.iterdir()) if p.is_file()}
-
-
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Path:
-    d = tmp_path / "outside"
-    d.mkdir()
-    for i in range(3):
-        (d / f"precious{i}.kvp").write_bytes(b"do not touch %d" % i)
-        os.utime(d / f"precious{i}.kvp", (1_000_000 + i, 1_000_000 + i))
-    return d
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
 def fill(root: Path, n: int = 8) -> list[Path]:
-    return [FileMapper(root, NS.digest, p.group_index, p.rank).path_for(p.key) for p in fill_pages(root, NS, n)]
-
-
-def within(seconds: float, fn: Callable[[], object]) -> object:
-    """Run ``fn`` in a thread; fail (a hang) if it does not return in time."""
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"hung for more than {seconds} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
+    return [p.path for p in fill_pages(root, NS, n)]
 
 
 def fsck(root: Path, **kw: object) -> FsckReport:
@@ -134,8 +92,7 @@ def test_symlinked_page_and_fanout_dir_are_not_followed(root: Path, sentinel: Pa
     paths[0].symlink_to(sentinel / "precious0.kvp")
     fan = next(p.parent for p in paths[1:] if p.parent != paths[0].parent)
     moved = [p for p in paths if p.parent == fan]
-    os.rename(fan, fan.with_name("zz"))
-    fan.symlink_to(sentinel)
+    swap_for_link(fan, sentinel, "zz")
     before = snapshot(sentinel)
     rep = fsck(root)
     assert kinds(rep)[str(paths[0])] == ("symlink", "symlink") and kinds(rep)[str(fan)] == ("symlink", "symlink")
@@ -174,8 +131,7 @@ def test_fanout_dir_swapped_for_a_symlink_during_the_scan(root: Path, sentinel: 
     def swap_then_open(self: fsck_read.PageVerifier, parts: tuple[str, ...]) -> int:
         if parts[-1] == fan.name and not swapped:
             swapped.append(True)
-            os.rename(fan, fan.with_name("moved"))
-            fan.symlink_to(sentinel)
+            swap_for_link(fan, sentinel)
         return real(self, parts)
 
     monkeypatch.setattr(fsck_read.PageVerifier, "_dir_fd", swap_then_open)
@@ -194,8 +150,7 @@ def test_directory_swapped_for_a_symlink_during_repair_touches_nothing_outside(
     before = snapshot(sentinel)
 
     def swap() -> None:
-        os.rename(fan, fan.with_name("moved"))
-        fan.symlink_to(sentinel)
+        swap_for_link(fan, sentinel)
 
     monkeypatch.setattr(fsck_mod, "_before_repair_hook", swap)
     rep = fsck(root, repair=True)
@@ -239,12 +194,7 @@ def test_bad_manifest_is_one_finding_and_never_hangs(root: Path, plant: str) -> 
         m.write_text(json.dumps(other.manifest()).replace('"format_version": 3', '"format_version": 1e400'))
     else:
         m.write_text(json.dumps(other.manifest()).replace('"kind": ', '"kind": "x", "was": '))
-    tracemalloc.start()
-    try:
-        rep = fsck(root)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    rep, peak = traced_peak(lambda: fsck(root))
     assert kinds(rep) == {str(m): ("manifest", "manifest")} and rep.pages_ok == len(paths)
     assert peak < 64 << 20
 
@@ -258,12 +208,7 @@ def test_planted_manifest_with_a_huge_layout_allocates_nothing_for_a_bogus_page(
     path.parent.mkdir(parents=True)
     with open(path, "wb") as f:  # a sparse file of the layout's size, no valid header
         f.truncate(huge.groups[0].layout.nbytes + 4096)
-    tracemalloc.start()
-    try:
-        rep = fsck(root)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    rep, peak = traced_peak(lambda: fsck(root))
     assert kinds(rep)[str(path)][0] == "bad_page" and peak < 64 << 20
 
 
@@ -322,8 +267,7 @@ def test_touch_is_fd_based_and_never_reaches_outside(root: Path, sentinel: Path)
         fan = paths[2].parent
         (sentinel / paths[2].name).write_bytes(b"outside file named like a page")
         before = snapshot(sentinel)
-        os.rename(fan, fan.with_name("moved"))
-        fan.symlink_to(sentinel)  # a fan-out directory replaced by a link
+        swap_for_link(fan, sentinel)  # a fan-out directory replaced by a link
         with pytest.raises(PageUnsafe):
             touch_page(dirs, page_key(2), str(paths[2]))
         assert snapshot(sentinel) == before

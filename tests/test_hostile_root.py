@@ -7,19 +7,17 @@ from __future__ import annotations
 import json
 import os
 import stat
-import threading
 import time
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import zstandard
+from hostile_helpers import nested_dirs, snapshot, swap_for_link, traced_peak, within, zstd_bomb
 
 from tierstore import display, format, safe_zstd, safefs, trust
 from tierstore.errors import ConfigError, PageCorrupt
 from tierstore.mac import PageMac, PageUnauthenticated
-from tierstore.mapper import FileMapper
 from tierstore.testing.pages import fill_pages, simple_namespace
 from tierstore.tiers import gc
 from tierstore.tiers.lease import LEASE_NAME, Lease
@@ -28,54 +26,12 @@ NS = simple_namespace()
 pytestmark = pytest.mark.timeout(60)
 
 
-def snapshot(d: Path) -> dict[str, tuple[bytes, int]]:
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
-
-
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Path:
-    d = tmp_path / "outside"
-    d.mkdir()
-    for i in range(3):
-        (d / f"precious{i}.kvp").write_bytes(b"do not touch %d" % i)
-        os.utime(d / f"precious{i}.kvp", (1_000_000 + i, 1_000_000 + i))
-    return d
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
 def fill(root: Path, n: int = 6) -> list[Path]:
-    paths = []
-    for p in fill_pages(root, NS, n):
-        paths.append(FileMapper(root, NS.digest, p.group_index, p.rank).path_for(p.key))
+    paths = [p.path for p in fill_pages(root, NS, n)]
     base = time.time() - 1000
     for i, path in enumerate(paths):
         os.utime(path, (base + i, base + i))
     return paths
-
-
-def within(seconds: float, fn: Callable[[], object]) -> object:
-    """Run ``fn`` in a thread; fail (a hang) if it does not return in time."""
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"hung for more than {seconds} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
 
 
 # ------------------------------------------------------------------ gc
@@ -96,9 +52,7 @@ def test_symlinked_namespace_and_fanout_are_not_walked(root: Path, sentinel: Pat
     before = snapshot(sentinel)
     (root / ("ab" * 16)).symlink_to(sentinel)  # a namespace-like name pointing outside
     fan = paths[0].parent
-    other = fan.parent / "zz"
-    os.rename(fan, other)
-    fan.symlink_to(sentinel)  # a fan-out directory replaced by a link
+    swap_for_link(fan, sentinel, "zz")  # a fan-out directory replaced by a link
     rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
     assert snapshot(sentinel) == before
     assert rep.evicted == len(paths) - sum(1 for p in paths if p.parent == fan)
@@ -114,8 +68,7 @@ def test_fanout_swapped_for_symlink_between_scan_and_eviction(
     before = snapshot(sentinel)
 
     def swap() -> None:
-        os.rename(victim_dir, victim_dir.with_name("moved"))
-        victim_dir.symlink_to(sentinel)
+        swap_for_link(victim_dir, sentinel)
 
     monkeypatch.setattr(gc, "_after_scan_hook", swap)
     rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
@@ -152,31 +105,10 @@ def test_fifo_and_deep_tree_and_odd_names(root: Path) -> None:
     fan = paths[0].parent
     os.mkfifo(fan / ("cd" * 8 + ".kvp"))
     os.mkfifo(fan / f".{'ab' * 8}.kvp.host.{'9' * 20}.abc.tmp")  # 20-digit pid temp name
-    deep = root / NS.digest
-    fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
-    try:  # 1,200 nested directories (relative mkdir: paths would exceed PATH_MAX)
-        for _ in range(1200):
-            os.mkdir("d", dir_fd=fd)
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    finally:
-        os.close(fd)
-    try:
+    with nested_dirs(root / NS.digest, 1200):
         rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
         assert rep.evicted == len(paths)
         assert any("not a regular file" in u for u in rep.unsafe)
-    finally:
-        _remove_chain(deep, 1200)  # pytest's own cleanup of tmp_path would recurse too deep
-
-
-def _remove_chain(top: Path, depth: int) -> None:
-    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
-    for _ in range(depth - 1):
-        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
-    for fd in reversed(fds):
-        os.rmdir("d", dir_fd=fd)
-        os.close(fd)
 
 
 # ------------------------------------------------------------------ lease
@@ -238,12 +170,8 @@ def test_oversized_lease_is_not_read_whole(root: Path) -> None:
     with open(root / LEASE_NAME, "wb") as f:
         f.truncate(1 << 30)
     lease = Lease(root, settle_s=0)
-    tracemalloc.start()
-    try:
-        assert lease.read() is None
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    body, peak = traced_peak(lease.read)
+    assert body is None
     assert peak < 1 << 20
 
 
@@ -316,18 +244,9 @@ def test_safefs_creates_private_modes(root: Path) -> None:
 
 
 # ------------------------------------------------------------------ zstd bomb
-def _bomb(declared: int) -> bytes:
-    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
-    co = cctx.compressobj(size=declared)
-    zeros = bytes(1 << 20)
-    parts = [co.compress(zeros) for _ in range(declared >> 20)]
-    parts.append(co.flush())
-    return b"".join(parts)
-
-
 def test_zstd_bomb_memory_is_bounded_by_the_layout() -> None:
     declared = 64 << 20
-    frame = _bomb(declared)
+    frame = zstd_bomb(declared)
     assert len(frame) < 64 << 10
     expected = 64 << 10  # the layout's section size
     tracemalloc.start()

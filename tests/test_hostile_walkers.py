@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hostile_helpers import nested_dirs, snapshot, within
 
 from tierstore import cli
 from tierstore.errors import ConfigError
@@ -24,43 +24,12 @@ pytestmark = pytest.mark.timeout(60)
 N_PAGES = 6
 
 
-def snapshot(d: Path) -> dict[str, tuple[bytes, int]]:
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
-
-
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Path:
-    d = tmp_path / "outside"
-    d.mkdir()
-    for i in range(3):
-        (d / f"precious{i}.kvp").write_bytes(b"do not touch %d" % i)
-    return d
-
-
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     r = tmp_path / "root"
     r.mkdir()
     fill_pages(r, NS, N_PAGES)
     return r
-
-
-def within(seconds: float, fn: Callable[[], object]) -> object:
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"hung for more than {seconds} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
 
 
 def _planted_namespace(root: Path, manifest: bytes | None) -> Path:
@@ -159,20 +128,16 @@ def test_listing_counts_match_exact(root: Path) -> None:
 
 
 # ------------------------------------------------------------------ local index
-def test_local_index_refuses_a_symlinked_meta_dir(tmp_path: Path, sentinel: Path) -> None:
+@pytest.mark.parametrize("linked", ["meta_dir", "database"])
+def test_local_index_refuses_a_symlinked_meta_dir_or_database(tmp_path: Path, sentinel: Path, linked: str) -> None:
     local = tmp_path / "local"
-    local.mkdir()
-    os.symlink(sentinel, local / ".tierstore")
-    before = snapshot(sentinel)
-    with pytest.raises(ConfigError, match="symlink"):
-        LocalIndex(local, 1 << 20)
-    assert snapshot(sentinel) == before
-
-
-def test_local_index_refuses_a_symlinked_database(tmp_path: Path, sentinel: Path) -> None:
-    local = tmp_path / "local"
-    (local / ".tierstore").mkdir(parents=True)
-    os.symlink(sentinel / "precious0.kvp", local / ".tierstore" / "index.sqlite")
+    meta = local / ".tierstore"
+    if linked == "meta_dir":
+        local.mkdir()
+        os.symlink(sentinel, meta)
+    else:
+        meta.mkdir(parents=True)
+        os.symlink(sentinel / "precious0.kvp", meta / "index.sqlite")
     before = snapshot(sentinel)
     with pytest.raises(ConfigError, match="symlink"):
         LocalIndex(local, 1 << 20)
@@ -185,34 +150,14 @@ def test_local_index_reconcile_survives_deep_trees_links_and_odd_pids(tmp_path: 
     fan = pages[0].path.parent
     (fan / f".{'ab' * 8}.kvp.host.{'9' * 20}.abc.tmp").write_bytes(b"t")
     os.symlink(sentinel, fan.parent / "ee")  # a linked fan-out directory: never followed
-    fd = os.open(local / NS.digest, os.O_RDONLY | os.O_DIRECTORY)
-    try:  # 1,200 nested directories
-        for _ in range(1200):
-            os.mkdir("d", dir_fd=fd)
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    finally:
-        os.close(fd)
-    before = snapshot(sentinel)
-    try:
+    with nested_dirs(local / NS.digest, 1200):
+        before = snapshot(sentinel)
         idx = LocalIndex(local, 1 << 30)  # fresh index over a non-empty root: background scan
         assert within(30, lambda: idx.wait_reconciled(30))
         assert idx.count() == N_PAGES
         assert idx.last_reconcile is not None and idx.last_reconcile.added == N_PAGES
         idx.close()
-    finally:
-        _remove_chain(local / NS.digest, 1200)
     assert snapshot(sentinel) == before
-
-
-def _remove_chain(top: Path, depth: int) -> None:
-    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
-    for _ in range(depth - 1):
-        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
-    for fd in reversed(fds):
-        os.rmdir("d", dir_fd=fd)
-        os.close(fd)
 
 
 def test_local_index_opens_before_its_reconcile_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

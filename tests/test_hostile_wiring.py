@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import stat
 import time
-import tracemalloc
 from pathlib import Path
 
 import pytest
-import zstandard
+from hostile_helpers import snapshot, swap_for_link, traced_peak, zstd_bomb
+from tiers_helpers import load_page, store
 
 from tierstore import mac as mac_mod
 from tierstore.config import TierStoreConfig
@@ -43,41 +43,10 @@ def root(tmp_path: Path) -> Path:
     return r
 
 
-@pytest.fixture
-def sentinel(tmp_path: Path) -> Path:
-    d = tmp_path / "outside"
-    d.mkdir()
-    for i in range(3):
-        (d / f"precious{i}").write_bytes(b"do not touch %d" % i)
-        os.utime(d / f"precious{i}", (1_000_000 + i, 1_000_000 + i))
-    return d
-
-
-def snapshot(d: Path) -> dict[str, tuple[bytes, int]]:
-    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
-
-
 def engine(root: Path, ns: Namespace = NS, **cfg: object) -> IOEngine:
     deadline = cfg.pop("deadline_s", None)
     config = TierStoreConfig.from_dict({"root": str(root), "io_threads": 2, **cfg})
     return IOEngine(root, ns, 0, config=config, deadline_s=deadline)  # type: ignore[arg-type]
-
-
-def store(eng: IOEngine, key: bytes) -> IOResult:
-    slot = eng.acquire_slot(timeout=5)
-    assert slot is not None
-    slot.view[:] = page_bytes(eng.layout, key)
-    [res] = eng.wait([eng.submit_store(key, slot, 16)], timeout=10)
-    return res
-
-
-def load(eng: IOEngine, key: bytes) -> tuple[IOResult, bytes | None]:
-    [res] = eng.wait([eng.submit_load(key)], timeout=10)
-    data = None
-    if res.slot is not None:
-        data = bytes(res.slot.view)
-        eng.release_slot(res.slot)
-    return res, data
 
 
 def valid_pages(eng: IOEngine, n: int = 4) -> list[bytes]:
@@ -89,27 +58,12 @@ def valid_pages(eng: IOEngine, n: int = 4) -> list[bytes]:
 
 def assert_served(eng: IOEngine, keys: list[bytes]) -> None:
     for k in keys:
-        res, data = load(eng, k)
+        res, data = load_page(eng, k)
         assert res.ok and data == page_bytes(eng.layout, k), res.error
 
 
 def _meta(eng: IOEngine, key: bytes) -> PageMeta:
     return PageMeta(NS.digest_bytes, key, 0, eng.group.kind, 16)
-
-
-def _bomb(declared: int) -> bytes:
-    co = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(size=declared)
-    zeros = bytes(1 << 20)
-    return b"".join([*(co.compress(zeros) for _ in range(declared >> 20)), co.flush()])
-
-
-def _peak(fn: object) -> int:
-    tracemalloc.start()
-    try:
-        fn()  # type: ignore[operator]
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 # ------------------------------------------------------------------ memory bounded by the layout
@@ -118,7 +72,7 @@ def test_zstd_frame_declaring_a_huge_size_is_refused_within_the_layout(root: Pat
     keys = valid_pages(eng)
     bad = page_key(7)
     lay = eng.layout
-    frame = _bomb(256 << 20)  # a few KiB declaring 256 MiB
+    frame = zstd_bomb(256 << 20)  # a few KiB declaring 256 MiB
     entries, pieces, pos = [], [], 0
     for spec in lay.sections:  # every section the same bomb, frames at canonical offsets
         start = -(-pos // 64) * 64
@@ -128,9 +82,7 @@ def test_zstd_frame_declaring_a_huge_size_is_refused_within_the_layout(root: Pat
     header = encode_header(_meta(eng, bad), Codec.ZSTD, entries, pos)
     path = eng.mapper.path_for(bad)
     path.write_bytes(header + b"".join(pieces))
-    box: dict[str, IOResult] = {}
-    peak = _peak(lambda: box.setdefault("r", load(eng, bad)[0]))
-    res = box["r"]
+    (res, _), peak = traced_peak(lambda: load_page(eng, bad))
     assert not res.ok and res.error is not None and res.error.kind in ("checksum", "format"), res.error
     assert peak < lay.nbytes + (8 << 20), peak  # not the 256 MiB the frame declares
     assert not path.exists()  # bad content: removed so the key can be stored again
@@ -152,9 +104,7 @@ def test_sparse_file_declaring_a_3_gib_payload_is_refused_without_allocation(roo
         f.write(header)
         f.truncate(len(header) + huge)
     t0 = time.monotonic()
-    box: dict[str, object] = {}
-    peak = _peak(lambda: box.setdefault("r", load(eng, bad)[0]))
-    res = box["r"]
+    (res, _), peak = traced_peak(lambda: load_page(eng, bad))
     assert isinstance(res, IOResult) and not res.ok and res.error.kind == "format", res.error
     assert peak < lay.nbytes + (8 << 20), peak
     assert time.monotonic() - t0 < 5
@@ -164,7 +114,7 @@ def test_sparse_file_declaring_a_3_gib_payload_is_refused_without_allocation(roo
         f.write(header)
         f.truncate(len(header) + huge)
     with pytest.raises(PageError, match="more than zstd emits"):
-        _peak(lambda: inspect_page(path))
+        traced_peak(lambda: inspect_page(path))
     assert_served(eng, keys)
     eng.close()
 
@@ -185,7 +135,7 @@ def test_symlinked_and_hard_linked_pages_are_not_served_nor_touched(root: Path, 
     os.symlink(sentinel / "linked_a", pa)
     os.link(sentinel / "linked_b", pb)
     for k in (a, b):
-        res, data = load(eng, k)
+        res, data = load_page(eng, k)
         assert not res.ok and data is None and res.error.kind == "unsafe", res.error
         assert not store(eng, k).stored  # an entry exists: nothing written through it
     assert pa.is_symlink() and pb.stat().st_nlink == 2  # left for fsck
@@ -205,9 +155,8 @@ def test_fanout_dir_swapped_for_a_symlink_after_start(root: Path, sentinel: Path
     name = eng.mapper.path_for(victim).name
     (sentinel / name).write_bytes(b"outside file named like the page")
     before = snapshot(sentinel)
-    os.rename(fan, fan.with_name("moved"))
-    os.symlink(sentinel, fan)
-    res, _ = load(eng, victim)
+    swap_for_link(fan, sentinel)
+    res, _ = load_page(eng, victim)
     assert not res.ok and res.error.kind == "unsafe", res.error
     res = store(eng, victim)
     assert not res.ok and res.error.kind == "unsafe", res.error
@@ -225,8 +174,7 @@ def test_symlinked_directories_are_refused_at_start(root: Path, sentinel: Path, 
     base = eng.mapper.base
     eng.close()
     target = {"namespace": base.parent.parent, "rank": base, "fanout": base / "3f"}[where]
-    os.rename(target, target.with_name(target.name + ".real"))
-    os.symlink(sentinel, target)
+    swap_for_link(target, sentinel, target.name + ".real")
     before = snapshot(sentinel)
     with pytest.raises(ConfigError, match="symlink"):
         engine(root)
@@ -312,7 +260,7 @@ def test_mac_pages_round_trip_and_forged_pages_are_never_served(root: Path, tmp_
     raw = bytearray(p.read_bytes())
     raw[-MAC_TRAILER_LEN - 1] ^= 1
     p.write_bytes(bytes(raw))
-    res, _ = load(eng, keys[1])
+    res, _ = load_page(eng, keys[1])
     assert not res.ok and res.error.kind in ("mac", "checksum")
     assert_served(eng, [keys[0], *keys[2:]])
     for e in (eng, plain, thief):

@@ -1,10 +1,12 @@
-"""Shared helpers for the tier tests: store/load through any IOEngine-like object, disk usage."""
+"""Shared helpers for the tier and engine tests: store/load through any IOEngine-like object,
+disk usage."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from tierstore.store import IOResult
 from tierstore.testing.pages import page_bytes, page_key
 
 INDEX_DIR = ".tierstore"
@@ -18,25 +20,37 @@ def expected(store, k: bytes) -> bytes:
     return page_bytes(store.layout, k)
 
 
-def store(st, k: bytes, tokens: int = 16, timeout: float = 10.0):
+def store_data(st, k: bytes, data: bytes, tokens: int = 16, timeout: float = 10.0):
+    """Store ``data`` as page ``k`` through a staging slot; the IOResult."""
     slot = st.acquire_slot(timeout)
     assert slot is not None, "no staging slot"
-    slot.view[:] = expected(st, k)
+    slot.view[:] = data
     jid = st.submit_store(k, slot, tokens)
     (r,) = st.wait([jid], timeout)
     return r
 
 
-def load(st, k: bytes, timeout: float = 10.0) -> tuple[bool, str | None, bytes | None]:
-    """(ok, error kind, page bytes); releases the slot."""
-    jid = st.submit_load(k)
-    res = st.wait([jid], timeout)
+def store(st, k: bytes, tokens: int = 16, timeout: float = 10.0):
+    return store_data(st, k, expected(st, k), tokens, timeout)
+
+
+def load_page(st, k: bytes, timeout: float = 10.0) -> tuple[IOResult, bytes | None]:
+    """(IOResult, page bytes or None); releases the slot."""
+    res = st.wait([st.submit_load(k)], timeout)
     assert res, f"load of {k.hex()[:8]} did not complete within {timeout} s"
     r = res[0]
+    data = None
+    if r.slot is not None:
+        data = bytes(r.slot.view)
+        st.release_slot(r.slot)
+    return r, data
+
+
+def load(st, k: bytes, timeout: float = 10.0) -> tuple[bool, str | None, bytes | None]:
+    """(ok, error kind, page bytes); releases the slot."""
+    r, data = load_page(st, k, timeout)
     if not r.ok:
         return False, r.error.kind if r.error else None, None
-    data = bytes(r.slot.view)
-    st.release_slot(r.slot)
     return True, None, data
 
 

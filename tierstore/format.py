@@ -498,17 +498,7 @@ def header_len_of(prefix: bytes | memoryview, *, path: str | None = None) -> int
 def decode_header(buf: bytes | memoryview, *, path: str | None = None) -> PageHeader:
     """Parse and verify a header. ``buf`` holds at least the whole header."""
     buf = memoryview(buf)
-    header_len = header_len_of(buf, path=path)
-    if len(buf) < header_len:
-        raise PageTruncated(f"file ends inside its {header_len}-byte header", path=path)
-    (stored_sum,) = _CHECKSUM.unpack_from(buf, header_len - 8)
-    if checksum(buf[: header_len - 8]) != stored_sum:
-        raise PageCorrupt("header checksum mismatch", path=path)
-    try:
-        return _parse_header(buf, header_len)
-    except (struct.error, UnicodeDecodeError, ValueError, PageFormatError) as exc:
-        # The checksum matched, so this is a writer bug or a crafted file, not bit rot.
-        raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
+    return _checked_header(buf, header_len_of(buf, path=path), path)
 
 
 def decode_header_any_version(buf: bytes | memoryview, *, path: str | None = None) -> tuple[int, PageHeader]:
@@ -525,14 +515,20 @@ def decode_header_any_version(buf: bytes | memoryview, *, path: str | None = Non
     patched = bytearray(buf[:PREAMBLE_LEN])
     struct.pack_into("<H", patched, 8, FORMAT_VERSION)
     header_len_of(patched, path=path)  # magic, flags, header length
+    return version, _checked_header(buf, header_len, path)
+
+
+def _checked_header(buf: memoryview, header_len: int, path: str | None) -> PageHeader:
+    """The header of ``header_len`` bytes at the start of ``buf``, its checksum verified."""
     if len(buf) < header_len:
         raise PageTruncated(f"file ends inside its {header_len}-byte header", path=path)
     (stored_sum,) = _CHECKSUM.unpack_from(buf, header_len - 8)
     if checksum(buf[: header_len - 8]) != stored_sum:
         raise PageCorrupt("header checksum mismatch", path=path)
     try:
-        return version, _parse_header(buf, header_len)
+        return _parse_header(buf, header_len)
     except (struct.error, UnicodeDecodeError, ValueError, PageFormatError) as exc:
+        # The checksum matched, so this is a writer bug or a crafted file, not bit rot.
         raise PageFormatError(f"inconsistent header: {exc}", path=path) from exc
 
 

@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -226,14 +226,17 @@ class IndexedLookup:
         futures = [self._stat_pool.submit(file_identity, p) for p in paths]
         done, pending = wait_futures(futures, timeout=self.deadline_s)
         if pending:
-            for f in pending:
-                f.cancel()
-            self.counters["probe_timeouts"] += 1
-            assert tier.health is not None
-            tier.health.mark_down(f"{len(pending)} lookups took longer than {self.deadline_s:.3f} s "
-                                  "(shared_deadline_ms)")
+            self._missed_deadline(tier, pending, "probe_timeouts", f"{len(pending)} lookups")
             return None
         return [f.result() for f in futures]
+
+    def _missed_deadline(self, tier: TierIndexes, futures: Iterable[Future[Any]], counter: str, what: str) -> None:
+        """Cancel ``futures`` not yet started, count the miss and mark the shared tier down."""
+        for f in futures:
+            f.cancel()
+        self.counters[counter] += 1
+        assert tier.health is not None
+        tier.health.mark_down(f"{what} took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
 
     # ------------------------------------------------------------ loader thread
     def _load_loop(self) -> None:
@@ -267,12 +270,7 @@ class IndexedLookup:
             try:
                 f.result(timeout=self.deadline_s)
             except FutureTimeout:
-                for rest in futures:
-                    rest.cancel()
-                self.counters["list_timeouts"] += 1
-                assert tier.health is not None
-                tier.health.mark_down(f"listing a directory took longer than {self.deadline_s:.3f} s "
-                                      "(shared_deadline_ms)")
+                self._missed_deadline(tier, futures, "list_timeouts", "listing a directory")
                 return
             except OSError as exc:
                 log.warning("tierstore: cannot list a directory of %s: %s", index.base, exc)
