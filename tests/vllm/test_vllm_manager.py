@@ -234,8 +234,8 @@ def test_another_nodes_page_is_found_after_the_refresh_interval(tmp_path: Path) 
 
 
 def test_a_page_deleted_behind_our_back_costs_at_most_one_failed_load(tmp_path: Path) -> None:
+    path = put(FileMapper(tmp_path, NS, 0), b"d" * 32)  # before the index's one listing starts
     manager, mapper = make(tmp_path, index_refresh_s=3600)
-    path = put(mapper, b"d" * 32)
     ctx = ReqContext("r")
     key = make_offload_key(b"d" * 32, VLLM_GROUP)
     assert until(lambda: manager.pages.loaded)  # no listing after the unlink below
