@@ -45,6 +45,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
 
 def test_tp2_restart_hits_with_identical_tokens(tp_run) -> None:
     _, res, _ = tp_run
+    print("engine seconds:", {p: r["seconds"] for p, r in res.items()})  # the cost of this test (-s)
     assert res["store"]["cached"] == 0
     assert res["restore"]["cached"] == 256
     assert res["restore"]["tokens"] == res["store"]["tokens"]
