@@ -462,10 +462,12 @@ def slice_group(group: GroupSpec, heads: tuple[int, int]) -> GroupSpec | None:
 
 
 @lru_cache(maxsize=256)
-def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: int) -> int:
-    """Bytes of an uncompressed page file of this group (header + payload); 0 if unknown."""
+def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: int,
+                          layout: PageLayout | None = None) -> int:
+    """Bytes of an uncompressed page file of this group (header + payload; ``layout``: a head
+    slice's); 0 if unknown."""
     try:
-        lay = ns.groups[group_index].layout
+        lay = layout if layout is not None else ns.groups[group_index].layout
         meta = PageMeta(ns.digest_bytes, b"\0" * key_len, group_index, ns.groups[group_index].kind, 0, rank)
         entries = [SectionEntry(sec, off, sec.nbytes, 0) for sec, off in zip(lay.sections, lay.offsets, strict=True)]
         return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
@@ -684,7 +686,8 @@ class _Walker:
             inv.pages_seen += count
             if self.progress:
                 self.progress.advance(files=count)
-            page_bytes = _estimated_page_bytes(nsd.namespace, g, r, key_len) if nsd.namespace else 0
+            page_bytes = (_estimated_page_bytes(nsd.namespace, g, r, key_len, group.layout if group else None)
+                          if nsd.namespace else 0)
             tokens = group.tokens_per_chunk if group is not None else 0
             inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add_listed(count, page_bytes, tokens, dir_mtime)
         return inv

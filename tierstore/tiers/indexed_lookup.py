@@ -305,17 +305,37 @@ class IndexedLookup:
     def list_all(self) -> None:
         """List every fan-out directory of every index once (this thread; shared on the pool)."""
         for tier in self.tiers:
-            for index in tier.all_indexes():
-                if self._stop.is_set():
-                    return
-                if tier.health is None:
-                    for d in range(len(FANOUT_DIRS)):
-                        try:
-                            index.load_dir(d)
-                        except OSError as exc:  # the directory stays as it was; probes answer it
-                            log.warning("tierstore: cannot list %s/%s: %s", index.base, FANOUT_DIRS[d], exc)
-                elif tier.up:
-                    self._list_shared(tier, index)
+            for group, ranks in enumerate(tier.indexes):
+                for index in ranks:
+                    if self._stop.is_set():
+                        return
+                    if self._slice_group(group) is not None and index.loaded and not self._exists(tier, index):
+                        continue  # a slice no TP has written here: one stat, not 256 listings
+                    self._list_index(tier, index)
+
+    def _exists(self, tier: TierIndexes, index: PageIndex) -> bool:
+        """Whether ``index``'s directory exists (shared tier: under the deadline; a timeout
+        marks it down and answers True, so the listing is skipped by the health check)."""
+        if tier.health is None:
+            return os.path.isdir(index.base)
+        if not tier.up:
+            return True
+        try:
+            return self._list_pool.submit(os.path.isdir, index.base).result(timeout=self.deadline_s)
+        except FutureTimeout:
+            tier.health.mark_down(f"a stat took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
+            return True
+
+    def _list_index(self, tier: TierIndexes, index: PageIndex) -> None:
+        """List every fan-out directory of one index (local inline; shared on the pool)."""
+        if tier.health is None:
+            for d in range(len(FANOUT_DIRS)):
+                try:
+                    index.load_dir(d)
+                except OSError as exc:  # the directory stays as it was; probes answer it
+                    log.warning("tierstore: cannot list %s/%s: %s", index.base, FANOUT_DIRS[d], exc)
+        elif tier.up:
+            self._list_shared(tier, index)
 
     def _list_shared(self, tier: TierIndexes, index: PageIndex) -> None:
         futures: list[Future[None]] = [self._list_pool.submit(index.load_dir, d) for d in range(len(FANOUT_DIRS))]
