@@ -100,17 +100,20 @@ class IOEngine:
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, group_index: int, *, rank: int = 0,
                  head_start: int = 0, head_count: int = 0, config: TierStoreConfig | None = None,
                  staging_slots: int | None = None, pin: bool = False, deadline_s: float | None = None,
-                 tier_name: str = "disk") -> None:
+                 tier_name: str = "disk", rank_dir: str | None = None, layout: PageLayout | None = None) -> None:
+        """``rank_dir``/``layout``: a head slice's directory (``h<start>-<count>``, header rank
+        ``start // count``) and layout, from the caller (docs/DESIGN.md §9); by default
+        ``r<rank>`` and the namespace group's layout."""
         self.root = Path(root)
         self.config = config if config is not None else TierStoreConfig(root=str(root))
         if not 0 <= group_index < len(namespace.groups):
             raise ConfigError(f"group index {group_index} is outside the namespace's {len(namespace.groups)} groups")
         self.namespace, self.group_index, self.rank = namespace, group_index, rank
         self.group = namespace.groups[group_index]
-        self.layout: PageLayout = self.group.layout
+        self.layout: PageLayout = layout if layout is not None else self.group.layout
         self.head_start, self.head_count = head_start, head_count
         self.tier_name = tier_name
-        self.mapper = FileMapper(self.root, namespace.digest, group_index, rank)
+        self.mapper = FileMapper(self.root, namespace.digest, group_index, rank, rank_dir)
         self.codec = Codec.ZSTD if self.config.codec == "zstd" else Codec.NONE
         self.deadline_s = deadline_s if deadline_s is not None else self.config.deadline_ms / 1000.0
         self.perms = safefs.GROUP_SHARED if self.config.shared_group_access else safefs.PRIVATE
@@ -144,7 +147,8 @@ class IOEngine:
         self.files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
                                head_count=head_count, config=self.config, codec=self.codec, perms=self.perms,
                                mac=self.mac, odirect=self.odirect,
-                               direct_loads=self.odirect and cachestat_available(), count=self._count)
+                               direct_loads=self.odirect and cachestat_available(), count=self._count,
+                               layout=self.layout)
         self.geometry: FrameGeometry = self.files.geometry
         self._pool = StagingPool(self.geometry, n_slots, self.pinned)
         self._unsettled: dict[int, _Served] = {}  # job id -> unverified result, until settled

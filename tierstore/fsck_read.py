@@ -287,7 +287,7 @@ class PageVerifier:
         return self._read_into_pool(ref, fd, st, header, expect, layout.nbytes)
 
     def _template(self, ref: PageRef, ns_bytes: bytes) -> HeaderTemplate:
-        k = (ref.ns.name, ref.group_index, ref.rank, len(ref.key))
+        k = (ref.ns.name, ref.group_index, ref.rank, len(ref.key), ref.group.layout if ref.group else None)
         tmpl = self._templates.by_key.get(k)
         if tmpl is None:
             assert ref.group is not None

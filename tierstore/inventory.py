@@ -37,6 +37,7 @@ from pool threads and must be thread-safe. Results are merged on the calling thr
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import errno
 import json
@@ -61,8 +62,10 @@ from tierstore.format import (
     HEADER_ALIGN,
     Codec,
     PageHeader,
+    PageLayout,
     PageMeta,
     SectionEntry,
+    SectionSpec,
     decode_header,
     encode_header,
     header_len_of,
@@ -74,6 +77,8 @@ from tierstore.mapper import (
     locate,
     parse_index_dir,
     parse_page_name,
+    parse_rank_dir,
+    parse_slice_dir,
     parse_temp_name,
 )
 from tierstore.stale_temps import TempWriter, writer_gone
@@ -444,11 +449,25 @@ def _check_namespace_values(ns: Namespace) -> None:
     dict(ns.extra)
 
 
+def slice_group(group: GroupSpec, heads: tuple[int, int]) -> GroupSpec | None:
+    """The group as its head slice ``h<start>-<count>`` holds it (attention sections
+    ``[H, T, 2, D]`` cut to ``count`` heads; docs/DESIGN.md §9); None when the group has no
+    such heads (a Mamba group, or heads beyond its KV-head count)."""
+    start, count = heads
+    sections = group.layout.sections
+    if not sections or any(len(s.shape) != 4 or start + count > s.shape[0] for s in sections):
+        return None
+    layout = PageLayout(tuple(SectionSpec(s.name, s.dtype, (count, *s.shape[1:])) for s in sections))
+    return dataclasses.replace(group, layout=layout)
+
+
 @lru_cache(maxsize=256)
-def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: int) -> int:
-    """Bytes of an uncompressed page file of this group (header + payload); 0 if unknown."""
+def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: int,
+                          layout: PageLayout | None = None) -> int:
+    """Bytes of an uncompressed page file of this group (header + payload; ``layout``: a head
+    slice's); 0 if unknown."""
     try:
-        lay = ns.groups[group_index].layout
+        lay = layout if layout is not None else ns.groups[group_index].layout
         meta = PageMeta(ns.digest_bytes, b"\0" * key_len, group_index, ns.groups[group_index].kind, 0, rank)
         entries = [SectionEntry(sec, off, sec.nbytes, 0) for sec, off in zip(lay.sections, lay.offsets, strict=True)]
         return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
@@ -567,12 +586,17 @@ class _Walker:
             for r_entry in self._scandir(Path(e.path), inv):
                 if _skipped(r_entry.name):
                     continue
-                r = parse_index_dir(r_entry.name, "r")
+                r = parse_rank_dir(r_entry.name)
                 if r is None or not r_entry.is_dir(follow_symlinks=False):
-                    self._other(r_entry, inv, "r<rank> directories")
+                    self._other(r_entry, inv, "r<rank> or h<start>-<count> directories")
                     continue
+                heads = parse_slice_dir(r_entry.name)
                 world = nsd.world_size
-                orphan = not group_known or (world is not None and r >= world)
+                if heads is None:
+                    orphan = not group_known or (world is not None and r >= world)
+                else:  # a head slice: any TP may have written it; its heads must be the group's
+                    orphan = not group_known or (nsd.namespace is not None
+                                                 and slice_group(nsd.namespace.groups[g], heads) is None)
                 for a_entry in self._scandir(Path(r_entry.path), inv):
                     if _skipped(a_entry.name):
                         continue
@@ -610,6 +634,9 @@ class _Walker:
         if self.stop.is_set():
             return inv
         group = nsd.group(g)
+        heads = parse_slice_dir(aa.parent.name)
+        if heads is not None and group is not None and not orphan:
+            group = slice_group(group, heads)  # its pages hold those heads: the slice's layout
         if self.listing and not orphan:
             return self._fan_dir_listed(inv, nsd, aa, g, r, group)
         for e in self._scandir(aa, inv):
@@ -659,7 +686,8 @@ class _Walker:
             inv.pages_seen += count
             if self.progress:
                 self.progress.advance(files=count)
-            page_bytes = _estimated_page_bytes(nsd.namespace, g, r, key_len) if nsd.namespace else 0
+            page_bytes = (_estimated_page_bytes(nsd.namespace, g, r, key_len, group.layout if group else None)
+                          if nsd.namespace else 0)
             tokens = group.tokens_per_chunk if group is not None else 0
             inv.tallies.setdefault((nsd.name, g, r), GroupTally()).add_listed(count, page_bytes, tokens, dir_mtime)
         return inv
@@ -686,6 +714,8 @@ class _Walker:
         common = dict(size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
         if orphan:
             why = (f"group {g} is not in the namespace's manifest" if nsd.group(g) is None
+                   else f"head slice {e.path.split(os.sep)[-3]} is not one of the group's KV heads"
+                   if parse_slice_dir(e.path.split(os.sep)[-3]) is not None
                    else f"rank {r} is outside the manifest's parallel layout ({nsd.world_size} ranks)")
             inv.findings.append(Finding(e.path, ORPHAN, "orphan", why, **common))  # type: ignore[arg-type]
             return None

@@ -1,9 +1,12 @@
 """FileMapper: the on-disk identity contract of one KV-cache group (and rank).
 
     ROOT/<namespace digest>/g<group>/r<rank>/<aa>/<key hex>.kvp
+    ROOT/<namespace digest>/g<group>/h<start>-<count>/<aa>/<key hex>.kvp   (a head slice)
 
-Group and rank numbers are plain decimal (``g3``, never ``g03``): ``locate`` and fsck accept
-nothing else. ``aa`` is the first byte of xxh3-64(key) in hex: 256 fan-out directories per
+The rank directory is ``r<rank>`` (one file per rank), or ``h<start>-<count>`` for the KV heads
+``[start, start+count)`` of an attention page stored as a head slice, readable at any tensor-
+parallel size (docs/DESIGN.md §9; its header's rank is ``start // count``). Group, rank and head
+numbers are plain decimal (``g3``, never ``g03``): ``locate`` and fsck accept nothing else. ``aa`` is the first byte of xxh3-64(key) in hex: 256 fan-out directories per
 group and rank, all created when an engine starts (``make_fanout_dirs``), so a store never
 creates a directory. Pages are MiB-sized, so a group and rank rarely holds more than 10^6 of
 them (about 4,000 per directory; ext4's htree and NFS readdir stay fast, and flat directories
@@ -47,6 +50,7 @@ _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
 _PAGE_RE = re.compile(r"^([0-9a-f]{2,192})\.kvp$")
 _TEMP_RE = re.compile(r"^\.([0-9a-f]{2,192})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _FAN_RE = re.compile(r"^[0-9a-f]{2}$")
+_SLICE_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
 
 
 def check_key(key: bytes) -> None:
@@ -89,6 +93,23 @@ def parse_index_dir(name: str, prefix: str) -> int | None:
     return int(digits) if digits == str(int(digits)) else None
 
 
+def parse_slice_dir(name: str) -> tuple[int, int] | None:
+    """``h0-2`` -> (0, 2): the (start, count) of a head-slice directory; None for anything
+    else (``h00-2``, ``h1-0``, ``r0``)."""
+    m = _SLICE_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """The header rank of the files of a rank directory: ``r3`` -> 3, ``h2-2`` -> 1 (start //
+    count); None if ``name`` is neither form."""
+    rank = parse_index_dir(name, "r")
+    if rank is not None:
+        return rank
+    heads = parse_slice_dir(name)
+    return heads[0] // heads[1] if heads is not None else None
+
+
 def is_fanout_name(name: str) -> bool:
     """Whether ``name`` is a fan-out directory name (two lower-case hex digits)."""
     return _FAN_RE.match(name) is not None
@@ -115,6 +136,12 @@ class PageLocation:
     group_index: int
     rank: int
     key: bytes
+    rank_dir: str = ""  # ``r<rank>`` or ``h<start>-<count>``
+
+    @property
+    def directory(self) -> str:
+        """``<ns>/g<group>/<rank dir>`` relative to the root."""
+        return f"{self.namespace}/g{self.group_index}/{self.rank_dir or f'r{self.rank}'}"
 
 
 def locate(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> PageLocation | None:
@@ -126,21 +153,28 @@ def locate(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> PageLo
     if len(rel) != 5:
         return None
     ns, g, r, aa, name = rel
-    group, rank, key = parse_index_dir(g, "g"), parse_index_dir(r, "r"), parse_page_name(name)
+    group, rank, key = parse_index_dir(g, "g"), parse_rank_dir(r), parse_page_name(name)
     if group is None or rank is None or key is None or fanout(key) != aa:
         return None
-    return PageLocation(ns, group, rank, key)
+    return PageLocation(ns, group, rank, key, r)
 
 
 class FileMapper:
-    """Key -> path for one (namespace, group, rank) under one root."""
+    """Key -> path for one (namespace, group, rank directory) under one root.
 
-    def __init__(self, root: str | os.PathLike[str], namespace: str, group_index: int, rank: int = 0):
+    ``rank_dir``: the directory of the files, ``r<rank>`` by default, or a head slice's
+    ``h<start>-<count>`` (then ``rank`` is the header rank, ``start // count``)."""
+
+    def __init__(self, root: str | os.PathLike[str], namespace: str, group_index: int, rank: int = 0,
+                 rank_dir: str | None = None):
         self.root = Path(root)
         self.namespace = namespace
         self.group_index = group_index
         self.rank = rank
-        self.base = self.root / namespace / f"g{group_index}" / f"r{rank}"
+        self.rank_dir = rank_dir if rank_dir is not None else f"r{rank}"
+        if parse_rank_dir(self.rank_dir) != rank:
+            raise ValueError(f"rank directory {self.rank_dir!r} does not hold rank {rank}'s files")
+        self.base = self.root / namespace / f"g{group_index}" / self.rank_dir
 
         self._base = str(self.base)
 
@@ -171,7 +205,7 @@ class FileMapper:
         raises ``ConfigError`` naming it (an engine never reads or writes through it). Safe to
         race with other engines and nodes. Raises OSError (e.g. a read-only root)."""
         os.makedirs(self.root, exist_ok=True)  # the root itself: the operator's path
-        parts = (self.namespace, f"g{self.group_index}", f"r{self.rank}")
+        parts = (self.namespace, f"g{self.group_index}", self.rank_dir)
         root_fd = safefs.open_root(self.root)
         try:
             base_fd = safefs.open_dir_path(root_fd, parts, create=True, perms=perms)

@@ -88,11 +88,13 @@ class PageFiles:
 
     def __init__(self, mapper: FileMapper, namespace: Namespace, group_index: int, rank: int, *, head_start: int,
                  head_count: int, config: TierStoreConfig, codec: Codec, perms: safefs.Perms, mac: PageMac | None,
-                 odirect: bool, direct_loads: bool, count: Callable[[str], None]) -> None:
+                 odirect: bool, direct_loads: bool, count: Callable[[str], None],
+                 layout: PageLayout | None = None) -> None:
         self.mapper = mapper
         self.namespace, self.group_index, self.rank = namespace, group_index, rank
         self.group = namespace.groups[group_index]
-        self.layout: PageLayout = self.group.layout
+        # A head slice's layout comes from the caller; the group's (one rank's) otherwise.
+        self.layout: PageLayout = layout if layout is not None else self.group.layout
         self.head_start, self.head_count = head_start, head_count
         self.codec, self.perms, self.mac = codec, perms, mac
         self.fsync, self.zstd_level = config.fsync, config.zstd_level
@@ -106,7 +108,7 @@ class PageFiles:
         self._templates: dict[int, HeaderTemplate] = {}  # key length -> header of our pages
         self._plans: dict[tuple[int, int], ReadPlan] = {}
         self._local = _ThreadState()
-        self._dirs = pagefile.RankDir(mapper.root, (namespace.digest, f"g{group_index}", f"r{rank}"), perms)
+        self._dirs = pagefile.RankDir(mapper.root, (namespace.digest, f"g{group_index}", mapper.rank_dir), perms)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
 

@@ -213,4 +213,4 @@ def note_removed_file(root: str | os.PathLike[str], relpath: str) -> None:
     LocalIndex, gc): drops the page from every index of its directory; other paths are ignored."""
     loc = locate(root, os.path.join(root, relpath))
     if loc is not None:
-        note_removed(os.path.join(root, loc.namespace, f"g{loc.group_index}", f"r{loc.rank}"), loc.key)
+        note_removed(os.path.join(root, loc.directory), loc.key)

@@ -149,3 +149,38 @@ def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: 
     finally:
         store.close()
         slices.close()
+
+
+# ---------------------------------------------------------------- the engine, fsck and gc on slice directories
+def test_an_engine_writes_a_head_slice_directory_that_fsck_verifies_and_gc_evicts(tmp_path: Path) -> None:
+    from tierstore.engine import IOEngine
+    from tierstore.fsck import FsckOptions, run_fsck
+    from tierstore.identity import write_manifest
+    from tierstore.mapper import locate
+    from tierstore.tiers.gc import collect
+
+    ns = simple_namespace("bfloat16", num_kv_heads=2)
+    write_manifest(tmp_path, ns)
+    heads = H(1, 1)
+    layout = slice_layout(ns.groups[0].layout, heads)
+    eng = IOEngine(tmp_path, ns, 0, rank=1, head_start=1, head_count=1, rank_dir="h1-1", layout=layout,
+                   staging_slots=4)
+    try:
+        key = page_key(7)
+        slot = eng.acquire_slot(1)
+        slot.view[: layout.nbytes] = page_bytes(layout, key)
+        (res,) = eng.wait([eng.submit_store(key, slot, 16)], 10)
+        assert res.ok
+        path = eng.mapper.path_for(key)
+        assert path.parent.parent.name == "h1-1"
+        loc = locate(tmp_path, path)
+        assert loc is not None and (loc.rank, loc.rank_dir) == (1, "h1-1")
+        (back,) = eng.wait([eng.submit_load(key)], 10)
+        assert back.ok and bytes(back.slot.view[: layout.nbytes]) == page_bytes(layout, key)
+        eng.release_slot(back.slot)
+    finally:
+        eng.close()
+    report = run_fsck(FsckOptions(root=str(tmp_path)))
+    assert report.pages_ok == 1 and not report.problems, report.problems
+    gone = collect(tmp_path, max_bytes=0)
+    assert not path.exists(), gone

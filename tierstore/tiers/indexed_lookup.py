@@ -16,6 +16,13 @@ Contract:
   its file), False (some rank's file is on no tier, or only on a tier that is down), None (an
   index that could decide it has not listed that directory yet: ask ``probe``).
   ``answer_tier`` answers for one tier (every rank's file on that tier).
+- Head slices (docs/DESIGN.md §9): a group given a ``SliceGroup`` is one whose pages are stored
+  as KV-head slices readable at any TP. Its mappers are one per slice directory any TP writes
+  (``head_slices.tp_slices``: ``r0`` for the full range, ``h<start>-<count>`` else), and a key
+  is a hit when, for every rank of the current TP, its own slice is on some tier or
+  ``head_slices.cover`` finds slices on the shared root that hold its heads (the worker's
+  ``HeadSliceStore`` assembles from the root only). A key's identity is the tuple of every
+  slice file found.
 - The shared tier's ``Health`` goes down when a listing or a batch of stats passes
   ``deadline_s``; while down its index is not consulted (MISS at once) and not refreshed; a
   probe thread brings it back (``tiers.deadline.Health``).
@@ -42,6 +49,7 @@ from typing import Any
 from tierstore.mapper import FANOUT_DIRS, FileMapper
 from tierstore.page_index import PageIndex
 from tierstore.tiers.deadline import Health
+from tierstore.tiers.head_slices import HeadRange, cover
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,21 @@ def all_ranks(verdicts: Sequence[bool | None]) -> bool | None:
     return None if None in verdicts else True
 
 
+@dataclass(frozen=True)
+class SliceGroup:
+    """A group stored as head slices: ``have`` names the slice of each of its mappers (same
+    order), ``need`` the heads of each rank of the current TP."""
+
+    have: tuple[HeadRange, ...]
+    need: tuple[HeadRange, ...]
+
+    def covered(self, anywhere: Sequence[bool], on_root: Sequence[bool]) -> bool:
+        """Every rank's heads: its own slice on some tier, or covered by slices on the root."""
+        here = [h for h, f in zip(self.have, anywhere, strict=True) if f]
+        root = [h for h, f in zip(self.have, on_root, strict=True) if f]
+        return all(n in here or cover(n, root) is not None for n in self.need)
+
+
 @dataclass
 class TierIndexes:
     """The indexes of one disk tier, one per (group, rank), and its health (shared tier only)."""
@@ -98,8 +121,9 @@ class IndexedLookup:
     def __init__(self, shared: Sequence[FileMapper | Sequence[FileMapper]],
                  local: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
-                 list_threads: int = 4) -> None:
+                 list_threads: int = 4, slices: Sequence[SliceGroup | None] | None = None) -> None:
         self.deadline_s = deadline_s
+        self.slices = list(slices) if slices is not None else []  # per group; None: one mapper per rank
         self.refresh_s = refresh_s
         shared_mappers = per_rank(shared)
         shared_root = shared_mappers[0][0].root
@@ -147,7 +171,13 @@ class IndexedLookup:
         return self.shared.up
 
     # ------------------------------------------------------------ scheduler-thread API
+    def _slice_group(self, group: int) -> SliceGroup | None:
+        return self.slices[group] if group < len(self.slices) else None
+
     def answer(self, group: int, key: bytes) -> bool | None:
+        sg = self._slice_group(group)
+        if sg is not None:
+            return self._answer_slices(sg, group, key, self.tiers)
         return all_ranks([self._answer_rank(group, r, key) for r in range(len(self.shared.indexes[group]))])
 
     def _answer_rank(self, group: int, rank: int, key: bytes) -> bool | None:
@@ -162,10 +192,30 @@ class IndexedLookup:
             unknown |= found is None
         return None if unknown else False
 
+    def _answer_slices(self, sg: SliceGroup, group: int, key: bytes, tiers: Sequence[TierIndexes]) -> bool | None:
+        """``SliceGroup.covered`` from the indexes; None when undecided and not yet covered."""
+        anywhere = [False] * len(sg.have)
+        on_root = [False] * len(sg.have)
+        unknown = False
+        for tier in tiers:
+            if not tier.up:
+                continue
+            for i, ix in enumerate(tier.indexes[group]):
+                found = ix.contains(key)
+                anywhere[i] |= found is True
+                on_root[i] |= found is True and tier is self.shared
+                unknown |= found is None
+        if sg.covered(anywhere, on_root):
+            return True
+        return None if unknown else False
+
     def answer_tier(self, tier: str, group: int, key: bytes) -> bool | None:
         t = self.shared if tier == "shared" else self.local
         if t is None or not t.up:
             return False
+        sg = self._slice_group(group)
+        if sg is not None:
+            return self._answer_slices(sg, group, key, [t])
         return all_ranks([ix.contains(key) for ix in t.indexes[group]])
 
     def probe(self, items: list[ProbeItem]) -> None:
@@ -218,6 +268,12 @@ class IndexedLookup:
         out: list[tuple[Any, PageIdentity | None]] = []
         for i, (token, g, _k) in enumerate(batch):
             idents = [found.get((i, r)) for r in range(len(self.shared.mappers[g]))]
+            sg = self._slice_group(g)
+            if sg is not None:  # the identities of every slice file found, if they cover every rank
+                have = [ident is not None for ident in idents]
+                whole = tuple(x for x in idents if x is not None) if sg.covered(have, have) else None
+                out.append((token, whole))  # type: ignore[arg-type]
+                continue
             whole = None if None in idents else (idents[0] if len(idents) == 1 else tuple(idents))
             out.append((token, whole))  # type: ignore[arg-type]
         return out
@@ -252,17 +308,37 @@ class IndexedLookup:
     def list_all(self) -> None:
         """List every fan-out directory of every index once (this thread; shared on the pool)."""
         for tier in self.tiers:
-            for index in tier.all_indexes():
-                if self._stop.is_set():
-                    return
-                if tier.health is None:
-                    for d in range(len(FANOUT_DIRS)):
-                        try:
-                            index.load_dir(d)
-                        except OSError as exc:  # the directory stays as it was; probes answer it
-                            log.warning("tierstore: cannot list %s/%s: %s", index.base, FANOUT_DIRS[d], exc)
-                elif tier.up:
-                    self._list_shared(tier, index)
+            for group, ranks in enumerate(tier.indexes):
+                for index in ranks:
+                    if self._stop.is_set():
+                        return
+                    if self._slice_group(group) is not None and index.loaded and not self._exists(tier, index):
+                        continue  # a slice no TP has written here: one stat, not 256 listings
+                    self._list_index(tier, index)
+
+    def _exists(self, tier: TierIndexes, index: PageIndex) -> bool:
+        """Whether ``index``'s directory exists (shared tier: under the deadline; a timeout
+        marks it down and answers True, so the listing is skipped by the health check)."""
+        if tier.health is None:
+            return os.path.isdir(index.base)
+        if not tier.up:
+            return True
+        try:
+            return self._list_pool.submit(os.path.isdir, index.base).result(timeout=self.deadline_s)
+        except FutureTimeout:
+            tier.health.mark_down(f"a stat took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
+            return True
+
+    def _list_index(self, tier: TierIndexes, index: PageIndex) -> None:
+        """List every fan-out directory of one index (local inline; shared on the pool)."""
+        if tier.health is None:
+            for d in range(len(FANOUT_DIRS)):
+                try:
+                    index.load_dir(d)
+                except OSError as exc:  # the directory stays as it was; probes answer it
+                    log.warning("tierstore: cannot list %s/%s: %s", index.base, FANOUT_DIRS[d], exc)
+        elif tier.up:
+            self._list_shared(tier, index)
 
     def _list_shared(self, tier: TierIndexes, index: PageIndex) -> None:
         futures: list[Future[None]] = [self._list_pool.submit(index.load_dir, d) for d in range(len(FANOUT_DIRS))]

@@ -62,7 +62,7 @@ from vllm.v1.kv_offload.base import (
 
 from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.mapper import FileMapper
-from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity
+from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity, SliceGroup
 
 MAX_FAILED_KEYS = 100_000
 _UNKNOWN = object()  # identity of a failed page not yet looked at by the prober
@@ -93,11 +93,12 @@ class TierStoreManager(OffloadingManager):
                  retry_after_s: float = 30.0,
                  local_mappers: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
-                 load_index: bool = True) -> None:
+                 load_index: bool = True, slices: Sequence[SliceGroup | None] | None = None) -> None:
         self.mappers = list(mappers)
         self.local_mappers = list(local_mappers) if local_mappers else []
+        # ``slices``: groups stored as KV-head slices (their mappers: one per slice directory).
         self.pages = IndexedLookup(self.mappers, self.local_mappers or None, refresh_s=index_refresh_s,
-                                   deadline_s=shared_deadline_s)
+                                   deadline_s=shared_deadline_s, slices=slices)
         self.pages.start(load=load_index)  # False: tests of a cold index
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index
         self.tokens_per_chunk = list(tokens_per_chunk)

@@ -6,7 +6,10 @@ derive the same digest without talking to each other. It records everything that
 meaning of a page: model id and revision, KV dtype, per offloaded KV-cache group its kind,
 block size, tokens per chunk, layer names and canonical page layout (``tierstore.layout``),
 the prefix-cache hash algorithm and the seed its first hash depends on, the parallel sizes and
-the user's ``namespace_tag``. A quantized (per-tensor fp8) KV cache adds its element type
+the user's ``namespace_tag``. A model whose offloaded groups are all attention / sliding window
+is stored as KV-head slices readable at any tensor-parallel size (``head_sliced``;
+docs/DESIGN.md §9): its namespace records the full-head layouts and ``tp_size`` 1 whatever the
+engine's TP, so it is the TP=1 namespace, unchanged. Models with a Mamba/GDN group keep their TP. A quantized (per-tensor fp8) KV cache adds its element type
 (``kv_cache_dtype``: float8_e4m3fn / float8_e5m2, also the sections' dtype and the namespace
 dtype) and what fixes its per-layer scales (``kv_scales``: "unit" or a digest of the
 checkpoint's scale tensors), so fp8 and bf16 pages, or pages quantized with other scales, never
@@ -179,11 +182,13 @@ def representative_spec(spec: KVCacheSpec) -> KVCacheSpec:
 
 
 def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chunk: int,
-                 kv_dtype: str | None = None) -> tuple[GroupKind, PageLayout]:
+                 kv_dtype: str | None = None, num_kv_heads: int | None = None) -> tuple[GroupKind, PageLayout]:
     """Canonical page layout of one group (one page = ``tokens_per_chunk`` tokens).
 
     ``kv_dtype``: element type of a quantized cache's bytes (``kv_storage_dtype``), recorded as
-    the attention sections' dtype instead of the engine's byte tensors' uint8."""
+    the attention sections' dtype instead of the engine's byte tensors' uint8.
+    ``num_kv_heads``: the heads of an attention page (the model's total for head slices; by
+    default the rank's, ``spec.num_kv_heads``)."""
     spec = representative_spec(spec)
     kind = group_kind(spec)
     if kind == GroupKind.MAMBA:
@@ -194,8 +199,9 @@ def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chu
     dtype = dtype_name(spec.dtype)  # type: ignore[attr-defined]
     if kv_dtype is not None and quant != "NONE":
         dtype = kv_dtype  # the engine keeps fp8 as bytes (uint8): record what the bytes are
+    heads = num_kv_heads if num_kv_heads is not None else spec.num_kv_heads  # type: ignore[attr-defined]
     return kind, attention_layout(
-        layer_names, spec.num_kv_heads, tokens_per_chunk, spec.head_size, dtype,  # type: ignore[attr-defined]
+        layer_names, heads, tokens_per_chunk, spec.head_size, dtype,  # type: ignore[attr-defined]
     )
 
 
@@ -341,6 +347,21 @@ def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
     return cpu_attention_isa(spec, cache_dtype)
 
 
+def head_sliced(kinds: list[GroupKind], parallel: Any, ts_config: TierStoreConfig) -> bool:
+    """Whether pages are stored as KV-head slices, readable at any TP (docs/DESIGN.md §9): every
+    offloaded group is attention or sliding window (Mamba/GDN states are not one contiguous
+    range per rank), no other parallelism splits the cache, and at TP > 1 no host or local tier
+    is configured (``TierChain`` has no slice directories yet; such setups stay per-TP)."""
+    if any(k == GroupKind.MAMBA for k in kinds) or not kinds:
+        return False
+    others = (parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
+              getattr(parallel, "prefill_context_parallel_size", 1))
+    if any(n != 1 for n in others):
+        return False
+    chain = bool(ts_config.local_root) or ts_config.host_bytes > 0
+    return parallel.tensor_parallel_size == 1 or not chain
+
+
 def build_namespace(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
@@ -348,13 +369,19 @@ def build_namespace(
     ts_config: TierStoreConfig,
 ) -> Namespace:
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
+    par = vllm_config.parallel_config
+    kinds = [group_kind(representative_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec))
+             for g in offloading_config.groups]
+    sliced = head_sliced(kinds, par, ts_config)
+    # Head slices: the page is the full-head one (at TP=1 the rank's heads are all of them).
+    total_heads = vllm_config.model_config.get_total_num_kv_heads() if sliced else None
     groups = []
     for g in offloading_config.groups:
         vgroup = kv_cache_config.kv_cache_groups[g.group_id]
         tokens_per_chunk = g.tokens_per_block * offloading_config.cache.blocks_per_chunk
         # A Mamba page holds the state after a chunk boundary; an attention page the chunk's KV.
         kind, layout = group_layout(vgroup.kv_cache_spec, tuple(g.layer_names), tokens_per_chunk,
-                                    kv_storage_dtype(cache_dtype))
+                                    kv_storage_dtype(cache_dtype), total_heads)
         spec = representative_spec(vgroup.kv_cache_spec)
         groups.append(GroupSpec(
             kind=kind,
@@ -367,7 +394,6 @@ def build_namespace(
     cache = vllm_config.cache_config
     hash_algo = str(cache.prefix_caching_hash_algo)
     stable, marker = hash_seed_marker(hash_algo)
-    par = vllm_config.parallel_config
     extra: list[tuple[str, str]] = [("hash_seed", marker), ("tokens_per_hash", str(offloading_config.cache.tokens_per_hash))]
     if ts_config.namespace_tag:
         extra.append(("tag", ts_config.namespace_tag))
@@ -390,7 +416,7 @@ def build_namespace(
         hash_algo=hash_algo,
         hash_stable=stable,
         parallel=ParallelLayout(
-            tp_size=par.tensor_parallel_size,
+            tp_size=1 if sliced else par.tensor_parallel_size,  # head slices: every TP shares it
             pp_size=par.pipeline_parallel_size,
             dcp_size=par.decode_context_parallel_size,
             pcp_size=getattr(par, "prefill_context_parallel_size", 1),

@@ -26,6 +26,7 @@ Threading: construction only; the objects it returns document their own rules.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +49,15 @@ from tierstore.kernels.views import attention_view, mamba_state_views
 from tierstore.mapper import FileMapper
 from tierstore.metrics import default_registry
 from tierstore.tiers import open_group_store
+from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+from tierstore.tiers.head_slices import (
+    HeadRange,
+    rank_heads,
+    slice_layout,
+    split_dir_name,
+    tp_slices,
+)
+from tierstore.tiers.indexed_lookup import SliceGroup
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,
@@ -161,21 +171,65 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         self._manager: TierStoreManager | None = None
         self._worker: TierStoreWorker | None = None
 
+    @property
+    def head_sliced(self) -> bool:
+        """Pages are KV-head slices readable at any TP (``namespace.head_sliced`` decided it:
+        attention-only groups and the namespace's TP is 1 whatever the engine's)."""
+        return self.namespace.parallel.tp_size == 1 and all(g.kind != GroupKind.MAMBA for g in self.namespace.groups)
+
+    def _slice_dirs(self, root: str, group: int) -> list[FileMapper]:
+        """One mapper per slice directory some TP writes (``r0``: the full head range)."""
+        full = self.namespace.groups[group].layout.sections[0].shape[0]
+        return [FileMapper(root, self.namespace.digest, group, h.start // h.count,
+                           "r0" if h.count == full else split_dir_name(h)) for h in tp_slices(full)]
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             # Every rank's files answer a lookup (the scheduler runs beside rank 0): a page is a
             # hit only when each rank can load its own part of it.
-            n, ranks = len(self.namespace.groups), range(self.config.parallel.tp_size)
+            n, tp = len(self.namespace.groups), self.config.parallel.tp_size
             digest, local = self.namespace.digest, self.ts_config.local_root
-            mappers = [[FileMapper(self.ts_config.root, digest, i, r) for r in ranks] for i in range(n)]
-            local_mappers = [[FileMapper(local, digest, i, r) for r in ranks] for i in range(n)] if local else None
+            slices: list[SliceGroup | None] | None = None
+            if self.head_sliced:  # any TP's slices answer, combined with head_slices.cover
+                mappers = [self._slice_dirs(self.ts_config.root, i) for i in range(n)]
+                local_mappers = [self._slice_dirs(local, i) for i in range(n)] if local else None
+                slices = []
+                for i in range(n):
+                    full = self.namespace.groups[i].layout.sections[0].shape[0]
+                    have = tuple(tp_slices(full))
+                    slices.append(SliceGroup(have, tuple(rank_heads(full, tp, r) for r in range(tp))))
+            else:
+                mappers = [[FileMapper(self.ts_config.root, digest, i, r) for r in range(tp)] for i in range(n)]
+                local_mappers = ([[FileMapper(local, digest, i, r) for r in range(tp)] for i in range(n)]
+                                 if local else None)
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
                 shared_deadline_s=self.ts_config.shared_deadline_ms / 1000,
-                index_refresh_s=self.ts_config.index_refresh_s,
+                index_refresh_s=self.ts_config.index_refresh_s, slices=slices,
             )
         return self._manager
+
+    def _open_store(self, i: int, layout: PageLayout, heads: tuple[int, int], slots: int, pin: bool) -> Any:
+        """The page store of group ``i`` on this rank: per-rank files, or (head slices) this
+        rank's slice directory and layout wrapped in a ``HeadSliceStore`` that assembles the
+        rank's heads from other TPs' slices on a miss."""
+        if not self.head_sliced:
+            return open_group_store(self.ts_config, self.namespace, i, rank=self.rank, head_start=heads[0],
+                                    head_count=heads[1], staging_slots=slots, pin=pin)
+        full_layout = self.namespace.groups[i].layout
+        full = full_layout.sections[0].shape[0]
+        mine = rank_heads(full, self.config.parallel.tp_size, self.rank)
+        if mine.count == full:  # TP=1: r0, the group's layout, headers as before
+            inner = open_group_store(self.ts_config, self.namespace, i, rank=0, staging_slots=slots, pin=pin)
+        else:  # head_sliced() guarantees a plain IOEngine (no host or local tier) at TP > 1
+            inner = open_group_store(self.ts_config, self.namespace, i, rank=mine.start // mine.count,
+                                     head_start=mine.start, head_count=mine.count, staging_slots=slots, pin=pin,
+                                     rank_dir=split_dir_name(mine), layout=layout)
+        group_dir = Path(self.ts_config.root) / self.namespace.digest / f"g{i}"
+        source = DirectorySlices(group_dir, self.namespace.digest_bytes, i, full_layout,
+                                 refresh_s=self.ts_config.index_refresh_s)
+        return HeadSliceStore(inner, HeadRange(mine.start, mine.count), full_layout, source)
 
     def _layer(self, name: str) -> Any:
         ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
@@ -190,7 +244,12 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             return self._worker
         num_blocks = self.kv_cache_config.num_blocks
         groups = []
+        tp, total_heads = self.config.parallel.tp_size, self.vllm_config.model_config.get_total_num_kv_heads()
         for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True)):
+            layout = gspec.layout  # this rank's page: its heads of a head-sliced group
+            if self.head_sliced and tp > 1:
+                h = rank_heads(gspec.layout.sections[0].shape[0], tp, self.rank)
+                layout = slice_layout(gspec.layout, h)
             sources: list[torch.Tensor] = []
             concat: list[int | None] = []
             ratio = 1
@@ -212,12 +271,16 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             else:
                 check_kv_scales(dict(self.namespace.extra).get("kv_scales"),
                                 {layer: layer_kv_scales(self._layer(layer)) for layer in gspec.layer_names})
-                head_size = gspec.layout.sections[0].shape[3]
+                head_size = layout.sections[0].shape[3]
                 isa = cpu_attention_isa(representative_spec(vspec), self.vllm_config.cache_config.cache_dtype)
                 for layer in gspec.layer_names:
                     cache = kv_caches[layer]
                     if cache.dim() != 4 or cache.shape[0] % num_blocks:
                         raise ConfigError(f"unexpected KV cache view for {layer}: {tuple(cache.shape)}")
+                    if cache.shape[1] != layout.sections[0].shape[0]:
+                        raise ConfigError(f"{layer}: this rank's KV cache holds {cache.shape[1]} heads, its pages "
+                                          f"{layout.sections[0].shape[0]} (a model whose layers have different "
+                                          "KV-head counts is not supported at this tensor_parallel_size)")
                     ratio = cache.shape[0] // num_blocks
                     if attention_backend_name(self.vllm_config, layer) in KV_PLANE_BACKENDS:
                         layer_isa = getattr(self._layer(layer), "isa", isa)
@@ -231,37 +294,34 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                     concat.append(1)
                 bpp = self.blocks_per_chunk * ratio
             device = sources[0].device
-            copier = GroupCopier(sources, gspec.layout, bpp, concat)
+            copier = GroupCopier(sources, layout, bpp, concat)
             slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
-                                      gspec.tokens_per_chunk, gspec.layout.nbytes, self.ts_config.io_threads,
+                                      gspec.tokens_per_chunk, layout.nbytes, self.ts_config.io_threads,
                                       self.staging_slots_override)
-            heads = (0, 0) if gspec.kind == GroupKind.MAMBA else kv_head_range(
-                self.vllm_config.model_config.get_total_num_kv_heads(), self.config.parallel.tp_size, self.rank)
-            if heads[1] and heads[1] != gspec.layout.sections[0].shape[0]:
-                raise ConfigError(f"group {i}: rank {self.rank} holds {gspec.layout.sections[0].shape[0]} KV heads, "
-                                  f"expected {heads[1]} (of {self.vllm_config.model_config.get_total_num_kv_heads()} "
-                                  f"at tensor_parallel_size={self.config.parallel.tp_size})")
+            heads = (0, 0) if gspec.kind == GroupKind.MAMBA else kv_head_range(total_heads, tp, self.rank)
+            if heads[1] and heads[1] != layout.sections[0].shape[0]:
+                raise ConfigError(f"group {i}: rank {self.rank} holds {layout.sections[0].shape[0]} KV heads, "
+                                  f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
             # The header records which KV heads this rank's file holds (Mamba states: not yet).
-            engine = open_group_store(self.ts_config, self.namespace, i, rank=self.rank,
-                                      head_start=heads[0], head_count=heads[1],
-                                      staging_slots=slots, pin=device.type == "cuda")
+            engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
             transfer = PageTransfer(copier, device,
                                     scratch_pages=transfer_scratch_pages(
-                                        slots, gspec.layout.nbytes, self.ts_config.transfer_scratch_mib << 20))
+                                        slots, layout.nbytes, self.ts_config.transfer_scratch_mib << 20))
             transfer.warm_up()  # compile now: loading a kernel later could stall a forward pass
             logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
                         "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
                         len(gspec.layer_names),
-                        gspec.layout.nbytes, engine.mapper.base,
+                        layout.nbytes, getattr(engine, "inner", engine).mapper.base,
                         f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
                         copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
             groups.append(WorkerGroup(
                 index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
                 blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
                 kernel_ratio=ratio, device=device,
-                fixup=KTransposeFixup(gspec.layout, k_transposed_tokens) if k_transposed_tokens else None,
+                fixup=KTransposeFixup(layout, k_transposed_tokens) if k_transposed_tokens else None,
                 tokens_per_page=gspec.tokens_per_chunk,
-                root_metrics=default_registry().tier("root") if isinstance(engine, IOEngine) else None,
+                root_metrics=(default_registry().tier("root") if isinstance(getattr(engine, "inner", engine), IOEngine)
+                              else None),
                 transfer=transfer,
             ))
         self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
