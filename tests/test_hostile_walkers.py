@@ -178,3 +178,29 @@ def test_local_index_opens_before_its_reconcile_ends(tmp_path: Path, monkeypatch
     gate.set()
     assert idx.wait_reconciled(20) and idx.count() == N_PAGES
     idx.close()
+
+
+def test_local_eviction_never_follows_a_swapped_fanout_directory(tmp_path: Path, sentinel: Path) -> None:
+    """A local-tier eviction removes its pages through directory fds opened without following
+    links: a fan-out directory swapped for a symlink to the sentinel loses nothing outside."""
+    from hostile_helpers import snapshot, swap_for_link
+
+    from tierstore.tiers.local_index import Evicted, LocalIndex
+
+    root = tmp_path / "local"
+    fan = root / "ns" / "g0" / "r0" / "aa"
+    fan.mkdir(parents=True)
+    (fan / "page.kvp").write_bytes(b"x")
+    (sentinel / "page.kvp").write_bytes(b"outside")  # the victim's name, outside the root
+    before = snapshot(sentinel)
+    idx = LocalIndex(root, 1 << 20)
+    try:
+        moved = swap_for_link(fan, sentinel, "aside")
+        idx._unlink([Evicted("ns/g0/r0/aa/page.kvp", 1)])
+        assert snapshot(sentinel) == before  # not removed through the link
+        fan.unlink()
+        moved.rename(fan)
+        idx._unlink([Evicted("ns/g0/r0/aa/page.kvp", 1)])
+        assert not (fan / "page.kvp").exists()  # the real directory: removed
+    finally:
+        idx.close()

@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierstore import safefs
 from tierstore.tiers.local_scan import Reconciler, ReconcileReport
 from tierstore.tiers.local_sessions import INDEX_DIR, INDEX_NAME, SESSIONS_DIR, IndexHome
 
@@ -183,9 +184,23 @@ class LocalIndex:
                          (relpath, size, stamp))
 
     def _unlink(self, victims: list[Evicted]) -> None:
-        for v in victims:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / v.path)
+        """Remove evicted pages through directory fds opened without following a link (a
+        directory swapped for a symlink is never followed); a page that is gone is skipped."""
+        try:
+            root_fd = safefs.open_root(self.root)
+        except OSError:
+            return
+        try:
+            for v in victims:
+                *parts, name = Path(v.path).parts
+                with contextlib.suppress(OSError):
+                    dir_fd = safefs.open_dir_path(root_fd, parts)
+                    try:
+                        safefs.unlink_at(name, dir_fd)
+                    finally:
+                        os.close(dir_fd)
+        finally:
+            os.close(root_fd)
 
     # ------------------------------------------------------------------ API
     def reserve(self, nbytes: int) -> tuple[int | None, list[Evicted]]:
