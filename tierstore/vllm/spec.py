@@ -242,6 +242,11 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         """The worker for this rank, from vLLM's registered per-layer KV tensors."""
         if self._worker is not None:
             return self._worker
+        groups = [self._build_group(i, gcfg, gspec, kv_caches)
+                  for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True))]
+        self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
+                                       defer_limit_s=self.ts_config.deadline_ms / 1000.0)
+        return self._worker
 
     def _build_group(self, i: int, gcfg: Any, gspec: Any, kv_caches: dict[str, torch.Tensor]) -> WorkerGroup:
         """One KV-cache group's copier, page store and transfer, for this rank."""
@@ -339,8 +344,3 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 sources.append(attention_view(cache, head_size))
             concat.append(1)
         return sources, concat, ratio, k_transposed_tokens
-        groups = [self._build_group(i, gcfg, gspec, kv_caches)
-                  for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True))]
-        self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
-                                       defer_limit_s=self.ts_config.deadline_ms / 1000.0)
-        return self._worker
