@@ -242,88 +242,105 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         """The worker for this rank, from vLLM's registered per-layer KV tensors."""
         if self._worker is not None:
             return self._worker
-        num_blocks = self.kv_cache_config.num_blocks
-        groups = []
-        tp, total_heads = self.config.parallel.tp_size, self.vllm_config.model_config.get_total_num_kv_heads()
-        for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True)):
-            layout = gspec.layout  # this rank's page: its heads of a head-sliced group
-            if self.head_sliced and tp > 1:
-                h = rank_heads(gspec.layout.sections[0].shape[0], tp, self.rank)
-                layout = slice_layout(gspec.layout, h)
-            sources: list[torch.Tensor] = []
-            concat: list[int | None] = []
-            ratio = 1
-            k_transposed_tokens: int | None = None
-            vspec = self.kv_cache_config.kv_cache_groups[gcfg.group_id].kv_cache_spec
-            if gspec.kind == GroupKind.MAMBA:
-                states = mamba_states(representative_spec(vspec))
-                for layer in gspec.layer_names:
-                    cache = kv_caches[layer]
-                    raw = cache.reshape(cache.shape[0], -1) if cache.dim() > 2 else cache
-                    if raw.shape[0] != num_blocks:
-                        raise ConfigError(f"Mamba cache of {layer} has {raw.shape[0]} blocks, expected {num_blocks}")
-                    sources += mamba_state_views(
-                        raw, list(zip(states.names, states.canonical_shapes, states.dtypes, strict=True)),
-                        conv_state=states.conv_state, conv_layout=states.engine_conv_layout,
-                    )
-                    concat += [None] * len(states.names)
-                bpp = 1
-            else:
-                check_kv_scales(dict(self.namespace.extra).get("kv_scales"),
-                                {layer: layer_kv_scales(self._layer(layer)) for layer in gspec.layer_names})
-                head_size = layout.sections[0].shape[3]
-                isa = cpu_attention_isa(representative_spec(vspec), self.vllm_config.cache_config.cache_dtype)
-                for layer in gspec.layer_names:
-                    cache = kv_caches[layer]
-                    if cache.dim() != 4 or cache.shape[0] % num_blocks:
-                        raise ConfigError(f"unexpected KV cache view for {layer}: {tuple(cache.shape)}")
-                    if cache.shape[1] != layout.sections[0].shape[0]:
-                        raise ConfigError(f"{layer}: this rank's KV cache holds {cache.shape[1]} heads, its pages "
-                                          f"{layout.sections[0].shape[0]} (a model whose layers have different "
-                                          "KV-head counts is not supported at this tensor_parallel_size)")
-                    ratio = cache.shape[0] // num_blocks
-                    if attention_backend_name(self.vllm_config, layer) in KV_PLANE_BACKENDS:
-                        layer_isa = getattr(self._layer(layer), "isa", isa)
-                        if layer_isa != isa:
-                            raise ConfigError(f"{layer}: CPU attention kernel {layer_isa!r}, expected {isa!r}")
-                        sources.append(kv_planes_view(cache, head_size))
-                        if isa in CANONICAL_CPU_ISAS:
-                            k_transposed_tokens = cache.shape[2]
-                    else:
-                        sources.append(attention_view(cache, head_size))
-                    concat.append(1)
-                bpp = self.blocks_per_chunk * ratio
-            device = sources[0].device
-            copier = GroupCopier(sources, layout, bpp, concat)
-            slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
-                                      gspec.tokens_per_chunk, layout.nbytes, self.ts_config.io_threads,
-                                      self.staging_slots_override)
-            heads = (0, 0) if gspec.kind == GroupKind.MAMBA else kv_head_range(total_heads, tp, self.rank)
-            if heads[1] and heads[1] != layout.sections[0].shape[0]:
-                raise ConfigError(f"group {i}: rank {self.rank} holds {layout.sections[0].shape[0]} KV heads, "
-                                  f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
-            # The header records which KV heads this rank's file holds (Mamba states: not yet).
-            engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
-            transfer = PageTransfer(copier, device,
-                                    scratch_pages=transfer_scratch_pages(
-                                        slots, layout.nbytes, self.ts_config.transfer_scratch_mib << 20))
-            transfer.warm_up()  # compile now: loading a kernel later could stall a forward pass
-            logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
-                        "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
-                        len(gspec.layer_names),
-                        layout.nbytes, getattr(engine, "inner", engine).mapper.base,
-                        f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
-                        copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
-            groups.append(WorkerGroup(
-                index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
-                blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
-                kernel_ratio=ratio, device=device,
-                fixup=KTransposeFixup(layout, k_transposed_tokens) if k_transposed_tokens else None,
-                tokens_per_page=gspec.tokens_per_chunk,
-                root_metrics=(default_registry().tier("root") if isinstance(getattr(engine, "inner", engine), IOEngine)
-                              else None),
-                transfer=transfer,
-            ))
+        groups = [self._build_group(i, gcfg, gspec, kv_caches)
+                  for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True))]
         self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
                                        defer_limit_s=self.ts_config.deadline_ms / 1000.0)
         return self._worker
+
+    def _build_group(self, i: int, gcfg: Any, gspec: Any, kv_caches: dict[str, torch.Tensor]) -> WorkerGroup:
+        """One KV-cache group's copier, page store and transfer, for this rank."""
+        tp, total_heads = self.config.parallel.tp_size, self.vllm_config.model_config.get_total_num_kv_heads()
+        layout = gspec.layout  # this rank's page: its heads of a head-sliced group
+        if self.head_sliced and tp > 1:
+            layout = slice_layout(gspec.layout, rank_heads(gspec.layout.sections[0].shape[0], tp, self.rank))
+        vspec = self.kv_cache_config.kv_cache_groups[gcfg.group_id].kv_cache_spec
+        if gspec.kind == GroupKind.MAMBA:
+            sources, concat = self._mamba_sources(gspec, vspec, kv_caches)
+            ratio, k_transposed_tokens, bpp = 1, None, 1
+        else:
+            sources, concat, ratio, k_transposed_tokens = self._attention_sources(gspec, layout, vspec, kv_caches)
+            bpp = self.blocks_per_chunk * ratio
+        device = sources[0].device
+        copier = GroupCopier(sources, layout, bpp, concat)
+        slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
+                                  gspec.tokens_per_chunk, layout.nbytes, self.ts_config.io_threads,
+                                  self.staging_slots_override)
+        heads = (0, 0) if gspec.kind == GroupKind.MAMBA else kv_head_range(total_heads, tp, self.rank)
+        if heads[1] and heads[1] != layout.sections[0].shape[0]:
+            raise ConfigError(f"group {i}: rank {self.rank} holds {layout.sections[0].shape[0]} KV heads, "
+                              f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
+        # The header records which KV heads this rank's file holds (Mamba states: not yet).
+        engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
+        transfer = PageTransfer(copier, device,
+                                scratch_pages=transfer_scratch_pages(
+                                    slots, layout.nbytes, self.ts_config.transfer_scratch_mib << 20))
+        transfer.warm_up()  # compile now: loading a kernel later could stall a forward pass
+        logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
+                    "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
+                    len(gspec.layer_names),
+                    layout.nbytes, getattr(engine, "inner", engine).mapper.base,
+                    f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
+                    copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
+        return WorkerGroup(
+            index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
+            blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
+            kernel_ratio=ratio, device=device,
+            fixup=KTransposeFixup(layout, k_transposed_tokens) if k_transposed_tokens else None,
+            tokens_per_page=gspec.tokens_per_chunk,
+            root_metrics=(default_registry().tier("root") if isinstance(getattr(engine, "inner", engine), IOEngine)
+                          else None),
+            transfer=transfer,
+        )
+
+    def _mamba_sources(self, gspec: Any, vspec: Any, kv_caches: dict[str, torch.Tensor],
+                       ) -> tuple[list[torch.Tensor], list[int | None]]:
+        """Per-state views of every layer's raw Mamba/GDN cache (canonical state order)."""
+        num_blocks = self.kv_cache_config.num_blocks
+        states = mamba_states(representative_spec(vspec))
+        sources: list[torch.Tensor] = []
+        concat: list[int | None] = []
+        for layer in gspec.layer_names:
+            cache = kv_caches[layer]
+            raw = cache.reshape(cache.shape[0], -1) if cache.dim() > 2 else cache
+            if raw.shape[0] != num_blocks:
+                raise ConfigError(f"Mamba cache of {layer} has {raw.shape[0]} blocks, expected {num_blocks}")
+            sources += mamba_state_views(
+                raw, list(zip(states.names, states.canonical_shapes, states.dtypes, strict=True)),
+                conv_state=states.conv_state, conv_layout=states.engine_conv_layout,
+            )
+            concat += [None] * len(states.names)
+        return sources, concat
+
+    def _attention_sources(self, gspec: Any, layout: Any, vspec: Any, kv_caches: dict[str, torch.Tensor],
+                           ) -> tuple[list[torch.Tensor], list[int | None], int, int | None]:
+        """Views of every layer's KV cache in the canonical plane order: (sources, concat,
+        kernel blocks per vLLM block, tokens per block whose K plane is transposed or None)."""
+        num_blocks = self.kv_cache_config.num_blocks
+        check_kv_scales(dict(self.namespace.extra).get("kv_scales"),
+                        {layer: layer_kv_scales(self._layer(layer)) for layer in gspec.layer_names})
+        head_size = layout.sections[0].shape[3]
+        isa = cpu_attention_isa(representative_spec(vspec), self.vllm_config.cache_config.cache_dtype)
+        sources: list[torch.Tensor] = []
+        concat: list[int | None] = []
+        ratio, k_transposed_tokens = 1, None
+        for layer in gspec.layer_names:
+            cache = kv_caches[layer]
+            if cache.dim() != 4 or cache.shape[0] % num_blocks:
+                raise ConfigError(f"unexpected KV cache view for {layer}: {tuple(cache.shape)}")
+            if cache.shape[1] != layout.sections[0].shape[0]:
+                raise ConfigError(f"{layer}: this rank's KV cache holds {cache.shape[1]} heads, its pages "
+                                  f"{layout.sections[0].shape[0]} (a model whose layers have different "
+                                  "KV-head counts is not supported at this tensor_parallel_size)")
+            ratio = cache.shape[0] // num_blocks
+            if attention_backend_name(self.vllm_config, layer) in KV_PLANE_BACKENDS:
+                layer_isa = getattr(self._layer(layer), "isa", isa)
+                if layer_isa != isa:
+                    raise ConfigError(f"{layer}: CPU attention kernel {layer_isa!r}, expected {isa!r}")
+                sources.append(kv_planes_view(cache, head_size))
+                if isa in CANONICAL_CPU_ISAS:
+                    k_transposed_tokens = cache.shape[2]
+            else:
+                sources.append(attention_view(cache, head_size))
+            concat.append(1)
+        return sources, concat, ratio, k_transposed_tokens
