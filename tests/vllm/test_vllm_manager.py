@@ -149,10 +149,10 @@ def test_scheduler_thread_never_calls_the_file_system(tmp_path: Path, monkeypatc
 
 
 def test_content_failure_is_skipped_until_the_file_is_replaced(tmp_path: Path) -> None:
+    put(FileMapper(tmp_path, NS, 0), b"k" * 32)  # before the index's one listing starts
     manager, mapper = make(tmp_path)
     ctx = ReqContext("r")
     key = make_offload_key(b"k" * 32, VLLM_GROUP)
-    put(mapper, b"k" * 32)
     assert ask(manager, key, ctx) is LookupResult.HIT
     manager.mark_failed(key, "checksum")
     assert manager.lookup(key, ctx) is LookupResult.MISS
@@ -168,9 +168,9 @@ def test_content_failure_is_skipped_until_the_file_is_replaced(tmp_path: Path) -
 
 
 def test_timeouts_are_retried_after_a_while(tmp_path: Path) -> None:
-    manager, mapper = make(tmp_path, retry_after_s=0.0)
+    put(FileMapper(tmp_path, NS, 0), b"k" * 32)  # before the index's one listing starts
+    manager, _ = make(tmp_path, retry_after_s=0.0)
     key = make_offload_key(b"k" * 32, VLLM_GROUP)
-    put(mapper, b"k" * 32)
     manager.mark_failed(key, "timeout")
     assert ask(manager, key, ReqContext("r")) is LookupResult.HIT
     slow, _ = make(tmp_path, retry_after_s=60.0)

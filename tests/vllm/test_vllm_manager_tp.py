@@ -42,13 +42,14 @@ def test_a_page_is_a_hit_only_when_every_rank_has_its_file(tmp_path: Path) -> No
 
 
 def test_one_ranks_damaged_page_misses_once_removed_then_hits_when_stored_again(tmp_path: Path) -> None:
-    manager, (r0, r1) = make_tp2(tmp_path)
+    r0, r1 = FileMapper(tmp_path, NS, 0, 0), FileMapper(tmp_path, NS, 0, 1)
     key = b"d" * 32
+    put(r0, key)
+    damaged = put(r1, key)  # both written before the index's one listing starts
+    manager, _ = make_tp2(tmp_path)
     okey = make_offload_key(key, VLLM_GROUP)
     ctx = ReqContext("r")
     try:
-        put(r0, key)
-        damaged = put(r1, key)
         assert ask(manager, okey, ctx) is LookupResult.HIT
         manager.mark_failed(okey, "checksum")  # rank 1's load failed; its engine removes the file
         assert manager.settle()
@@ -82,9 +83,11 @@ def test_one_ranks_damaged_page_misses_once_removed_then_hits_when_stored_again(
 
 
 # ---------------------------------------------------------------- head slices (DESIGN §9)
-def make_sliced(root: Path, tp: int) -> tuple[TierStoreManager, dict[str, FileMapper]]:
+def make_sliced(root: Path, tp: int, written: tuple[str, ...] = (), key: bytes = b"") -> tuple[
+        TierStoreManager, dict[str, FileMapper]]:
     """A scheduler of an attention-only model with 2 KV heads at ``tp``: indexes every slice
-    directory any TP writes (r0, h0-1, h1-1) and decides with head_slices.cover."""
+    directory any TP writes (r0, h0-1, h1-1) and decides with head_slices.cover. ``key`` is
+    written into the ``written`` directories first (before the index's one listing starts)."""
     from tierstore.tiers.head_slices import rank_heads, split_dir_name, tp_slices
     from tierstore.tiers.indexed_lookup import SliceGroup
 
@@ -92,6 +95,8 @@ def make_sliced(root: Path, tp: int) -> tuple[TierStoreManager, dict[str, FileMa
     dirs = {("r0" if h.count == 2 else split_dir_name(h)): FileMapper(
         root, NS, 0, h.start // h.count, "r0" if h.count == 2 else split_dir_name(h)) for h in have}
     sg = SliceGroup(tuple(have), tuple(rank_heads(2, tp, r) for r in range(tp)))
+    for d in written:
+        put(dirs[d], key)
     return TierStoreManager([list(dirs.values())], {VLLM_GROUP: 0}, [128], [False], slices=[sg]), dirs
 
 
@@ -105,10 +110,8 @@ def make_sliced(root: Path, tp: int) -> tuple[TierStoreManager, dict[str, FileMa
 def test_slice_groups_hit_when_every_ranks_heads_are_covered(tmp_path: Path, tp: int, written: list[str],
                                                            hit: bool) -> None:
     key = b"s" * 32
-    manager, dirs = make_sliced(tmp_path, tp)
+    manager, _ = make_sliced(tmp_path, tp, tuple(written), key)
     try:
-        for d in written:
-            put(dirs[d], key)
         want = LookupResult.HIT if hit else LookupResult.MISS
         assert ask(manager, make_offload_key(key, VLLM_GROUP), ReqContext("r")) is want
     finally:
