@@ -180,7 +180,8 @@ def _native_xxh3() -> Callable[[int, int], int] | None:
         return None
 
 
-_XXH3_AT = _native_xxh3()
+# Probed only when asked for: every other process (the CLI, fsck, the engine) skips the ctypes load.
+_XXH3_AT = _native_xxh3() if HASH_HOLD_GIL_BELOW > 0 else None
 
 
 def _address(data: memoryview) -> int:
@@ -195,7 +196,7 @@ def section_sums(spans: Sequence[tuple[int, int]], data: memoryview, first: int 
     """``checksum`` of ``data[o:e]`` for the spans ``first`` to ``end`` (the hot path: see
     ``HASH_HOLD_GIL_BELOW``); equal to ``[checksum(data[o:e]) ...]`` byte for byte."""
     chosen = spans[first:end]
-    if _XXH3_AT is None or HASH_HOLD_GIL_BELOW <= 0 or not chosen:
+    if _XXH3_AT is None or not chosen:
         return [checksum(data[o:e]) for o, e in chosen]
     base = _address(data)
     hold, fn = HASH_HOLD_GIL_BELOW, _XXH3_AT
