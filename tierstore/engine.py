@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from tierstore import safefs
+from tierstore import native, safefs
 from tierstore.config import TierStoreConfig, io_threads_advice
 from tierstore.directio import ALIGN, FrameGeometry, cachestat_available
 from tierstore.errors import (
@@ -127,6 +127,7 @@ class IOEngine:
         else:
             self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root,
                                                                 namespace, self.mapper)
+        native.start()  # one GIL release per page once compiled (native.py), off this thread
         advice = io_threads_advice(self.config.io_threads)
         if advice:
             logger.warning(advice)

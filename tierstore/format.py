@@ -60,16 +60,15 @@ decompressor object must not be shared between threads (callers pass their own).
 
 from __future__ import annotations
 
-import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
 
 import xxhash
 
-from tierstore import safe_zstd
+from tierstore import native, safe_zstd
 from tierstore.errors import (
     PageCorrupt,
     PageForeign,
@@ -152,55 +151,16 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-# Section checksums on the I/O threads' hot path (docs/measurements/scaling.md). xxhash's
-# functions release the GIL while they hash; with many I/O threads, taking it back is a GIL
-# hand-off, one per section. ``HASH_HOLD_GIL_BELOW`` > 0 hashes sections below that many bytes
-# through the same xxhash library's ``XXH3_64bits`` via ``ctypes.PyDLL``, keeping the GIL (no
-# hand-off; the result is xxhash's own, checked at import). Measured on 16 cores it did NOT
-# help (2 MiB pages, 8-16 threads: 0.6-0.8x of releasing), so the default is 0 (always
-# release); ``TIERSTORE_HASH_HOLD_GIL_BELOW`` sets it for benches.
-HASH_HOLD_GIL_BELOW = int(os.environ.get("TIERSTORE_HASH_HOLD_GIL_BELOW", 0))
-
-
-def _native_xxh3() -> Callable[[int, int], int] | None:
-    """``XXH3_64bits(address, length)`` of the loaded xxhash extension, GIL held; or None."""
-    try:
-        import ctypes
-
-        import xxhash._xxhash as ext
-
-        fn = ctypes.PyDLL(ext.__file__).XXH3_64bits
-        fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
-        probe = bytes(range(251)) * 9
-        buf = ctypes.create_string_buffer(probe, len(probe))
-        if fn(ctypes.addressof(buf), len(probe)) != xxhash.xxh3_64_intdigest(probe):
-            return None
-        return fn  # type: ignore[no-any-return]
-    except (ImportError, OSError, AttributeError):
-        return None
-
-
-# Probed only when asked for: every other process (the CLI, fsck, the engine) skips the ctypes load.
-_XXH3_AT = _native_xxh3() if HASH_HOLD_GIL_BELOW > 0 else None
-
-
-def _address(data: memoryview) -> int:
-    """The address of a C-contiguous buffer's first byte (read-only buffers too)."""
-    import numpy as np  # only with HASH_HOLD_GIL_BELOW set: plain CLI commands stay numpy-free
-
-    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if len(data) else 0
-
-
 def section_sums(spans: Sequence[tuple[int, int]], data: memoryview, first: int = 0,
                  end: int | None = None) -> list[int]:
-    """``checksum`` of ``data[o:e]`` for the spans ``first`` to ``end`` (the hot path: see
-    ``HASH_HOLD_GIL_BELOW``); equal to ``[checksum(data[o:e]) ...]`` byte for byte."""
-    chosen = spans[first:end]
-    if _XXH3_AT is None or not chosen:
-        return [checksum(data[o:e]) for o, e in chosen]
-    base = _address(data)
-    hold, fn = HASH_HOLD_GIL_BELOW, _XXH3_AT
-    return [fn(base + o, e - o) if e - o < hold else checksum(data[o:e]) for o, e in chosen]
+    """``checksum`` of ``data[o:e]`` for the spans ``first`` to ``end``, equal to
+    ``[checksum(data[o:e]) ...]`` byte for byte. The I/O threads' hot path: once
+    ``native.start()`` has compiled, large spans are hashed in one GIL-free call (``native``)."""
+    end = len(spans) if end is None else end
+    got = native.section_sums(spans, data, first, end)
+    if got is not None:
+        return got
+    return [checksum(data[o:e]) for o, e in spans[first:end]]
 
 
 U64_MASK = (1 << 64) - 1

@@ -47,7 +47,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tierstore import safefs
+from tierstore import native, safefs
 from tierstore.directio import ALIGN, O_DIRECT
 from tierstore.errors import (
     PageCorrupt,
@@ -92,7 +92,7 @@ FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns): one file, 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: a FIFO under a page's name opens at once (and is then refused by fstat) instead
 # of blocking an I/O thread; on a regular file it changes nothing.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 
 
@@ -289,7 +289,7 @@ def open_page(path: str | Path, key: bytes | None, *, dir_fd: int | None = None,
     """
     where = str(where if where is not None else path)
     try:
-        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path, READ_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in _LINK_ERRNOS:
             raise PageUnsafe("a symlink under a page's name: not followed, not served", path=where, key=key) from None
@@ -458,7 +458,22 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
         if parsed is not None:
             check_gaps(layout, page, path=path, key=key)  # the caller hashes only the sections
         return parsed
-    sums: list[int] | None = None
+    sums: list[int] | None
+    if not already_read:
+        fused = native.read_and_hash(fd, file_buf, hl, plan, layout.spans)
+        if fused is not None and fused[0] == plan[-1][1]:
+            # One GIL release for the whole page (native.py); a short or failed read falls
+            # through to the piece-by-piece path below, which names the error.
+            sums = tmpl.parse(file_buf[:hl], key)
+            if sums is None:
+                return None
+            got = fused[1]
+            if got != sums[: len(got)]:
+                i = next(j for j, c in enumerate(got) if c != sums[j])
+                raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+            check_gaps(layout, page, path=path, key=key)
+            return sums
+    sums = None
     for start, end, first_sec, last_sec in plan:
         if not already_read:
             readinto_exact(fd, file_buf[start:end], start, path)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import xxhash
 
+from tierstore import native
 from tierstore.bench.page_cache import CacheDropper, prime
 from tierstore.config import TierStoreConfig
 from tierstore.engine import ALIGN, IOEngine
@@ -500,6 +501,9 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
 
     dropper = CacheDropper(args.cache_drop)
+    native.start(wait=True)  # measure the path the engine settles on, not its first second
+    native_path = "on" if native.ready() else f"off ({native.failure() or 'TIERSTORE_NATIVE=0'})"
+    log(f"native page path (one GIL release per page): {native_path}")
     vio, vinfo = (None, "skipped (--no-vllm)") if args.no_vllm else _import_vllm_io()
     sizes = [int(x) for x in str(args.page_mib).split(",") if x.strip()]
     thread_counts = [int(x) for x in str(args.threads).split(",") if x.strip()]
@@ -520,6 +524,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "loadavg_before": load0,
                     "loadavg_after": os.getloadavg(), "python": platform.python_version()},
         "cache_drop": dropper.method,
+        "native": native_path,
         "vllm_fs": vinfo,
         "seconds": time.perf_counter() - t0,
         "sizes": per_size,  # the last thread count's

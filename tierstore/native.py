@@ -1,0 +1,262 @@
+"""One GIL release per page: section hashing and read-then-hash compiled with numba (issue 16).
+
+Why: with many I/O threads the GIL, not the disk, capped the engine. Every GIL-releasing call
+(one xxh3 call per section, one system call per piece) is a hand-off whose wake-up is paid with
+the GIL idle: 16 sections of a 2 MiB page cost ~23 hand-offs, and 2 MiB pages peaked at 4-8
+threads (docs/measurements/scaling.md). Here a page's whole read and every section's xxh3 run
+in ONE compiled call that holds no GIL (numba ``nogil=True``), calling the same functions as
+the Python path: ``XXH3_64bits`` of the loaded xxhash extension (the checksums are xxhash's own,
+checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's ``pread``.
+
+Contract: ``section_sums`` / ``read_and_hash`` return None whenever the native path is not
+ready (numba missing, not compiled yet, ``TIERSTORE_NATIVE=0``, a probe mismatch); callers then
+take the Python path, which computes the same values. ``read_and_hash`` never raises for I/O:
+a failed ``pread`` or an early end of file returns what it got, and the caller redoes the read
+on the Python path, which names the error. Buffers are passed by address: the caller keeps them
+alive and C-contiguous for the call.
+
+Threading: ``start()`` compiles on one daemon thread (numba's import and compile take ~1 s,
+kept off the engine's start-up path and out of processes that never load a page, such as the
+CLI); until it finishes ``ready()`` is False. After that the compiled functions are safe from
+any number of threads at once (they touch only the buffers they are given).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import sys
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Below this many bytes in one call the Python path is as fast (the call's own overhead is a
+# few microseconds) and headers (4 KiB) stay on it.
+MIN_NATIVE_BYTES = 64 << 10
+
+# load_file's outcomes other than "read this many bytes" (the caller then takes the Python path,
+# which redoes the load and names what went wrong).
+LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED = -2, -3, -4, -5
+# load_file reads ``struct stat`` by offset: x86-64 Linux only (elsewhere loads keep the
+# Python open and fstat, and still read and hash in one call).
+_STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+
+_lock = threading.Lock()
+_started = False
+_kernels: Any = None  # the compiled functions, set once by the compile thread
+_ready = threading.Event()
+_failure: str | None = None
+
+
+def _forget_in_child() -> None:
+    # A fork while the compile thread ran: that thread is not in the child; compile again there.
+    global _started, _ready
+    if _kernels is None:
+        _started, _ready = False, threading.Event()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def enabled_by_env() -> bool:
+    """False when ``TIERSTORE_NATIVE=0``: the Python path only (benches compare the two)."""
+    return os.environ.get("TIERSTORE_NATIVE", "1") != "0"
+
+
+def start(wait: bool = False) -> bool:
+    """Compile the native kernels once per process, on a background thread; with ``wait``,
+    block until done. True when the native path is (or, with ``wait``, became) ready."""
+    global _started
+    with _lock:
+        if not _started and enabled_by_env():
+            _started = True
+            threading.Thread(target=_compile, name="tierstore-native-compile", daemon=True).start()
+    if wait and _started:
+        _ready.wait()
+    return _kernels is not None
+
+
+def ready() -> bool:
+    """True once the compiled kernels are usable (``start`` was called and compiling worked)."""
+    return _kernels is not None
+
+
+def failure() -> str | None:
+    """Why the native path is unavailable after ``start``, or None."""
+    return _failure
+
+
+def _compile() -> None:
+    global _kernels, _failure
+    try:
+        _kernels = _build()
+    except Exception as exc:  # numba missing or broken: the Python path serves; say why once
+        _failure = f"{type(exc).__name__}: {exc}"
+        logger.info("tierstore: native page hashing unavailable (%s); using the Python path "
+                    "(install numba for one GIL release per page)", _failure)
+    finally:
+        _ready.set()
+
+
+def _build() -> Any:
+    """Compile the kernels and check them against xxhash; raise if anything differs."""
+    import numba
+    import numpy as np
+    import xxhash
+    import xxhash._xxhash as ext
+
+    xxh3 = ctypes.CDLL(ext.__file__).XXH3_64bits
+    xxh3.restype, xxh3.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+    libc = ctypes.CDLL(None, use_errno=True)
+    pread = libc.pread
+    pread.restype = ctypes.c_ssize_t
+    pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+    openat, fstat, close, syscall = libc.openat, libc.fstat, libc.close, libc.syscall
+    openat.restype, openat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fstat.restype, fstat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]
+    close.restype, close.argtypes = ctypes.c_int, [ctypes.c_int]
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+
+    # Explicit signatures: compiled here, once, for exactly the types callers pass (read-only
+    # cached index arrays); a lazily specialised dispatcher compiled again at the first real
+    # call, with every I/O thread queued on numba's compiler lock (seen in the profile).
+    rows = numba.types.Array(numba.types.int64, 2, "C", readonly=True)
+    sums = numba.types.Array(numba.types.uint64, 1, "C")
+    i64 = numba.types.int64
+
+    @numba.njit(numba.types.void(i64, rows, i64, i64, sums), nogil=True, cache=False)
+    def hash_spans(base: int, spans: Any, first: int, end: int, out: Any) -> None:
+        for i in range(first, end):
+            out[i - first] = xxh3(base + spans[i, 0], spans[i, 1] - spans[i, 0])
+
+    @numba.njit(i64(i64, i64, i64, rows, rows, sums), nogil=True, cache=False)
+    def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any) -> int:
+        # pieces: (file start, file end, first section, end section); the page starts at
+        # file offset page_off. Each piece is hashed right after it lands (still in cache).
+        for p in range(pieces.shape[0]):
+            off = pieces[p, 0]
+            end = pieces[p, 1]
+            while off < end:
+                n = pread(fd, file_base + off, end - off, off)
+                if n <= 0:
+                    return off if n == 0 else -1
+                off += n
+            for i in range(pieces[p, 2], pieces[p, 3]):
+                out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
+        return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
+
+    names_t = numba.types.Array(numba.types.uint8, 1, "C", readonly=True)
+    scratch_t = numba.types.Array(numba.types.int64, 1, "C")
+
+    @numba.njit(i64(i64, names_t, i64, i64, i64, i64, i64, i64, i64, rows, rows, sums, scratch_t),
+                nogil=True, cache=False)
+    def load_file(rank_fd: int, names: Any, file_name_at: int, dir_flags: int, file_flags: int, size: int,
+                  check_cache: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any,
+                  scratch: Any) -> int:
+        # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out.
+        d = openat(rank_fd, names.ctypes.data, dir_flags)
+        if d < 0:
+            return LOAD_OPEN_FAILED
+        f = openat(d, names.ctypes.data + file_name_at, file_flags)
+        close(d)
+        if f < 0:
+            return LOAD_OPEN_FAILED
+        stat_at = scratch.ctypes.data
+        if fstat(f, stat_at) != 0 or (scratch[3] & 0o170000) != 0o100000 or scratch[2] > 1 or scratch[6] != size:
+            close(f)
+            return LOAD_NOT_PLAIN
+        if check_cache != 0:
+            scratch[18] = 0
+            scratch[19] = 4096
+            if syscall(451, f, stat_at + 18 * 8, stat_at + 20 * 8, 0) != 0 or scratch[20] == 0:
+                close(f)
+                return LOAD_COLD
+        got = read_pieces(f, file_base, page_off, pieces, spans, out)
+        close(f)
+        return got if got >= 0 else LOAD_READ_FAILED
+
+    probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
+    spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
+    spans.setflags(write=False)
+    out = np.zeros(2, dtype=np.uint64)
+    hash_spans(int(probe.ctypes.data), spans, 0, 2, out)
+    want = [xxhash.xxh3_64_intdigest(probe[a:b].tobytes()) for a, b in spans]
+    if [int(v) for v in out] != want:
+        raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
+    return (hash_spans, read_pieces, np, load_file)
+
+
+@lru_cache(maxsize=256)
+def _as_array(rows: tuple[tuple[int, ...], ...]) -> Any:
+    """A read-only int64 array of ``rows`` (spans or a read plan; cached: layouts are few)."""
+    np = _kernels[2]
+    arr = np.array(rows, dtype=np.int64).reshape(len(rows), -1 if rows else 2)
+    arr.setflags(write=False)
+    return arr
+
+
+def address(buf: memoryview) -> int:
+    """The address of a C-contiguous buffer's first byte (read-only buffers too)."""
+    np = _kernels[2]
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if buf.nbytes else 0
+
+
+def section_sums(spans: Sequence[tuple[int, int]], data: memoryview, first: int, end: int) -> list[int] | None:
+    """xxh3 of ``data[o:e]`` for ``spans[first:end]`` in one GIL-free call, or None when the
+    native path is not ready or the spans are too small to gain (the caller hashes in Python)."""
+    if _kernels is None or end <= first or spans[end - 1][1] - spans[first][0] < MIN_NATIVE_BYTES:
+        return None
+    hash_spans, _, np, _ = _kernels
+    out = np.empty(end - first, dtype=np.uint64)
+    hash_spans(address(data), _as_array(tuple(spans)), first, end, out)
+    return out.tolist()  # type: ignore[no-any-return]
+
+
+def read_and_hash(fd: int, file_buf: memoryview, page_off: int, plan: Sequence[tuple[int, int, int, int]],
+                  spans: Sequence[tuple[int, int]]) -> tuple[int, list[int]] | None:
+    """Read the file pieces of ``plan`` into ``file_buf`` at their offsets and hash every
+    section (page at ``page_off`` in the file) in one GIL-free call.
+
+    Returns (bytes read up to the end of the plan, or the offset where the file ended, or -1 on
+    a read error; the section sums), or None when the native path is not ready. ``file_buf``
+    must hold the plan's last end."""
+    if _kernels is None:
+        return None
+    _, read_pieces, np, _ = _kernels
+    if plan and file_buf.nbytes < plan[-1][1]:
+        raise ValueError("file buffer shorter than the read plan")
+    out = np.zeros(len(spans), dtype=np.uint64)
+    got = read_pieces(fd, address(file_buf), page_off, _as_array(tuple(plan)), _as_array(tuple(spans)), out)
+    return int(got), out.tolist()
+
+
+def load_file(rank_fd: int, fanout_name: str, file_name: str, flags: tuple[int, int], size: int,
+              check_cache: bool, file_buf: memoryview,
+              page_off: int, plan: Sequence[tuple[int, int, int, int]],
+              spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int], list[int]] | None:
+    """Open ``fanout_name/file_name`` under the directory ``rank_fd`` with the caller's
+    (directory, file) open ``flags`` (no symlink followed, non-blocking), check it is a plain
+    file of one link and exactly ``size`` bytes (``check_cache``: with its first block in the
+    page cache), read and hash it as ``read_and_hash`` does, and close it: one GIL release.
+
+    Returns ((st_dev, st_ino, st_ctime_ns), section sums), or None when the native path is not
+    ready or anything differed from the common case (missing, not plain, another size, cold,
+    a read error or short read): the caller then does the load on the Python path, which
+    redoes it and names the error. Never raises for I/O."""
+    if _kernels is None or not _STAT_LAYOUT_KNOWN:
+        return None
+    _, _, np, kernel = _kernels
+    names = np.frombuffer(f"{fanout_name}\0{file_name}\0".encode(), dtype=np.uint8)
+    out = np.zeros(len(spans), dtype=np.uint64)
+    scratch = np.zeros(32, dtype=np.int64)
+    got = kernel(rank_fd, names, len(fanout_name) + 1, flags[0], flags[1], size, int(check_cache),
+                 address(file_buf), page_off, _as_array(tuple(plan)), _as_array(tuple(spans)), out, scratch)
+    if got != (plan[-1][1] if plan else 0):
+        return None
+    return (int(scratch[0]), int(scratch[1]), int(scratch[13]) * 1_000_000_000 + int(scratch[14])), out.tolist()
