@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tierstore import engine as engine_mod
+from tierstore import native
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine, IOResult
 from tierstore.identity import Namespace
@@ -75,6 +76,9 @@ def _simulate(monkeypatch: pytest.MonkeyPatch, err: int) -> None:
         return real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine_mod.os, "open", fake_open)
+    # The native store (native.py) creates its temp without os.open: it fails as it would on
+    # that errno (temp removed, code < 0) and hands the store to the patched Python path.
+    monkeypatch.setattr(native, "store_write", lambda *a: native.STORE_FAILED)
 
 
 def _temps(root: Path) -> list[Path]:

@@ -199,3 +199,54 @@ def test_unverified_loads_take_the_native_open_and_return_the_header_sums(
     assert eng.flush(10)
     assert not eng.mapper.path_for(key).exists()
     eng.close()
+
+
+def test_store_check_and_store_write(tmp_path: Path) -> None:
+    (tmp_path / "ab").mkdir()
+    rank_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    page = memoryview(random.Random(8).randbytes(100_000))
+    spans = [(0, 60_000), (60_000, 100_000)]
+    try:
+        assert native.store_check(rank_fd, "zz", "p.kvp", safefs.DIR_FLAGS, page, spans)[0] == native.STORE_NO_DIR  # type: ignore[index]
+        code, sums = native.store_check(rank_fd, "ab", "p.kvp", safefs.DIR_FLAGS, page, spans)  # type: ignore[misc]
+        assert code == 0 and sums == [xxhash.xxh3_64_intdigest(page[a:b]) for a, b in spans]
+        flags = (safefs.DIR_FLAGS, pagefile.temp_flags(False))
+        assert native.store_write(rank_fd, "ab", "p.tmp", "p.kvp", flags, 0o600, page, 99_000, False) == 0
+        assert (tmp_path / "ab" / "p.kvp").read_bytes() == bytes(page[:99_000])  # cut to exact_len
+        assert (tmp_path / "ab" / "p.kvp").stat().st_mode & 0o777 == 0o600
+        assert native.store_check(rank_fd, "ab", "p.kvp", safefs.DIR_FLAGS, page, spans)[0] == native.STORE_EXISTS  # type: ignore[index]
+        (tmp_path / "ab" / "d.kvp").mkdir()  # the rename cannot replace a directory
+        assert native.store_write(rank_fd, "ab", "q.tmp", "d.kvp", flags, 0o600, page, 100_000, True) < 0
+        assert sorted(p.name for p in (tmp_path / "ab").iterdir()) == ["d.kvp", "p.kvp"]  # temp removed
+        (tmp_path / "ab" / "r.tmp").write_bytes(b"x")  # O_EXCL: an existing temp is never written through
+        assert native.store_write(rank_fd, "ab", "r.tmp", "r.kvp", flags, 0o600, page, 100_000, False) < 0
+        assert (tmp_path / "ab" / "r.tmp").read_bytes() == b"x" or not (tmp_path / "ab" / "r.tmp").exists()
+    finally:
+        os.close(rank_fd)
+
+
+@pytest.mark.parametrize("with_sums", [False, True])
+def test_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Canonical bytes: a page stored through the native calls is byte for byte the file the
+    Python path writes (and the golden files pin that one)."""
+    ns = hybrid_namespace()
+    files = []
+    for use_native in (True, False):
+        root = tmp_path / ("n" if use_native else "p")
+        if not use_native:
+            monkeypatch.setattr(native, "store_check", lambda *a: None)
+        eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+        key = page_key(9)
+        data = page_bytes(eng.layout, key, 2)
+        sums = [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in eng.layout.spans] if with_sums else None
+        slot = eng.acquire_slot(10)
+        assert slot is not None
+        slot.view[:] = data
+        [res] = eng.wait([eng.submit_store(key, slot, 16, sums)], 10)
+        assert res.ok and res.stored
+        again = store_data(eng, key, data)
+        assert again.ok and not again.stored  # the existing file counts as stored
+        files.append(eng.mapper.path_for(key).read_bytes())
+        eng.close()
+    assert files[0] == files[1]

@@ -42,6 +42,9 @@ MIN_NATIVE_BYTES = 64 << 10
 # load_file's outcomes other than "read this many bytes" (the caller then takes the Python path,
 # which redoes the load and names what went wrong).
 LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED = -2, -3, -4, -5
+# store_check / store_write outcomes: 0 done; STORE_EXISTS the final name exists (stored);
+# the others hand the store to the Python path, which redoes it and names the error.
+STORE_EXISTS, STORE_NO_DIR, STORE_FAILED = 1, -2, -3
 # load_file reads ``struct stat`` by offset: x86-64 Linux only (elsewhere loads keep the
 # Python open and fstat, and still read and hash in one call).
 _STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
@@ -118,6 +121,20 @@ def _build() -> Any:
     pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
     openat, fstat, close, syscall = libc.openat, libc.fstat, libc.close, libc.syscall
     openat.restype, openat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    # A second binding of openat with its mode argument (creating a temp file).
+    create_at = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)(
+        ctypes.cast(libc.openat, ctypes.c_void_p).value)
+    fstatat, pwrite, fsync, ftruncate = libc.fstatat, libc.pwrite, libc.fsync, libc.ftruncate
+    fstatat.restype = ctypes.c_int
+    fstatat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    pwrite.restype = ctypes.c_ssize_t
+    pwrite.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+    fsync.restype, fsync.argtypes = ctypes.c_int, [ctypes.c_int]
+    ftruncate.restype, ftruncate.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int64]
+    renameat, unlinkat = libc.renameat, libc.unlinkat
+    renameat.restype = ctypes.c_int
+    renameat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    unlinkat.restype, unlinkat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     fstat.restype, fstat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]
     close.restype, close.argtypes = ctypes.c_int, [ctypes.c_int]
     syscall.restype = ctypes.c_long
@@ -181,6 +198,57 @@ def _build() -> Any:
         close(f)
         return got if got >= 0 else LOAD_READ_FAILED
 
+    @numba.njit(i64(i64, names_t, i64, i64, i64, rows, sums, scratch_t), nogil=True, cache=False)
+    def store_check(rank_fd: int, names: Any, final_at: int, dir_flags: int, page_base: int, spans: Any,
+                    out: Any, scratch: Any) -> int:
+        # names: fan-out dir, final name. An existing final name is a stored page (content
+        # address): nothing is hashed. Otherwise every section is hashed (out).
+        d = openat(rank_fd, names.ctypes.data, dir_flags)
+        if d < 0:
+            return STORE_NO_DIR
+        found = fstatat(d, names.ctypes.data + final_at, scratch.ctypes.data, 0x100)  # AT_SYMLINK_NOFOLLOW
+        close(d)
+        if found == 0:
+            return STORE_EXISTS
+        for i in range(spans.shape[0]):
+            out[i] = xxh3(page_base + spans[i, 0], spans[i, 1] - spans[i, 0])
+        return 0
+
+    @numba.njit(i64(i64, names_t, i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=False)
+    def store_write(rank_fd: int, names: Any, tmp_at: int, final_at: int, dir_flags: int, file_flags: int,
+                    mode: int, buf: int, length: int, exact_len: int, do_fsync: int) -> int:
+        # names: fan-out dir, temp name, final name. Create the temp (O_EXCL), write, cut the
+        # O_DIRECT padding, fsync if asked, close, rename over the final name; on any failure
+        # the temp is removed and the final name untouched.
+        d = openat(rank_fd, names.ctypes.data, dir_flags)
+        if d < 0:
+            return STORE_NO_DIR
+        tmp = names.ctypes.data + tmp_at
+        f = create_at(d, tmp, file_flags, mode)
+        if f < 0:
+            close(d)
+            return STORE_FAILED
+        off = 0
+        ok = True
+        while ok and off < length:
+            n = pwrite(f, buf + off, length - off, off)
+            if n <= 0:
+                ok = False
+            else:
+                off += n
+        if ok and exact_len < length and ftruncate(f, exact_len) != 0:
+            ok = False
+        if ok and do_fsync != 0 and fsync(f) != 0:
+            ok = False
+        if close(f) != 0:
+            ok = False
+        if ok and renameat(d, tmp, d, names.ctypes.data + final_at) != 0:
+            ok = False
+        if not ok:
+            unlinkat(d, tmp, 0)
+        close(d)
+        return 0 if ok else STORE_FAILED
+
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
     spans.setflags(write=False)
@@ -189,7 +257,7 @@ def _build() -> Any:
     want = [xxhash.xxh3_64_intdigest(probe[a:b].tobytes()) for a, b in spans]
     if [int(v) for v in out] != want:
         raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
-    return (hash_spans, read_pieces, np, load_file)
+    return (hash_spans, read_pieces, np, load_file, store_check, store_write)
 
 
 @lru_cache(maxsize=256)
@@ -212,7 +280,7 @@ def section_sums(spans: Sequence[tuple[int, int]], data: memoryview, first: int,
     native path is not ready or the spans are too small to gain (the caller hashes in Python)."""
     if _kernels is None or end <= first or spans[end - 1][1] - spans[first][0] < MIN_NATIVE_BYTES:
         return None
-    hash_spans, _, np, _ = _kernels
+    hash_spans, _, np = _kernels[:3]
     out = np.empty(end - first, dtype=np.uint64)
     hash_spans(address(data), _as_array(tuple(spans)), first, end, out)
     return out.tolist()  # type: ignore[no-any-return]
@@ -228,7 +296,7 @@ def read_and_hash(fd: int, file_buf: memoryview, page_off: int, plan: Sequence[t
     must hold the plan's last end."""
     if _kernels is None:
         return None
-    _, read_pieces, np, _ = _kernels
+    _, read_pieces, np = _kernels[:3]
     if plan and file_buf.nbytes < plan[-1][1]:
         raise ValueError("file buffer shorter than the read plan")
     out = np.zeros(len(spans), dtype=np.uint64)
@@ -251,7 +319,7 @@ def load_file(rank_fd: int, fanout_name: str, file_name: str, flags: tuple[int, 
     redoes it and names the error. Never raises for I/O."""
     if _kernels is None or not _STAT_LAYOUT_KNOWN:
         return None
-    _, _, np, kernel = _kernels
+    np, kernel = _kernels[2], _kernels[3]
     names = np.frombuffer(f"{fanout_name}\0{file_name}\0".encode(), dtype=np.uint8)
     out = np.zeros(len(spans), dtype=np.uint64)
     scratch = np.zeros(32, dtype=np.int64)
@@ -260,3 +328,35 @@ def load_file(rank_fd: int, fanout_name: str, file_name: str, flags: tuple[int, 
     if got != (plan[-1][1] if plan else 0):
         return None
     return (int(scratch[0]), int(scratch[1]), int(scratch[13]) * 1_000_000_000 + int(scratch[14])), out.tolist()
+
+
+def store_check(rank_fd: int, fanout_name: str, final_name: str, dir_flags: int, page: memoryview | None,
+                spans: Sequence[tuple[int, int]]) -> tuple[int, list[int]] | None:
+    """A store's first step in one GIL-free call: STORE_EXISTS if ``fanout_name/final_name``
+    exists (nothing hashed), else 0 and the xxh3 of each of ``page``'s ``spans`` (``page``
+    None: the caller has the sums). STORE_NO_DIR: the fan-out directory is missing (the Python
+    path makes it). None when the native path is not ready."""
+    if _kernels is None or not _STAT_LAYOUT_KNOWN:
+        return None
+    np, kernel = _kernels[2], _kernels[4]
+    names = np.frombuffer(f"{fanout_name}\0{final_name}\0".encode(), dtype=np.uint8)
+    out = np.zeros(len(spans) if page is not None else 0, dtype=np.uint64)
+    code = kernel(rank_fd, names, len(fanout_name) + 1, dir_flags, address(page) if page is not None else 0,
+                  _as_array(tuple(spans) if page is not None else ()), out, np.zeros(32, dtype=np.int64))
+    return int(code), out.tolist()
+
+
+def store_write(rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, flags: tuple[int, int],
+                mode: int, data: memoryview, exact_len: int, fsync: bool) -> int | None:
+    """A store's write in one GIL-free call: create ``tmp_name`` with the file ``flags`` and
+    ``mode``, write ``data``, truncate to ``exact_len`` when shorter (O_DIRECT padding), fsync
+    if asked, close, rename it over ``final_name``. 0 on success; otherwise the temp is gone and
+    a negative code says the Python path must redo the store (it names the error). None when
+    the native path is not ready."""
+    if _kernels is None or not _STAT_LAYOUT_KNOWN:
+        return None
+    np, kernel = _kernels[2], _kernels[5]
+    names = np.frombuffer(f"{fanout_name}\0{tmp_name}\0{final_name}\0".encode(), dtype=np.uint8)
+    tmp_at = len(fanout_name) + 1
+    return int(kernel(rank_fd, names, tmp_at, tmp_at + len(tmp_name) + 1, flags[0], flags[1], mode,
+                      address(data), data.nbytes, exact_len, int(fsync)))

@@ -127,6 +127,10 @@ class PageFiles:
         when a file of that name exists already."""
         final = self.mapper.final_path(key)
         name = os.path.basename(final)
+        done = self._store_native(key, name, final, slot, token_count, sums)
+        if done is not None:
+            page_index.note_stored(self.mapper.base, key)
+            return done
         try:
             dir_fd = self._dirs.fanout(fanout(key), create=True, where=final, key=key)
         except OSError as exc:
@@ -173,6 +177,35 @@ class PageFiles:
                 pieces.append(self.mac.tag(header, payload))
             pagefile.publish(name, tmp, pieces, key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode, where=final)
         return True, self._nbytes
+
+    def _store_native(self, key: bytes, name: str, final: str, slot: StagingSlot, token_count: int,
+                      sums: tuple[int, ...] | None) -> tuple[bool, int] | None:
+        """``_store_in``'s codec-none store in two GIL-free calls (``native.store_check``: exists?
+        else hash; ``native.store_write``: temp, write, rename), the header filled between them.
+        None: not applicable here (another codec, a MAC, group-shared modes, not compiled) or
+        something failed; the caller's Python path redoes the store and names the error."""
+        if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
+            return None
+        try:
+            rank_fd = self._dirs.rank_fd()
+        except (PageError, OSError):
+            return None
+        fan = fanout(key)
+        zero_gaps(self.layout, slot.view)  # before hashing: canonical bytes whoever filled the slot
+        checked = native.store_check(rank_fd, fan, name, safefs.DIR_FLAGS, slot.view if sums is None else None,
+                                     self.layout.spans)
+        if checked is None or checked[0] < 0:
+            return None
+        if checked[0] == native.STORE_EXISTS:
+            return False, self._nbytes
+        tmpl = self._template(len(key))
+        hl = tmpl.header_len
+        file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
+        tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else checked[1])
+        tmp = os.path.basename(self.mapper.temp_path(key, final))
+        written = native.store_write(rank_fd, fan, tmp, name, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)),
+                                     self.perms.file_mode, file_buf, hl + self._nbytes, self.fsync)
+        return (True, self._nbytes) if written == 0 else None
 
     # ----------------------------------------------------------------- load
     def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:

@@ -83,7 +83,7 @@ __all__ = [
     "O_DIRECT", "MISSING_ERRNOS", "FileIdentity", "RankDir", "file_identity", "inspect_page", "open_page",
     "preadv_upto", "probe_odirect", "publish", "publish_page", "pwritev_all", "read_error",
     "read_own_page", "read_page", "read_page_fd", "read_plan", "readinto_exact", "remove_damaged",
-    "remove_damaged_at",
+    "remove_damaged_at", "temp_flags",
 ]
 
 MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
@@ -163,6 +163,11 @@ def _make_dirs(path: str) -> None:
 
 
 # ------------------------------------------------------------------ publish
+def temp_flags(direct: bool) -> int:
+    """The open flags of a temp file ``publish`` creates (never an existing file or a link)."""
+    return os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC | (O_DIRECT if direct else 0)
+
+
 def publish(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None, fsync: bool = False,
             direct: bool = False, exact_len: int = 0, dir_fd: int | None = None, mode: int = 0o600,
             where: str | None = None) -> None:
@@ -180,7 +185,7 @@ def publish(final: str, tmp: str, pieces: list[Any], *, key: bytes | None = None
     Failure policy: any OSError removes the temp file and raises ``PageStoreError`` with the
     errno (its kind: ``enospc``, ``readonly``, ``permission``, ``io``); ``final`` is untouched.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC | (O_DIRECT if direct else 0)
+    flags = temp_flags(direct)
     where_tmp = tmp if dir_fd is None else f"{os.path.dirname(where or '')}/{tmp}"
     try:
         try:
