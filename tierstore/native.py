@@ -1,19 +1,24 @@
-"""One GIL release per page: section hashing and read-then-hash compiled with numba (issue 16).
+"""One GIL release per page: loads, stores and section hashing compiled with numba (issue 16).
 
 Why: with many I/O threads the GIL, not the disk, capped the engine. Every GIL-releasing call
-(one xxh3 call per section, one system call per piece) is a hand-off whose wake-up is paid with
+(one xxh3 call per section, one system call per step) is a hand-off whose wake-up is paid with
 the GIL idle: 16 sections of a 2 MiB page cost ~23 hand-offs, and 2 MiB pages peaked at 4-8
-threads (docs/measurements/scaling.md). Here a page's whole read and every section's xxh3 run
-in ONE compiled call that holds no GIL (numba ``nogil=True``), calling the same functions as
-the Python path: ``XXH3_64bits`` of the loaded xxhash extension (the checksums are xxhash's own,
-checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's ``pread``.
+threads (docs/measurements/scaling.md). Here the steps run in compiled calls that hold no GIL
+(numba ``nogil=True``), calling the same functions as the Python path: ``XXH3_64bits`` of the
+loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's
+``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
+- ``load_file``: a warm load in one call (open the fan-out directory and the file with the
+  caller's flags, check plain file / one link / size, cachestat, read, hash, close);
+- ``store_check`` then ``store_write``: a store in two (exists? else hash; temp, write, rename);
+- ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file.
 
-Contract: ``section_sums`` / ``read_and_hash`` return None whenever the native path is not
-ready (numba missing, not compiled yet, ``TIERSTORE_NATIVE=0``, a probe mismatch); callers then
-take the Python path, which computes the same values. ``read_and_hash`` never raises for I/O:
-a failed ``pread`` or an early end of file returns what it got, and the caller redoes the read
-on the Python path, which names the error. Buffers are passed by address: the caller keeps them
-alive and C-contiguous for the call.
+Contract: every function returns None whenever the native path is not ready (numba missing,
+not compiled yet, ``TIERSTORE_NATIVE=0``, a probe mismatch; the open/stat ones also off
+x86-64 Linux, whose ``struct stat`` they read by offset); callers then take the Python path,
+which computes the same values and writes the same bytes. Nothing here raises for I/O: a
+failed step returns a code, leaves no temp file behind, and the caller redoes the operation
+on the Python path, which names the error. Buffers are passed by address: the caller keeps
+them alive and C-contiguous for the call.
 
 Threading: ``start()`` compiles on one daemon thread (numba's import and compile take ~1 s,
 kept off the engine's start-up path and out of processes that never load a page, such as the
