@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 from test_crash_safety import crash_namespace, pattern
 
+from tierstore import native
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine
 from tierstore.testing.pages import page_key
@@ -53,8 +54,16 @@ def _caller(eng: IOEngine, seed: int, rounds: int, errors: list[str], seen: Coun
             errors.append(f"{r.op} of {key.hex()[:12]} failed: {r.error}")
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
 @pytest.mark.parametrize("io_threads,slots,callers", [(8, 4, 12), (3, 2, 6)])
-def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, slots: int, callers: int) -> None:
+def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, slots: int, callers: int, path: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both page paths: the GIL-free calls of native.py (racing temp + rename in C) and the
+    Python path."""
+    if path == "native" and not native.start(wait=True):
+        pytest.skip(f"native path unavailable: {native.failure()}")
+    if path == "python":
+        monkeypatch.setattr(native, "_kernels", None)
     root = str(tmp_path / "root")
     ns = crash_namespace()
     errors: list[str] = []
