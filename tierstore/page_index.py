@@ -32,6 +32,7 @@ import itertools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,10 @@ class PageIndex:
         self._loaded = 0  # directories listed at least once
         self.listings = 0
         self.list_errors = 0
+        # Called (on the changing thread) after a page may have left the index: a ``discard``,
+        # or a listing that lacks a page the index had. Additions never call it, so a cache
+        # of positive answers stays valid until it is called (``IndexedLookup``).
+        self.on_removal: Callable[[], None] | None = None
         _register(self)
 
     # ------------------------------------------------------------ queries (any thread)
@@ -101,7 +106,11 @@ class PageIndex:
     def contains(self, key: bytes) -> bool | None:
         """Whether the page is here as far as this process knows; None if its directory has not
         been listed yet. No file-system access."""
-        fp = xxhash.xxh3_64_intdigest(key)
+        return self.contains_fp(xxhash.xxh3_64_intdigest(key))
+
+    def contains_fp(self, fp: int) -> bool | None:
+        """``contains`` for a key whose ``fingerprint`` the caller has (one hash per key when
+        several indexes are asked: tiers, ranks)."""
         d = fp >> 56
         change = self._delta[d].get(fp)
         if change is not None:
@@ -141,6 +150,8 @@ class PageIndex:
         fp = xxhash.xxh3_64_intdigest(key)
         with self._lock:
             self._delta[fp >> 56][fp] = (present, next(self._seq))
+        if not present and self.on_removal is not None:
+            self.on_removal()
 
     # ------------------------------------------------------------ listing (background thread)
     def load_dir(self, fanout_index: int) -> None:
@@ -157,10 +168,14 @@ class PageIndex:
             delta = self._delta[fanout_index]
             # Changes older than the listing are in it; newer ones stay on top.
             self._delta[fanout_index] = {fp: c for fp, c in delta.items() if c[1] > started}
-            if self._arrays[fanout_index] is None:
+            old = self._arrays[fanout_index]
+            if old is None:
                 self._loaded += 1
             self._arrays[fanout_index] = arr
             self.listings += 1
+            dropped = [fp for fp, (present, seq) in delta.items() if present and seq <= started]
+        if self.on_removal is not None and (_lost(old, arr) or not all(_in_sorted(arr, fp) for fp in dropped)):
+            self.on_removal()
 
     def load_all(self) -> None:
         """List every fan-out directory (tests and tools; the manager paces its own listing)."""
@@ -169,6 +184,17 @@ class PageIndex:
 
     def __repr__(self) -> str:
         return f"PageIndex({self.base}, {self._loaded}/{_DIRS} directories listed)"
+
+
+def _lost(old: memoryview | None, new: memoryview) -> bool:
+    """Whether some fingerprint of the sorted ``old`` is not in the sorted ``new``."""
+    if old is None or len(old) == 0:
+        return False
+    if len(new) == 0:
+        return True
+    before, after = np.frombuffer(old, dtype=np.uint64), np.frombuffer(new, dtype=np.uint64)
+    at = np.minimum(np.searchsorted(after, before), len(after) - 1)
+    return bool((after[at] != before).any())
 
 
 def _in_sorted(arr: memoryview, fp: int) -> bool:

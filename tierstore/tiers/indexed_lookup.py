@@ -39,7 +39,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.mapper import FANOUT_DIRS, FileMapper
-from tierstore.page_index import PageIndex
+from tierstore.page_index import PageIndex, fingerprint
 from tierstore.tiers.deadline import Health
 from tierstore.tiers.head_slices import HeadRange, cover
 
@@ -102,10 +102,13 @@ class TierIndexes:
     name: str
     mappers: list[list[FileMapper]]
     health: Health | None = None
+    on_removal: Callable[[], None] | None = None  # each index's ``PageIndex.on_removal``
     indexes: list[list[PageIndex]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.indexes = [[PageIndex(m.base) for m in ranks] for ranks in self.mappers]
+        for index in self.all_indexes():
+            index.on_removal = self.on_removal
 
     @property
     def up(self) -> bool:
@@ -127,11 +130,21 @@ class IndexedLookup:
         self.refresh_s = refresh_s
         shared_mappers = per_rank(shared)
         shared_root = shared_mappers[0][0].root
+        # ``removals`` counts events after which a True answer may have become False (a page
+        # left an index, the shared tier went down); ``on_removal`` listeners hear each one.
+        self.removals = 0
+        self._removal_listeners: list[Callable[[], None]] = []
         health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
-                        deadline_s=deadline_s)
-        self.shared = TierIndexes("shared", shared_mappers, health)
-        self.local = TierIndexes("local", per_rank(local)) if local else None
+                        deadline_s=deadline_s, on_change=self._health_changed)
+        self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
+        self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None
         self.tiers = [t for t in (self.local, self.shared) if t is not None]
+        # Per group: (health or None, index) per tier when the group is one rank and not head
+        # slices (the common case, answered by a flat loop); None for the others.
+        self._plain: list[list[tuple[Health | None, PageIndex]] | None] = [
+            None if self._slice_group(g) is not None or len(ranks) != 1
+            else [(t.health, t.indexes[g][0]) for t in self.tiers]
+            for g, ranks in enumerate(self.shared.indexes)]
         self.results: queue.SimpleQueue[list[tuple[Any, PageIdentity | None]]] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
         # Stuck threads stay stuck in a hung mount; nothing new is submitted while it is down.
@@ -170,11 +183,37 @@ class IndexedLookup:
     def shared_up(self) -> bool:
         return self.shared.up
 
+    def on_removal(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (on the thread of the change, after ``removals`` moved) whenever a
+        True answer may have become False; a cache of True answers drops them then."""
+        self._removal_listeners.append(listener)
+
+    def _removed(self) -> None:
+        self.removals += 1
+        for listener in self._removal_listeners:
+            listener()
+
+    def _health_changed(self, up: bool) -> None:
+        if not up:
+            self._removed()
+
     # ------------------------------------------------------------ scheduler-thread API
     def _slice_group(self, group: int) -> SliceGroup | None:
         return self.slices[group] if group < len(self.slices) else None
 
     def answer(self, group: int, key: bytes) -> bool | None:
+        plain = self._plain[group]
+        if plain is not None:  # the flat path of _answer_rank for one rank (the hot path)
+            fp = fingerprint(key)
+            unknown = False
+            for health, index in plain:
+                if health is not None and not health.up:
+                    continue
+                found = index.contains_fp(fp)
+                if found:
+                    return True
+                unknown |= found is None
+            return None if unknown else False
         sg = self._slice_group(group)
         if sg is not None:
             return self._answer_slices(sg, group, key, self.tiers)

@@ -65,6 +65,7 @@ from tierstore.mapper import FileMapper
 from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity, SliceGroup
 
 MAX_FAILED_KEYS = 100_000
+MAX_CACHED_HITS = 1 << 18  # keys of HIT answers kept for repeated lookups (~25 MB at most)
 _UNKNOWN = object()  # identity of a failed page not yet looked at by the prober
 
 
@@ -108,28 +109,62 @@ class TierStoreManager(OffloadingManager):
         self._failed: dict[OffloadKey, _FailedLoad] = {}
         self._probing: set[OffloadKey] = set()  # handed to the prober, verdict not applied yet
         self._batch: list[tuple[OffloadKey, int, bytes]] = []  # this step's keys to probe
-        self.counters: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0,
-                                         "lookup_retries": 0, "lookup_probes": 0}
+        # vLLM's 4-byte group suffix of an offload key -> tierstore group (no int per lookup).
+        self._route = {gid.to_bytes(4, "big"): g for gid, g in self.group_of.items()}
+        # Keys answered HIT since the last event that can turn a HIT into something else (a
+        # page left an index, the shared tier went down: ``IndexedLookup.on_removal`` clears
+        # it, on that event's thread; a failed load drops its key). A key in it is not failed
+        # and not being probed. Bounded: cleared when full.
+        self._hits: set[OffloadKey] = set()
+        self.pages.on_removal(self._hits.clear)
+        self._shared_health = self.pages.shared.health
+        self._cached_hits = 0  # lookups answered from ``_hits`` (counted in ``counters``)
+        self._counts: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0,
+                                        "lookup_retries": 0, "lookup_probes": 0}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Lookup counters (a copy): lookups, lookup_hits, skipped_failed, lookup_retries,
+        lookup_probes."""
+        out = dict(self._counts)
+        out["lookups"] += self._cached_hits
+        out["lookup_hits"] += self._cached_hits
+        return out
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self.counters["lookups"] += 1
+        # The hot path (vLLM asks once per key, and again for every request sharing a
+        # prefix): a set hit. The health check is not redundant with the clearing: the tier is
+        # marked down before the listeners run.
+        if key in self._hits and self._shared_health.up:
+            self._cached_hits += 1
+            return LookupResult.HIT
+        return self._lookup_index(key)
+
+    def _lookup_index(self, key: OffloadKey) -> LookupResult:
+        counts = self._counts
+        counts["lookups"] += 1
         if not self.pages.results.empty():
             self._apply_results()
         failed = self._failed.get(key)
         if failed is not None and self._skip_failed(key, failed):
-            self.counters["skipped_failed"] += 1
+            counts["skipped_failed"] += 1
             return LookupResult.MISS
         if key in self._probing and self.pages.shared_up:
-            self.counters["lookup_retries"] += 1
+            counts["lookup_retries"] += 1
             return LookupResult.RETRY
-        found = self.pages.answer(self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key))
+        removals = self.pages.removals
+        found = self.pages.answer(self._route[key[-4:]], key[:-4])
         if found:
-            self.counters["lookup_hits"] += 1
+            counts["lookup_hits"] += 1
+            if removals == self.pages.removals:  # else this answer may predate a removal
+                if len(self._hits) >= MAX_CACHED_HITS:
+                    self._hits.clear()
+                self._hits.add(key)
             return LookupResult.HIT
         if found is None:
             self._probe(key)
-            self.counters["lookup_retries"] += 1
+            counts["lookup_retries"] += 1
             return LookupResult.RETRY
         return LookupResult.MISS
 
@@ -164,7 +199,7 @@ class TierStoreManager(OffloadingManager):
         self._apply_results()
         if self._batch:
             batch, self._batch = self._batch, []
-            self.counters["lookup_probes"] += len(batch)
+            self._counts["lookup_probes"] += len(batch)
             self.pages.probe(batch)
 
     def has_pending_work(self) -> bool:
@@ -180,20 +215,21 @@ class TierStoreManager(OffloadingManager):
         except (KeyError, ValueError):
             return
         self._failed[key] = _FailedLoad(kind, time.monotonic())
+        self._hits.discard(key)
         self._probing.discard(key)  # a verdict in flight predates the failure: probe again
         self._probe(key)
 
     # ------------------------------------------------------------ transfers
     def _spec(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierStoreFileSpec:
         spec = TierStoreFileSpec()
+        route, state_groups, tokens = self._route, self.state_groups, self.tokens_per_chunk
         for key in keys:
-            g = self.group_of[get_offload_group_idx(key)]
-            end = req_context.get_offload_key_position(key)
+            g = route[key[-4:]]
             spec.groups.append(g)
-            spec.keys.append(get_offload_block_hash(key))
+            spec.keys.append(key[:-4])
             # An attention page holds one chunk's tokens; a Mamba page the state after ``end``.
-            state = self.state_groups[g] and end is not None
-            spec.token_counts.append(end if state else self.tokens_per_chunk[g])
+            end = req_context.get_offload_key_position(key) if state_groups[g] else None
+            spec.token_counts.append(tokens[g] if end is None else end)
         return spec
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -226,6 +262,7 @@ class TierStoreManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._failed.clear()
+        self._hits.clear()
 
     def shutdown(self) -> None:
         self.pages.close()
