@@ -23,6 +23,11 @@ Contract:
   ``head_slices.cover`` finds slices on the shared root that hold its heads (the worker's
   ``HeadSliceStore`` assembles from the root only). A key's identity is the tuple of every
   slice file found.
+- ``removals`` counts the events after which a True answer may have become False (a page
+  left an index: ``PageIndex.on_removal``; the shared tier went down); ``on_removal(fn)``
+  listeners run on that event's thread, before ``shared_up`` reads False. Callers that cache
+  True answers clear them there. One-rank groups that are not head slices are answered by a
+  flat loop (one hash per key, ``PageIndex.contains_fp`` per tier).
 - The shared tier's ``Health`` goes down when a listing or a batch of stats passes
   ``deadline_s``; while down its index is not consulted (MISS at once) and not refreshed; a
   probe thread brings it back (``tiers.deadline.Health``).
@@ -134,6 +139,7 @@ class IndexedLookup:
         # left an index, the shared tier went down); ``on_removal`` listeners hear each one.
         self.removals = 0
         self._removal_listeners: list[Callable[[], None]] = []
+        self._shared_up = True
         health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
                         deadline_s=deadline_s, on_change=self._health_changed)
         self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
@@ -181,7 +187,9 @@ class IndexedLookup:
 
     @property
     def shared_up(self) -> bool:
-        return self.shared.up
+        """The shared tier's health as last announced: it reads False only once the removal
+        listeners ran (a cache of HIT answers is empty by then)."""
+        return self._shared_up
 
     def on_removal(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` (on the thread of the change, after ``removals`` moved) whenever a
@@ -196,6 +204,7 @@ class IndexedLookup:
     def _health_changed(self, up: bool) -> None:
         if not up:
             self._removed()
+        self._shared_up = up
 
     # ------------------------------------------------------------ scheduler-thread API
     def _slice_group(self, group: int) -> SliceGroup | None:

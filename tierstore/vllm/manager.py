@@ -18,6 +18,14 @@ and handed to the prober as one batch in ``on_schedule_end`` (as vLLM's
 ``AsyncLookupManager``); its verdicts are applied on the scheduler thread at the next call.
 While the shared tier is down its index is skipped: MISS at once.
 
+Cost on the scheduler thread: vLLM 0.32 asks once per key, in prefix order, and again for the
+same keys on every step a request waits and for every request sharing the prefix. A key
+answered HIT is kept in a set (bounded) and answered from it until an event can turn a HIT
+into something else: a page left an index or the shared tier went down
+(``IndexedLookup.on_removal`` clears the set), or its load failed (``mark_failed`` drops it).
+Other keys take the full path (failed / probing bookkeeping, then the index: one xxh3 hash
+and a bucket lookup per tier). ``docs/measurements/lookup-cpu.txt`` has the figures.
+
 Freshness: pages this process stores are confirmed (a background ``stat``) when vLLM reports
 the store complete and answered HIT from then on; when the worker runs in this process and
 the store path calls ``page_index.note_stored`` they are in the index before that. Pages of
@@ -64,6 +72,7 @@ from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.mapper import FileMapper
 from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity, SliceGroup
 
+_HIT = LookupResult.HIT
 MAX_FAILED_KEYS = 100_000
 MAX_CACHED_HITS = 1 << 18  # keys of HIT answers kept for repeated lookups (~25 MB at most)
 _UNKNOWN = object()  # identity of a failed page not yet looked at by the prober
@@ -117,7 +126,6 @@ class TierStoreManager(OffloadingManager):
         # and not being probed. Bounded: cleared when full.
         self._hits: set[OffloadKey] = set()
         self.pages.on_removal(self._hits.clear)
-        self._shared_health = self.pages.shared.health
         self._cached_hits = 0  # lookups answered from ``_hits`` (counted in ``counters``)
         self._counts: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0,
                                         "lookup_retries": 0, "lookup_probes": 0}
@@ -134,11 +142,10 @@ class TierStoreManager(OffloadingManager):
     # ------------------------------------------------------------ lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # The hot path (vLLM asks once per key, and again for every request sharing a
-        # prefix): a set hit. The health check is not redundant with the clearing: the tier is
-        # marked down before the listeners run.
-        if key in self._hits and self._shared_health.up:
+        # prefix, every step a request waits): a set hit.
+        if key in self._hits:
             self._cached_hits += 1
-            return LookupResult.HIT
+            return _HIT
         return self._lookup_index(key)
 
     def _lookup_index(self, key: OffloadKey) -> LookupResult:
