@@ -51,8 +51,10 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from xxhash import xxh3_64_intdigest
+
 from tierstore.mapper import FANOUT_DIRS, FileMapper
-from tierstore.page_index import PageIndex, fingerprint
+from tierstore.page_index import PageIndex, contains_any
 from tierstore.tiers.deadline import Health
 from tierstore.tiers.head_slices import HeadRange, cover
 
@@ -139,17 +141,19 @@ class IndexedLookup:
         # left an index, the shared tier went down); ``on_removal`` listeners hear each one.
         self.removals = 0
         self._removal_listeners: list[Callable[[], None]] = []
-        self._shared_up = True
+        self._shared_live = True  # the hot path's view of the shared health (set first)
+        self._shared_up = True  # what ``shared_up`` reports (set last)
         health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
                         deadline_s=deadline_s, on_change=self._health_changed)
         self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None
         self.tiers = [t for t in (self.local, self.shared) if t is not None]
-        # Per group: (health or None, index) per tier when the group is one rank and not head
-        # slices (the common case, answered by a flat loop); None for the others.
-        self._plain: list[list[tuple[Health | None, PageIndex]] | None] = [
+        # Per group, when it is one rank and not head slices (the common case, answered by
+        # ``contains_any``): its index on every tier, and on the tiers without health (shared
+        # down); None for the other groups.
+        self._plain: list[tuple[list[PageIndex], list[PageIndex]] | None] = [
             None if self._slice_group(g) is not None or len(ranks) != 1
-            else [(t.health, t.indexes[g][0]) for t in self.tiers]
+            else ([t.indexes[g][0] for t in self.tiers], [t.indexes[g][0] for t in self.tiers if t.health is None])
             for g, ranks in enumerate(self.shared.indexes)]
         self.results: queue.SimpleQueue[list[tuple[Any, PageIdentity | None]]] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
@@ -202,6 +206,9 @@ class IndexedLookup:
             listener()
 
     def _health_changed(self, up: bool) -> None:
+        # Down: no answer from the shared index from now on, then drop the cached HITs (one
+        # made in between is dropped too), then report it.
+        self._shared_live = up
         if not up:
             self._removed()
         self._shared_up = up
@@ -212,17 +219,8 @@ class IndexedLookup:
 
     def answer(self, group: int, key: bytes) -> bool | None:
         plain = self._plain[group]
-        if plain is not None:  # the flat path of _answer_rank for one rank (the hot path)
-            fp = fingerprint(key)
-            unknown = False
-            for health, index in plain:
-                if health is not None and not health.up:
-                    continue
-                found = index.contains_fp(fp)
-                if found:
-                    return True
-                unknown |= found is None
-            return None if unknown else False
+        if plain is not None:  # _answer_rank for one rank, flat (the hot path)
+            return contains_any(plain[0] if self._shared_live else plain[1], xxh3_64_intdigest(key))
         sg = self._slice_group(group)
         if sg is not None:
             return self._answer_slices(sg, group, key, self.tiers)

@@ -126,18 +126,17 @@ class TierStoreManager(OffloadingManager):
         # and not being probed. Bounded: cleared when full.
         self._hits: set[OffloadKey] = set()
         self.pages.on_removal(self._hits.clear)
-        self._cached_hits = 0  # lookups answered from ``_hits`` (counted in ``counters``)
-        self._counts: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0,
-                                        "lookup_retries": 0, "lookup_probes": 0}
+        self._cached_hits = 0  # lookups answered from ``_hits``
+        self._index_lookups = 0  # the others
+        self._index_hits = 0
+        self._counts: dict[str, int] = {"skipped_failed": 0, "lookup_retries": 0, "lookup_probes": 0}
 
     @property
     def counters(self) -> dict[str, int]:
         """Lookup counters (a copy): lookups, lookup_hits, skipped_failed, lookup_retries,
         lookup_probes."""
-        out = dict(self._counts)
-        out["lookups"] += self._cached_hits
-        out["lookup_hits"] += self._cached_hits
-        return out
+        return {"lookups": self._cached_hits + self._index_lookups, "lookup_hits": self._cached_hits + self._index_hits,
+                **self._counts}
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -149,21 +148,22 @@ class TierStoreManager(OffloadingManager):
         return self._lookup_index(key)
 
     def _lookup_index(self, key: OffloadKey) -> LookupResult:
-        counts = self._counts
-        counts["lookups"] += 1
-        if not self.pages.results.empty():
+        self._index_lookups += 1
+        # (Verdicts come for probed keys only; on_schedule_end applies any left.)
+        if self._probing and not self.pages.results.empty():
             self._apply_results()
-        failed = self._failed.get(key)
-        if failed is not None and self._skip_failed(key, failed):
-            counts["skipped_failed"] += 1
-            return LookupResult.MISS
-        if key in self._probing and self.pages.shared_up:
-            counts["lookup_retries"] += 1
+        if self._failed:
+            failed = self._failed.get(key)
+            if failed is not None and self._skip_failed(key, failed):
+                self._counts["skipped_failed"] += 1
+                return LookupResult.MISS
+        if self._probing and key in self._probing and self.pages.shared_up:
+            self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
         removals = self.pages.removals
         found = self.pages.answer(self._route[key[-4:]], key[:-4])
         if found:
-            counts["lookup_hits"] += 1
+            self._index_hits += 1
             if removals == self.pages.removals:  # else this answer may predate a removal
                 if len(self._hits) >= MAX_CACHED_HITS:
                     self._hits.clear()
@@ -171,7 +171,7 @@ class TierStoreManager(OffloadingManager):
             return LookupResult.HIT
         if found is None:
             self._probe(key)
-            counts["lookup_retries"] += 1
+            self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
         return LookupResult.MISS
 
