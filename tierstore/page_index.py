@@ -18,8 +18,9 @@ Contract:
   kept on top of it, so a page this process stored is never forgotten by a refresh that
   raced with the store (no stale negative for our own pages).
 - ``on_removal`` (optional) is called after any change that can turn a True answer into
-  False: a ``discard``, or a listing that lacks a page the index answered True for. Additions
-  never call it; a cache of True answers (``IndexedLookup``, the manager) relies on that.
+  False: a ``discard`` (with its key), or a listing that lacks a page the index answered True
+  for (with None: which keys is unknown). Additions never call it; a cache of True answers
+  (``IndexedLookup``, the manager) relies on that.
 - The module keeps a registry of live indexes by directory (``FileMapper.base``):
   ``note_stored(base, key)`` / ``note_removed(base, key)`` update every index of that
   directory in this process; the store, eviction and gc paths call them (no-ops when no index
@@ -99,10 +100,11 @@ class PageIndex:
         self._loaded = 0  # directories listed at least once
         self.listings = 0
         self.list_errors = 0
-        # Called (on the changing thread) after a page may have left the index: a ``discard``,
-        # or a listing that lacks a page the index had. Additions never call it, so a cache
-        # of positive answers stays valid until it is called (``IndexedLookup``).
-        self.on_removal: Callable[[], None] | None = None
+        # Called (on the changing thread) after a page may have left the index: with its key
+        # after a ``discard``, with None after a listing that lacks a page the index had.
+        # Additions never call it, so a cache of positive answers stays valid until it is
+        # called (``IndexedLookup``).
+        self.on_removal: Callable[[bytes | None], None] | None = None
         _register(self)
 
     # ------------------------------------------------------------ queries (any thread)
@@ -162,7 +164,7 @@ class PageIndex:
         with self._lock:
             self._delta[fp >> 56][fp] = (present, next(self._seq))
         if not present and self.on_removal is not None:
-            self.on_removal()
+            self.on_removal(key)
 
     # ------------------------------------------------------------ listing (background thread)
     def load_dir(self, fanout_index: int) -> None:
@@ -188,7 +190,7 @@ class PageIndex:
             self.listings += 1
             dropped = [fp for fp, (present, seq) in delta.items() if present and seq <= started]
         if self.on_removal is not None and (_lost(old, arr) or not all(_in_sorted(arr, fp) for fp in dropped)):
-            self.on_removal()
+            self.on_removal(None)
 
     def load_all(self) -> None:
         """List every fan-out directory (tests and tools; the manager paces its own listing)."""

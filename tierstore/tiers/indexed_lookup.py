@@ -39,6 +39,7 @@ threads. ``close`` stops them (threads stuck in a hung mount are daemons and are
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -109,13 +110,15 @@ class TierIndexes:
     name: str
     mappers: list[list[FileMapper]]
     health: Health | None = None
-    on_removal: Callable[[], None] | None = None  # each index's ``PageIndex.on_removal``
+    on_removal: Callable[[int, bytes | None], None] | None = None  # (group, key or None)
     indexes: list[list[PageIndex]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.indexes = [[PageIndex(m.base) for m in ranks] for ranks in self.mappers]
-        for index in self.all_indexes():
-            index.on_removal = self.on_removal
+        if self.on_removal is not None:
+            for group, ranks in enumerate(self.indexes):
+                for index in ranks:
+                    index.on_removal = functools.partial(self.on_removal, group)
 
     @property
     def up(self) -> bool:
@@ -140,7 +143,7 @@ class IndexedLookup:
         # ``removals`` counts events after which a True answer may have become False (a page
         # left an index, the shared tier went down); ``on_removal`` listeners hear each one.
         self.removals = 0
-        self._removal_listeners: list[Callable[[], None]] = []
+        self._removal_listeners: list[Callable[[int | None, bytes | None], None]] = []
         self._shared_live = True  # the hot path's view of the shared health (set first)
         self._shared_up = True  # what ``shared_up`` reports (set last)
         health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
@@ -195,22 +198,24 @@ class IndexedLookup:
         listeners ran (a cache of HIT answers is empty by then)."""
         return self._shared_up
 
-    def on_removal(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` (on the thread of the change, after ``removals`` moved) whenever a
-        True answer may have become False; a cache of True answers drops them then."""
+    def on_removal(self, listener: Callable[[int | None, bytes | None], None]) -> None:
+        """Call ``listener(group, key)`` (on the thread of the change, after ``removals``
+        moved) whenever a True answer may have become False: for that page (``key`` of
+        ``group``), or for any (None: a listing lacked some page, or the shared tier went
+        down). A cache of True answers drops them then."""
         self._removal_listeners.append(listener)
 
-    def _removed(self) -> None:
+    def _removed(self, group: int | None, key: bytes | None) -> None:
         self.removals += 1
         for listener in self._removal_listeners:
-            listener()
+            listener(group, key)
 
     def _health_changed(self, up: bool) -> None:
         # Down: no answer from the shared index from now on, then drop the cached HITs (one
         # made in between is dropped too), then report it.
         self._shared_live = up
         if not up:
-            self._removed()
+            self._removed(None, None)
         self._shared_up = up
 
     # ------------------------------------------------------------ scheduler-thread API

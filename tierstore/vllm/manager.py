@@ -21,8 +21,9 @@ While the shared tier is down its index is skipped: MISS at once.
 Cost on the scheduler thread: vLLM 0.32 asks once per key, in prefix order, and again for the
 same keys on every step a request waits and for every request sharing the prefix. A key
 answered HIT is kept in a set (bounded) and answered from it until an event can turn a HIT
-into something else: a page left an index or the shared tier went down
-(``IndexedLookup.on_removal`` clears the set), or its load failed (``mark_failed`` drops it).
+into something else (``IndexedLookup.on_removal``): its page left an index (an eviction, a
+removed damaged page: that key is dropped), a refresh found some page gone or the shared tier
+went down (the set is cleared), or its load failed (``mark_failed`` drops it).
 Other keys take the full path (failed / probing bookkeeping, then the index: one xxh3 hash
 and a bucket lookup per tier). ``docs/measurements/lookup-cpu.txt`` has the figures.
 
@@ -125,7 +126,10 @@ class TierStoreManager(OffloadingManager):
         # it, on that event's thread; a failed load drops its key). A key in it is not failed
         # and not being probed. Bounded: cleared when full.
         self._hits: set[OffloadKey] = set()
-        self.pages.on_removal(self._hits.clear)
+        self._suffixes: dict[int, list[bytes]] = {}  # tierstore group -> its vLLM key suffixes
+        for suffix, g in self._route.items():
+            self._suffixes.setdefault(g, []).append(suffix)
+        self.pages.on_removal(self._forget_hits)
         self._cached_hits = 0  # lookups answered from ``_hits``
         self._index_lookups = 0  # the others
         self._index_hits = 0
@@ -174,6 +178,15 @@ class TierStoreManager(OffloadingManager):
             self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
         return LookupResult.MISS
+
+    def _forget_hits(self, group: int | None, page_key: bytes | None) -> None:
+        """``IndexedLookup`` removal listener (any thread): drop the cached HITs that may be
+        stale, those of one page (an eviction, a removed damaged page) or all."""
+        if group is None or page_key is None:
+            self._hits.clear()
+            return
+        for suffix in self._suffixes.get(group, ()):
+            self._hits.discard(page_key + suffix)  # type: ignore[arg-type]
 
     def _skip_failed(self, key: OffloadKey, failed: _FailedLoad) -> bool:
         """Whether a key whose load failed still misses; forgets it when it may be tried again."""
