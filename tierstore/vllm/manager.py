@@ -121,9 +121,9 @@ class TierStoreManager(OffloadingManager):
         self._batch: list[tuple[OffloadKey, int, bytes]] = []  # this step's keys to probe
         # vLLM's 4-byte group suffix of an offload key -> tierstore group (no int per lookup).
         self._route = {gid.to_bytes(4, "big"): g for gid, g in self.group_of.items()}
-        # Keys answered HIT since the last event that can turn a HIT into something else (a
-        # page left an index, the shared tier went down: ``IndexedLookup.on_removal`` clears
-        # it, on that event's thread; a failed load drops its key). A key in it is not failed
+        # Keys answered HIT since the last event that can turn a HIT into something else
+        # (``IndexedLookup.on_removal``, on that event's thread: ``_forget_hits`` drops the
+        # page's keys or clears it; a failed load drops its key). A key in it is not failed
         # and not being probed. Bounded: cleared when full.
         self._hits: set[OffloadKey] = set()
         self._suffixes: dict[int, list[bytes]] = {}  # tierstore group -> its vLLM key suffixes
