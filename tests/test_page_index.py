@@ -110,3 +110,40 @@ def test_the_engine_and_local_evictions_feed_the_index(tmp_path) -> None:
         page_index.note_removed_file(tmp_path, "not/a/page")  # ignored
     finally:
         eng.close()
+
+
+def test_removal_hook_runs_when_a_page_may_have_left_and_only_then(tmp_path: Path) -> None:
+    """``on_removal`` (what a cache of HIT answers listens to): a discard, a listing that lacks
+    a listed page or one this process had added; never an addition or an unchanged listing."""
+    mapper = FileMapper(tmp_path, "ns", 0)
+    keys = [key_of(i) for i in range(300)]
+    make_pages(mapper, keys)
+    index = PageIndex(mapper.base)
+    index.load_all()
+    calls: list[bytes | None] = []
+    index.on_removal = calls.append
+    d = fingerprint(keys[0]) >> 56
+    make_pages(mapper, [key_of(7000)])
+    index.add(key_of(7000))  # our own store
+    index.load_all()  # nothing gone, a page more
+    assert calls == [] and index.contains(key_of(7000)) is True
+    os.unlink(mapper.path_for(keys[0]))
+    index.load_dir(d)  # the listing lacks a page it answered True for
+    assert calls == [None] and index.contains(keys[0]) is False  # which page: unknown
+    index.add(key_of(5000))
+    index.load_dir(fingerprint(key_of(5000)) >> 56)  # our add, older than the listing; no file
+    assert calls == [None, None]
+    index.discard(keys[1])
+    assert calls == [None, None, keys[1]]
+
+
+def test_bucket_lookup_agrees_with_the_listing(tmp_path: Path) -> None:
+    """Every listed page is found and absent keys are not, for directory sizes around the
+    bucket-count steps (0, 1, 2, 3, 5 ... pages in a directory)."""
+    mapper = FileMapper(tmp_path, "ns", 0)
+    keys = [key_of(i) for i in range(3000)]  # about 12 per directory, some with 0..5
+    make_pages(mapper, keys)
+    index = PageIndex(mapper.base)
+    index.load_all()
+    assert all(index.contains(k) is True for k in keys)
+    assert not any(index.contains(key_of(i)) for i in range(10_000, 20_000))

@@ -289,3 +289,24 @@ def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: py
     assert until(lambda: manager.pages.shared_up, timeout=10)
     assert manager.lookup(key, ctx) is LookupResult.HIT
     manager.shutdown()
+
+
+def test_repeated_hits_stop_when_the_page_leaves_the_index(tmp_path: Path) -> None:
+    """A key answered HIT is answered again from memory, until a refresh finds its file gone
+    (gc on another node), this process removes it, or its load fails."""
+    for i in range(3):
+        put(FileMapper(tmp_path, NS, 0), key_of(i))
+    manager, mapper = make(tmp_path, index_refresh_s=0.1)
+    assert until(lambda: manager.pages.loaded)
+    ctx = ReqContext("r")
+    keys = [make_offload_key(key_of(i), VLLM_GROUP) for i in range(3)]
+    for _ in range(2):
+        assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+    assert manager.counters["lookups"] == manager.counters["lookup_hits"] == 6
+    mapper.path_for(key_of(0)).unlink()  # gc on another node: the next refresh drops it
+    assert until(lambda: manager.lookup(keys[0], ctx) is LookupResult.MISS, timeout=10)
+    page_index.note_removed(mapper.base, key_of(1))  # an eviction in this process
+    assert manager.lookup(keys[1], ctx) is LookupResult.MISS
+    manager.mark_failed(keys[2], "checksum")  # its load failed
+    assert manager.lookup(keys[2], ctx) is LookupResult.MISS
+    manager.shutdown()

@@ -2,19 +2,31 @@
 
 In one run, on each target file system (``local``: a local directory; ``sshfs``: the sshfs
 stand-in of tests/nfs_standin.py over the same directory; ``lat1`` / ``lat10``: the FUSE
-passthrough of tools/latency_fs.py at 1 ms / 10 ms per operation), the same keys (half stored
-pages, half absent) are looked up three ways from the calling thread, as vLLM's scheduler does:
+passthrough of tools/latency_fs.py at 1 ms / 10 ms per operation; ``hung``: that passthrough at
+10 ms, stopped with SIGSTOP once the index is loaded, so the shared tier goes down), the same
+keys (half stored pages, half absent) are looked up from the calling thread, as vLLM's
+scheduler does:
 
-- ``index``: ``TierStoreManager.lookup`` answering from its loaded ``PageIndex``;
+- ``index-1st``: ``TierStoreManager.lookup`` answering from its loaded ``PageIndex``, each key
+  seen for the first time (``reset_cache`` before; the full path: hash, index, bookkeeping);
+- ``index-again``: the same keys again (a key answered HIT is a set hit until a page leaves an
+  index; absent keys take the full path again);
 - ``stat``: a plain ``os.stat`` loop over the page paths (the floor of any stat-based lookup);
 - ``old_sync``: the previous manager's path, one ``stat`` through a 2-thread pool waited for
   under the deadline (``shared_deadline_ms``).
 
 Per way: median and p99 of the per-call time (each call timed alone), lookups/s (a loop timed
-as a whole), and the scheduler time of a 32k-token request (4,096 lookups: 16-token pages,
-two KV-cache groups). Ratios are baseline over index (higher: the index is better). Per target
-also the index's first load time (background; engine start does not wait for it). Memory of
-the index (tracemalloc, bytes per page) once, on the local directory.
+as a whole), and 4,096 lookups at that rate. Ratios are baseline over ``index-1st`` (higher:
+the index is better). Per target also the index's first load time (background; engine start
+does not wait for it).
+
+The 32k-token request (16-token pages, two KV-cache groups: 2 x 2,048 keys, every page stored)
+is driven through vLLM's own scheduler loop (``OffloadingConnectorScheduler.
+_maximal_prefix_lookup``, events off) and then ``prepare_load`` of its 4,096 keys: with a
+manager that answers HIT at once (vLLM's share: its loop and the call), with ours on first
+sight and again. ``ours`` is the difference (wall clock; the scheduler thread's CPU time is
+printed too, robust to other processes on a loaded machine). Memory of the index (tracemalloc, bytes per page)
+once, on the local directory.
 
 The page tree (empty files under the real names: lookups only see names) is made once in
 ``--work`` and reused. Run: ``tierstore bench lookup --work DIR [--pages N] [--json]``.
@@ -28,6 +40,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +49,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tierstore.mapper import FileMapper
@@ -69,14 +83,19 @@ def _percentile(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def measure(fn: Callable[[Any], object], items: list[Any]) -> dict[str, float]:
-    """Per-call median / p99 (µs), calls per second, and a 32k-token request's time (ms)."""
+def measure(fn: Callable[[Any], object], items: list[Any], reset: Callable[[], None] | None = None) -> dict[str, float]:
+    """Per-call median / p99 (µs), calls per second, and 4,096 calls at that rate (ms).
+    ``reset`` runs before each pass (the rate loop sees what the timed calls saw)."""
     per_call = []
     clock = time.perf_counter_ns
+    if reset is not None:
+        reset()
     for item in items:
         t0 = clock()
         fn(item)
         per_call.append((clock() - t0) / 1000.0)
+    if reset is not None:
+        reset()
     t0 = time.perf_counter()
     for item in items:
         fn(item)
@@ -85,38 +104,128 @@ def measure(fn: Callable[[Any], object], items: list[Any]) -> dict[str, float]:
             "lookups_per_s": rate, "request_32k_ms": REQUEST_LOOKUPS / rate * 1000.0}
 
 
-def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int) -> dict[str, Any]:
-    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+REQUEST_GROUPS = 2  # vLLM groups of the 32k request (both map to the tree's tierstore group)
+
+
+def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
+                 freeze: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One target: index lookups (first sight, again), the 32k request, and (unless ``freeze``
+    hangs the mount: ``hung``) the stat baselines."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
     from tierstore.vllm.manager import TierStoreManager
 
     mapper = FileMapper(root, NS, 0)
     t0 = time.perf_counter()
-    manager = TierStoreManager([mapper], {0: 0}, [16], [False], index_refresh_s=0, shared_deadline_s=30.0)
+    manager = TierStoreManager([mapper], {g: 0 for g in range(REQUEST_GROUPS)}, [16], [False], index_refresh_s=0,
+                               shared_deadline_s=1.0 if freeze else 30.0)
     ready_s = time.perf_counter() - t0  # what engine start waits for
     while not manager.pages.loaded:
         time.sleep(0.01)
     load_s = time.perf_counter() - t0
+    ctx = ReqContext("bench")
+    if freeze is not None:
+        freeze()  # the server stops answering: a failed load's probe passes the deadline, the tier goes down
+        manager.mark_failed(make_offload_key(page_key(1), 0), "timeout")
+        manager.on_schedule_end(None)
+        while manager.pages.shared_up:
+            time.sleep(0.01)
     half = n_keys // 2
     keys = [page_key(i * (pages // half)) for i in range(half)] + [page_key(pages + i) for i in range(half)]
-    ctx = ReqContext("bench")
     offload_keys = [make_offload_key(k, 0) for k in keys]
-    index = measure(lambda k: manager.lookup(k, ctx), offload_keys)
-    hits = sum(manager.lookup(k, ctx).name == "HIT" for k in offload_keys)
-    manager.shutdown()
-    slow = keys[: n_slow // 2] + keys[half : half + n_slow // 2]
-    paths = [mapper.path_for(k) for k in slow]
-    stat = measure(_stat, paths)
-    pool = ThreadPoolExecutor(max_workers=2)
-    old = measure(lambda k: pool.submit(file_identity, mapper.path_for(k)).result(timeout=30.0), slow)
-    pool.shutdown()
+    manager.reset_cache()
+    first = measure(lambda k: manager.lookup(k, ctx), offload_keys, reset=manager.reset_cache)
+    again = measure(lambda k: manager.lookup(k, ctx), offload_keys)
+    hits = sum(manager.lookup(k, ctx) is LookupResult.HIT for k in offload_keys)
+    request = request_cost(manager, pages, ctx)
     out: dict[str, Any] = {"target": name, "pages": pages, "index_ready_s": ready_s, "index_load_s": load_s,
-                           "hits": hits, "keys": len(keys), "baseline_keys": len(slow),
-                           "index": index, "stat": stat, "old_sync": old}
+                           "hits": hits, "keys": len(keys), "index-1st": first, "index-again": again,
+                           "request_32k": request, "shared_up": manager.pages.shared_up}
+    manager.shutdown()
+    ways = []
+    if freeze is None:
+        slow = keys[: n_slow // 2] + keys[half : half + n_slow // 2]
+        paths = [mapper.path_for(k) for k in slow]
+        out["stat"] = measure(_stat, paths)
+        pool = ThreadPoolExecutor(max_workers=2)
+        out["old_sync"] = measure(lambda k: pool.submit(file_identity, mapper.path_for(k)).result(timeout=30.0), slow)
+        pool.shutdown()
+        out["baseline_keys"] = len(slow)
+        ways += ["stat", "old_sync"]
     out["ratios"] = {f"{base}_over_index": {
-        "median": out[base]["median_us"] / index["median_us"],
-        "lookups_per_s": index["lookups_per_s"] / out[base]["lookups_per_s"]} for base in ("stat", "old_sync")}
+        "median": out[base]["median_us"] / first["median_us"],
+        "lookups_per_s": first["lookups_per_s"] / out[base]["lookups_per_s"]} for base in ways}
     return out
+
+
+class _Events:
+    """vLLM's events tracker with KV events off (the default): ``record_lookup`` returns."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+            OffloadingEventsTracker,
+        )
+        from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+        self.tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(False, False))
+
+
+class _AlwaysHit:
+    """A manager that answers HIT at once: what vLLM's loop costs by itself."""
+
+    def __init__(self) -> None:
+        from vllm.v1.kv_offload.base import LookupResult
+
+        self.hit = LookupResult.HIT
+
+    def lookup(self, key: bytes, req_context: object) -> object:
+        return self.hit
+
+    def prepare_load(self, keys: object, req_context: object) -> None:
+        return None
+
+    def reset_cache(self) -> None:
+        return None
+
+
+def request_cost(manager: Any, pages: int, ctx: Any, repeats: int = 15) -> dict[str, float]:
+    """Scheduler time (ms, median of ``repeats``) of a 32k-token request whose pages are all
+    stored: vLLM's prefix loop per group, then ``prepare_load`` of every key."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    per_group = REQUEST_LOOKUPS // REQUEST_GROUPS
+    hashes = [page_key(i * (pages // per_group) + 1) for i in range(per_group)]
+    groups = [[make_offload_key(h, g) for h in hashes] for g in range(REQUEST_GROUPS)]
+    prefix = OffloadingConnectorScheduler._maximal_prefix_lookup
+    loop = SimpleNamespace(_events_tracker=_Events().tracker, manager=None)  # the method's ``self``
+
+    def one(mgr: Any, fresh: bool) -> tuple[float, float, float]:
+        if fresh:
+            mgr.reset_cache()
+        loop.manager = mgr
+        c0, t0 = time.thread_time(), time.perf_counter()
+        found = sum(prefix(loop, keys, ctx, None, None, 0) for keys in groups)
+        t1, c1 = time.perf_counter(), time.thread_time()
+        mgr.prepare_load([k for keys in groups for k in keys], ctx)
+        t2 = time.perf_counter()
+        if found != REQUEST_LOOKUPS and mgr is manager and manager.pages.shared_up:
+            raise RuntimeError(f"the 32k request found {found} of {REQUEST_LOOKUPS} pages")
+        return (t1 - t0) * 1000.0, (c1 - c0) * 1000.0, (t2 - t1) * 1000.0
+
+    def median_of(mgr: Any, fresh: bool) -> tuple[float, float, float]:
+        runs = [one(mgr, fresh) for _ in range(repeats)]
+        return tuple(statistics.median(r[i] for r in runs) for i in range(3))  # type: ignore[return-value]
+
+    vllm_ms, vllm_cpu_ms, _ = median_of(_AlwaysHit(), False)
+    first_ms, first_cpu_ms, load_ms = median_of(manager, True)
+    again_ms, again_cpu_ms, _ = median_of(manager, False)
+    return {"vllm_loop_ms": vllm_ms, "lookups_first_ms": first_ms, "lookups_again_ms": again_ms,
+            "prepare_load_ms": load_ms, "ours_first_ms": first_ms - vllm_ms, "ours_again_ms": again_ms - vllm_ms,
+            "vllm_loop_cpu_ms": vllm_cpu_ms, "lookups_first_cpu_ms": first_cpu_ms,
+            "lookups_again_cpu_ms": again_cpu_ms}
 
 
 def _stat(path: Path) -> None:
@@ -142,19 +251,21 @@ def index_memory(root: Path) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def mounted(target: str, work: Path) -> Iterator[Path]:
+def mounted(target: str, work: Path) -> Iterator[tuple[Path, Callable[[], None] | None]]:
+    """The target's root and, for ``hung``, a function that stops its server (SIGSTOP; it is
+    resumed before the unmount)."""
     export = work / "export"
     if target == "local":
-        yield export
+        yield export, None
         return
     if target == "sshfs":
         sys.path.insert(0, str(REPO / "tests"))
         from nfs_standin import TwoNodeMount  # type: ignore[import-not-found]
 
         with TwoNodeMount(work) as fs:
-            yield fs.a
+            yield fs.a, None
         return
-    delay_ms = float(target.removeprefix("lat"))
+    delay_ms = 10.0 if target == "hung" else float(target.removeprefix("lat"))
     mnt = work / f"mnt-{target}"
     mnt.mkdir(exist_ok=True)
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "latency_fs.py"), str(export), str(mnt),
@@ -165,23 +276,42 @@ def mounted(target: str, work: Path) -> Iterator[Path]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the latency stand-in did not mount at {mnt} (needs /dev/fuse and mfusepy)")
             time.sleep(0.05)
-        yield mnt
+        yield mnt, (lambda: proc.send_signal(signal.SIGSTOP)) if target == "hung" else None
     finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        proc.send_signal(signal.SIGCONT)
+        for _ in range(100):  # calls stuck in the stopped server finish first
+            if subprocess.run(["fusermount3", "-u", str(mnt)], check=False, stderr=subprocess.DEVNULL).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
         proc.wait(timeout=30)
 
 
+WAYS = ("index-1st", "index-again", "stat", "old_sync")
+
+
 def print_table(results: list[dict[str, Any]], memory: dict[str, float] | None) -> None:
-    print(f"{'target':8} {'way':9} {'median µs':>10} {'p99 µs':>10} {'lookups/s':>12} {'32k req ms':>11} "
+    print(f"{'target':8} {'way':11} {'median µs':>10} {'p99 µs':>10} {'lookups/s':>12} {'4096 ms':>9} "
           f"{'x median':>9} {'x rate':>8}")
     for r in results:
-        for way in ("index", "stat", "old_sync"):
+        for way in WAYS:
+            if way not in r:
+                continue
             m = r[way]
-            ratio = r["ratios"].get(f"{way}_over_index", {})
-            print(f"{r['target']:8} {way:9} {m['median_us']:10.2f} {m['p99_us']:10.2f} {m['lookups_per_s']:12,.0f} "
-                  f"{m['request_32k_ms']:11.2f} {ratio.get('median', 1.0):9.1f} {ratio.get('lookups_per_s', 1.0):8.1f}")
+            ratio = r["ratios"].get(f"{way}_over_index")
+            vs = f"{ratio['median']:9.1f} {ratio['lookups_per_s']:8.1f}" if ratio else ""
+            print(f"{r['target']:8} {way:11} {m['median_us']:10.2f} {m['p99_us']:10.2f} {m['lookups_per_s']:12,.0f} "
+                  f"{m['request_32k_ms']:9.2f} {vs}".rstrip())
+        q = r["request_32k"]
+        print(f"{r['target']:8} 32k request (vLLM loop, 2x2048 keys): vLLM alone {q['vllm_loop_ms']:.2f} ms; with "
+              f"tierstore {q['lookups_first_ms']:.2f} ms first sight (ours {q['ours_first_ms']:.2f}), "
+              f"{q['lookups_again_ms']:.2f} ms again (ours {q['ours_again_ms']:.2f}); prepare_load "
+              f"{q['prepare_load_ms']:.2f} ms; thread CPU: vLLM {q['vllm_loop_cpu_ms']:.2f}, first "
+              f"{q['lookups_first_cpu_ms']:.2f}, again {q['lookups_again_cpu_ms']:.2f} ms")
+        down = "" if r["shared_up"] else "; shared tier down (MISS at once)"
         print(f"{r['target']:8} index ready (constructor) {r['index_ready_s'] * 1000:.1f} ms, first load "
-              f"{r['index_load_s']:.2f} s at {r['pages']:,} pages; hits {r['hits']}/{r['keys']}")
+              f"{r['index_load_s']:.2f} s at {r['pages']:,} pages; hits {r['hits']}/{r['keys']}{down}")
     if memory:
         print(f"index memory: {memory['bytes_per_page']:.1f} bytes/page held, {memory['peak_bytes_per_page']:.1f} "
               f"peak during load ({memory['pages']:,} pages, tracemalloc)")
@@ -193,7 +323,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--keys", type=int, default=20_000, help="keys looked up through the index")
     ap.add_argument("--baseline-keys", type=int, default=2_000,
                     help="keys for the stat baselines on local/sshfs (latency targets: 200 at 1 ms, 40 at 10 ms)")
-    ap.add_argument("--targets", default="local,sshfs,lat1,lat10")
+    ap.add_argument("--targets", default="local,sshfs,lat1,lat10,hung")
+    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc measurement")
     ap.add_argument("--json", action="store_true")
 
 
@@ -202,12 +333,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     make_tree(args.work / "export", args.pages)
     print(f"page tree: {args.pages:,} pages ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    memory = index_memory(args.work / "export")
+    memory = None if args.no_memory else index_memory(args.work / "export")
     results = []
+    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
+          f"(1/5/15 min) on {os.cpu_count()} CPUs", file=sys.stderr)
     for target in args.targets.split(","):
         n_slow = {"lat1": 200, "lat10": 40}.get(target, args.baseline_keys)
-        with mounted(target, args.work) as root:
-            results.append(bench_target(target, root, args.pages, args.keys, n_slow))
+        with mounted(target, args.work) as (root, freeze):
+            results.append(bench_target(target, root, args.pages, args.keys, n_slow, freeze))
     if args.json:
         print(json.dumps({"memory": memory, "results": results}, indent=2))
     else:

@@ -23,6 +23,11 @@ Contract:
   ``head_slices.cover`` finds slices on the shared root that hold its heads (the worker's
   ``HeadSliceStore`` assembles from the root only). A key's identity is the tuple of every
   slice file found.
+- ``removals`` counts the events after which a True answer may have become False (a page
+  left an index: ``PageIndex.on_removal``; the shared tier went down); ``on_removal(fn)``
+  listeners run on that event's thread, before ``shared_up`` reads False. Callers that cache
+  True answers clear them there. One-rank groups that are not head slices are answered by a
+  flat loop (one hash per key, ``PageIndex.contains_fp`` per tier).
 - The shared tier's ``Health`` goes down when a listing or a batch of stats passes
   ``deadline_s``; while down its index is not consulted (MISS at once) and not refreshed; a
   probe thread brings it back (``tiers.deadline.Health``).
@@ -34,20 +39,23 @@ threads. ``close`` stops them (threads stuck in a hung mount are daemons and are
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from xxhash import xxh3_64_intdigest
+
 from tierstore.mapper import FANOUT_DIRS, FileMapper
-from tierstore.page_index import PageIndex
+from tierstore.page_index import PageIndex, contains_any
 from tierstore.tiers.deadline import Health
 from tierstore.tiers.head_slices import HeadRange, cover
 
@@ -102,10 +110,15 @@ class TierIndexes:
     name: str
     mappers: list[list[FileMapper]]
     health: Health | None = None
+    on_removal: Callable[[int, bytes | None], None] | None = None  # (group, key or None)
     indexes: list[list[PageIndex]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.indexes = [[PageIndex(m.base) for m in ranks] for ranks in self.mappers]
+        if self.on_removal is not None:
+            for group, ranks in enumerate(self.indexes):
+                for index in ranks:
+                    index.on_removal = functools.partial(self.on_removal, group)
 
     @property
     def up(self) -> bool:
@@ -127,11 +140,24 @@ class IndexedLookup:
         self.refresh_s = refresh_s
         shared_mappers = per_rank(shared)
         shared_root = shared_mappers[0][0].root
+        # ``removals`` counts events after which a True answer may have become False (a page
+        # left an index, the shared tier went down); ``on_removal`` listeners hear each one.
+        self.removals = 0
+        self._removal_listeners: list[Callable[[int | None, bytes | None], None]] = []
+        self._shared_live = True  # the hot path's view of the shared health (set first)
+        self._shared_up = True  # what ``shared_up`` reports (set last)
         health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
-                        deadline_s=deadline_s)
-        self.shared = TierIndexes("shared", shared_mappers, health)
-        self.local = TierIndexes("local", per_rank(local)) if local else None
+                        deadline_s=deadline_s, on_change=self._health_changed)
+        self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
+        self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None
         self.tiers = [t for t in (self.local, self.shared) if t is not None]
+        # Per group, when it is one rank and not head slices (the common case, answered by
+        # ``contains_any``): its index on every tier, and on the tiers without health (shared
+        # down); None for the other groups.
+        self._plain: list[tuple[list[PageIndex], list[PageIndex]] | None] = [
+            None if self._slice_group(g) is not None or len(ranks) != 1
+            else ([t.indexes[g][0] for t in self.tiers], [t.indexes[g][0] for t in self.tiers if t.health is None])
+            for g, ranks in enumerate(self.shared.indexes)]
         self.results: queue.SimpleQueue[list[tuple[Any, PageIdentity | None]]] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
         # Stuck threads stay stuck in a hung mount; nothing new is submitted while it is down.
@@ -168,13 +194,38 @@ class IndexedLookup:
 
     @property
     def shared_up(self) -> bool:
-        return self.shared.up
+        """The shared tier's health as last announced: it reads False only once the removal
+        listeners ran (a cache of HIT answers is empty by then)."""
+        return self._shared_up
+
+    def on_removal(self, listener: Callable[[int | None, bytes | None], None]) -> None:
+        """Call ``listener(group, key)`` (on the thread of the change, after ``removals``
+        moved) whenever a True answer may have become False: for that page (``key`` of
+        ``group``), or for any (None: a listing lacked some page, or the shared tier went
+        down). A cache of True answers drops them then."""
+        self._removal_listeners.append(listener)
+
+    def _removed(self, group: int | None, key: bytes | None) -> None:
+        self.removals += 1
+        for listener in self._removal_listeners:
+            listener(group, key)
+
+    def _health_changed(self, up: bool) -> None:
+        # Down: no answer from the shared index from now on, then drop the cached HITs (one
+        # made in between is dropped too), then report it.
+        self._shared_live = up
+        if not up:
+            self._removed(None, None)
+        self._shared_up = up
 
     # ------------------------------------------------------------ scheduler-thread API
     def _slice_group(self, group: int) -> SliceGroup | None:
         return self.slices[group] if group < len(self.slices) else None
 
     def answer(self, group: int, key: bytes) -> bool | None:
+        plain = self._plain[group]
+        if plain is not None:  # _answer_rank for one rank, flat (the hot path)
+            return contains_any(plain[0] if self._shared_live else plain[1], xxh3_64_intdigest(key))
         sg = self._slice_group(group)
         if sg is not None:
             return self._answer_slices(sg, group, key, self.tiers)

@@ -18,6 +18,15 @@ and handed to the prober as one batch in ``on_schedule_end`` (as vLLM's
 ``AsyncLookupManager``); its verdicts are applied on the scheduler thread at the next call.
 While the shared tier is down its index is skipped: MISS at once.
 
+Cost on the scheduler thread: vLLM 0.32 asks once per key, in prefix order, and again for the
+same keys on every step a request waits and for every request sharing the prefix. A key
+answered HIT is kept in a set (bounded) and answered from it until an event can turn a HIT
+into something else (``IndexedLookup.on_removal``): its page left an index (an eviction, a
+removed damaged page: that key is dropped), a refresh found some page gone or the shared tier
+went down (the set is cleared), or its load failed (``mark_failed`` drops it).
+Other keys take the full path (failed / probing bookkeeping, then the index: one xxh3 hash
+and a bucket lookup per tier). ``docs/measurements/lookup-cpu.txt`` has the figures.
+
 Freshness: pages this process stores are confirmed (a background ``stat``) when vLLM reports
 the store complete and answered HIT from then on; when the worker runs in this process and
 the store path calls ``page_index.note_stored`` they are in the index before that. Pages of
@@ -64,7 +73,9 @@ from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.mapper import FileMapper
 from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity, SliceGroup
 
+_HIT = LookupResult.HIT
 MAX_FAILED_KEYS = 100_000
+MAX_CACHED_HITS = 1 << 18  # keys of HIT answers kept for repeated lookups (~25 MB at most)
 _UNKNOWN = object()  # identity of a failed page not yet looked at by the prober
 
 
@@ -108,30 +119,74 @@ class TierStoreManager(OffloadingManager):
         self._failed: dict[OffloadKey, _FailedLoad] = {}
         self._probing: set[OffloadKey] = set()  # handed to the prober, verdict not applied yet
         self._batch: list[tuple[OffloadKey, int, bytes]] = []  # this step's keys to probe
-        self.counters: dict[str, int] = {"lookups": 0, "lookup_hits": 0, "skipped_failed": 0,
-                                         "lookup_retries": 0, "lookup_probes": 0}
+        # vLLM's 4-byte group suffix of an offload key -> tierstore group (no int per lookup).
+        self._route = {gid.to_bytes(4, "big"): g for gid, g in self.group_of.items()}
+        # Keys answered HIT since the last event that can turn a HIT into something else
+        # (``IndexedLookup.on_removal``, on that event's thread: ``_forget_hits`` drops the
+        # page's keys or clears it; a failed load drops its key). A key in it is not failed
+        # and not being probed. Bounded: cleared when full.
+        self._hits: set[OffloadKey] = set()
+        self._suffixes: dict[int, list[bytes]] = {}  # tierstore group -> its vLLM key suffixes
+        for suffix, g in self._route.items():
+            self._suffixes.setdefault(g, []).append(suffix)
+        self.pages.on_removal(self._forget_hits)
+        self._cached_hits = 0  # lookups answered from ``_hits``
+        self._index_lookups = 0  # the others
+        self._index_hits = 0
+        self._counts: dict[str, int] = {"skipped_failed": 0, "lookup_retries": 0, "lookup_probes": 0}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Lookup counters (a copy): lookups, lookup_hits, skipped_failed, lookup_retries,
+        lookup_probes."""
+        return {"lookups": self._cached_hits + self._index_lookups, "lookup_hits": self._cached_hits + self._index_hits,
+                **self._counts}
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self.counters["lookups"] += 1
-        if not self.pages.results.empty():
+        # The hot path (vLLM asks once per key, and again for every request sharing a
+        # prefix, every step a request waits): a set hit.
+        if key in self._hits:
+            self._cached_hits += 1
+            return _HIT
+        return self._lookup_index(key)
+
+    def _lookup_index(self, key: OffloadKey) -> LookupResult:
+        self._index_lookups += 1
+        # (Verdicts come for probed keys only; on_schedule_end applies any left.)
+        if self._probing and not self.pages.results.empty():
             self._apply_results()
-        failed = self._failed.get(key)
-        if failed is not None and self._skip_failed(key, failed):
-            self.counters["skipped_failed"] += 1
-            return LookupResult.MISS
-        if key in self._probing and self.pages.shared_up:
-            self.counters["lookup_retries"] += 1
+        if self._failed:
+            failed = self._failed.get(key)
+            if failed is not None and self._skip_failed(key, failed):
+                self._counts["skipped_failed"] += 1
+                return LookupResult.MISS
+        if self._probing and key in self._probing and self.pages.shared_up:
+            self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
-        found = self.pages.answer(self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key))
+        removals = self.pages.removals
+        found = self.pages.answer(self._route[key[-4:]], key[:-4])
         if found:
-            self.counters["lookup_hits"] += 1
+            self._index_hits += 1
+            if removals == self.pages.removals:  # else this answer may predate a removal
+                if len(self._hits) >= MAX_CACHED_HITS:
+                    self._hits.clear()
+                self._hits.add(key)
             return LookupResult.HIT
         if found is None:
             self._probe(key)
-            self.counters["lookup_retries"] += 1
+            self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
         return LookupResult.MISS
+
+    def _forget_hits(self, group: int | None, page_key: bytes | None) -> None:
+        """``IndexedLookup`` removal listener (any thread): drop the cached HITs that may be
+        stale, those of one page (an eviction, a removed damaged page) or all."""
+        if group is None or page_key is None:
+            self._hits.clear()
+            return
+        for suffix in self._suffixes.get(group, ()):
+            self._hits.discard(page_key + suffix)  # type: ignore[arg-type]
 
     def _skip_failed(self, key: OffloadKey, failed: _FailedLoad) -> bool:
         """Whether a key whose load failed still misses; forgets it when it may be tried again."""
@@ -164,7 +219,7 @@ class TierStoreManager(OffloadingManager):
         self._apply_results()
         if self._batch:
             batch, self._batch = self._batch, []
-            self.counters["lookup_probes"] += len(batch)
+            self._counts["lookup_probes"] += len(batch)
             self.pages.probe(batch)
 
     def has_pending_work(self) -> bool:
@@ -180,20 +235,21 @@ class TierStoreManager(OffloadingManager):
         except (KeyError, ValueError):
             return
         self._failed[key] = _FailedLoad(kind, time.monotonic())
+        self._hits.discard(key)
         self._probing.discard(key)  # a verdict in flight predates the failure: probe again
         self._probe(key)
 
     # ------------------------------------------------------------ transfers
     def _spec(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TierStoreFileSpec:
         spec = TierStoreFileSpec()
+        route, state_groups, tokens = self._route, self.state_groups, self.tokens_per_chunk
         for key in keys:
-            g = self.group_of[get_offload_group_idx(key)]
-            end = req_context.get_offload_key_position(key)
+            g = route[key[-4:]]
             spec.groups.append(g)
-            spec.keys.append(get_offload_block_hash(key))
+            spec.keys.append(key[:-4])
             # An attention page holds one chunk's tokens; a Mamba page the state after ``end``.
-            state = self.state_groups[g] and end is not None
-            spec.token_counts.append(end if state else self.tokens_per_chunk[g])
+            end = req_context.get_offload_key_position(key) if state_groups[g] else None
+            spec.token_counts.append(tokens[g] if end is None else end)
         return spec
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -226,6 +282,7 @@ class TierStoreManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._failed.clear()
+        self._hits.clear()
 
     def shutdown(self) -> None:
         self.pages.close()
