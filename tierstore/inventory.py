@@ -65,7 +65,6 @@ from tierstore.format import (
     PageLayout,
     PageMeta,
     SectionEntry,
-    SectionSpec,
     decode_header,
     encode_header,
     header_len_of,
@@ -450,14 +449,16 @@ def _check_namespace_values(ns: Namespace) -> None:
 
 
 def slice_group(group: GroupSpec, heads: tuple[int, int]) -> GroupSpec | None:
-    """The group as its head slice ``h<start>-<count>`` holds it (attention sections
-    ``[H, T, 2, D]`` cut to ``count`` heads; docs/DESIGN.md §9); None when the group has no
-    such heads (a Mamba group, or heads beyond its KV-head count)."""
-    start, count = heads
-    sections = group.layout.sections
-    if not sections or any(len(s.shape) != 4 or start + count > s.shape[0] for s in sections):
+    """The group as its slice ``h<start>-<count>`` holds it (``head_slices.slice_layout``:
+    attention sections cut to ``count`` KV heads, Gated DeltaNet states to ``count`` linear key
+    heads; docs/DESIGN.md §9); None when the group has no such slice (another Mamba group, or
+    units beyond the group's)."""
+    from tierstore.tiers.head_slices import HeadRange, slice_layout
+
+    try:
+        layout = slice_layout(group.layout, HeadRange(*heads))
+    except ValueError:
         return None
-    layout = PageLayout(tuple(SectionSpec(s.name, s.dtype, (count, *s.shape[1:])) for s in sections))
     return dataclasses.replace(group, layout=layout)
 
 

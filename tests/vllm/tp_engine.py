@@ -43,7 +43,9 @@ ENGINE_KW: dict[str, Any] = dict(
 )
 
 
-def run_engine(model: str, root: str, ids: list[int], tp: int = 2) -> dict[str, Any]:
+def run_engine(model: str, root: str, ids: list[int], tp: int = 2, **engine_kw: Any) -> dict[str, Any]:
+    """One fresh engine at ``tp`` on ``root`` (``engine_kw`` overrides ``ENGINE_KW``): greedy tokens,
+    cached tokens, seconds."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -51,13 +53,16 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2) -> dict[str, 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"  # one core per rank
     llm = LLM(model=model, kv_transfer_config=KVTransferConfig(
         kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
-        kv_connector_extra_config={"root": root}), **{**ENGINE_KW, "tensor_parallel_size": tp})
+        kv_connector_extra_config={"root": root}), **{**ENGINE_KW, **engine_kw, "tensor_parallel_size": tp})
     try:
-        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)  # logprobs=0: the chosen token's
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     finally:
         llm.llm_engine.engine_core.shutdown()  # flushes the workers' stores
-    return {"tokens": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
-            "seconds": round(time.perf_counter() - t0, 1)}
+    completion = out.outputs[0]
+    logprobs = [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs or [], strict=False)]
+    return {"tokens": list(completion.token_ids), "cached": int(out.num_cached_tokens or 0),
+            "logprobs": logprobs, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def rank_dir(rank: int) -> str:

@@ -1,5 +1,6 @@
-"""HeadSliceStore: a ``PageStore`` (store.py) that serves a rank's KV heads from pages written at
-another tensor-parallel size, composed around the rank's normal store.
+"""HeadSliceStore: a ``PageStore`` (store.py) that serves a rank's slice of a group (its KV heads,
+or its Gated DeltaNet states: head_slices.py) from pages written at another tensor-parallel
+size, composed around the rank's normal store.
 
 Contract:
 - Everything but loads is the inner store's (slots, stores, settle, flush, stats).
@@ -45,6 +46,7 @@ from tierstore.tiers.head_slices import (
     assemble,
     cover,
     parse_split_dir,
+    segments,
     slice_layout,
     split_dir_name,
 )
@@ -67,7 +69,7 @@ class DirectorySlices:
                  full_layout: PageLayout, refresh_s: float = 30.0) -> None:
         self.group_dir = Path(group_dir)
         self.namespace, self.group_index, self.full_layout = namespace, group_index, full_layout
-        self.full = HeadRange(0, full_layout.sections[0].shape[0])
+        self.full = HeadRange(0, segments(full_layout)[0])
         self.refresh_s = refresh_s
         self._slices: tuple[HeadRange, ...] = ()
         self._stop = threading.Event()

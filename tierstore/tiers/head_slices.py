@@ -1,22 +1,37 @@
-"""Head slices of attention pages: the building blocks of reuse across a tensor-parallel change.
+"""Head slices of pages: the building blocks of reuse across a tensor-parallel change.
 
-An attention (or sliding-window) page holds, per layer, one section ``[H, T, 2, D]``: the KV
-heads a rank holds are a contiguous byte range of every section. A page written by a rank that
-held heads ``[s, s+c)`` can therefore serve any reader whose heads overlap it, by copying those
-heads' bytes. This module is the pure part of that (docs/DESIGN.md, "Tensor parallel and TP
-changes", describes the whole design and what is wired in so far):
+A group whose state vLLM shards across ranks along one dimension is stored as slices of its
+full (TP=1) page. Every section's outermost dimension is a concatenation of *segments*, and a
+group has a number of *units* (its shard granularity): unit ``u`` of ``n`` holds rows
+``[u*S/n, (u+1)*S/n)`` of each segment of size ``S``, and a tensor-parallel rank holds a
+contiguous range of units. Two layouts have one (docs/measurements/tp.md):
 
-- ``HeadRange``: the KV heads one file holds; ``split_dir_name``/``parse_split_dir`` name the
-  directory of a head slice (``h<start>-<count>``).
-- ``cover(need, have)``: which of the available head slices a reader of ``need`` reads, or
-  None when they do not cover it (the exact slice; else one wider slice; else the fewest
-  slices, left to right).
-- ``slice_layout``: the layout of a head slice of a full-head attention layout.
-- ``copy_heads``: copy the heads two slices share, section by section, from one page buffer
-  into another.
+- attention / sliding window: sections ``[H, T, 2, D]``, one segment of ``H`` rows, units = KV
+  heads (a rank's heads are one contiguous byte range of every section);
+- Gated DeltaNet (Qwen3-Next): per layer a ``<layer>.conv`` section ``(conv_dim, K-1)`` (the
+  canonical orientation: channels first) whose channels are the q, k and v projections
+  concatenated (segments ``key_dim, key_dim, value_dim``: vLLM shards each projection
+  separately, so rank r holds ``[q_r, k_r, v_r]``), and a ``<layer>.temporal`` section
+  ``(num_v_heads, head_v_dim, head_k_dim)`` (one segment of value heads); units = the linear
+  key heads (``key_dim / head_k_dim``), the TP sizes vLLM allows for GDN divide them.
+
+The segment map is derived from the layout alone (``segments``), so it holds for a slice's
+layout too (segment proportions do not depend on the slice) and needs no namespace field: TP=1
+digests are unchanged. Functions:
+
+- ``HeadRange``: the units one file holds; ``split_dir_name``/``parse_split_dir`` name the
+  directory of a slice (``h<start>-<count>``).
+- ``cover(need, have)``: which of the available slices a reader of ``need`` reads, or None
+  when they do not cover it (the exact slice; else one wider slice; else the fewest slices,
+  left to right).
+- ``slice_units`` / ``segments``: a layout's unit count and per-section segment map (None /
+  ValueError for a layout that is not sliceable: Mamba1/2, MLA, ...).
+- ``slice_layout``: the layout of a slice of a full layout.
+- ``copy_heads``: copy the units two slices share, segment by segment, from one page buffer
+  into another (each segment's rows are one contiguous byte range).
 - ``assemble``: read the covering files, each fully verified by the general reader
   (``pagefile.read_page`` with that writer's expectation: header checksum, namespace, key,
-  group, rank, layout and every section checksum) into a scratch buffer, and copy their heads
+  group, rank, layout and every section checksum) into a scratch buffer, and copy their units
   into the reader's page. Every byte a rank scatters from it was checksum-verified. Returns the
   cost: bytes read and files opened (the read amplification of a TP change).
 
@@ -40,7 +55,8 @@ _SPLIT_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
 
 @dataclass(frozen=True, order=True)
 class HeadRange:
-    """KV heads ``[start, start + count)`` of an attention group."""
+    """Units ``[start, start + count)`` of a group: KV heads of attention, linear key heads of
+    Gated DeltaNet (module docstring)."""
 
     start: int
     count: int
@@ -65,7 +81,7 @@ def parse_split_dir(name: str) -> HeadRange | None:
 
 
 def rank_heads(total_kv_heads: int, tp_size: int, rank: int) -> HeadRange:
-    """The KV heads a rank holds as vLLM shards them: ``total // tp`` each; when TP exceeds the
+    """The KV heads (GDN: linear key heads) a rank holds as vLLM shards them: ``total // tp`` each; when TP exceeds the
     KV-head count each head is replicated on ``tp // total`` ranks, which then share one file."""
     return HeadRange(rank * total_kv_heads // tp_size, max(1, total_kv_heads // tp_size))
 
@@ -101,35 +117,102 @@ def cover(need: HeadRange, have: Sequence[HeadRange]) -> list[HeadRange] | None:
     return pieces
 
 
+GDN_CONV, GDN_TEMPORAL = "conv", "temporal"  # namespace.mamba_states' names of a GDN layer's states
+
+
+def _attention_segments(layout: PageLayout) -> tuple[int, tuple[tuple[int, ...], ...]] | None:
+    heads = {s.shape[0] for s in layout.sections}
+    if not layout.sections or any(len(s.shape) != 4 for s in layout.sections) or len(heads) != 1:
+        return None
+    (h,) = heads
+    return h, tuple((h,) for _ in layout.sections)
+
+
+def _gdn_segments(layout: PageLayout) -> tuple[int, tuple[tuple[int, ...], ...]] | None:
+    """(units, segments) of a Gated DeltaNet layout: ``<layer>.conv`` (conv_dim, K-1) then
+    ``<layer>.temporal`` (num_v_heads, head_v_dim, head_k_dim) per layer (vLLM 0.32's
+    ``gated_delta_net_state_shape``, conv channels first); None for anything else."""
+    secs = layout.sections
+    if not secs or len(secs) % 2:
+        return None
+    units: set[int] = set()
+    out: list[tuple[int, ...]] = []
+    for conv, temporal in zip(secs[::2], secs[1::2], strict=True):
+        if (not conv.name.endswith("." + GDN_CONV) or not temporal.name.endswith("." + GDN_TEMPORAL)
+                or conv.name[: -len(GDN_CONV)] != temporal.name[: -len(GDN_TEMPORAL)]
+                or len(conv.shape) != 2 or len(temporal.shape) != 3):
+            return None
+        v_heads, head_v, head_k = temporal.shape
+        value_dim = v_heads * head_v
+        key_dim2 = conv.shape[0] - value_dim
+        if key_dim2 <= 0 or key_dim2 % 2 or (key_dim2 // 2) % head_k:
+            return None
+        key_dim = key_dim2 // 2
+        units.add(key_dim // head_k)
+        out += [(key_dim, key_dim, value_dim), (v_heads,)]
+    if len(units) != 1:
+        return None
+    (n,) = units
+    if any(seg % n for segs in out for seg in segs):
+        return None
+    return n, tuple(out)
+
+
+def segments(layout: PageLayout) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(units, per-section segment sizes of the outermost dimension) of a sliceable layout (full
+    or slice; see the module docstring); ValueError for a layout that is neither attention nor
+    Gated DeltaNet."""
+    found = _attention_segments(layout) or _gdn_segments(layout)
+    if found is None:
+        raise ValueError(f"layout {[(s.name, s.shape) for s in layout.sections][:4]} is neither attention "
+                         "[H, T, 2, D] nor Gated DeltaNet (conv, temporal): it cannot be stored as slices")
+    return found
+
+
+def slice_units(layout: PageLayout) -> int | None:
+    """How many units (KV heads; GDN linear key heads) a sliceable layout has; None if it is not."""
+    found = _attention_segments(layout) or _gdn_segments(layout)
+    return found[0] if found else None
+
+
 def slice_layout(layout: PageLayout, heads: HeadRange) -> PageLayout:
-    """The layout of ``heads`` of a full-head attention layout (every section ``[H, T, 2, D]``)."""
+    """The layout of units ``heads`` of a full layout (each section's segments cut to them)."""
+    units, segs = segments(layout)
+    if heads.end > units:
+        raise ValueError(f"slice [{heads.start}, {heads.end}) of a layout of {units} units")
     out = []
-    for s in layout.sections:
-        if len(s.shape) != 4 or heads.end > s.shape[0]:
-            raise ValueError(f"section {s.name} {s.shape} is not an attention section holding heads "
-                             f"[{heads.start}, {heads.end})")
-        out.append(SectionSpec(s.name, s.dtype, (heads.count, *s.shape[1:])))
+    for s, seg in zip(layout.sections, segs, strict=True):
+        out.append(SectionSpec(s.name, s.dtype, (sum(n * heads.count // units for n in seg), *s.shape[1:])))
     return PageLayout(tuple(out))
 
 
 def copy_heads(src: memoryview, src_layout: PageLayout, src_heads: HeadRange,
                dst: memoryview, dst_layout: PageLayout, dst_heads: HeadRange) -> int:
-    """Copy the heads both slices hold from page buffer ``src`` into ``dst``; bytes copied.
-    Both layouts must be head slices of one group (same sections, same ``[T, 2, D]``)."""
+    """Copy the units both slices hold from page buffer ``src`` into ``dst``; bytes copied.
+    Both layouts must be slices of one group (same sections, same rows per unit)."""
     lo, hi = max(src_heads.start, dst_heads.start), min(src_heads.end, dst_heads.end)
     if lo >= hi:
         return 0
+    _, src_segs = segments(src_layout)
+    _, dst_segs = segments(dst_layout)
     copied = 0
-    for s_sec, s_off, d_sec, d_off in zip(src_layout.sections, src_layout.offsets, dst_layout.sections,
-                                          dst_layout.offsets, strict=True):
-        per_head = s_sec.nbytes // src_heads.count
-        if s_sec.name != d_sec.name or d_sec.nbytes // dst_heads.count != per_head:
+    for s_sec, s_off, s_seg, d_sec, d_off, d_seg in zip(src_layout.sections, src_layout.offsets, src_segs,
+                                                       dst_layout.sections, dst_layout.offsets, dst_segs,
+                                                       strict=True):
+        row = s_sec.nbytes // s_sec.shape[0]  # bytes of one row of the outermost dimension
+        if (s_sec.name != d_sec.name or d_sec.nbytes // d_sec.shape[0] != row or len(s_seg) != len(d_seg)
+                or any(a * dst_heads.count != b * src_heads.count for a, b in zip(s_seg, d_seg, strict=True))):
             raise ValueError(f"sections {s_sec.name} and {d_sec.name} are not slices of one layout")
-        n = (hi - lo) * per_head
-        a = s_off + (lo - src_heads.start) * per_head
-        b = d_off + (lo - dst_heads.start) * per_head
-        dst[b : b + n] = src[a : a + n]
-        copied += n
+        s_base, d_base = s_off, d_off
+        for s_rows, d_rows in zip(s_seg, d_seg, strict=True):
+            per_unit = s_rows // src_heads.count * row  # bytes of one unit in this segment
+            n = (hi - lo) * per_unit
+            a = s_base + (lo - src_heads.start) * per_unit
+            b = d_base + (lo - dst_heads.start) * per_unit
+            dst[b : b + n] = src[a : a + n]
+            copied += n
+            s_base += s_rows * row
+            d_base += d_rows * row
     return copied
 
 

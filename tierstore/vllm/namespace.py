@@ -7,9 +7,10 @@ meaning of a page: model id and revision, KV dtype, per offloaded KV-cache group
 block size, tokens per chunk, layer names and canonical page layout (``tierstore.layout``),
 the prefix-cache hash algorithm and the seed its first hash depends on, the parallel sizes and
 the user's ``namespace_tag``. A model whose offloaded groups are all attention / sliding window
-is stored as KV-head slices readable at any tensor-parallel size (``head_sliced``;
-docs/DESIGN.md §9): its namespace records the full-head layouts and ``tp_size`` 1 whatever the
-engine's TP, so it is the TP=1 namespace, unchanged. Models with a Mamba/GDN group keep their TP. A quantized (per-tensor fp8) KV cache adds its element type
+or Gated DeltaNet is stored as slices readable at any tensor-parallel size (``head_sliced``;
+docs/DESIGN.md §9, ``tiers/head_slices.py``): its namespace records the full (TP=1) layouts
+and ``tp_size`` 1 whatever the engine's TP, so it is the TP=1 namespace, unchanged. Models with
+another Mamba group (Mamba1/2, short conv) keep their TP. A quantized (per-tensor fp8) KV cache adds its element type
 (``kv_cache_dtype``: float8_e4m3fn / float8_e5m2, also the sections' dtype and the namespace
 dtype) and what fixes its per-layer scales (``kv_scales``: "unit" or a digest of the
 checkpoint's scale tensors), so fp8 and bf16 pages, or pages quantized with other scales, never
@@ -35,10 +36,10 @@ import xxhash
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
-from tierstore.format import GroupKind, PageLayout
+from tierstore.format import GroupKind, PageLayout, SectionSpec
 from tierstore.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.layout import attention_layout, mamba_layout
-from tierstore.tiers.head_slices import rank_heads
+from tierstore.tiers.head_slices import rank_heads, slice_units
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -347,12 +348,13 @@ def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
     return cpu_attention_isa(spec, cache_dtype)
 
 
-def head_sliced(kinds: list[GroupKind], parallel: Any, ts_config: TierStoreConfig) -> bool:
-    """Whether pages are stored as KV-head slices, readable at any TP (docs/DESIGN.md §9): every
-    offloaded group is attention or sliding window (Mamba/GDN states are not one contiguous
-    range per rank), no other parallelism splits the cache, and at TP > 1 no host or local tier
-    is configured (``TierChain`` has no slice directories yet; such setups stay per-TP)."""
-    if any(k == GroupKind.MAMBA for k in kinds) or not kinds:
+def head_sliced(layouts: list[PageLayout], parallel: Any, ts_config: TierStoreConfig) -> bool:
+    """Whether pages are stored as slices readable at any TP (docs/DESIGN.md §9): every
+    offloaded group's (rank) layout is sliceable (attention / sliding window: KV heads; Gated
+    DeltaNet: linear key heads, ``head_slices.slice_units``; Mamba1/2 states are not), no other
+    parallelism splits the cache, and at TP > 1 no host or local tier is configured
+    (``TierChain`` has no slice directories yet; such setups stay per-TP)."""
+    if not layouts or any(slice_units(lay) is None for lay in layouts):
         return False
     others = (parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
               getattr(parallel, "prefill_context_parallel_size", 1))
@@ -360,6 +362,14 @@ def head_sliced(kinds: list[GroupKind], parallel: Any, ts_config: TierStoreConfi
         return False
     chain = bool(ts_config.local_root) or ts_config.host_bytes > 0
     return parallel.tensor_parallel_size == 1 or not chain
+
+
+def full_tp_layout(layout: PageLayout, tp_size: int) -> PageLayout:
+    """The TP=1 layout of a Gated DeltaNet group from one rank's: vLLM gives each rank
+    ``1/tp`` of every state's outermost dimension (conv channels of each of q, k, v; value
+    heads), so the full state has ``tp`` times its rows."""
+    return PageLayout(tuple(SectionSpec(s.name, s.dtype, (s.shape[0] * tp_size, *s.shape[1:]))
+                            for s in layout.sections))
 
 
 def build_namespace(
@@ -370,10 +380,11 @@ def build_namespace(
 ) -> Namespace:
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
     par = vllm_config.parallel_config
-    kinds = [group_kind(representative_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec))
-             for g in offloading_config.groups]
-    sliced = head_sliced(kinds, par, ts_config)
-    # Head slices: the page is the full-head one (at TP=1 the rank's heads are all of them).
+    rank_layouts = [group_layout(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec, tuple(g.layer_names),
+                                 g.tokens_per_block * offloading_config.cache.blocks_per_chunk,
+                                 kv_storage_dtype(cache_dtype))[1] for g in offloading_config.groups]
+    sliced = head_sliced(rank_layouts, par, ts_config)
+    # Slices: the page is the full (TP=1) one (at TP=1 the rank's heads are all of them).
     total_heads = vllm_config.model_config.get_total_num_kv_heads() if sliced else None
     groups = []
     for g in offloading_config.groups:
@@ -382,6 +393,8 @@ def build_namespace(
         # A Mamba page holds the state after a chunk boundary; an attention page the chunk's KV.
         kind, layout = group_layout(vgroup.kv_cache_spec, tuple(g.layer_names), tokens_per_chunk,
                                     kv_storage_dtype(cache_dtype), total_heads)
+        if sliced and kind == GroupKind.MAMBA:  # Gated DeltaNet (head_sliced checked): the TP=1 states
+            layout = full_tp_layout(layout, par.tensor_parallel_size)
         spec = representative_spec(vgroup.kv_cache_spec)
         groups.append(GroupSpec(
             kind=kind,

@@ -53,7 +53,9 @@ from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
 from tierstore.tiers.head_slices import (
     HeadRange,
     rank_heads,
+    segments,
     slice_layout,
+    slice_units,
     split_dir_name,
     tp_slices,
 )
@@ -173,13 +175,17 @@ class TierStoreOffloadingSpec(OffloadingSpec):
 
     @property
     def head_sliced(self) -> bool:
-        """Pages are KV-head slices readable at any TP (``namespace.head_sliced`` decided it:
-        attention-only groups and the namespace's TP is 1 whatever the engine's)."""
-        return self.namespace.parallel.tp_size == 1 and all(g.kind != GroupKind.MAMBA for g in self.namespace.groups)
+        """Pages are slices readable at any TP (``namespace.head_sliced`` decided it: every group
+        attention or Gated DeltaNet, and the namespace's TP is 1 whatever the engine's)."""
+        return self.namespace.parallel.tp_size == 1 and all(slice_units(g.layout) for g in self.namespace.groups)
+
+    def _units(self, group: int) -> int:
+        """The slice units of a head-sliced group: KV heads, or GDN linear key heads."""
+        return segments(self.namespace.groups[group].layout)[0]
 
     def _slice_dirs(self, root: str, group: int) -> list[FileMapper]:
         """One mapper per slice directory some TP writes (``r0``: the full head range)."""
-        full = self.namespace.groups[group].layout.sections[0].shape[0]
+        full = self._units(group)
         return [FileMapper(root, self.namespace.digest, group, h.start // h.count,
                            "r0" if h.count == full else split_dir_name(h)) for h in tp_slices(full)]
 
@@ -195,7 +201,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 local_mappers = [self._slice_dirs(local, i) for i in range(n)] if local else None
                 slices = []
                 for i in range(n):
-                    full = self.namespace.groups[i].layout.sections[0].shape[0]
+                    full = self._units(i)
                     have = tuple(tp_slices(full))
                     slices.append(SliceGroup(have, tuple(rank_heads(full, tp, r) for r in range(tp))))
             else:
@@ -218,7 +224,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             return open_group_store(self.ts_config, self.namespace, i, rank=self.rank, head_start=heads[0],
                                     head_count=heads[1], staging_slots=slots, pin=pin)
         full_layout = self.namespace.groups[i].layout
-        full = full_layout.sections[0].shape[0]
+        full = self._units(i)
         mine = rank_heads(full, self.config.parallel.tp_size, self.rank)
         if mine.count == full:  # TP=1: r0, the group's layout, headers as before
             inner = open_group_store(self.ts_config, self.namespace, i, rank=0, staging_slots=slots, pin=pin)
@@ -253,7 +259,8 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         tp, total_heads = self.config.parallel.tp_size, self.vllm_config.model_config.get_total_num_kv_heads()
         layout = gspec.layout  # this rank's page: its heads of a head-sliced group
         if self.head_sliced and tp > 1:
-            layout = slice_layout(gspec.layout, rank_heads(gspec.layout.sections[0].shape[0], tp, self.rank))
+            mine = rank_heads(self._units(i), tp, self.rank)
+            layout = slice_layout(gspec.layout, mine)
         vspec = self.kv_cache_config.kv_cache_groups[gcfg.group_id].kv_cache_spec
         if gspec.kind == GroupKind.MAMBA:
             sources, concat = self._mamba_sources(gspec, vspec, kv_caches)
@@ -266,11 +273,16 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
                                   gspec.tokens_per_chunk, layout.nbytes, self.ts_config.io_threads,
                                   self.staging_slots_override)
-        heads = (0, 0) if gspec.kind == GroupKind.MAMBA else kv_head_range(total_heads, tp, self.rank)
-        if heads[1] and heads[1] != layout.sections[0].shape[0]:
+        if gspec.kind != GroupKind.MAMBA:
+            heads = kv_head_range(total_heads, tp, self.rank)
+        elif self.head_sliced and tp > 1:  # GDN slice: its linear key heads (TP=1 and per-TP: 0/0)
+            heads = (mine.start, mine.count)
+        else:
+            heads = (0, 0)
+        if gspec.kind != GroupKind.MAMBA and heads[1] and heads[1] != layout.sections[0].shape[0]:
             raise ConfigError(f"group {i}: rank {self.rank} holds {layout.sections[0].shape[0]} KV heads, "
                               f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
-        # The header records which KV heads this rank's file holds (Mamba states: not yet).
+        # The header records which KV heads (GDN slice: linear key heads) this rank's file holds.
         engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
         transfer = PageTransfer(copier, device,
                                 scratch_pages=transfer_scratch_pages(

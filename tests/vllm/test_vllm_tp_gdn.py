@@ -1,0 +1,98 @@
+"""Reuse across a TP change for a Gated DeltaNet hybrid (tiny Qwen3-Next) on vLLM-CPU, end to end.
+
+The engines run in a subprocess (``tp_gdn_engine.py``, an ``if __name__ == "__main__"`` script:
+vLLM's workers re-import it). Checked (issue 13, docs/measurements/tp.md "Gated DeltaNet states
+as slices"): pages written at TP=2 are hits at TP=1 and pages written at TP=1 are hits at TP=2,
+with the tokens of a no-cache run at the reader's TP; every group (3 GDN groups, 1 attention)
+is served from the other TP's files, each verified whole (the ``tierstore-slices`` lines give
+files opened and bytes read / used); one namespace serves both TPs. The check can fail: the
+prompt ends one token after the last stored state, so the loaded GDN state decides the output
+(with a longer tail the tiny model's decaying state is washed out and any state, zeros
+included, gives the same tokens), and GDN rank files whose payloads are swapped (valid
+checksums, what a wrong split map would serve) change the tokens.
+5 engine starts (2 with 2 worker processes) in one subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from test_vllm_tp import slice_lines  # noqa: E402
+from vllm_helpers import namespace_dir  # noqa: E402
+
+HERE = Path(__file__).parent
+GDN_GROUPS, ATTENTION_GROUP = (0, 1, 2), 3  # the tiny Qwen3-Next: 3 linear-attention layers, 1 full
+STATE_BYTES = 268288  # one GDN layer's full state: conv (1024, 3) bf16 + temporal (4, 128, 128) fp32
+KV_PAGE_BYTES = 1152 * 2 * 2 * 32 * 2  # one attention page: 1152 tokens x K,V x 2 heads x 32 x bf16
+
+
+@pytest.fixture(scope="module")
+def gdn_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
+    root = tmp_path_factory.mktemp("gdn") / "root"
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = subprocess.run([sys.executable, str(HERE / "tp_gdn_engine.py"), str(root)], capture_output=True,
+                          text=True, env=env, timeout=900)
+    results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
+                                         if ln.startswith("RESULT "))}
+    assert proc.returncode == 0 and len(results) == 5, (proc.stdout[-2000:], proc.stderr[-4000:])
+    print("engine seconds:", {p: r["seconds"] for p, r in results.items()})  # the cost of this test (-s)
+    return root, results, proc.stdout + proc.stderr
+
+
+def test_gdn_ranks_write_slices_in_one_namespace_for_every_tp(gdn_run) -> None:
+    root, res, _ = gdn_run
+    assert res["tp2_store"]["cached"] == res["tp1_store"]["cached"] == 0
+    ns = namespace_dir(root)
+    assert ns.name == namespace_dir(root.with_name(root.name + "-tp1")).name  # TP is not in the digest
+    from tierstore.pagefile import inspect_page
+
+    for g in (*GDN_GROUPS, ATTENTION_GROUP):
+        for rank in (0, 1):
+            files = sorted((ns / f"g{g}" / f"h{rank}-1").rglob("*.kvp"))
+            assert files, (g, rank)
+            meta = inspect_page(files[0]).meta
+            assert (meta.rank, meta.head_start, meta.head_count) == (rank, rank, 1)
+        # no per-rank files (the TP=1 reader's store opens an empty r0 directory, writes nothing)
+        assert not list(ns.glob(f"g{g}/r*/*/*.kvp"))
+
+
+def test_gdn_pages_written_at_tp2_hit_at_tp1_with_the_tp1_tokens(gdn_run) -> None:
+    _, res, out = gdn_run
+    assert res["tp1_from_tp2"]["cached"] == 2304  # both 1152-token blocks
+    assert res["tp1_from_tp2"]["tokens"] == res["tp1_store"]["tokens"]
+    lines = slice_lines(out, "tp1_from_tp2")  # one per group: each page assembled from both ranks' files
+    states = [ln for ln in lines if ln["bytes_read"] == STATE_BYTES]
+    assert len(states) == len(GDN_GROUPS) and all(ln["files"] == 2 and ln["loads"] == 1 for ln in states), lines
+    assert all(ln["bytes_read"] == ln["bytes_scattered"] for ln in lines), lines  # nothing read in vain
+    print(f"GDN TP 2->1: {lines}")
+
+
+def test_gdn_pages_written_at_tp1_hit_at_tp2_with_the_tp2_tokens(gdn_run) -> None:
+    root, res, out = gdn_run
+    assert res["tp2_from_tp1"]["cached"] == 2304
+    assert res["tp2_from_tp1"]["tokens"] == res["tp2_store"]["tokens"]
+    lines = slice_lines(out, "tp2_from_tp1")  # per rank and group: the r0 file read whole, half used
+    assert sorted(str(ln["heads"]) for ln in lines) == ["h0-1"] * 4 + ["h1-1"] * 4, lines
+    for ln in lines:
+        assert ln["files"] == ln["loads"] and 2 * int(ln["bytes_scattered"]) == ln["bytes_read"], ln
+    assert not list(namespace_dir(root.with_name(root.name + "-tp1")).glob("g*/h*/*/*.kvp"))  # nothing re-stored
+    print(f"GDN TP 1->2: {lines}")
+
+
+def test_gdn_states_in_the_wrong_place_change_the_tokens(gdn_run) -> None:
+    _, res, out = gdn_run
+    assert "SWAPPED 6" in out  # 3 GDN groups x 2 rank files, checksums recomputed
+    assert res["tp1_swapped"]["cached"] == 2304  # valid files: served
+    assert res["tp1_swapped"]["tokens"] != res["tp1_store"]["tokens"]

@@ -1,0 +1,84 @@
+"""Entry point of the GDN-hybrid TP-change test: vLLM-CPU engines running the tiny Qwen3-Next
+(Gated DeltaNet + full attention) at tensor_parallel_size 2 and 1 on shared roots, run as a
+script because vLLM's worker processes re-import it (see ``tp_engine.py``).
+
+    python tests/vllm/tp_gdn_engine.py ROOT
+
+Qwen3-Next's GDN states are stored as slices of the full (TP=1) state (docs/DESIGN.md §9): a
+TP=2 rank's file holds its linear key head's conv channels and value heads (``h<r>-1``), the TP=1
+file the whole state (``r0``); one namespace for every TP. Engines, one after another:
+(1) ``tp2_store``: TP=2 on ``ROOT`` (cold: the TP=2 tokens), (2) ``tp1_store``: TP=1 on
+``ROOT-tp1`` (cold: the TP=1 tokens), (3) ``tp1_from_tp2``: TP=1 on ``ROOT`` hits the pages TP=2
+wrote (each GDN state and attention page assembled from the two rank files), (4)
+``tp2_from_tp1``: TP=2 on ``ROOT-tp1`` hits the pages TP=1 wrote (each rank reads the ``r0``
+file and uses its slice), (5) ``tp1_swapped``: the negative control: on a copy of ``ROOT``
+whose GDN rank files have their payloads swapped (``h0-1`` holds rank 1's states and the other
+way round, checksums recomputed: what a wrong split map would serve), TP=1 hits and its tokens
+must differ from (2)'s.
+Prints one ``RESULT {json}`` line per engine; the ``tierstore-slices`` log lines (stderr) after
+each ``PHASE`` line give that engine's cost of serving across the TP change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_engine import run_engine  # noqa: E402  (also installs the tierstore.slices log handler)
+
+# Two 1152-token blocks and one token: the loaded GDN state decides the output. With a longer
+# tail (2504 tokens) the tiny model's fast-decaying state is washed out: zeroed or swapped
+# states gave the same tokens, so the check could not fail.
+PROMPT_TOKENS = 2305
+GDN_KW: dict[str, Any] = dict(max_model_len=4096, num_gpu_blocks_override=16, max_num_batched_tokens=2303,
+                              prefix_cache_retention_interval=None)
+
+
+def swap_gdn_rank_files(root: Path) -> int:
+    """Swap the payloads of the ``h0-1`` and ``h1-1`` files of every Mamba (GDN) group, checksums
+    recomputed (headers keep their own rank and heads); the number of files rewritten."""
+    from vllm_helpers import rewrite_page
+
+    from tierstore.format import GroupKind
+    from tierstore.pagefile import inspect_page, read_page
+
+    n = 0
+    for a in sorted(root.glob("*/g*/h0-1/*/*.kvp")):
+        b = a.parents[2] / "h1-1" / a.parent.name / a.name
+        if inspect_page(a).meta.group_kind != GroupKind.MAMBA or not b.exists():
+            continue
+        bufs = []
+        for p in (a, b):
+            buf = bytearray(inspect_page(p).layout.nbytes)
+            read_page(p, None, memoryview(buf))
+            bufs.append(bytes(buf))
+        for p, other in ((a, bufs[1]), (b, bufs[0])):
+            rewrite_page(p, lambda buf, other=other: buf.__setitem__(slice(None), other))
+            n += 1
+    return n
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from tierstore.testing.tiny_models import cached_tiny_model, prompt_token_ids
+
+    root = sys.argv[1]
+    model = str(cached_tiny_model("qwen3next"))
+    ids = prompt_token_ids(AutoTokenizer.from_pretrained(model), PROMPT_TOKENS)
+    for phase, where, tp in (("tp2_store", root, 2), ("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1),
+                             ("tp2_from_tp1", root + "-tp1", 2), ("tp1_swapped", root + "-swapped", 1)):
+        if phase == "tp1_swapped":
+            shutil.copytree(root, where)
+            print("SWAPPED " + str(swap_gdn_rank_files(Path(where))), flush=True)
+        print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
+        print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp, **GDN_KW)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
