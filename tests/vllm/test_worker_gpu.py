@@ -22,6 +22,7 @@ Skipped without CUDA. Must not run with TRITON_INTERPRET=1 (the kernels would be
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 import time
@@ -74,9 +75,11 @@ def _vllm_standins() -> dict[str, types.ModuleType]:
     base.LoadStoreSpec = LoadStoreSpec
     base.GPULoadStoreSpec = GPULoadStoreSpec
     base.TransferResult = TransferResult
-    for name in ("OffloadingWorker", "OffloadingManager", "LookupResult", "OffloadKey", "PrepareStoreOutput",
+    for name in ("OffloadingWorker", "OffloadingManager", "OffloadKey", "PrepareStoreOutput",
                  "ReqContext", "RequestOffloadingContext"):
         setattr(base, name, type(name, (_Placeholder,), {}))
+    # The manager reads its members at import (vLLM 0.32's values).
+    base.LookupResult = enum.Enum("LookupResult", {"MISS": 1, "HIT": 2, "HIT_PENDING": 3, "RETRY": 4})
     base.get_offload_block_hash = lambda key: key
     base.get_offload_group_idx = lambda key: 0
     mods = {name: types.ModuleType(name) for name in ("vllm", "vllm.v1", "vllm.v1.kv_offload")}
