@@ -123,7 +123,8 @@ def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: 
         path.parent.mkdir(parents=True, exist_ok=True)
         src.rename(path)
     assert slices.listed.wait(5) and sorted(slices.list_now()) == sorted(written)
-    store = HeadSliceStore(slice_engine(tmp_path, ns, need), need, full_layout, slices)
+    # store_back off: the damaged-slice case below needs the key to stay missing from the own slice
+    store = HeadSliceStore(slice_engine(tmp_path, ns, need), need, full_layout, slices, store_back=False)
     try:
         want = bytearray(slice_layout(full_layout, need).nbytes)
         copy_heads(memoryview(full), full_layout, H(0, 2), memoryview(want), slice_layout(full_layout, need), need)
@@ -146,6 +147,44 @@ def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: 
             got = store.poll()
         assert len(got) == 1 and not got[0].ok and got[0].error.kind == "checksum" and got[0].slot is None
         assert store.free_slots == 4
+    finally:
+        store.close()
+        slices.close()
+
+
+@pytest.mark.parametrize(("written", "need"), [([H(0, 1), H(1, 1)], H(0, 2)), ([H(0, 2)], H(1, 1))])
+def test_an_assembled_page_is_stored_back_under_the_readers_slice(tmp_path: Path, written, need) -> None:
+    """After a TP change the first hit reads the covering files and stores the rank's page
+    under its own slice: the next hit reads that one file (amplification paid once)."""
+    from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+
+    ns = simple_namespace("bfloat16", num_kv_heads=2)
+    full_layout, key = ns.groups[0].layout, page_key(4)
+    full = page_bytes(full_layout, key)
+    slices = DirectorySlices(tmp_path / "shared" / ns.digest / "g0", ns.digest_bytes, 0, full_layout, refresh_s=0)
+    for h in written:
+        path, _ = slices.locate(h, key)
+        src, _ = write_slice(tmp_path / "tmp", ns, full, h, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(path)
+    assert slices.listed.wait(5) and sorted(slices.list_now()) == sorted(written)
+    own = slice_engine(tmp_path, ns, need)
+    store = HeadSliceStore(own, need, full_layout, slices)
+    try:
+        want = bytearray(slice_layout(full_layout, need).nbytes)
+        copy_heads(memoryview(full), full_layout, H(0, 2), memoryview(want), slice_layout(full_layout, need), need)
+        (first,) = store.wait([store.submit_load(key)], 10)
+        assert first.ok and bytes(first.slot.view[: len(want)]) == bytes(want)
+        store.release_slot(first.slot)
+        assert store.flush(10)
+        assert store.poll() == []  # the store-back's result is not the caller's
+        assert own.mapper.path_for(key).exists() and store.stats["slice_stored_back"] == 1
+        (second,) = store.wait([store.submit_load(key)], 10)
+        assert second.ok and bytes(second.slot.view[: len(want)]) == bytes(want)
+        store.release_slot(second.slot)
+        st = store.stats
+        assert st["slice_loads"] == 1 and st["loads_ok"] == 1  # the second hit: the own file only
+        assert st["slice_store_back_failures"] == 0 and store.free_slots == 4
     finally:
         store.close()
         slices.close()

@@ -129,6 +129,7 @@ def test_tp_change_pages_written_at_tp2_hit_at_tp1(tp_run) -> None:
     assert res["tp1_from_tp2"]["tokens"] == res["tp1_store"]["tokens"]
     (line,) = slice_lines(out, "tp1_from_tp2")  # the one rank assembles each page from both heads' files
     assert line["loads"] == 2 and line["files"] == 4 and line["bytes_read"] == line["bytes_scattered"], line
+    assert line["stored_back"] == 2  # and stores each under its own (full) slice: r0
     print(f"TP 2->1: {line}")
 
 
@@ -140,5 +141,9 @@ def test_tp_change_pages_written_at_tp1_hit_at_tp2(tp_run) -> None:
     assert sorted(str(ln["heads"]) for ln in lines) == ["h0-1", "h1-1"], lines
     for ln in lines:
         assert ln["loads"] == 2 and ln["files"] == 2 and ln["bytes_read"] == 2 * int(ln["bytes_scattered"]), ln
-    assert not list(namespace_dir(root.with_name(root.name + "-tp1")).glob("g0/h*/*/*.kvp"))  # nothing re-stored
+    # Each rank stored its assembled pages under its own slice: the next hit reads one file of
+    # its size (the TP change's amplification is paid once per page).
+    assert all(ln["stored_back"] == 2 for ln in lines), lines
+    ns_tp1 = namespace_dir(root.with_name(root.name + "-tp1"))
+    assert sorted(p.parent.parent.name for p in ns_tp1.glob("g0/h*/*/*.kvp")) == ["h0-1"] * 2 + ["h1-1"] * 2
     print(f"TP 1->2: {lines}")

@@ -64,8 +64,9 @@ def test_gdn_ranks_write_slices_in_one_namespace_for_every_tp(gdn_run) -> None:
             assert files, (g, rank)
             meta = inspect_page(files[0]).meta
             assert (meta.rank, meta.head_start, meta.head_count) == (rank, rank, 1)
-        # no per-rank files (the TP=1 reader's store opens an empty r0 directory, writes nothing)
-        assert not list(ns.glob(f"g{g}/r*/*/*.kvp"))
+        # no per-rank files; r0 (the full range) holds only the TP=1 reader's stored-back pages
+        assert not list(ns.glob(f"g{g}/r[1-9]*/*/*.kvp"))
+        assert len(list(ns.glob(f"g{g}/r0/*/*.kvp"))) == (2 if g == ATTENTION_GROUP else 1)
 
 
 def test_gdn_pages_written_at_tp2_hit_at_tp1_with_the_tp1_tokens(gdn_run) -> None:
@@ -87,7 +88,10 @@ def test_gdn_pages_written_at_tp1_hit_at_tp2_with_the_tp2_tokens(gdn_run) -> Non
     assert sorted(str(ln["heads"]) for ln in lines) == ["h0-1"] * 4 + ["h1-1"] * 4, lines
     for ln in lines:
         assert ln["files"] == ln["loads"] and 2 * int(ln["bytes_scattered"]) == ln["bytes_read"], ln
-    assert not list(namespace_dir(root.with_name(root.name + "-tp1")).glob("g*/h*/*/*.kvp"))  # nothing re-stored
+    # each rank stored what it assembled under its own slice (amplification paid once)
+    assert all(ln["stored_back"] == ln["loads"] for ln in lines), lines
+    assert len(list(namespace_dir(root.with_name(root.name + "-tp1")).glob("g*/h*/*/*.kvp"))) == sum(
+        int(ln["loads"]) for ln in lines)
     print(f"GDN TP 1->2: {lines}")
 
 

@@ -73,7 +73,8 @@ def main() -> None:
     for phase, where, tp in (("tp2_store", root, 2), ("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1),
                              ("tp2_from_tp1", root + "-tp1", 2), ("tp1_swapped", root + "-swapped", 1)):
         if phase == "tp1_swapped":
-            shutil.copytree(root, where)
+            # without the TP=1 reader's stored-back r0 pages: this reader must assemble again
+            shutil.copytree(root, where, ignore=lambda d, names: ["r0"] if Path(d).name.startswith("g") else [])
             print("SWAPPED " + str(swap_gdn_rank_files(Path(where))), flush=True)
         print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
         print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp, **GDN_KW)}),

@@ -13,9 +13,13 @@ Contract:
   through ``poll``/``wait`` with ``verified=True`` (so it is never settled); a failure is the
   typed error of the piece that failed, or the original ``missing`` when nothing covers the
   key or no slot is free.
+- An assembled page is also stored under the rank's own slice (``store_back``, default on):
+  a copy in a second slot goes through the inner store's ordinary store, so the next hit of
+  the key reads one file of the rank's size; the read amplification of a TP change is paid
+  once per page. The store's result comes back through ``poll``/``wait`` like any store's.
 - ``stats`` adds ``slice_loads`` (served from other slices), ``slice_bytes_read``,
-  ``slice_bytes_scattered``, ``slice_files`` and ``slice_failures``: the measured cost of
-  serving across a TP change (docs/DESIGN.md §9).
+  ``slice_bytes_scattered``, ``slice_files``, ``slice_failures`` and ``slice_stored_back``:
+  the measured cost of serving across a TP change (docs/DESIGN.md §9).
 
 ``DirectorySlices`` is the ``SliceSource`` of one group directory: it lists ``g<g>/`` once in
 a background thread (and again every ``refresh_s``) for ``h<start>-<count>`` directories (and
@@ -117,8 +121,9 @@ class HeadSliceStore:
     """The rank's store, plus loads assembled from other head slices; see the module docstring."""
 
     def __init__(self, inner: PageStore, heads: HeadRange, full_layout: PageLayout, slices: SliceSource,
-                 threads: int = 2, slot_wait_s: float = 1.0) -> None:
+                 threads: int = 2, slot_wait_s: float = 1.0, store_back: bool = True) -> None:
         self.inner = inner
+        self.store_back = store_back
         self.layout = inner.layout
         self.heads, self.full_layout, self.slices = heads, full_layout, slices
         if slice_layout(full_layout, heads) != inner.layout:
@@ -128,8 +133,10 @@ class HeadSliceStore:
         self._lock = threading.Lock()
         self._loads: set[int] = set()  # inner load job ids not finished yet
         self._fallbacks: dict[int, Future[IOResult]] = {}
+        self._own_stores: set[int] = set()  # store-backs: their results are not the caller's
         self._counters = {"slice_loads": 0, "slice_bytes_read": 0, "slice_bytes_scattered": 0, "slice_files": 0,
-                          "slice_failures": 0}
+                          "slice_failures": 0, "slice_stored_back": 0,
+                          "slice_store_back_failures": 0}
 
     # ------------------------------------------------------------ delegated
     def acquire_slot(self, timeout: float | None = 0) -> Any:
@@ -160,9 +167,10 @@ class HeadSliceStore:
             self.slices.close()
         c = self.stats
         if c["slice_loads"] or c["slice_failures"]:  # the measured cost of a TP change (DESIGN §9)
-            logger.info("tierstore-slices heads=%s loads=%d files=%d bytes_read=%d bytes_scattered=%d failures=%d",
-                        split_dir_name(self.heads), c["slice_loads"], c["slice_files"], c["slice_bytes_read"],
-                        c["slice_bytes_scattered"], c["slice_failures"])
+            logger.info("tierstore-slices heads=%s loads=%d files=%d bytes_read=%d bytes_scattered=%d failures=%d "
+                        "stored_back=%d", split_dir_name(self.heads), c["slice_loads"], c["slice_files"],
+                        c["slice_bytes_read"], c["slice_bytes_scattered"], c["slice_failures"],
+                        c["slice_stored_back"])
         self.inner.close(timeout)
 
     @property
@@ -182,6 +190,11 @@ class HeadSliceStore:
         out = []
         for r in results:
             with self._lock:
+                if r.job_id in self._own_stores:
+                    self._own_stores.discard(r.job_id)
+                    if not r.ok:
+                        self._counters["slice_store_back_failures"] += 1
+                    continue
                 ours = r.job_id in self._loads
                 self._loads.discard(r.job_id)
                 if ours and not r.ok and r.error is not None and r.error.kind == "missing":
@@ -209,6 +222,23 @@ class HeadSliceStore:
         wait_futures(futures, timeout=None if end is None else max(0.0, end - time.monotonic()))
         return out + self._done_fallbacks(ids)
 
+    def _store_back(self, key: bytes, slot: Any, token_count: int) -> int:
+        """Store an assembled page under the rank's own slice, so the next hit reads one file of
+        its own size (the TP change's read amplification is paid once per page, not per hit).
+        A copy into a second slot goes through the inner store's ordinary store (a new file,
+        checksummed, atomic); with no free slot it is skipped (a later hit tries again). 1 if
+        submitted."""
+        if not self.store_back:
+            return 0
+        copy = self.inner.acquire_slot(0)
+        if copy is None:
+            return 0
+        copy.view[: self.layout.nbytes] = slot.view[: self.layout.nbytes]
+        job_id = self.inner.submit_store(key, copy, token_count)
+        with self._lock:
+            self._own_stores.add(job_id)
+        return 1
+
     def _from_slices(self, missing: IOResult) -> IOResult:
         """On a pool thread: the rank's page of ``missing.key`` from the other slices."""
         t0 = time.perf_counter()
@@ -231,11 +261,13 @@ class HeadSliceStore:
         except BaseException:
             self.inner.release_slot(slot)
             raise
+        stored_back = self._store_back(key, slot, cost.token_count)
         with self._lock:
             c = self._counters
             c["slice_loads"] += 1
             c["slice_bytes_read"] += cost.bytes_read
             c["slice_bytes_scattered"] += cost.bytes_scattered
             c["slice_files"] += cost.files
+            c["slice_stored_back"] += stored_back
         return IOResult(missing.job_id, "load", key, True, None, slot, False, cost.bytes_scattered,
                         missing.seconds + time.perf_counter() - t0, verified=True, tier=missing.tier)

@@ -224,6 +224,7 @@ class AssembleCost:
     bytes_read: int = 0
     bytes_scattered: int = 0
     files: int = 0
+    token_count: int = 0  # the covering pages' (one key: the same tokens in every slice)
 
     @property
     def amplification(self) -> float:
@@ -247,7 +248,8 @@ def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayo
         if expect.layout != layout:
             raise ValueError(f"the expectation of slice {split_dir_name(piece)} has another layout")
         scratch = memoryview(bytearray(layout.nbytes))
-        pagefile.read_page(path, expect, scratch)  # every section checksum verified
+        header = pagefile.read_page(path, expect, scratch)  # every section checksum verified
+        cost.token_count = header.meta.token_count
         cost.files += 1
         cost.bytes_read += layout.nbytes
         cost.bytes_scattered += copy_heads(scratch, layout, piece, out, dst_layout, need)
