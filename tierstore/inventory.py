@@ -478,6 +478,8 @@ def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: i
 
 @dataclass
 class _Seen:
+    """Pages a walk thread found in its current directory, told to ``Progress`` once per directory."""
+
     count: int = 0
     nbytes: int = 0
 
