@@ -130,13 +130,15 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gc.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 2
 
 
-def test_batches_in_directory_order_still_evict_the_exact_lru_prefix(tmp_path: Path,
+@pytest.mark.parametrize("threads", [1, 8])
+def test_batches_in_directory_order_still_evict_the_exact_lru_prefix(tmp_path: Path, threads: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gc, "_EVICT_BATCH", 3)  # many batches, each reordered by directory
     paths = fill(tmp_path, 30)
     size = paths[0].stat().st_size
     os.utime(paths[4])  # hit since the fill: now the most recent, not a victim
-    rep = gc.collect(tmp_path, 20 * size, low_watermark=0.5, lease=Lease(tmp_path, settle_s=0))
+    rep = gc.collect(tmp_path, 20 * size, low_watermark=0.5, lease=Lease(tmp_path, settle_s=0),
+                     evict_threads=threads)
     evicted = [p for p in paths if not p.exists()]
     lru = [p for i, p in enumerate(paths) if i != 4]
     assert evicted == lru[: len(evicted)]  # exactly the least recently used, whatever the batching
