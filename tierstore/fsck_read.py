@@ -52,6 +52,7 @@ from tierstore.format import (
     header_len_of,
     max_file_size,
 )
+from tierstore.identity import GroupSpec
 from tierstore.inventory import (
     BAD_PAGE,
     FOREIGN,
@@ -216,10 +217,15 @@ class PageVerifier:
                 self.reads_in_flight -= 1
 
     def _split(self, path: str) -> tuple[tuple[str, ...], str]:
+        directory, _, name = path.rpartition(os.sep)
+        memo: tuple[str, tuple[str, ...]] | None = getattr(self._local, "split", None)
+        if memo is not None and memo[0] == directory and name not in ("", ".", ".."):
+            return memo[1], name  # the walk hands over a directory's pages one after another
         prefix = self.root.rstrip(os.sep) + os.sep
         parts = tuple(path[len(prefix):].split(os.sep)) if path.startswith(prefix) else ()
         if len(parts) < 2 or any(p in ("", ".", "..") for p in parts):
             raise safefs.UnsafeEntry("changed", path, "not a path under the root")
+        self._local.split = (directory, parts[:-1])
         return parts[:-1], parts[-1]
 
     def _dir_fd(self, parts: tuple[str, ...]) -> int:
@@ -287,6 +293,18 @@ class PageVerifier:
         return self._read_into_pool(ref, fd, st, header, expect, layout.nbytes)
 
     def _template(self, ref: PageRef, ns_bytes: bytes) -> HeaderTemplate:
+        # This thread's last template, matched by the group object's identity (the memo holds
+        # it, so the identity cannot be reused): hashing a layout per page cost more than the
+        # rest of this lookup.
+        memo: tuple[GroupSpec | None, str, int, int, HeaderTemplate] | None = getattr(self._local, "tmpl", None)
+        if (memo is not None and memo[0] is ref.group and memo[1] == ref.ns.name and memo[2] == ref.rank
+                and memo[3] == len(ref.key)):
+            return memo[4]
+        tmpl = self._template_of(ref, ns_bytes)
+        self._local.tmpl = (ref.group, ref.ns.name, ref.rank, len(ref.key), tmpl)
+        return tmpl
+
+    def _template_of(self, ref: PageRef, ns_bytes: bytes) -> HeaderTemplate:
         k = (ref.ns.name, ref.group_index, ref.rank, len(ref.key), ref.group.layout if ref.group else None)
         tmpl = self._templates.by_key.get(k)
         if tmpl is None:

@@ -71,9 +71,10 @@ from tierstore.format import (
 )
 from tierstore.identity import MANIFEST_NAME, GroupSpec, Namespace
 from tierstore.mapper import (
+    PAGE_SUFFIX,
+    fanout,
     host_tag,
     is_fanout_name,
-    locate,
     parse_index_dir,
     parse_page_name,
     parse_rank_dir,
@@ -476,9 +477,18 @@ def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: i
         return 0
 
 
+@dataclass
+class _Seen:
+    """Pages a walk thread found in its current directory, told to ``Progress`` once per directory."""
+
+    count: int = 0
+    nbytes: int = 0
+
+
 class _Walker:
     def __init__(self, root: Path, visitor: PageVisitor | None, classifier: _Classifier, progress: Progress | None,
                  listing: bool = False):
+        self._local = threading.local()
         self.root = root
         self.visitor = visitor
         self.listing = listing and visitor is None
@@ -640,19 +650,31 @@ class _Walker:
             group = slice_group(group, heads)  # its pages hold those heads: the slice's layout
         if self.listing and not orphan:
             return self._fan_dir_listed(inv, nsd, aa, g, r, group)
+        fan = aa.name
         for e in self._scandir(aa, inv):
             if self.stop.is_set():
                 break
             if _skipped(e.name):
                 continue
-            self._entry_guarded(e, inv, nsd, g, r, orphan, group)
+            self._entry_guarded(e, inv, nsd, g, r, orphan, group, fan)
+        if self.progress and self._seen.count:  # once per directory: the lock is not taken per page
+            self.progress.advance(files=self._seen.count, nbytes=self._seen.nbytes)
+            self._seen.count = self._seen.nbytes = 0
         return inv
 
+    @property
+    def _seen(self) -> _Seen:
+        """This thread's pages of its current directory not yet told to ``progress``."""
+        seen = getattr(self._local, "seen", None)
+        if seen is None:
+            seen = self._local.seen = _Seen()
+        return seen
+
     def _entry_guarded(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
-                       orphan: bool, group: GroupSpec | None) -> None:
+                       orphan: bool, group: GroupSpec | None, fan: str) -> None:
         """``_leaf_entry``; an exception from this one entry is a finding about it."""
         try:
-            ref = self._leaf_entry(e, inv, nsd, g, r, orphan, group)
+            ref = self._leaf_entry(e, inv, nsd, g, r, orphan, group, fan)
         except Exception as exc:  # noqa: BLE001 - untrusted input: one entry never ends the walk
             inv.findings.append(Finding(e.path, UNREADABLE, "error",
                                         f"could not classify: {type(exc).__name__}: {str(exc)[:200]}"))
@@ -682,7 +704,10 @@ class _Walker:
                                             is_dir=True))
             return inv
         for e in sorted(others, key=lambda x: x.name):
-            self._entry_guarded(e, inv, nsd, g, r, False, group)
+            self._entry_guarded(e, inv, nsd, g, r, False, group, aa.name)
+        if self.progress and self._seen.count:
+            self.progress.advance(files=self._seen.count, nbytes=self._seen.nbytes)
+            self._seen.count = self._seen.nbytes = 0
         if count:
             inv.pages_seen += count
             if self.progress:
@@ -694,39 +719,46 @@ class _Walker:
         return inv
 
     def _leaf_entry(self, e: os.DirEntry[str], inv: Inventory, nsd: NamespaceDir, g: int, r: int,
-                    orphan: bool, group: GroupSpec | None) -> PageRef | None:
-        """Classify one entry of a fan-out directory; the page to visit, if it is one."""
+                    orphan: bool, group: GroupSpec | None, fan: str) -> PageRef | None:
+        """Classify one entry of the fan-out directory ``fan``; the page to visit, if it is one.
+
+        The hot path of fsck (one call per page): the walk already parsed the namespace, group
+        and rank directories, so a page's place is checked by its fan-out name alone (what
+        ``mapper.locate`` would re-derive from the whole path)."""
         if not e.is_file(follow_symlinks=False):
             self._other(e, inv, "page files")
             return None
-        tmp = parse_temp_name(e.name)
-        if tmp is not None:
-            self._temp(e, inv, tmp.host, tmp.pid)
-            return None
-        key = parse_page_name(e.name)
+        name = e.name
+        key = parse_page_name(name) if name.endswith(PAGE_SUFFIX) else None  # a page is never a temp name
         if key is None:
-            self._other(e, inv, "page files")
+            tmp = parse_temp_name(name)
+            if tmp is not None:
+                self._temp(e, inv, tmp.host, tmp.pid)
+            else:
+                self._other(e, inv, "page files")
             return None
         st = _lstat_entry(e, inv)
         if st is None:
             return None
         if self.progress:
-            self.progress.advance(files=1, nbytes=st.st_size)
-        common = dict(size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
+            seen = self._seen
+            seen.count += 1
+            seen.nbytes += st.st_size
+        fp = fingerprint(st)
         if orphan:
             why = (f"group {g} is not in the namespace's manifest" if nsd.group(g) is None
                    else f"head slice {e.path.split(os.sep)[-3]} is not one of the group's KV heads"
                    if parse_slice_dir(e.path.split(os.sep)[-3]) is not None
                    else f"rank {r} is outside the manifest's parallel layout ({nsd.world_size} ranks)")
-            inv.findings.append(Finding(e.path, ORPHAN, "orphan", why, **common))  # type: ignore[arg-type]
+            inv.findings.append(Finding(e.path, ORPHAN, "orphan", why, size=st.st_size, mtime=st.st_mtime,
+                                        fingerprint=fp))
             return None
-        loc = locate(self.root, e.path)
-        if loc is None or (loc.namespace, loc.group_index, loc.rank, loc.key) != (nsd.name, g, r, key):
-            inv.findings.append(Finding(e.path, BAD_PAGE, "misplaced",
-                                        "page name does not belong in this fan-out directory", **common))  # type: ignore[arg-type]
+        if fanout(key) != fan:
+            inv.findings.append(Finding(e.path, BAD_PAGE, "misplaced", "page name does not belong in this fan-out "
+                                        "directory", size=st.st_size, mtime=st.st_mtime, fingerprint=fp))
             return None
         inv.pages_seen += 1
-        return PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fingerprint(st), group)
+        return PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fp, group)
 
     def _visit(self, ref: PageRef, inv: Inventory) -> None:
         verdict = self.visitor(ref) if self.visitor else PageVerdict()

@@ -15,6 +15,12 @@ Then extrapolates each time linearly to 10^6 and 10^7 pages from the two largest
 squares through the measured points), and says so in the table. Usage:
 
     python tools/scale_figures.py --pages 100000 200000 [--dir /tmp/scale] [--jobs 8]
+    python tools/scale_figures.py --existing ROOT --pages N   # a root written before (see
+        --write-only); it is consumed: gc evicts half of it, the LocalIndex runs in place
+    python tools/scale_figures.py --write-only ROOT --pages N
+
+Writing 10^6 pages takes about 7 minutes on this machine (2 shared cores), so a root of that
+size is written once (``--write-only``) and measured with ``--existing``.
 
 Threading: single-threaded driver; the commands run in child processes one at a time.
 """
@@ -48,12 +54,15 @@ cur, _ = tracemalloc.get_traced_memory()
 print(dt, cur, len(idx))
 """
 
-# RUSAGE_CHILDREN's peak is the largest child so far: the gc child reports its own peak.
+# RUSAGE_CHILDREN's peak is the largest child so far: the gc child reports its own peak, and
+# its peak after importing gc (the tiers package loads torch: about 225 MiB before any page).
 _CHILD_OWN_RSS = """
 import resource, sys
+import tierstore.tiers.gc
 from tierstore.cli import main
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rc = main(sys.argv[1:])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 sys.exit(rc)
 """
 
@@ -97,9 +106,10 @@ def run_child(argv: list[str]) -> tuple[float, float, str]:
     return wall, max(peak, before) / 1024, proc.stdout
 
 
-def measure(root: Path, n: int, jobs: int) -> dict[str, float]:
+def measure(root: Path, n: int, jobs: int | None, copy_for_local_index: bool = True) -> dict[str, float]:
     py = sys.executable
     cli = [py, "-m", "tierstore"]
+    j = ["-j", str(jobs)] if jobs else []
     out: dict[str, float] = {}
     ns_dir = next(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     base = ns_dir / "g0" / "r0"
@@ -107,20 +117,25 @@ def measure(root: Path, n: int, jobs: int) -> dict[str, float]:
     dt, mem, count = text.split()
     out["page_index_load_s"] = float(dt)
     out["page_index_bytes_per_page"] = float(mem) / max(int(count), 1)
-    out["stats_listing_s"], _, _ = run_child([*cli, "stats", str(root), "--json", "-j", str(jobs)])
-    out["stats_exact_s"], _, _ = run_child([*cli, "stats", str(root), "--json", "--exact", "-j", str(jobs)])
-    out["ls_s"], _, _ = run_child([*cli, "ls", str(root), "--json", "-j", str(jobs)])
-    t, _, _ = run_child([*cli, "fsck", str(root), "--json", "-j", str(jobs)])
+    out["stats_listing_s"], _, _ = run_child([*cli, "stats", str(root), "--json", *j])
+    out["stats_exact_s"], _, _ = run_child([*cli, "stats", str(root), "--json", "--exact", *j])
+    out["ls_s"], _, _ = run_child([*cli, "ls", str(root), "--json", *j])
+    t, _, _ = run_child([*cli, "fsck", str(root), "--json", *j])
     out["fsck_s"], out["fsck_pages_per_s"] = t, n / t
-    local = root.parent / (root.name + "-local")
-    shutil.copytree(root, local, symlinks=True)
+    local = root.parent / (root.name + "-local") if copy_for_local_index else root
+    if copy_for_local_index:
+        shutil.copytree(root, local, symlinks=True)
     _, _, text = run_child([py, "-c", _CHILD_LOCAL_INDEX, str(local)])
     opened, done, _ = text.split()
     out["local_index_open_s"], out["local_index_reconciled_s"] = float(opened), float(done)
-    shutil.rmtree(local)
+    if copy_for_local_index:
+        shutil.rmtree(local)
+    else:
+        shutil.rmtree(root / ".tierstore", ignore_errors=True)  # the index it made in place
     size = sum(e.stat().st_size for d in base.iterdir() for e in os.scandir(d))
     t, _, text = run_child([py, "-c", _CHILD_OWN_RSS, "gc", str(root), "--max-bytes", str(size // 2)])
-    out["gc_s"], out["gc_peak_rss_mib"] = t, float(text.split()[-1]) / 1024
+    base_rss, peak_rss = (float(v) / 1024 for v in text.split()[-2:])
+    out["gc_s"], out["gc_peak_rss_mib"], out["gc_rss_over_import_mib"] = t, peak_rss, peak_rss - base_rss
     return out
 
 
@@ -137,10 +152,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, nargs="+", default=[100_000, 200_000])
     ap.add_argument("--dir", type=Path, default=None, help="where to write the roots (default: a temp dir)")
-    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--jobs", type=int, default=None, help="-j of stats, ls and fsck (default: each command's own)")
+    ap.add_argument("--existing", type=Path, default=None,
+                    help="measure this root of --pages N pages, written before (consumed: gc evicts half)")
+    ap.add_argument("--write-only", type=Path, default=None, help="write --pages N pages into this new root and stop")
     args = ap.parse_args()
+    if args.write_only is not None:
+        t0 = time.perf_counter()
+        nbytes = write_root(args.write_only, args.pages[0])
+        print(f"wrote {args.pages[0]} pages, {nbytes} bytes in {time.perf_counter() - t0:.0f} s")
+        return 0
+    if args.existing is not None:
+        rows = {args.pages[0]: measure(args.existing, args.pages[0], args.jobs, copy_for_local_index=False)}
+        print_table(rows)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="tierstore-scale-", dir=args.dir))
-    rows: dict[int, dict[str, float]] = {}
+    rows = {}
     try:
         for n in sorted(args.pages):
             root = work / f"root{n}"
@@ -151,6 +178,12 @@ def main() -> int:
             shutil.rmtree(root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print_table(rows)
+    return 0
+
+
+def print_table(rows: dict[int, dict[str, float]]) -> None:
+    """The figures per N, and lines through them at 10^6 and 10^7 (JSON of the rows on stderr)."""
     ns = sorted(rows)
     keys = list(rows[ns[0]])
     header = ["figure", *(f"{n:,}" for n in ns), "1,000,000 (extrap.)", "10,000,000 (extrap.)"]
@@ -168,7 +201,6 @@ def main() -> int:
     for r in table:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
     print(json.dumps({str(n): v for n, v in rows.items()}), file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -128,3 +128,44 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         gc.parse_bytes("lots")
     assert gc.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+def test_batches_in_directory_order_still_evict_the_exact_lru_prefix(tmp_path: Path, threads: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gc, "_EVICT_BATCH", 3)  # many batches, each reordered by directory
+    paths = fill(tmp_path, 30)
+    size = paths[0].stat().st_size
+    os.utime(paths[4])  # hit since the fill: now the most recent, not a victim
+    rep = gc.collect(tmp_path, 20 * size, low_watermark=0.5, lease=Lease(tmp_path, settle_s=0),
+                     evict_threads=threads)
+    evicted = [p for p in paths if not p.exists()]
+    lru = [p for i, p in enumerate(paths) if i != 4]
+    assert evicted == lru[: len(evicted)]  # exactly the least recently used, whatever the batching
+    assert rep.evicted == len(evicted) and rep.total_after <= 10 * size
+
+
+def test_eviction_costs_a_bounded_number_of_file_system_calls_per_page(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2,000 pages over the 256 fan-out directories (about 8 each). Per victim gc may lstat it
+    # once and unlink it once; directories are opened once per (batch, directory), never once
+    # per victim from the root (4 opens each: it was 4 opens, 3 stats, a rename and an unlink).
+    stored = fill_pages(tmp_path, NS, 2000)
+    fanouts = {FileMapper(tmp_path, NS.digest, p.group_index, p.rank).path_for(p.key).parent for p in stored}
+    calls = {"open": 0, "stat": 0, "unlink": 0, "rename": 0}
+
+    def counting(name: str, real):  # type: ignore[no-untyped-def]
+        def call(*a, **kw):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return real(*a, **kw)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(os, name, counting(name, getattr(os, name)))
+    rep = gc.collect(tmp_path, 1, low_watermark=0.0, lease=Lease(tmp_path, settle_s=0))
+    assert rep.evicted == 2000 and rep.vanished == rep.skipped_recent == 0
+    assert calls["unlink"] <= rep.evicted + 2  # + the lease file
+    assert calls["rename"] <= 2  # the lease only: grace 0 unlinks at the page's place
+    assert calls["stat"] <= rep.evicted + 20  # one lstat per victim + the lease's
+    # the walk opens each directory once, eviction once per directory and batch (4 levels deep)
+    assert calls["open"] <= 5 * len(fanouts) + 50, calls
