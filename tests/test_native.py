@@ -28,6 +28,20 @@ def _compiled() -> None:
     assert native.start(wait=True), native.failure()
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Wrap ``native.<name>``: one entry per call, 1 when it did the work (not None)."""
+    calls: list[int] = []
+    real = getattr(native, name)
+
+    def counted(*args: Any) -> Any:
+        got = real(*args)
+        calls.append(0 if got is None else 1)
+        return got
+
+    monkeypatch.setattr(native, name, counted)
+    return calls
+
+
 def _spans(sizes: list[int], gap: int = 0) -> list[tuple[int, int]]:
     spans, at = [], 0
     for n in sizes:
@@ -111,15 +125,7 @@ def test_load_file_checks_the_file_like_open_page(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damaged_section", [None, 0, 3])
 def test_engine_warm_loads_take_one_native_call_and_catch_damage(root: Path, damaged_section: int | None,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = native.load_file
-
-    def counted(*args: Any) -> Any:
-        got = real(*args)
-        calls.append(0 if got is None else 1)
-        return got
-
-    monkeypatch.setattr(native, "load_file", counted)
+    calls = _count_calls(monkeypatch, "load_file")
     ns = hybrid_namespace()
     eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
     layout, key = eng.layout, page_key(3)
@@ -174,15 +180,7 @@ def test_unverified_loads_take_the_native_open_and_return_the_header_sums(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """verify=False (the GPU path hashes on the device): one native call, nothing hashed, the
     header's sums handed to the caller, and the file identity kept for a caller's rejection."""
-    calls: list[int] = []
-    real = native.load_file
-
-    def counted(*args: Any) -> Any:
-        got = real(*args)
-        calls.append(0 if got is None else 1)
-        return got
-
-    monkeypatch.setattr(native, "load_file", counted)
+    calls = _count_calls(monkeypatch, "load_file")
     ns = hybrid_namespace()
     eng = IOEngine(root, ns, 1, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
     key = page_key(5)

@@ -81,14 +81,19 @@ def damage_rank(root: Path, rank: int) -> int:
     return n
 
 
-def main() -> None:
+def tiny_model_and_prompt(family: str, tokens: int) -> tuple[str, list[int]]:
+    """The locally built tiny model of ``family`` and a prompt of ``tokens`` token ids."""
     from transformers import AutoTokenizer
 
     from tierstore.testing.tiny_models import cached_tiny_model, prompt_token_ids
 
+    model = str(cached_tiny_model(family))
+    return model, prompt_token_ids(AutoTokenizer.from_pretrained(model), tokens)
+
+
+def main() -> None:
     root = sys.argv[1]
-    model = str(cached_tiny_model("llama"))
-    ids = prompt_token_ids(AutoTokenizer.from_pretrained(model), PROMPT_TOKENS)
+    model, ids = tiny_model_and_prompt("llama", PROMPT_TOKENS)
     for phase in ("store", "restore", "damaged_rank1", "after_damage", "restored_again"):
         if phase == "damaged_rank1":
             shutil.copytree(root, root + "-intact")  # the pages of both ranks, for the file checks

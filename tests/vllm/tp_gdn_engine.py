@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_engine import run_engine  # noqa: E402  (also installs the tierstore.slices log handler)
+from tp_engine import run_engine, tiny_model_and_prompt  # noqa: E402  (also installs the tierstore.slices log handler)
 
 # Two 1152-token blocks and one token: the loaded GDN state decides the output. With a longer
 # tail (2504 tokens) the tiny model's fast-decaying state is washed out: zeroed or swapped
@@ -63,13 +63,8 @@ def swap_gdn_rank_files(root: Path) -> int:
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
-
-    from tierstore.testing.tiny_models import cached_tiny_model, prompt_token_ids
-
     root = sys.argv[1]
-    model = str(cached_tiny_model("qwen3next"))
-    ids = prompt_token_ids(AutoTokenizer.from_pretrained(model), PROMPT_TOKENS)
+    model, ids = tiny_model_and_prompt("qwen3next", PROMPT_TOKENS)
     for phase, where, tp in (("tp2_store", root, 2), ("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1),
                              ("tp2_from_tp1", root + "-tp1", 2), ("tp1_swapped", root + "-swapped", 1)):
         if phase == "tp1_swapped":
