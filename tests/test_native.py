@@ -248,3 +248,15 @@ def test_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: b
         files.append(eng.mapper.path_for(key).read_bytes())
         eng.close()
     assert files[0] == files[1]
+
+
+def test_module_scans_see_plain_dicts_after_numba_is_loaded() -> None:
+    """vLLM's kernel-override scan calls ``vars(v).get`` on every module attribute with a
+    ``__dict__``; numba's import (llvmlite's lazy library wrapper) must not break it, or an
+    in-process vLLM engine started after a tierstore engine compiled fails to start."""
+    import sys
+
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if hasattr(value, "__dict__"):
+                assert isinstance(vars(value), dict) or hasattr(vars(value), "get"), (module, value)

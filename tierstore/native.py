@@ -111,9 +111,29 @@ def _compile() -> None:
         _ready.set()
 
 
+def _shield_llvmlite_from_module_scans() -> None:
+    """Give llvmlite's lazy library wrapper a real ``__dict__`` answer.
+
+    ``llvmlite.binding.ffi.lib`` answers ANY attribute by wrapping a symbol of the LLVM
+    library, ``__dict__`` included (it has ``__slots__``), so ``vars(lib)`` is not a dict.
+    vLLM 0.32's kernel-override scan (``vllm/triton_utils/dispatcher._rebind_kernels``) walks
+    every module's attributes and calls ``vars(value).get(...)`` on each that has a
+    ``__dict__``: with numba imported first, an engine fails to start (AttributeError
+    '_lib_fn_wrapper' object has no attribute 'get'). An empty dict under that name makes
+    ``vars(lib)`` an empty dict; llvmlite never looks the name up itself."""
+    try:
+        from llvmlite.binding import ffi
+
+        ffi.lib._fntab.setdefault("__dict__", {})
+    except (ImportError, AttributeError):  # another llvmlite: nothing to shield
+        pass
+
+
 def _build() -> Any:
     """Compile the kernels and check them against xxhash; raise if anything differs."""
     import numba
+
+    _shield_llvmlite_from_module_scans()
     import numpy as np
     import xxhash
     import xxhash._xxhash as ext
