@@ -131,9 +131,8 @@ def _shield_llvmlite_from_module_scans() -> None:
 
 def _build() -> Any:
     """Compile the kernels and check them against xxhash; raise if anything differs."""
+    _shield_llvmlite_from_module_scans()  # before numba's import: no window for a scan
     import numba
-
-    _shield_llvmlite_from_module_scans()
     import numpy as np
     import xxhash
     import xxhash._xxhash as ext
