@@ -49,7 +49,7 @@ import zstandard
 from tierstore import native, page_index, pagefile, safefs
 from tierstore.config import TierStoreConfig
 from tierstore.directio import CachestatArgs, FrameGeometry, cachestat_pages
-from tierstore.errors import PageCorrupt, PageError, PageStoreError
+from tierstore.errors import PageError, PageStoreError
 from tierstore.format import (
     FLAG_MAC,
     MAC_TRAILER_LEN,
@@ -274,9 +274,7 @@ class PageFiles:
         if not verify:
             check_gaps(self.layout, slot.view, path=path, key=key)  # the caller hashes the sections
             return self._nbytes, tuple(header_sums)
-        if sums != header_sums:
-            i = next(j for j, c in enumerate(sums) if c != header_sums[j])
-            raise PageCorrupt(f"section {self.layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+        pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=path, key=key)
         check_gaps(self.layout, slot.view, path=path, key=key)
         return self._nbytes, None
 

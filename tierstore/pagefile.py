@@ -44,6 +44,7 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ from tierstore.mac import PageMac, PageUnauthenticated
 __all__ = [
     "O_DIRECT", "MISSING_ERRNOS", "FileIdentity", "RankDir", "file_identity", "inspect_page", "open_page",
     "preadv_upto", "probe_odirect", "publish", "publish_page", "pwritev_all", "read_error",
-    "read_own_page", "read_page", "read_page_fd", "read_plan", "readinto_exact", "remove_damaged",
+    "check_section_sums", "read_own_page", "read_page", "read_page_fd", "read_plan", "readinto_exact", "remove_damaged",
     "remove_damaged_at", "temp_flags",
 ]
 
@@ -439,6 +440,15 @@ def clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
 
 
+def check_section_sums(layout: PageLayout, got: Sequence[int], want: Sequence[int], first: int, *, path: str,
+                       key: bytes) -> None:
+    """Raise ``PageCorrupt`` naming the first section whose computed sum (``got``, sections
+    ``first`` onwards) differs from the header's (``want``, every section)."""
+    for i, c in enumerate(got, first):
+        if c != want[i]:
+            raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+
+
 def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: memoryview, layout: PageLayout,
                   plan: list[tuple[int, int, int, int]], *, key: bytes, path: str, verify: bool,
                   already_read: bool) -> list[int] | None:
@@ -472,10 +482,7 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
             sums = tmpl.parse(file_buf[:hl], key)
             if sums is None:
                 return None
-            got = fused[1]
-            if got != sums[: len(got)]:
-                i = next(j for j, c in enumerate(got) if c != sums[j])
-                raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+            check_section_sums(layout, fused[1], sums, 0, path=path, key=key)
             check_gaps(layout, page, path=path, key=key)
             return sums
     sums = None
@@ -486,10 +493,8 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
             sums = tmpl.parse(file_buf[:hl], key)
             if sums is None:
                 return None
-        got = section_sums(layout.spans, page, first_sec, last_sec)
-        if got != sums[first_sec:last_sec]:
-            i = next(first_sec + j for j, c in enumerate(got) if c != sums[first_sec + j])
-            raise PageCorrupt(f"section {layout.sections[i].name!r} checksum mismatch", path=path, key=key)
+        check_section_sums(layout, section_sums(layout.spans, page, first_sec, last_sec), sums, first_sec,
+                           path=path, key=key)
     check_gaps(layout, page, path=path, key=key)  # canonical bytes: the gaps are not hashed
     return sums
 
