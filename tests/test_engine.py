@@ -15,7 +15,7 @@ import zstandard
 from tiers_helpers import load_page, store_data
 
 from tierstore import engine as engine_mod
-from tierstore import native
+from tierstore import native, native_page
 from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
 from tierstore.directio import O_DIRECT
@@ -485,7 +485,7 @@ def test_store_error_is_per_key_and_temp_removed(root: Path, monkeypatch: pytest
     monkeypatch.setattr(engine_mod.os, "pwritev", failing)
     # The native store (native.py) does not go through os.pwritev: let it fail too, as it does
     # on an I/O error (temp removed, code < 0); the Python path then redoes the store.
-    monkeypatch.setattr(native, "store_write", lambda *a: native.STORE_FAILED)
+    monkeypatch.setattr(native_page, "store_page", lambda *a: native.STORE_FAILED)
     bad = page_key(1)
     res = store_data(eng, bad, page_bytes(layout, bad))
     monkeypatch.setattr(engine_mod.os, "pwritev", real)
@@ -575,7 +575,7 @@ def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: 
 
     monkeypatch.setattr(engine_mod.os, "pwritev", refuse_first)
     # The native store's own O_DIRECT refusal hands the store to the Python path (tested here).
-    monkeypatch.setattr(native, "store_write", lambda *a: native.STORE_FAILED)
+    monkeypatch.setattr(native_page, "store_page", lambda *a: native.STORE_FAILED)
     key = page_key(1)
     data = page_bytes(eng.layout, key, 2)
     res = store_data(eng, key, data)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tierstore import engine as engine_mod
-from tierstore import native
+from tierstore import native, native_page
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine, IOResult
 from tierstore.identity import Namespace
@@ -78,7 +78,7 @@ def _simulate(monkeypatch: pytest.MonkeyPatch, err: int) -> None:
     monkeypatch.setattr(engine_mod.os, "open", fake_open)
     # The native store (native.py) creates its temp without os.open: it fails as it would on
     # that errno (temp removed, code < 0) and hands the store to the patched Python path.
-    monkeypatch.setattr(native, "store_write", lambda *a: native.STORE_FAILED)
+    monkeypatch.setattr(native_page, "store_page", lambda *a: native.STORE_FAILED)
 
 
 def _temps(root: Path) -> list[Path]:

@@ -14,11 +14,17 @@ import pytest
 import xxhash
 from tiers_helpers import load_page, store_data
 
-from tierstore import native, pagefile, safefs
+from tierstore import native, native_page, pagefile, safefs
 from tierstore.config import TierStoreConfig
 from tierstore.engine import IOEngine
 from tierstore.format import section_sums
-from tierstore.testing.pages import corrupt_flip_bit, hybrid_namespace, page_bytes, page_key
+from tierstore.testing.pages import (
+    corrupt_flip_bit,
+    hybrid_namespace,
+    page_bytes,
+    page_key,
+    simple_namespace,
+)
 
 pytest.importorskip("numba", reason="the native path needs numba (a vLLM dependency)")
 
@@ -29,17 +35,23 @@ def _compiled() -> None:
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Wrap ``native.<name>``: one entry per call, 1 when it did the work (not None)."""
+    """Wrap ``native_page.<name>``: one entry per call, 1 when it did the work (a page loaded,
+    or damage found; a store done or found existing), 0 when it handed over to the Python path."""
     calls: list[int] = []
-    real = getattr(native, name)
+    real = getattr(native_page, name)
 
     def counted(*args: Any) -> Any:
         got = real(*args)
-        calls.append(0 if got is None else 1)
+        code = got[0] if isinstance(got, tuple) else got
+        did = code in (0, native.STORE_EXISTS) if name == "store_page" else code in (0, *_DAMAGE)
+        calls.append(int(got is not None and did))
         return got
 
-    monkeypatch.setattr(native, name, counted)
+    monkeypatch.setattr(native_page, name, counted)
     return calls
+
+
+_DAMAGE = (native_page.LOAD_BAD_SUM, native_page.LOAD_BAD_GAP)
 
 
 def _spans(sizes: list[int], gap: int = 0) -> list[tuple[int, int]]:
@@ -90,42 +102,79 @@ def test_read_and_hash_reads_pieces_and_reports_a_short_file(tmp_path: Path) -> 
     assert [len(k.signatures) for k in native._kernels[:2]] == [1, 1]
 
 
-def test_load_file_checks_the_file_like_open_page(tmp_path: Path) -> None:
-    """One call opens, checks, reads and hashes; anything but a plain single-link file of the
-    expected size is handed back (None) to the Python path, which names it."""
-    (tmp_path / "aa").mkdir()
-    body = random.Random(7).randbytes(4096 + 70_000)
-    page = tmp_path / "aa" / "p.kvp"
-    page.write_bytes(body)
-    spans, plan = [(0, 70_000)], [(0, len(body), 0, 1)]
-    flags = (safefs.DIR_FLAGS, pagefile.READ_FLAGS)
-    rank_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+def test_load_page_checks_the_file_like_open_page(root: Path) -> None:
+    """One call opens, checks, reads, hashes and checks the header; anything but a plain
+    single-link file of the expected size and header is handed back (a negative code other than
+    damage) to the Python path, which names it."""
+    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    key, other = page_key(7), page_key(8)
+    data = page_bytes(eng.layout, key, 2)
+    assert store_data(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    fan, files = path.parent, eng.files
+    shape = files._shape(len(key), True)
+    slot = eng.acquire_slot(10)
+    assert slot is not None
 
-    def load(name: str, size: int = len(body)) -> Any:
-        return native.load_file(rank_fd, "aa", name, flags, size, False, memoryview(bytearray(len(body))),
-                                4096, plan, spans)
-    try:
-        got = load("p.kvp")
-        assert got is not None
-        st = os.stat(page)
-        assert got[0] == (st.st_dev, st.st_ino, st.st_ctime_ns)
-        assert got[1] == [xxhash.xxh3_64_intdigest(body[4096:])]
-        assert load("p.kvp", len(body) + 1) is None  # another size
-        assert load("missing.kvp") is None
-        os.symlink(page, tmp_path / "aa" / "link.kvp")
-        assert load("link.kvp") is None  # not followed
-        os.mkfifo(tmp_path / "aa" / "fifo.kvp")
-        assert load("fifo.kvp") is None  # opened non-blocking, refused by its type
-        os.link(page, tmp_path / "aa" / "second.kvp")
-        assert load("p.kvp") is None  # two links
-    finally:
-        os.close(rank_fd)
+    def load(name: str, k: bytes = key) -> Any:
+        return native_page.load_page(shape, files._dirs.rank_fd(), fan.name, name, k,
+                                     (safefs.DIR_FLAGS, pagefile.READ_FLAGS), False, files._frame_array(slot),
+                                     eng.geometry.header_room - shape.header_len)
+    code, ident, sums, header_sums = load(path.name)
+    st = path.stat()
+    assert code == 0 and ident == (st.st_dev, st.st_ino, st.st_ctime_ns) and bytes(slot.view) == data
+    assert sums == header_sums == [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in eng.layout.spans]
+    assert load(path.name, other)[0] == native_page.LOAD_BAD_HEADER  # another key's header
+    assert load("missing.kvp")[0] == native.LOAD_OPEN_FAILED
+    os.symlink(path, fan / "link.kvp")
+    assert load("link.kvp")[0] == native.LOAD_OPEN_FAILED  # not followed
+    os.mkfifo(fan / "fifo.kvp")
+    assert load("fifo.kvp")[0] == native.LOAD_NOT_PLAIN  # opened non-blocking, refused by its type
+    with open(path, "ab") as f:
+        f.write(b"x")
+    assert load(path.name)[0] == native.LOAD_NOT_PLAIN  # another size
+    os.truncate(path, st.st_size)
+    os.link(path, fan / "second.kvp")
+    assert load(path.name)[0] == native.LOAD_NOT_PLAIN  # two links
+    eng.release_slot(slot)
+    eng.close()
+
+
+@pytest.mark.parametrize("damage", ["header", "key", "gap"])
+def test_native_loads_refuse_what_the_python_path_refuses(root: Path, damage: str) -> None:
+    """A header not byte for byte the writer's (a flipped constant byte, another key's file under
+    this name) goes to the Python path's general reader, which names it; a non-zero alignment
+    gap is reported as damage. Never served."""
+    # Sections of 60 bytes: alignment gaps of 4 after each but the last.
+    ns = simple_namespace("bfloat16", tokens_per_chunk=3, num_layers=3, num_kv_heads=1, head_size=5)
+    eng = IOEngine(root, ns, 0, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    key, other = page_key(11), page_key(12)
+    data = page_bytes(eng.layout, key, 0)
+    assert store_data(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    hl = eng._header_len(len(key))
+    if damage == "header":
+        corrupt_flip_bit(path, 10)  # inside the preamble: a constant byte
+    elif damage == "key":
+        assert store_data(eng, other, page_bytes(eng.layout, other, 0)).ok
+        os.replace(eng.mapper.path_for(other), path)
+    else:
+        gaps = eng.layout.gaps
+        with open(path, "r+b") as f:
+            f.seek(hl + gaps[0][0])
+            f.write(b"\x01")
+    res, _ = load_page(eng, key)
+    assert not res.ok and res.error is not None, damage
+    if damage == "gap":
+        assert "alignment gap" in str(res.error)
+    assert eng.stats["loads_general_reader"] == (0 if damage == "gap" else 1)
+    eng.close()
 
 
 @pytest.mark.parametrize("damaged_section", [None, 0, 3])
 def test_engine_warm_loads_take_one_native_call_and_catch_damage(root: Path, damaged_section: int | None,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _count_calls(monkeypatch, "load_file")
+    calls = _count_calls(monkeypatch, "load_page")
     ns = hybrid_namespace()
     eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
     layout, key = eng.layout, page_key(3)
@@ -150,7 +199,7 @@ def test_python_path_reads_and_hashes_in_one_call_and_handles_a_short_read(
     """Without the fused open (another architecture, a cold page), the Python path still reads
     and hashes in one call; a read stopping early (the file shrank after its size was checked)
     falls back to piece-by-piece reads, which re-read the whole file."""
-    monkeypatch.setattr(native, "load_file", lambda *a: None)
+    monkeypatch.setattr(native_page, "load_page", lambda *a: None)
     calls: list[int] = []
     real = native.read_and_hash
 
@@ -180,7 +229,7 @@ def test_unverified_loads_take_the_native_open_and_return_the_header_sums(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """verify=False (the GPU path hashes on the device): one native call, nothing hashed, the
     header's sums handed to the caller, and the file identity kept for a caller's rejection."""
-    calls = _count_calls(monkeypatch, "load_file")
+    calls = _count_calls(monkeypatch, "load_page")
     ns = hybrid_namespace()
     eng = IOEngine(root, ns, 1, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
     key = page_key(5)
@@ -199,28 +248,39 @@ def test_unverified_loads_take_the_native_open_and_return_the_header_sums(
     eng.close()
 
 
-def test_store_check_and_store_write(tmp_path: Path) -> None:
-    (tmp_path / "ab").mkdir()
-    rank_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    page = memoryview(random.Random(8).randbytes(100_000))
-    spans = [(0, 60_000), (60_000, 100_000)]
-    try:
-        assert native.store_check(rank_fd, "zz", "p.kvp", safefs.DIR_FLAGS, page, spans)[0] == native.STORE_NO_DIR  # type: ignore[index]
-        code, sums = native.store_check(rank_fd, "ab", "p.kvp", safefs.DIR_FLAGS, page, spans)  # type: ignore[misc]
-        assert code == 0 and sums == [xxhash.xxh3_64_intdigest(page[a:b]) for a, b in spans]
-        flags = (safefs.DIR_FLAGS, pagefile.temp_flags(False))
-        assert native.store_write(rank_fd, "ab", "p.tmp", "p.kvp", flags, 0o600, page, 99_000, False) == 0
-        assert (tmp_path / "ab" / "p.kvp").read_bytes() == bytes(page[:99_000])  # cut to exact_len
-        assert (tmp_path / "ab" / "p.kvp").stat().st_mode & 0o777 == 0o600
-        assert native.store_check(rank_fd, "ab", "p.kvp", safefs.DIR_FLAGS, page, spans)[0] == native.STORE_EXISTS  # type: ignore[index]
-        (tmp_path / "ab" / "d.kvp").mkdir()  # the rename cannot replace a directory
-        assert native.store_write(rank_fd, "ab", "q.tmp", "d.kvp", flags, 0o600, page, 100_000, True) < 0
-        assert sorted(p.name for p in (tmp_path / "ab").iterdir()) == ["d.kvp", "p.kvp"]  # temp removed
-        (tmp_path / "ab" / "r.tmp").write_bytes(b"x")  # O_EXCL: an existing temp is never written through
-        assert native.store_write(rank_fd, "ab", "r.tmp", "r.kvp", flags, 0o600, page, 100_000, False) < 0
-        assert (tmp_path / "ab" / "r.tmp").read_bytes() == b"x" or not (tmp_path / "ab" / "r.tmp").exists()
-    finally:
-        os.close(rank_fd)
+def test_store_page_publishes_atomically_or_leaves_nothing(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call per store: an existing name counts as stored (nothing hashed or written); a
+    missing fan-out directory and a failed rename hand over to the Python path, no temp left."""
+    calls = _count_calls(monkeypatch, "store_page")
+    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    key = page_key(13)
+    data = page_bytes(eng.layout, key, 2)
+    res = store_data(eng, key, data)
+    assert res.ok and res.stored and calls == [1]
+    path = eng.mapper.path_for(key)
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = store_data(eng, key, data)
+    assert again.ok and not again.stored and calls == [1, 1]
+    taken = page_key(14)
+    real_temp = eng.mapper.temp_path
+    monkeypatch.setattr(eng.mapper, "temp_path", lambda k, final=None: os.path.dirname(real_temp(k, final)) + "/fixed.tmp")
+    squatter = Path(eng.mapper.temp_path(taken))
+    squatter.parent.mkdir(exist_ok=True)
+    squatter.write_bytes(b"x")  # O_EXCL: a temp name that exists is never written through
+    res = store_data(eng, taken, page_bytes(eng.layout, taken, 2))
+    assert calls[-1] == 0 and not res.ok and res.error is not None  # handed over; the Python path names it
+    assert squatter.read_bytes() == b"x" and not eng.mapper.path_for(taken).exists()
+    monkeypatch.setattr(eng.mapper, "temp_path", real_temp)
+    squatter.unlink()
+    moved = page_key(15)
+    fan = eng.mapper.path_for(moved).parent
+    for p in fan.iterdir():
+        p.unlink() if not p.is_dir() else None
+    fan.rmdir() if not any(fan.iterdir()) else None
+    res = store_data(eng, moved, page_bytes(eng.layout, moved, 2))
+    assert res.ok and res.stored and calls[-1] == 0  # no fan-out dir: the Python path made it
+    assert not [p for p in fan.parent.rglob("*") if ".tmp" in p.name]
+    eng.close()
 
 
 @pytest.mark.parametrize("with_sums", [False, True])
@@ -233,7 +293,7 @@ def test_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: b
     for use_native in (True, False):
         root = tmp_path / ("n" if use_native else "p")
         if not use_native:
-            monkeypatch.setattr(native, "store_check", lambda *a: None)
+            monkeypatch.setattr(native_page, "store_page", lambda *a: None)
         eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
         key = page_key(9)
         data = page_bytes(eng.layout, key, 2)

@@ -704,6 +704,25 @@ class HeaderTemplate:
         self._const_ranges = ranges
         self._const = b"".join(self.blank[a:b] for a, b in ranges)
 
+    # The template's geometry, for native_page (which checks and fills headers by these rules).
+    @property
+    def const_ranges(self) -> list[tuple[int, int]]:
+        """The byte ranges every page of this writer shares with ``blank``."""
+        return self._const_ranges
+
+    @property
+    def key_off(self) -> int:
+        return self._key_off
+
+    @property
+    def token_off(self) -> int:
+        return self._token_off
+
+    @property
+    def sum_off(self) -> int:
+        """Where the header checksum (xxh3 of the bytes before it) is."""
+        return self._sum_off
+
     def fill(self, buf: memoryview | bytearray, key: bytes, token_count: int, sums: Sequence[int]) -> None:
         """Write the header of (key, token_count, section checksums) into ``buf[:header_len]``."""
         buf[: self.header_len] = self.blank

@@ -16,15 +16,17 @@ Contract:
   outside the lock (the owner releases the job's resources there).
 
 Threading: every public method may be called from any thread. One lock guards the queues,
-pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Conditions
-on it wake one idle thread per submit, a ``wait`` call only when its last job is done, and
-``flush`` only when no job of the flushed class is left.
+pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Each submit
+puts one token in a C-level queue that idle I/O threads block on (one wakes per job);
+conditions on the lock wake a ``wait`` call only when its last job is done, and ``flush`` only
+when no job of the flushed class is left.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -91,7 +93,11 @@ class JobQueue:
         self.deadline_s = deadline_s
         self._run, self._finish, self._after_run, self._where = run, finish, after_run, where
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # queued jobs, stop
+        # One token per queued job (and one per thread at stop): an idle I/O thread blocks in
+        # C on this, not in a Condition (whose wait allocates a lock and runs Python per job).
+        # A job completed while queued leaves its token behind; the thread that takes it finds
+        # nothing to pick and waits again, so there are never fewer tokens than queued jobs.
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._drained = threading.Condition(self._lock)  # no store pending
         self._watch: dict[int, list[_Waiter]] = {}  # job id -> wait() calls waiting for it
         self._queues: dict[str, deque[Job]] = {op: deque() for op in policy.order}
@@ -131,8 +137,8 @@ class JobQueue:
             job.queued = True
             self._waiting[job.op] += 1
             self._queues[job.op].append(job)
-            self._work.notify()
-            return job.id
+        self._wake.put(None)
+        return job.id
 
     # ----------------------------------------------------------------- results
     def poll(self) -> list[Any]:
@@ -203,7 +209,8 @@ class JobQueue:
                     if not job.done:
                         self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
             self._stop = True
-            self._work.notify_all()
+        for _ in self._threads:
+            self._wake.put(None)
         for t in self._threads:
             t.join(max(end - time.monotonic(), 0.05))
         stuck = [t.name for t in self._threads if t.is_alive()]
@@ -275,14 +282,13 @@ class JobQueue:
 
     def _thread(self) -> None:
         while True:
+            self._wake.get()
             with self._lock:
-                while not self._stop:
-                    job = self._pick_locked()
-                    if job is not None:
-                        break
-                    self._work.wait()
-                else:
+                if self._stop:
                     return
+                job = self._pick_locked()
+                if job is None:
+                    continue  # the token of a job completed while queued
                 job.queued = False
                 self._waiting[job.op] -= 1
                 if time.monotonic() >= job.deadline:

@@ -7,9 +7,8 @@ threads (docs/measurements/scaling.md). Here the steps run in compiled calls tha
 (numba ``nogil=True``), calling the same functions as the Python path: ``XXH3_64bits`` of the
 loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's
 ``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
-- ``load_file``: a warm load in one call (open the fan-out directory and the file with the
-  caller's flags, check plain file / one link / size, cachestat, read, hash, close);
-- ``store_check`` then ``store_write``: a store in two (exists? else hash; temp, write, rename);
+- ``native_page.load_page`` / ``store_page`` (compiled here, with the others): a warm load or a
+  store of one page file, header checks and header fill included, in one call each;
 - ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file.
 
 Contract: every function returns None whenever the native path is not ready (numba missing,
@@ -44,13 +43,13 @@ logger = logging.getLogger(__name__)
 # few microseconds) and headers (4 KiB) stay on it.
 MIN_NATIVE_BYTES = 64 << 10
 
-# load_file's outcomes other than "read this many bytes" (the caller then takes the Python path,
+# native_page.load_page's outcomes other than "read this many bytes" (the caller then takes the Python path,
 # which redoes the load and names what went wrong).
 LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED = -2, -3, -4, -5
-# store_check / store_write outcomes: 0 done; STORE_EXISTS the final name exists (stored);
+# native_page.store_page outcomes: 0 done; STORE_EXISTS the final name exists (stored);
 # the others hand the store to the Python path, which redoes it and names the error.
 STORE_EXISTS, STORE_NO_DIR, STORE_FAILED = 1, -2, -3
-# load_file reads ``struct stat`` by offset: x86-64 Linux only (elsewhere loads keep the
+# load_page reads ``struct stat`` by offset: x86-64 Linux only (elsewhere loads keep the
 # Python open and fstat, and still read and hash in one call).
 _STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
@@ -192,65 +191,14 @@ def _build() -> Any:
                 out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
         return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
 
-    names_t = numba.types.Array(numba.types.uint8, 1, "C", readonly=True)
-    scratch_t = numba.types.Array(numba.types.int64, 1, "C")
-
-    @numba.njit(i64(i64, names_t, i64, i64, i64, i64, i64, i64, i64, rows, rows, sums, scratch_t),
-                nogil=True, cache=False)
-    def load_file(rank_fd: int, names: Any, file_name_at: int, dir_flags: int, file_flags: int, size: int,
-                  check_cache: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any,
-                  scratch: Any) -> int:
-        # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out.
-        d = openat(rank_fd, names.ctypes.data, dir_flags)
-        if d < 0:
-            return LOAD_OPEN_FAILED
-        f = openat(d, names.ctypes.data + file_name_at, file_flags)
-        close(d)
-        if f < 0:
-            return LOAD_OPEN_FAILED
-        stat_at = scratch.ctypes.data
-        if fstat(f, stat_at) != 0 or (scratch[3] & 0o170000) != 0o100000 or scratch[2] > 1 or scratch[6] != size:
-            close(f)
-            return LOAD_NOT_PLAIN
-        if check_cache != 0:
-            scratch[18] = 0
-            scratch[19] = 4096
-            if syscall(451, f, stat_at + 18 * 8, stat_at + 20 * 8, 0) != 0 or scratch[20] == 0:
-                close(f)
-                return LOAD_COLD
-        got = read_pieces(f, file_base, page_off, pieces, spans, out)
-        close(f)
-        return got if got >= 0 else LOAD_READ_FAILED
-
-    @numba.njit(i64(i64, names_t, i64, i64, i64, rows, sums, scratch_t), nogil=True, cache=False)
-    def store_check(rank_fd: int, names: Any, final_at: int, dir_flags: int, page_base: int, spans: Any,
-                    out: Any, scratch: Any) -> int:
-        # names: fan-out dir, final name. An existing final name is a stored page (content
-        # address): nothing is hashed. Otherwise every section is hashed (out).
-        d = openat(rank_fd, names.ctypes.data, dir_flags)
-        if d < 0:
-            return STORE_NO_DIR
-        found = fstatat(d, names.ctypes.data + final_at, scratch.ctypes.data, 0x100)  # AT_SYMLINK_NOFOLLOW
-        close(d)
-        if found == 0:
-            return STORE_EXISTS
-        for i in range(spans.shape[0]):
-            out[i] = xxh3(page_base + spans[i, 0], spans[i, 1] - spans[i, 0])
-        return 0
-
-    @numba.njit(i64(i64, names_t, i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=False)
-    def store_write(rank_fd: int, names: Any, tmp_at: int, final_at: int, dir_flags: int, file_flags: int,
-                    mode: int, buf: int, length: int, exact_len: int, do_fsync: int) -> int:
-        # names: fan-out dir, temp name, final name. Create the temp (O_EXCL), write, cut the
-        # O_DIRECT padding, fsync if asked, close, rename over the final name; on any failure
-        # the temp is removed and the final name untouched.
-        d = openat(rank_fd, names.ctypes.data, dir_flags)
-        if d < 0:
-            return STORE_NO_DIR
-        tmp = names.ctypes.data + tmp_at
+    @numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=False)
+    def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
+                   do_fsync: int) -> int:
+        # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
+        # fsync if asked, close, rename over the final name; on any failure the temp is removed
+        # and the final name untouched. ``tmp``/``final``: addresses of NUL-terminated names.
         f = create_at(d, tmp, file_flags, mode)
         if f < 0:
-            close(d)
             return STORE_FAILED
         off = 0
         ok = True
@@ -266,12 +214,16 @@ def _build() -> Any:
             ok = False
         if close(f) != 0:
             ok = False
-        if ok and renameat(d, tmp, d, names.ctypes.data + final_at) != 0:
+        if ok and renameat(d, tmp, d, final) != 0:
             ok = False
         if not ok:
             unlinkat(d, tmp, 0)
-        close(d)
         return 0 if ok else STORE_FAILED
+
+    from tierstore import native_page
+
+    libc_fns = {"openat": openat, "close": close, "fstat": fstat, "fstatat": fstatat, "syscall": syscall}
+    load_page, store_page = native_page.build(numba, xxh3, libc_fns, read_pieces, write_file)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
@@ -281,7 +233,7 @@ def _build() -> Any:
     want = [xxhash.xxh3_64_intdigest(probe[a:b].tobytes()) for a, b in spans]
     if [int(v) for v in out] != want:
         raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
-    return (hash_spans, read_pieces, np, load_file, store_check, store_write)
+    return (hash_spans, read_pieces, np, load_page, store_page)
 
 
 @lru_cache(maxsize=256)
@@ -328,59 +280,14 @@ def read_and_hash(fd: int, file_buf: memoryview, page_off: int, plan: Sequence[t
     return int(got), out.tolist()
 
 
-def load_file(rank_fd: int, fanout_name: str, file_name: str, flags: tuple[int, int], size: int,
-              check_cache: bool, file_buf: memoryview,
-              page_off: int, plan: Sequence[tuple[int, int, int, int]],
-              spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int], list[int]] | None:
-    """Open ``fanout_name/file_name`` under the directory ``rank_fd`` with the caller's
-    (directory, file) open ``flags`` (no symlink followed, non-blocking), check it is a plain
-    file of one link and exactly ``size`` bytes (``check_cache``: with its first block in the
-    page cache), read and hash it as ``read_and_hash`` does, and close it: one GIL release.
+def numpy() -> Any:
+    """numpy, once the kernels are compiled (native_page builds its arrays with it)."""
+    return _kernels[2]
 
-    Returns ((st_dev, st_ino, st_ctime_ns), section sums), or None when the native path is not
-    ready or anything differed from the common case (missing, not plain, another size, cold,
-    a read error or short read): the caller then does the load on the Python path, which
-    redoes it and names the error. Never raises for I/O."""
+
+def page_kernels() -> tuple[Any, Any] | None:
+    """The compiled (load_page, store_page) of ``native_page``, or None when the native path is
+    not ready or off x86-64 Linux (they read ``struct stat`` by offset)."""
     if _kernels is None or not _STAT_LAYOUT_KNOWN:
         return None
-    np, kernel = _kernels[2], _kernels[3]
-    names = np.frombuffer(f"{fanout_name}\0{file_name}\0".encode(), dtype=np.uint8)
-    out = np.zeros(len(spans), dtype=np.uint64)
-    scratch = np.zeros(32, dtype=np.int64)
-    got = kernel(rank_fd, names, len(fanout_name) + 1, flags[0], flags[1], size, int(check_cache),
-                 address(file_buf), page_off, _as_array(tuple(plan)), _as_array(tuple(spans)), out, scratch)
-    if got != (plan[-1][1] if plan else 0):
-        return None
-    return (int(scratch[0]), int(scratch[1]), int(scratch[13]) * 1_000_000_000 + int(scratch[14])), out.tolist()
-
-
-def store_check(rank_fd: int, fanout_name: str, final_name: str, dir_flags: int, page: memoryview | None,
-                spans: Sequence[tuple[int, int]]) -> tuple[int, list[int]] | None:
-    """A store's first step in one GIL-free call: STORE_EXISTS if ``fanout_name/final_name``
-    exists (nothing hashed), else 0 and the xxh3 of each of ``page``'s ``spans`` (``page``
-    None: the caller has the sums). STORE_NO_DIR: the fan-out directory is missing (the Python
-    path makes it). None when the native path is not ready."""
-    if _kernels is None or not _STAT_LAYOUT_KNOWN:
-        return None
-    np, kernel = _kernels[2], _kernels[4]
-    names = np.frombuffer(f"{fanout_name}\0{final_name}\0".encode(), dtype=np.uint8)
-    out = np.zeros(len(spans) if page is not None else 0, dtype=np.uint64)
-    code = kernel(rank_fd, names, len(fanout_name) + 1, dir_flags, address(page) if page is not None else 0,
-                  _as_array(tuple(spans) if page is not None else ()), out, np.zeros(32, dtype=np.int64))
-    return int(code), out.tolist()
-
-
-def store_write(rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, flags: tuple[int, int],
-                mode: int, data: memoryview, exact_len: int, fsync: bool) -> int | None:
-    """A store's write in one GIL-free call: create ``tmp_name`` with the file ``flags`` and
-    ``mode``, write ``data``, truncate to ``exact_len`` when shorter (O_DIRECT padding), fsync
-    if asked, close, rename it over ``final_name``. 0 on success; otherwise the temp is gone and
-    a negative code says the Python path must redo the store (it names the error). None when
-    the native path is not ready."""
-    if _kernels is None or not _STAT_LAYOUT_KNOWN:
-        return None
-    np, kernel = _kernels[2], _kernels[5]
-    names = np.frombuffer(f"{fanout_name}\0{tmp_name}\0{final_name}\0".encode(), dtype=np.uint8)
-    tmp_at = len(fanout_name) + 1
-    return int(kernel(rank_fd, names, tmp_at, tmp_at + len(tmp_name) + 1, flags[0], flags[1], mode,
-                      address(data), data.nbytes, exact_len, int(fsync)))
+    return _kernels[3], _kernels[4]

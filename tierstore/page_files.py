@@ -46,7 +46,7 @@ from typing import Any
 
 import zstandard
 
-from tierstore import native, page_index, pagefile, safefs
+from tierstore import native, native_page, page_index, pagefile, safefs
 from tierstore.config import TierStoreConfig
 from tierstore.directio import CachestatArgs, FrameGeometry, cachestat_pages
 from tierstore.errors import PageError, PageStoreError
@@ -112,6 +112,8 @@ class PageFiles:
         self._trailer = MAC_TRAILER_LEN if mac is not None else 0
         self._templates: dict[int, HeaderTemplate] = {}  # key length -> header of our pages
         self._plans: dict[tuple[int, int], ReadPlan] = {}
+        self._shapes: dict[tuple[int, bool, int], native_page.PageShape] = {}
+        self._frames: dict[int, tuple[memoryview, Any]] = {}  # id(slot frame) -> (frame, its array)
         self._local = _ThreadState()
         self._dirs = pagefile.RankDir(mapper.root, (namespace.digest, f"g{group_index}", mapper.rank_dir), perms)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
@@ -180,32 +182,27 @@ class PageFiles:
 
     def _store_native(self, key: bytes, name: str, final: str, slot: StagingSlot, token_count: int,
                       sums: tuple[int, ...] | None) -> tuple[bool, int] | None:
-        """``_store_in``'s codec-none store in two GIL-free calls (``native.store_check``: exists?
-        else hash; ``native.store_write``: temp, write, rename), the header filled between them.
-        None: not applicable here (another codec, a MAC, group-shared modes, not compiled) or
-        something failed; the caller's Python path redoes the store and names the error."""
+        """``_store_in``'s codec-none store in one GIL-free call (``native_page.store_page``:
+        exists? else zero the gaps, hash, fill the header, temp, write, rename). None: not
+        applicable here (another codec, a MAC, group-shared modes, not compiled) or something
+        failed; the caller's Python path redoes the store and names the error."""
         if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
             return None
         try:
             rank_fd = self._dirs.rank_fd()
         except (PageError, OSError):
             return None
-        fan = fanout(key)
-        zero_gaps(self.layout, slot.view)  # before hashing: canonical bytes whoever filled the slot
-        checked = native.store_check(rank_fd, fan, name, safefs.DIR_FLAGS, slot.view if sums is None else None,
-                                     self.layout.spans)
-        if checked is None or checked[0] < 0:
-            return None
-        if checked[0] == native.STORE_EXISTS:
-            return False, self._nbytes
-        tmpl = self._template(len(key))
-        hl = tmpl.header_len
-        file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
-        tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else checked[1])
+        shape = self._shape(len(key), True)
+        hl = shape.header_len
         tmp = os.path.basename(self.mapper.temp_path(key, final))
-        written = native.store_write(rank_fd, fan, tmp, name, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)),
-                                     self.perms.file_mode, file_buf, hl + self._nbytes, self.fsync)
-        return (True, self._nbytes) if written == 0 else None
+        length = self.geometry.padded_nbytes + hl if self.odirect else hl + self._nbytes
+        code = native_page.store_page(shape, rank_fd, fanout(key), tmp, name, key,
+                                      (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)), self.perms.file_mode,
+                                      self._frame_array(slot), self.geometry.header_room - hl, length, self.fsync,
+                                      token_count, sums)
+        if code == native.STORE_EXISTS:
+            return False, self._nbytes
+        return (True, self._nbytes) if code == 0 else None
 
     # ----------------------------------------------------------------- load
     def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
@@ -251,32 +248,50 @@ class PageFiles:
 
     def _load_native(self, key: bytes, slot: StagingSlot, tmpl: HeaderTemplate, path: str,
                      verify: bool) -> tuple[int, tuple[int, ...] | None] | None:
-        """The common warm load in one GIL-free call (``native.load_file``: open, fstat, read,
-        hash, close), then the same header, checksum and gap checks as ``read_own_page``
-        (``verify=False``: read in one request, nothing hashed, the header's sums returned). None:
-        the native path is not ready or the file is not the common case (missing, cold, another
-        size or header); the caller's Python path redoes the load and names any error."""
-        hl = tmpl.header_len
-        file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
+        """The common warm load in one GIL-free call (``native_page.load_page``: open, fstat,
+        read, hash, close, then the same header, checksum and gap checks as ``read_own_page``;
+        ``verify=False``: read in one request, nothing hashed, the header's sums returned).
+        None: the native path is not ready or the file is not the common case (missing, cold,
+        another size or header); the caller's Python path redoes the load and names any error."""
+        if native.page_kernels() is None:
+            return None
         try:
             rank_fd = self._dirs.rank_fd()
         except (PageError, OSError):
             return None
-        plan, spans = (self.read_plan(hl), self.layout.spans) if verify else ([(0, hl + self._nbytes, 0, 0)], ())
-        got = native.load_file(rank_fd, fanout(key), os.path.basename(path), _NATIVE_OPEN_FLAGS,
-                               hl + self._nbytes, self.direct_loads, file_buf, hl, plan, spans)
+        shape = self._shape(len(key), verify)
+        got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, _NATIVE_OPEN_FLAGS,
+                                    self.direct_loads, self._frame_array(slot),
+                                    self.geometry.header_room - shape.header_len)
         if got is None:
             return None
-        slot._source, sums = got
-        header_sums = tmpl.parse(file_buf[:hl], key)
-        if header_sums is None:
-            return None  # another header than this engine writes: the general reader decides
-        if not verify:
-            check_gaps(self.layout, slot.view, path=path, key=key)  # the caller hashes the sections
-            return self._nbytes, tuple(header_sums)
-        pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=path, key=key)
-        check_gaps(self.layout, slot.view, path=path, key=key)
-        return self._nbytes, None
+        code, slot._source, sums, header_sums = got
+        if code == native_page.LOAD_BAD_SUM:
+            pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=path, key=key)
+        if code == native_page.LOAD_BAD_GAP:
+            check_gaps(self.layout, slot.view, path=path, key=key)
+        if code != 0:  # damage the Python checks did not name (cannot happen), or not the common case
+            return None
+        return self._nbytes, (None if verify else tuple(header_sums))
+
+    def _shape(self, key_len: int, verify: bool) -> native_page.PageShape:
+        """The native arrays of this writer's pages for a key length (cached; a race builds the
+        same value twice)."""
+        k = (key_len, verify, self.warm_piece_bytes)
+        shape = self._shapes.get(k)
+        if shape is None:
+            tmpl = self._template(key_len)
+            hl = tmpl.header_len
+            plan = self.read_plan(hl) if verify else [(0, hl + self._nbytes, 0, 0)]
+            shape = self._shapes[k] = native_page.PageShape(tmpl, self.layout, plan, hashed=verify)
+        return shape
+
+    def _frame_array(self, slot: StagingSlot) -> Any:
+        """The uint8 array over ``slot``'s frame that the native calls take (one per slot)."""
+        got = self._frames.get(id(slot._frame))
+        if got is None or got[0] is not slot._frame:
+            got = self._frames[id(slot._frame)] = (slot._frame, native_page.frame_array(slot._frame))
+        return got[1]
 
     # ----------------------------------------------------------------- damaged pages
     def remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:

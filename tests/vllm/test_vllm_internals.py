@@ -109,3 +109,20 @@ def test_cpu_attention_reads_kv_planes() -> None:
     assert CPUAttentionBackend.get_name() == "CPU_ATTN"
     src = inspect.getsource(CPUAttentionBackendImpl.forward)
     assert "block_size * 2" in src and "chunk(2, dim=2)" in src
+
+
+def test_offload_keys_end_with_the_group_index_in_four_big_endian_bytes() -> None:
+    """``TierStoreManager`` splits a key by slicing (``key[-4:]`` routes the group,
+    ``key[:-4]`` is the block hash) instead of calling vLLM's helpers once per lookup; this
+    pins that encoding to vLLM's own ``make_offload_key`` / ``get_offload_*``."""
+    from vllm.v1.kv_offload.base import (
+        get_offload_block_hash,
+        get_offload_group_idx,
+        make_offload_key,
+    )
+
+    for block_hash in (bytes(range(32)), b"\xff" * 8, b"x"):
+        for gid in (0, 1, 7, 300, 2**31 + 5):
+            key = make_offload_key(block_hash, gid)
+            assert key[-4:] == gid.to_bytes(4, "big") and get_offload_group_idx(key) == gid
+            assert key[:-4] == get_offload_block_hash(key) == block_hash

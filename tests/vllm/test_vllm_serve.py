@@ -62,12 +62,12 @@ if _delay > 0:
         time.sleep(_delay)
         return _write(fd, pieces)
     _pf.pwritev_all = _slow_pwritev_all
-    import tierstore.native as _native  # its store writes without pwritev_all: slowed the same
-    _native_write = _native.store_write
-    def _slow_store_write(*args):
+    import tierstore.native_page as _native_page  # its store writes without pwritev_all: slowed the same
+    _native_store = _native_page.store_page
+    def _slow_store_page(*args):
         time.sleep(_delay)
-        return _native_write(*args)
-    _native.store_write = _slow_store_write
+        return _native_store(*args)
+    _native_page.store_page = _slow_store_page
 """
 
 
