@@ -120,9 +120,9 @@ def test_load_page_checks_the_file_like_open_page(root: Path) -> None:
         return native_page.load_page(shape, files._dirs.rank_fd(), fan.name, name, k,
                                      (safefs.DIR_FLAGS, pagefile.READ_FLAGS), False, files._frame_array(slot),
                                      eng.geometry.header_room - shape.header_len)
-    code, ident, sums, header_sums = load(path.name)
+    code, ident, sums, header_sums, direct = load(path.name)
     st = path.stat()
-    assert code == 0 and ident == (st.st_dev, st.st_ino, st.st_ctime_ns) and bytes(slot.view) == data
+    assert code == 0 and not direct and ident == (st.st_dev, st.st_ino, st.st_ctime_ns) and bytes(slot.view) == data
     assert sums == header_sums == [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in eng.layout.spans]
     assert load(path.name, other)[0] == native_page.LOAD_BAD_HEADER  # another key's header
     assert load("missing.kvp")[0] == native.LOAD_OPEN_FAILED
@@ -137,6 +137,35 @@ def test_load_page_checks_the_file_like_open_page(root: Path) -> None:
     os.link(path, fan / "second.kvp")
     assert load(path.name)[0] == native.LOAD_NOT_PLAIN  # two links
     eng.release_slot(slot)
+    eng.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_cold_loads_are_read_with_o_direct_in_the_same_call(root: Path, damaged: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page not in the page cache is read with O_DIRECT inside the one native call (counted
+    in ``loads_odirect``), hashed and checked like a warm one; damage is still caught."""
+    calls = _count_calls(monkeypatch, "load_page")
+    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root)}))
+    if not eng.direct_loads:
+        pytest.skip(f"O_DIRECT or cachestat unavailable under {root} ({eng.odirect_reason})")
+    key = page_key(16)
+    data = page_bytes(eng.layout, key, 2)
+    assert store_data(eng, key, data).ok
+    path = eng.mapper.path_for(key)
+    if damaged:
+        corrupt_flip_bit(path, eng._header_len(len(key)) + eng.layout.offsets[1])
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: the cold path
+    os.close(fd)
+    res, got = load_page(eng, key)
+    assert calls == [1] and eng.stats["loads_odirect"] == 1
+    if damaged:
+        assert not res.ok and res.error is not None and res.error.kind == "checksum", res.error
+        assert eng.layout.sections[1].name in str(res.error)
+    else:
+        assert res.ok and got == data, res.error
     eng.close()
 
 

@@ -222,7 +222,10 @@ def _build() -> Any:
 
     from tierstore import native_page
 
-    libc_fns = {"openat": openat, "close": close, "fstat": fstat, "fstatat": fstatat, "syscall": syscall}
+    fcntl = libc.fcntl
+    fcntl.restype, fcntl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc_fns = {"openat": openat, "close": close, "fstat": fstat, "fstatat": fstatat, "syscall": syscall,
+                "fcntl": fcntl, "pread": pread}
     load_page, store_page = native_page.build(numba, xxh3, libc_fns, read_pieces, write_file)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()

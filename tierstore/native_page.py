@@ -6,8 +6,9 @@ this module holds what is specific to one page file:
   bytes, constant ranges and field offsets, the section spans and alignment gaps, the warm
   read plan), built once per (header template, read plan) and passed by reference;
 - ``load_page``: open the fan-out directory and the file with the caller's flags, check plain
-  file / one link / exact size (and first block cached), read piece by piece with each
-  piece's sections hashed while in cache, close; then, still without the GIL, check the header
+  file / one link / exact size, read piece by piece with each piece's sections hashed while
+  in cache (a file whose first block is not cached: O_DIRECT in one request, then hashed),
+  close; then, still without the GIL, check the header
   byte for byte against the template (``HeaderTemplate.parse``'s rules: header checksum, key,
   every constant byte), extract the header's section sums, compare them with the computed
   ones and check the alignment gaps are zero;
@@ -36,6 +37,7 @@ after construction. Safe from any number of threads at once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,15 +88,18 @@ def frame_array(frame: memoryview) -> Any:
 
 
 def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, key: bytes,
-              flags: tuple[int, int], check_cache: bool, frame: Any, file_off: int,
-              ) -> tuple[int, tuple[int, int, int] | None, list[int], list[int]] | None:
+              flags: tuple[int, int], check_cache: bool, frame: Any, file_off: int, direct_len: int = 0,
+              ) -> tuple[int, tuple[int, int, int] | None, list[int], list[int], bool] | None:
     """Load the page file ``fanout_name/file_name`` into ``frame`` at ``file_off`` (the header
     first, the page right after it) and check it (module docstring): one GIL release.
+    ``check_cache``: a file whose first block is not in the page cache is read with O_DIRECT
+    in one request of ``direct_len`` bytes (the ALIGN-padded file; ``frame`` at ``file_off``
+    aligned), or handed back (LOAD_COLD) when ``direct_len`` is 0 or O_DIRECT is refused.
 
     Returns (code, file identity (st_dev, st_ino, st_ctime_ns) or None, computed section sums,
-    the header's section sums), or None when the native path is not ready. code: 0 the page is
-    good; LOAD_BAD_SUM / LOAD_BAD_GAP damage (identity set); anything else negative: the
-    Python path redoes the load."""
+    the header's section sums, read with O_DIRECT), or None when the native path is not ready.
+    code: 0 the page is good; LOAD_BAD_SUM / LOAD_BAD_GAP damage (identity set); anything else
+    negative: the Python path redoes the load."""
     kernels = native.page_kernels()
     if kernels is None:
         return None
@@ -105,16 +110,16 @@ def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, 
     header_sums = np.empty(shape.sections, dtype=np.uint64)
     scratch = np.zeros(32, dtype=np.int64)
     got = kernels[0](rank_fd, names, len(fanout_name) + 1, key_at, flags[0], flags[1], shape.size,
-                     int(check_cache), frame, file_off, shape.plan, shape.load_spans, shape.gaps, shape.blank,
+                     int(check_cache), direct_len, frame, file_off, shape.plan, shape.load_spans, shape.gaps, shape.blank,
                      shape.const_ranges, shape.sum_offsets, shape.key_off, shape.sum_off, out, header_sums, scratch)
     if got == shape.plan_end:
         code = 0
     elif got in (LOAD_BAD_SUM, LOAD_BAD_GAP):
         code = int(got)
     else:
-        return int(got) if got < 0 else native.LOAD_READ_FAILED, None, [], []
+        return int(got) if got < 0 else native.LOAD_READ_FAILED, None, [], [], False
     ident = (int(scratch[0]), int(scratch[1]), int(scratch[13]) * 1_000_000_000 + int(scratch[14]))
-    return code, ident, out.tolist(), header_sums.tolist()
+    return code, ident, out.tolist(), header_sums.tolist(), bool(scratch[26])
 
 
 def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, key: bytes,
@@ -154,6 +159,8 @@ def build(numba: Any, xxh3: Any, libc: Any, read_pieces: Any, write_file: Any) -
     sums_ro = t.Array(t.uint64, 1, "C", readonly=True)
     scratch_t = t.Array(i64, 1, "C")
     openat, close, fstat, fstatat, syscall = libc["openat"], libc["close"], libc["fstat"], libc["fstatat"], libc["syscall"]
+    fcntl, pread = libc["fcntl"], libc["pread"]
+    f_getfl, f_setfl, o_direct = 3, 4, getattr(os, "O_DIRECT", 0)
     load_open_failed, load_not_plain, load_cold, load_read_failed = (
         native.LOAD_OPEN_FAILED, native.LOAD_NOT_PLAIN, native.LOAD_COLD, native.LOAD_READ_FAILED)
     store_exists, store_no_dir = native.STORE_EXISTS, native.STORE_NO_DIR
@@ -171,13 +178,14 @@ def build(numba: Any, xxh3: Any, libc: Any, read_pieces: Any, write_file: Any) -
         for b in range(8):
             a[at + b] = numba.uint8((v >> numba.uint64(8 * b)) & numba.uint64(0xFF))
 
-    @numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, rows, rows, rows, bytes_ro, rows,
-                    vec, i64, i64, sums_t, sums_t, scratch_t), nogil=True, cache=False)
+    @numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, i64, frame_t, i64, rows, rows, rows, bytes_ro,
+                    rows, vec, i64, i64, sums_t, sums_t, scratch_t), nogil=True, cache=False)
     def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
-                  check_cache: int, frame: Any, file_off: int, pieces: Any, spans: Any, gaps: Any, blank: Any,
-                  const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, out: Any, header_sums: Any,
-                  scratch: Any) -> int:
-        # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out.
+                  check_cache: int, direct_len: int, frame: Any, file_off: int, pieces: Any, spans: Any, gaps: Any,
+                  blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, out: Any,
+                  header_sums: Any, scratch: Any) -> int:
+        # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out,
+        # [26] 1 when the file was read with O_DIRECT.
         d = openat(rank_fd, names.ctypes.data, dir_flags)
         if d < 0:
             return load_open_failed
@@ -189,16 +197,37 @@ def build(numba: Any, xxh3: Any, libc: Any, read_pieces: Any, write_file: Any) -
         if fstat(f, stat_at) != 0 or (scratch[3] & 0o170000) != 0o100000 or scratch[2] > 1 or scratch[6] != size:
             close(f)
             return load_not_plain
+        cold = False
         if check_cache != 0:
             scratch[18] = 0
             scratch[19] = 4096
             if syscall(451, f, stat_at + 18 * 8, stat_at + 20 * 8, 0) != 0 or scratch[20] == 0:
-                close(f)
-                return load_cold
+                # Not cached: read it with O_DIRECT in one request (pread_pieces' pieces would
+                # each wait for the disk), or hand it back when that is not possible here.
+                flags = fcntl(f, f_getfl, 0)
+                if direct_len <= 0 or flags < 0 or fcntl(f, f_setfl, flags | o_direct) != 0:
+                    close(f)
+                    return load_cold
+                cold = True
         hl = blank.shape[0]
         base = frame.ctypes.data + file_off
-        got = read_pieces(f, base, hl, pieces, spans, out)
-        close(f)
+        if cold:
+            got = 0
+            while got < direct_len:
+                n = pread(f, base + got, direct_len - got, got)
+                if n <= 0:
+                    break
+                got += n
+            close(f)
+            if got < size:  # EINVAL (refused here), an error or a short file: the Python path
+                return load_cold if got == 0 else load_read_failed
+            for i in range(spans.shape[0]):
+                out[i] = xxh3(base + hl + spans[i, 0], spans[i, 1] - spans[i, 0])
+            scratch[26] = 1
+            got = pieces[pieces.shape[0] - 1, 1]
+        else:
+            got = read_pieces(f, base, hl, pieces, spans, out)
+            close(f)
         if got < 0:
             return load_read_failed
         if pieces.shape[0] and got != pieces[pieces.shape[0] - 1, 1]:

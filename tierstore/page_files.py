@@ -18,9 +18,10 @@ runs and what its result means (queue, slots, stats, settle); this module only d
   read with O_DIRECT in one request when ``direct_loads``. A header that is not byte for byte
   ours (another codec or header length, damage) goes through ``pagefile.read_page_fd``, which
   names the error. Once ``native`` has compiled, the common case (a plain file of exactly
-  our size, cached) is opened, checked, read, hashed and closed in one GIL-free call
-  (``_load_native``; one GIL hand-off per page instead of ~8), with the same checks after it;
-  anything else falls back to the path above. The identity of the file read is left in ``slot._source`` (for
+  our size and header, cached or read with O_DIRECT) is opened, checked, read, hashed and
+  closed in one GIL-free call (``_load_native``, ``native_page.load_page``; one GIL hand-off
+  per page instead of ~8), header, checksum and gap checks included; anything else falls back
+  to the path above. The identity of the file read is left in ``slot._source`` (for
   ``remove_damaged``); errors are ``PageError``s, never served bytes.
 - ``remove_damaged``: removes the file a load read, and only that one
   (``pagefile.remove_damaged_at`` compares file identity): a file republished under the name
@@ -248,8 +249,9 @@ class PageFiles:
 
     def _load_native(self, key: bytes, slot: StagingSlot, tmpl: HeaderTemplate, path: str,
                      verify: bool) -> tuple[int, tuple[int, ...] | None] | None:
-        """The common warm load in one GIL-free call (``native_page.load_page``: open, fstat,
-        read, hash, close, then the same header, checksum and gap checks as ``read_own_page``;
+        """The common load in one GIL-free call (``native_page.load_page``: open, fstat, read
+        (O_DIRECT when not cached and ``direct_loads``), hash, close, then the same header,
+        checksum and gap checks as ``read_own_page``;
         ``verify=False``: read in one request, nothing hashed, the header's sums returned).
         None: the native path is not ready or the file is not the common case (missing, cold,
         another size or header); the caller's Python path redoes the load and names any error."""
@@ -260,12 +262,15 @@ class PageFiles:
         except (PageError, OSError):
             return None
         shape = self._shape(len(key), verify)
+        file_off = self.geometry.header_room - shape.header_len  # ALIGN-aligned (HEADER_ALIGN)
+        direct_len = shape.header_len + self.geometry.padded_nbytes if self.direct_loads else 0
         got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, _NATIVE_OPEN_FLAGS,
-                                    self.direct_loads, self._frame_array(slot),
-                                    self.geometry.header_room - shape.header_len)
+                                    self.direct_loads, self._frame_array(slot), file_off, direct_len)
         if got is None:
             return None
-        code, slot._source, sums, header_sums = got
+        code, slot._source, sums, header_sums, direct = got
+        if direct:
+            self._count("loads_odirect")
         if code == native_page.LOAD_BAD_SUM:
             pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=path, key=key)
         if code == native_page.LOAD_BAD_GAP:
