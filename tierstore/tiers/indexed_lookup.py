@@ -22,7 +22,10 @@ Contract:
   is a hit when, for every rank of the current TP, its own slice is on some tier or
   ``head_slices.cover`` finds slices on the shared root that hold its heads (the worker's
   ``HeadSliceStore`` assembles from the root only). A key's identity is the tuple of every
-  slice file found.
+  slice file found. Two shortcuts give the same verdict without the rule: every current rank
+  finds the key under its own slice (a hit: the TP that wrote a page reads it), or no index
+  that may hold pages has it (a miss; ``_every`` leaves out the slice directories found
+  empty at the last listing, never the current ranks' own, and is rebuilt after each).
 - ``removals`` counts the events after which a True answer may have become False (a page
   left an index: ``PageIndex.on_removal``; the shared tier went down); ``on_removal(fn)``
   listeners run on that event's thread, before ``shared_up`` reads False. Callers that cache
@@ -158,6 +161,19 @@ class IndexedLookup:
             None if self._slice_group(g) is not None or len(ranks) != 1
             else ([t.indexes[g][0] for t in self.tiers], [t.indexes[g][0] for t in self.tiers if t.health is None])
             for g, ranks in enumerate(self.shared.indexes)]
+        # Per head-sliced group: for each rank of the current TP whose own slice is a directory
+        # of the group, that slice's index on every tier (and on the tiers without health);
+        # None when some rank's slice is not one of them. A page every rank finds under its
+        # own slice is a hit without looking at the other slices (the common case: the TP
+        # that wrote the page reads it).
+        self._own: list[tuple[list[list[PageIndex]], list[list[PageIndex]]] | None] = [
+            self._own_slices(g) for g in range(len(self.shared.indexes))]
+        # Per group: every index of it that may hold a page, on every tier (and on the tiers
+        # without health), widest slices first (where another TP's pages most likely are): a key
+        # none of them has (a first sight of a new prompt) is answered in one pass. Rebuilt
+        # after each listing without the slices found empty (most of them: one TP writes a
+        # cache), except the current ranks' own (this process's stores land there at once).
+        self._every: list[tuple[list[PageIndex], list[PageIndex]]] = self._may_hold()
         self.results: queue.SimpleQueue[list[tuple[Any, PageIdentity | None]]] = queue.SimpleQueue()
         self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
         # Stuck threads stay stuck in a hung mount; nothing new is submitted while it is down.
@@ -222,13 +238,43 @@ class IndexedLookup:
     def _slice_group(self, group: int) -> SliceGroup | None:
         return self.slices[group] if group < len(self.slices) else None
 
+    def _own_slices(self, group: int) -> tuple[list[list[PageIndex]], list[list[PageIndex]]] | None:
+        sg = self._slice_group(group)
+        if sg is None or any(n not in sg.have for n in sg.need):
+            return None
+        at = [sg.have.index(n) for n in sg.need]
+        return ([[t.indexes[group][i] for t in self.tiers] for i in at],
+                [[t.indexes[group][i] for t in self.tiers if t.health is None] for i in at])
+
+    def _may_hold(self) -> list[tuple[list[PageIndex], list[PageIndex]]]:
+        """``_every``: per group, the indexes not listed yet, not empty, or a current rank's own."""
+        out = []
+        for g in range(len(self.shared.indexes)):
+            sg = self._slice_group(g)
+            order = (sorted(range(len(sg.have)), key=lambda i: -sg.have[i].count) if sg is not None
+                     else range(len(self.shared.indexes[g])))
+            own = {id(ix) for ixs in (self._own[g] or ([], []))[0] for ix in ixs}
+            keep = [t.indexes[g][i] for i in order for t in self.tiers
+                    if id(t.indexes[g][i]) in own or not t.indexes[g][i].loaded or len(t.indexes[g][i])]
+            healthy = {id(ix) for t in self.tiers if t.health is None for ix in t.indexes[g]}
+            out.append((keep, [ix for ix in keep if id(ix) in healthy]))
+        return out
+
     def answer(self, group: int, key: bytes) -> bool | None:
         plain = self._plain[group]
         if plain is not None:  # _answer_rank for one rank, flat (the hot path)
             return contains_any(plain[0] if self._shared_live else plain[1], xxh3_64_intdigest(key))
         sg = self._slice_group(group)
         if sg is not None:
-            return self._answer_slices(sg, group, key, self.tiers)
+            fp = xxh3_64_intdigest(key)
+            live = 0 if self._shared_live else 1
+            own = self._own[group]
+            if own is not None and all(contains_any(ixs, fp) for ixs in own[live]):
+                return True  # every rank's own slice is there: covered (SliceGroup.covered)
+            anywhere = contains_any(self._every[group][live], fp)
+            if not anywhere:
+                return anywhere  # in no index: False, or None while some is not listed yet
+            return self._answer_slices(sg, group, fp, self.tiers)
         return all_ranks([self._answer_rank(group, r, key) for r in range(len(self.shared.indexes[group]))])
 
     def _answer_rank(self, group: int, rank: int, key: bytes) -> bool | None:
@@ -243,8 +289,9 @@ class IndexedLookup:
             unknown |= found is None
         return None if unknown else False
 
-    def _answer_slices(self, sg: SliceGroup, group: int, key: bytes, tiers: Sequence[TierIndexes]) -> bool | None:
-        """``SliceGroup.covered`` from the indexes; None when undecided and not yet covered."""
+    def _answer_slices(self, sg: SliceGroup, group: int, fp: int, tiers: Sequence[TierIndexes]) -> bool | None:
+        """``SliceGroup.covered`` from the indexes (``fp``: the key's fingerprint); None when
+        undecided and not yet covered."""
         anywhere = [False] * len(sg.have)
         on_root = [False] * len(sg.have)
         unknown = False
@@ -252,7 +299,7 @@ class IndexedLookup:
             if not tier.up:
                 continue
             for i, ix in enumerate(tier.indexes[group]):
-                found = ix.contains(key)
+                found = ix.contains_fp(fp)
                 anywhere[i] |= found is True
                 on_root[i] |= found is True and tier is self.shared
                 unknown |= found is None
@@ -266,7 +313,7 @@ class IndexedLookup:
             return False
         sg = self._slice_group(group)
         if sg is not None:
-            return self._answer_slices(sg, group, key, [t])
+            return self._answer_slices(sg, group, xxh3_64_intdigest(key), [t])
         return all_ranks([ix.contains(key) for ix in t.indexes[group]])
 
     def probe(self, items: list[ProbeItem]) -> None:
@@ -349,11 +396,13 @@ class IndexedLookup:
     def _load_loop(self) -> None:
         t0 = time.monotonic()
         self.list_all()
+        self._every = self._may_hold()  # one assignment: the scheduler sees the old or the new
         self.first_load_s = time.monotonic() - t0
         log.info("tierstore: page index loaded in %.2f s (%s)", self.first_load_s,
                  ", ".join(f"{t.name}: {sum(len(ix) for ix in t.all_indexes())} files" for t in self.tiers))
         while self.refresh_s > 0 and not self._stop.wait(self.refresh_s):
             self.list_all()
+            self._every = self._may_hold()
             self.counters["refreshes"] += 1
 
     def list_all(self) -> None:
