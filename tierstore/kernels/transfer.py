@@ -177,6 +177,7 @@ class PageTransfer:
             self.scratch = torch.empty(scratch_pages, self.nbytes, dtype=torch.uint8, device=self.device)
             self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
             self._warned_unpinned = False
+            self._pinned_seen: set[int] = set()  # slot addresses checked by _check_pinned
         else:
             self.capacity = 0
         self.hasher: Any = None
@@ -289,11 +290,17 @@ class PageTransfer:
         return dev
 
     def _check_pinned(self, tensors: Sequence[torch.Tensor]) -> None:
-        if not self._warned_unpinned and any(not t.is_pinned() for t in tensors):
+        # Each slot once: ``is_pinned`` asks the CUDA allocator (~µs a call, and the worker
+        # thread's time is the pipeline's cap: docs/measurements/scaling.md).
+        if self._warned_unpinned:
+            return
+        new = [t for t in tensors if t.data_ptr() not in self._pinned_seen]
+        if any(not t.is_pinned() for t in new):
             logger.warning(
                 "staging slots are not pinned: host<->GPU copies will block the calling thread; "
                 "create the IOEngine with pin=True")
             self._warned_unpinned = True
+        self._pinned_seen.update(t.data_ptr() for t in new)
 
     def _slot_tensors(self, slots: list[Any], block_ids: torch.Tensor) -> list[torch.Tensor]:
         tensors = [_slot_tensor(s) for s in slots]
