@@ -108,17 +108,28 @@ REQUEST_GROUPS = 2  # vLLM groups of the 32k request (both map to the tree's tie
 
 
 def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
-                 freeze: Callable[[], None] | None = None) -> dict[str, Any]:
+                 freeze: Callable[[], None] | None = None, kv_heads: int = 0) -> dict[str, Any]:
     """One target: index lookups (first sight, again), the 32k request, and (unless ``freeze``
-    hangs the mount: ``hung``) the stat baselines."""
+    hangs the mount: ``hung``) the stat baselines. ``kv_heads`` > 0: the group is stored as
+    head slices of that many KV heads (the default layout of attention models: the tree's
+    ``r0`` plus every other TP's slice directory, here empty), read at TP=1."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
+    from tierstore.tiers.head_slices import HeadRange, split_dir_name, tp_slices
+    from tierstore.tiers.indexed_lookup import SliceGroup
     from tierstore.vllm.manager import TierStoreManager
 
     mapper = FileMapper(root, NS, 0)
+    mappers: list[Any] = [mapper]
+    slices = None
+    if kv_heads:
+        have = tuple(tp_slices(kv_heads))
+        mappers = [[FileMapper(root, NS, 0, h.start // h.count, "r0" if h.count == kv_heads else split_dir_name(h))
+                    for h in have]]
+        slices = [SliceGroup(have, (HeadRange(0, kv_heads),))]
     t0 = time.perf_counter()
-    manager = TierStoreManager([mapper], {g: 0 for g in range(REQUEST_GROUPS)}, [16], [False], index_refresh_s=0,
-                               shared_deadline_s=1.0 if freeze else 30.0)
+    manager = TierStoreManager(mappers, {g: 0 for g in range(REQUEST_GROUPS)}, [16], [False], index_refresh_s=0,
+                               shared_deadline_s=1.0 if freeze else 30.0, slices=slices)
     ready_s = time.perf_counter() - t0  # what engine start waits for
     while not manager.pages.loaded:
         time.sleep(0.01)
@@ -325,6 +336,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="keys for the stat baselines on local/sshfs (latency targets: 200 at 1 ms, 40 at 10 ms)")
     ap.add_argument("--targets", default="local,sshfs,lat1,lat10,hung")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc measurement")
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="look up a head-sliced group of this many KV heads (attention models' default "
+                         "layout: one index per slice directory any TP writes); 0: one directory")
     ap.add_argument("--json", action="store_true")
 
 
@@ -340,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     for target in args.targets.split(","):
         n_slow = {"lat1": 200, "lat10": 40}.get(target, args.baseline_keys)
         with mounted(target, args.work) as (root, freeze):
-            results.append(bench_target(target, root, args.pages, args.keys, n_slow, freeze))
+            results.append(bench_target(target, root, args.pages, args.keys, n_slow, freeze, args.kv_heads))
     if args.json:
         print(json.dumps({"memory": memory, "results": results}, indent=2))
     else:
