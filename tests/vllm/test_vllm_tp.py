@@ -6,7 +6,8 @@ same keys), a fresh engine restores the prefix with identical tokens, damaging r
 only makes that request recompute with identical tokens and rank 1 store its pages again when
 the next engine misses them (then a full hit: issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and
 fsck/stats report both ranks. Reuse across a TP change (docs/DESIGN.md §9): pages written
-at TP=2 hit at TP=1 and pages written at TP=1 hit at TP=2, identical tokens. 8 engine starts
+at TP=2 hit at TP=1 and pages written at TP=1 hit at TP=2, identical tokens, with a local tier
+in front of the shared root in those three engines (a TierChain at TP=2). 8 engine starts
 (6 with 2 worker processes) in one subprocess: the slowest vLLM test (see the report).
 """
 
@@ -146,4 +147,7 @@ def test_tp_change_pages_written_at_tp1_hit_at_tp2(tp_run) -> None:
     assert all(ln["stored_back"] == 2 for ln in lines), lines
     ns_tp1 = namespace_dir(root.with_name(root.name + "-tp1"))
     assert sorted(p.parent.parent.name for p in ns_tp1.glob("g0/h*/*/*.kvp")) == ["h0-1"] * 2 + ["h1-1"] * 2
+    # ... in both tiers of the TP=2 chain: its local tier holds the same slices, no r<rank>
+    local = namespace_dir(root.with_name(root.name + "-local-tp2_from_tp1"))
+    assert sorted(p.parent.parent.name for p in local.glob("g0/*/*/*.kvp")) == ["h0-1"] * 2 + ["h1-1"] * 2
     print(f"TP 1->2: {lines}")

@@ -43,9 +43,10 @@ ENGINE_KW: dict[str, Any] = dict(
 )
 
 
-def run_engine(model: str, root: str, ids: list[int], tp: int = 2, **engine_kw: Any) -> dict[str, Any]:
-    """One fresh engine at ``tp`` on ``root`` (``engine_kw`` overrides ``ENGINE_KW``): greedy tokens,
-    cached tokens, seconds."""
+def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: str | None = None,
+               **engine_kw: Any) -> dict[str, Any]:
+    """One fresh engine at ``tp`` on ``root`` (``local_root``: with a local tier in front;
+    ``engine_kw`` overrides ``ENGINE_KW``): greedy tokens, cached tokens, seconds."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -53,7 +54,8 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, **engine_kw: 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"  # one core per rank
     llm = LLM(model=model, kv_transfer_config=KVTransferConfig(
         kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
-        kv_connector_extra_config={"root": root}), **{**ENGINE_KW, **engine_kw, "tensor_parallel_size": tp})
+        kv_connector_extra_config={"root": root, **({"local_root": local_root} if local_root else {})}),
+        **{**ENGINE_KW, **engine_kw, "tensor_parallel_size": tp})
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)  # logprobs=0: the chosen token's
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
@@ -101,9 +103,12 @@ def main() -> None:
         rank_files = {r: len(list(Path(root).glob(f"*/g*/{rank_dir(r)}/*/*.kvp"))) for r in (0, 1)}
         print("RESULT " + json.dumps({"phase": phase, "files_before": rank_files, **run_engine(model, root, ids)}),
               flush=True)
+    # The TP changes run with a local tier in front of the shared root (a fresh one each: the
+    # reader's node has none of the pages), so a TierChain at TP=2 is what writes and assembles.
     for phase, where, tp in (("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1), ("tp2_from_tp1", root + "-tp1", 2)):
         print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
-        print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp)}), flush=True)
+        local = f"{root}-local-{phase}"
+        print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp, local)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,6 @@ class TierChain:
         self.metrics = reg = metrics if metrics is not None else default_registry()
         self.m_host, self.m_local, self.m_shared = reg.tier("host"), reg.tier("local"), reg.tier("shared")
         self.tokens_per_page = namespace.groups[group_index].tokens_per_chunk
-        self.scope = f"{namespace.digest}/g{group_index}/r{rank}"
         self.local = (LocalTier(config, namespace, group_index, rank, self.m_local, local_index, **engine_kwargs)
                       if config.local_root else None)
         self.shared = SharedTier(config, namespace, group_index, rank, self.m_shared, **engine_kwargs) if shared else None
@@ -106,6 +105,8 @@ class TierChain:
             raise PageTimeout(f"the shared root {config.root} did not open within the deadline "
                               'and there is no local tier to stage pages; set "local_root"')
         self._front = front
+        # The host tier's keys: this chain's directory (``r<rank>``, or a head slice's ``h<s>-<c>``).
+        self.scope = f"{namespace.digest}/g{group_index}/{self.front.mapper.rank_dir}"
         self.host = (HostStore(host, self.scope, front, self.m_host, self.tokens_per_page)
                      if host is not None and config.host_bytes > 0 else None)
         self.tiers: list[ChainTier] = [t for t in (self.host, self.local, self.shared) if t is not None]

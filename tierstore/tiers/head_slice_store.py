@@ -215,7 +215,8 @@ class HeadSliceStore:
         ids = set(job_ids)
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            inner_ids = ids & self._loads  # a job already handed to a fallback is not the inner store's
+            # Every job but one already handed to a fallback is the inner store's (loads and stores)
+            inner_ids = ids - self._fallbacks.keys()
         out = self._route(self.inner.wait(inner_ids, timeout)) if inner_ids else []
         with self._lock:
             futures = [f for j, f in self._fallbacks.items() if j in ids]

@@ -56,7 +56,6 @@ class LocalTier(EngineTier):
         engine = IOEngine(config.local_root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
         super().__init__("local", engine, metrics, namespace.groups[group_index].tokens_per_chunk)
         self.config = config
-        self._size_key = (namespace, group_index, rank)
         try:
             self.index = index if index is not None else LocalIndex(config.local_root, config.local_max_bytes)
         except (sqlite3.Error, OSError) as exc:
@@ -100,9 +99,10 @@ class LocalTier(EngineTier):
     def file_size_estimate(self, key: bytes) -> int:
         """Upper bound of a page file's size (exact for codec none)."""
         n = self._header_lens.get(len(key))
-        if n is None:
-            ns, group_index, rank = self._size_key
-            n = self._header_lens[len(key)] = page_file_size(ns, group_index, len(key), rank)
+        if n is None:  # the engine's own header and layout (a head slice's at TP > 1)
+            eng = self.engine()
+            assert eng is not None
+            n = self._header_lens[len(key)] = eng._header_len(len(key)) + eng.layout.nbytes
         # zstd frames of incompressible data can be slightly larger than the raw bytes
         slack = 0 if self.config.codec == "none" else 64 * len(self.layout.sections) + 4096
         return n + slack

@@ -348,20 +348,17 @@ def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
     return cpu_attention_isa(spec, cache_dtype)
 
 
-def head_sliced(layouts: list[PageLayout], parallel: Any, ts_config: TierStoreConfig) -> bool:
+def head_sliced(layouts: list[PageLayout], parallel: Any) -> bool:
     """Whether pages are stored as slices readable at any TP (docs/DESIGN.md §9): every
     offloaded group's (rank) layout is sliceable (attention / sliding window: KV heads; Gated
-    DeltaNet: linear key heads, ``head_slices.slice_units``; Mamba1/2 states are not), no other
-    parallelism splits the cache, and at TP > 1 no host or local tier is configured
-    (``TierChain`` has no slice directories yet; such setups stay per-TP)."""
+    DeltaNet: linear key heads, ``head_slices.slice_units``; Mamba1/2 states are not) and no
+    other parallelism splits the cache. A host or local tier keeps the rank's slice directory
+    too (``TierChain`` passes it to every tier)."""
     if not layouts or any(slice_units(lay) is None for lay in layouts):
         return False
     others = (parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
               getattr(parallel, "prefill_context_parallel_size", 1))
-    if any(n != 1 for n in others):
-        return False
-    chain = bool(ts_config.local_root) or ts_config.host_bytes > 0
-    return parallel.tensor_parallel_size == 1 or not chain
+    return all(n == 1 for n in others)
 
 
 def full_tp_layout(layout: PageLayout, tp_size: int) -> PageLayout:
@@ -383,7 +380,7 @@ def build_namespace(
     rank_layouts = [group_layout(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec, tuple(g.layer_names),
                                  g.tokens_per_block * offloading_config.cache.blocks_per_chunk,
                                  kv_storage_dtype(cache_dtype))[1] for g in offloading_config.groups]
-    sliced = head_sliced(rank_layouts, par, ts_config)
+    sliced = head_sliced(rank_layouts, par)
     # Slices: the page is the full (TP=1) one (at TP=1 the rank's heads are all of them).
     total_heads = vllm_config.model_config.get_total_num_kv_heads() if sliced else None
     groups = []

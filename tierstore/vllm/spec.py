@@ -228,7 +228,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         mine = rank_heads(full, self.config.parallel.tp_size, self.rank)
         if mine.count == full:  # TP=1: r0, the group's layout, headers as before
             inner = open_group_store(self.ts_config, self.namespace, i, rank=0, staging_slots=slots, pin=pin)
-        else:  # head_sliced() guarantees a plain IOEngine (no host or local tier) at TP > 1
+        else:  # the rank's slice directory and layout, in every tier of a chain too
             inner = open_group_store(self.ts_config, self.namespace, i, rank=mine.start // mine.count,
                                      head_start=mine.start, head_count=mine.count, staging_slots=slots, pin=pin,
                                      rank_dir=split_dir_name(mine), layout=layout)

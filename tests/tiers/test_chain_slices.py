@@ -1,0 +1,81 @@
+"""Head slices through a ``TierChain`` (a local tier in front of the shared root): at TP > 1
+every tier keeps the rank's slice directory, so pages survive a TP change with a local tier
+configured (issue 13): TP=2 ranks store their halves locally and on the shared root, a TP=1
+reader with its own local tier assembles the page from the shared halves and stores it back
+under ``r0`` in both of its tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tierstore.config import TierStoreConfig
+from tierstore.testing.pages import page_bytes, page_key, simple_namespace
+from tierstore.tiers import close_shared_state, open_group_store
+from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+from tierstore.tiers.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
+
+H = HeadRange
+NS = simple_namespace("bfloat16", num_kv_heads=2)
+FULL = NS.groups[0].layout
+
+
+def _rank_store(tmp_path: Path, node: str, heads: HeadRange) -> tuple[HeadSliceStore, DirectorySlices]:
+    """One rank's store as ``TierStoreSpec._open_store`` builds it: its own local root, the
+    shared root, its slice directory and layout in every tier, wrapped for assembly."""
+    config = TierStoreConfig(root=str(tmp_path / "shared"), local_root=str(tmp_path / node), odirect="off")
+    full = heads.count == FULL.sections[0].shape[0]
+    layout = FULL if full else slice_layout(FULL, heads)
+    inner = open_group_store(config, NS, 0, rank=heads.start // heads.count, head_start=0 if full else heads.start,
+                             head_count=0 if full else heads.count, staging_slots=6,
+                             rank_dir="r0" if full else split_dir_name(heads), layout=layout)
+    source = DirectorySlices(tmp_path / "shared" / NS.digest / "g0", NS.digest_bytes, 0, FULL, refresh_s=0)
+    return HeadSliceStore(inner, heads, FULL, source), source
+
+
+def _slice(full: bytes, heads: HeadRange) -> bytes:
+    layout = slice_layout(FULL, heads)
+    out = bytearray(layout.nbytes)
+    copy_heads(memoryview(full), FULL, H(0, 2), memoryview(out), layout, heads)
+    return bytes(out)
+
+
+def _store(store: HeadSliceStore, key: bytes, data: bytes) -> None:
+    slot = store.acquire_slot(10)
+    assert slot is not None
+    slot.view[: len(data)] = data
+    (res,) = store.wait([store.submit_store(key, slot, 16)], 10)
+    assert res.ok and res.stored, res.error
+    assert store.flush(10)
+
+
+def test_tp2_halves_in_both_tiers_assemble_for_a_tp1_reader_with_its_own_local_tier(tmp_path: Path) -> None:
+    key = page_key(5)
+    full = page_bytes(FULL, key)
+    try:
+        for heads in (H(0, 1), H(1, 1)):  # the two TP=2 ranks of node a
+            store, source = _rank_store(tmp_path, "local-a", heads)
+            _store(store, key, _slice(full, heads))
+            for tier in ("local-a", "shared"):  # the slice directory on both tiers, never r<rank>
+                assert (tmp_path / tier / NS.digest / "g0" / split_dir_name(heads)).is_dir(), tier
+                assert not (tmp_path / tier / NS.digest / "g0" / f"r{heads.start}").exists(), tier
+            store.close()
+            source.close()
+        reader, source = _rank_store(tmp_path, "local-b", H(0, 2))  # TP=1, another node's local tier
+        assert source.listed.wait(5)
+        (res,) = reader.wait([reader.submit_load(key)], 10)
+        assert res.ok and res.verified, res.error
+        assert bytes(res.slot.view[: len(full)]) == full
+        reader.release_slot(res.slot)
+        assert reader.flush(10)
+        st = reader.stats
+        assert st["slice_loads"] == 1 and st["slice_files"] == 2 and st["slice_stored_back"] == 1
+        for tier in ("local-b", "shared"):  # stored back under the reader's own r0, in both tiers
+            assert any((tmp_path / tier / NS.digest / "g0" / "r0").rglob(f"{key.hex()}.kvp")), tier
+        (again,) = reader.wait([reader.submit_load(key)], 10)
+        assert again.ok and bytes(again.slot.view[: len(full)]) == full
+        reader.release_slot(again.slot)
+        assert reader.stats["slice_loads"] == 1  # the second hit: its own file
+        reader.close()
+        source.close()
+    finally:
+        close_shared_state()
