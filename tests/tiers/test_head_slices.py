@@ -139,7 +139,8 @@ def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: 
         # a key no slice holds stays a plain miss; a damaged slice is a checksum failure
         (miss,) = store.wait([store.submit_load(page_key(99))], 10)
         assert not miss.ok and miss.error.kind == "missing"
-        corrupt_flip_bit(slices.locate(written[-1], key)[0], -60)
+        damaged = slices.locate(written[-1], key)[0]
+        corrupt_flip_bit(damaged, -60)
         job = store.submit_load(key)
         got: list = []
         deadline = time.monotonic() + 10
@@ -147,6 +148,9 @@ def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: 
             got = store.poll()
         assert len(got) == 1 and not got[0].ok and got[0].error.kind == "checksum" and got[0].slot is None
         assert store.free_slots == 4
+        # the damaged covering file is removed (that file only): the next reader does not pay for it
+        assert not damaged.exists() and store.stats["slice_damaged_removed"] == 1
+        assert all(slices.locate(h, key)[0].exists() for h in written[:-1])
     finally:
         store.close()
         slices.close()

@@ -17,6 +17,8 @@ Contract:
   a copy in a second slot goes through the inner store's ordinary store, so the next hit of
   the key reads one file of the rank's size; the read amplification of a TP change is paid
   once per page. The store's result comes back through ``poll``/``wait`` like any store's.
+- A covering file that fails verification (bad content) is removed, that file only (its
+  identity as read), like an engine's own damaged pages: ``slice_damaged_removed``.
 - ``stats`` adds ``slice_loads`` (served from other slices), ``slice_bytes_read``,
   ``slice_bytes_scattered``, ``slice_files``, ``slice_failures`` and ``slice_stored_back``:
   the measured cost of serving across a TP change (docs/DESIGN.md §9).
@@ -41,6 +43,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any, Protocol
 
+from tierstore import page_index, pagefile
 from tierstore.errors import PageError
 from tierstore.format import PageExpectation, PageLayout
 from tierstore.mapper import PAGE_SUFFIX, fanout
@@ -136,7 +139,7 @@ class HeadSliceStore:
         self._own_stores: set[int] = set()  # store-backs: their results are not the caller's
         self._counters = {"slice_loads": 0, "slice_bytes_read": 0, "slice_bytes_scattered": 0, "slice_files": 0,
                           "slice_failures": 0, "slice_stored_back": 0,
-                          "slice_store_back_failures": 0}
+                          "slice_store_back_failures": 0, "slice_damaged_removed": 0}
 
     # ------------------------------------------------------------ delegated
     def acquire_slot(self, timeout: float | None = 0) -> Any:
@@ -223,6 +226,30 @@ class HeadSliceStore:
         wait_futures(futures, timeout=None if end is None else max(0.0, end - time.monotonic()))
         return out + self._done_fallbacks(ids)
 
+    def _remove_damaged(self, heads: HeadRange, path: Path, identity: Any, key: bytes, error: PageError) -> None:
+        """Remove a covering file that failed verification, and only the file that was read (as
+        an engine does with its own damaged pages): its writer's next store of the key replaces
+        it, and no other reader pays for reading it. Through the slice directory's fd, no
+        symlink followed; never raises."""
+        parts = path.parts
+        root, rel = Path(*parts[:-5]), parts[-5:-2]  # ROOT / <ns> / g<g> / <slice> / <aa> / <name>
+        dirs = pagefile.RankDir(root, rel)
+        try:
+            dir_fd = dirs.fanout(parts[-2], where=str(path), key=key)
+        except (PageError, OSError):
+            dirs.close()
+            return  # gone, or a directory on the way is not ours: nothing is touched
+        try:
+            removed = pagefile.remove_damaged_at(dir_fd, parts[-1], identity)
+        finally:
+            os.close(dir_fd)
+            dirs.close()
+        if removed:
+            page_index.note_removed(path.parent.parent, key)
+            logger.warning("removed damaged slice file %s (%s)", path, error)
+            with self._lock:
+                self._counters["slice_damaged_removed"] += 1
+
     def _store_back(self, key: bytes, slot: Any, token_count: int) -> int:
         """Store an assembled page under the rank's own slice, so the next hit reads one file of
         its own size (the TP change's read amplification is paid once per page, not per hit).
@@ -252,7 +279,8 @@ class HeadSliceStore:
         if slot is None:
             return missing  # the request recomputes; nothing was read
         try:
-            cost = assemble(self.heads, plan, self.full_layout, slot.view, lambda h: self.slices.locate(h, key))
+            cost = assemble(self.heads, plan, self.full_layout, slot.view, lambda h: self.slices.locate(h, key),
+                            on_damage=lambda h, path, ident, exc: self._remove_damaged(h, path, ident, key, exc))
         except PageError as exc:
             self.inner.release_slot(slot)
             with self._lock:

@@ -42,12 +42,14 @@ Threading: pure functions; ``assemble`` does blocking file reads (call it from a
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tierstore import pagefile
+from tierstore.errors import BAD_CONTENT_KINDS, PageError
 from tierstore.format import PageExpectation, PageLayout, SectionSpec
 
 _SPLIT_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
@@ -233,11 +235,16 @@ class AssembleCost:
 
 
 def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayout, out: memoryview,
-             locate: Callable[[HeadRange], tuple[Path, PageExpectation]]) -> AssembleCost:
+             locate: Callable[[HeadRange], tuple[Path, PageExpectation]],
+             on_damage: Callable[[HeadRange, Path, pagefile.FileIdentity, PageError], None] | None = None,
+             ) -> AssembleCost:
     """Fill ``out`` (the ``slice_layout(full_layout, need)`` page) from the files of ``pieces``
     (``cover``'s answer). ``locate(piece)`` gives a piece's path and its writer's expectation
     (layout ``slice_layout(full_layout, piece)``). Each file is read and verified in full into
-    a scratch buffer before any of its bytes is copied; see the module's failure policy."""
+    a scratch buffer before any of its bytes is copied; see the module's failure policy.
+    ``on_damage(piece, path, identity, error)``: called for a file whose content is bad
+    (``BAD_CONTENT_KINDS``) before the error is raised, with the identity of the file read (the
+    caller may remove exactly that file)."""
     dst_layout = slice_layout(full_layout, need)
     if len(out) < dst_layout.nbytes:
         raise ValueError(f"output buffer of {len(out)} bytes for a {dst_layout.nbytes}-byte page")
@@ -248,7 +255,15 @@ def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayo
         if expect.layout != layout:
             raise ValueError(f"the expectation of slice {split_dir_name(piece)} has another layout")
         scratch = memoryview(bytearray(layout.nbytes))
-        header = pagefile.read_page(path, expect, scratch)  # every section checksum verified
+        fd, st = pagefile.open_page(str(path), expect.key)  # read_page's steps, keeping the file's identity
+        try:
+            header = pagefile.read_page_fd(fd, st, str(path), expect, scratch)  # every section checksum verified
+        except PageError as exc:
+            if on_damage is not None and exc.kind in BAD_CONTENT_KINDS:
+                on_damage(piece, path, pagefile.file_identity(st), exc)
+            raise
+        finally:
+            os.close(fd)
         cost.token_count = header.meta.token_count
         cost.files += 1
         cost.bytes_read += layout.nbytes
