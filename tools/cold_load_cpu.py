@@ -18,20 +18,11 @@ from pathlib import Path
 
 from tierstore import native
 from tierstore.bench.io import _Tierstore, bench_namespace
+from tierstore.bench.page_cache import CacheDropper
 from tierstore.config import TierStoreConfig
 
 PAGE_BYTES = 2 << 20
 PAGES = 200
-
-
-def drop_from_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main() -> None:
@@ -45,7 +36,7 @@ def main() -> None:
         store.store(PAGES, 0)
         print("direct_loads", store.engine.direct_loads, "native", native.ready())
         for _ in range(3):
-            drop_from_cache(store.paths())
+            CacheDropper("fadvise").drop(store.paths())
             cpu0, wall0 = time.process_time(), time.perf_counter()
             store.load()
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
