@@ -226,7 +226,7 @@ def _build() -> Any:
     fcntl.restype, fcntl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc_fns = {"openat": openat, "close": close, "fstat": fstat, "fstatat": fstatat, "syscall": syscall,
                 "fcntl": fcntl, "pread": pread}
-    load_page, store_page = native_page.build(numba, xxh3, libc_fns, read_pieces, write_file)
+    load_page, store_page = native_page.build(numba, xxh3, libc_fns, hash_spans, read_pieces, write_file)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)

@@ -145,10 +145,10 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
                           np.empty(32, dtype=np.int64)))
 
 
-def build(numba: Any, xxh3: Any, libc: Any, read_pieces: Any, write_file: Any) -> tuple[Any, Any]:
+def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, write_file: Any) -> tuple[Any, Any]:
     """Compile ``load_page`` and ``store_page`` (called by ``native._build``). ``libc``: the
-    ctypes bindings (openat, close, fstat, fstatat, syscall); ``read_pieces`` / ``write_file``:
-    ``native``'s compiled read and publish steps."""
+    ctypes bindings (openat, close, fstat, fstatat, syscall, fcntl, pread); ``hash_spans`` /
+    ``read_pieces`` / ``write_file``: ``native``'s compiled hashing, read and publish steps."""
     t = numba.types
     i64, u8 = t.int64, t.uint8
     rows = t.Array(i64, 2, "C", readonly=True)
@@ -221,8 +221,7 @@ def build(numba: Any, xxh3: Any, libc: Any, read_pieces: Any, write_file: Any) -
             close(f)
             if got < size:  # EINVAL (refused here), an error or a short file: the Python path
                 return load_cold if got == 0 else load_read_failed
-            for i in range(spans.shape[0]):
-                out[i] = xxh3(base + hl + spans[i, 0], spans[i, 1] - spans[i, 0])
+            hash_spans(base + hl, spans, 0, spans.shape[0], out)
             scratch[26] = 1
             got = pieces[pieces.shape[0] - 1, 1]
         else:
@@ -275,8 +274,10 @@ def build(numba: Any, xxh3: Any, libc: Any, read_pieces: Any, write_file: Any) -
             for j in range(gaps[g, 0], gaps[g, 1]):
                 frame[page + j] = 0
         base = frame.ctypes.data + file_off
-        for i in range(spans.shape[0]):
-            sums[i] = given[i] if given.shape[0] else xxh3(base + hl + spans[i, 0], spans[i, 1] - spans[i, 0])
+        if given.shape[0]:
+            sums[:] = given
+        else:
+            hash_spans(base + hl, spans, 0, spans.shape[0], sums)
         for j in range(hl):
             frame[file_off + j] = blank[j]
         for i in range(names.shape[0] - key_at):
