@@ -308,15 +308,7 @@ class PageFiles:
         if source is None:
             return
         path = self.mapper.final_path(key)
-        try:
-            dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
-        except (PageError, OSError):
-            return  # gone, or a directory on the way is no longer ours: nothing is touched
-        try:
-            removed = pagefile.remove_damaged_at(dir_fd, os.path.basename(path), source)
-        finally:
-            os.close(dir_fd)
-        if removed:
+        if self._dirs.remove_damaged(fanout(key), os.path.basename(path), source, where=path, key=key):
             page_index.note_removed(self.mapper.base, key)
             logger.warning("removed damaged page %s (%s)", path, error)
             self._count("bad_pages_discarded")

@@ -378,6 +378,20 @@ class RankDir:
         except FileNotFoundError as exc:
             raise PageMissing("no such page (its directory is missing)", path=where, key=key) from exc
 
+    def remove_damaged(self, fanout_name: str, name: str, served: FileIdentity, *, where: str = "",
+                       key: bytes | None = None) -> bool:
+        """``remove_damaged_at`` of ``fanout_name/name`` through this directory's fds (no symlink
+        followed); True if removed. Never raises: a fan-out directory that is gone or not ours
+        leaves everything untouched (False)."""
+        try:
+            dir_fd = self.fanout(fanout_name, where=where, key=key)
+        except (PageError, OSError):
+            return False
+        try:
+            return remove_damaged_at(dir_fd, name, served)
+        finally:
+            os.close(dir_fd)
+
     def close(self) -> None:
         with self._lock:
             for fd in (*self._old, self._fd):

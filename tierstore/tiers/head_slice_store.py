@@ -226,23 +226,16 @@ class HeadSliceStore:
         wait_futures(futures, timeout=None if end is None else max(0.0, end - time.monotonic()))
         return out + self._done_fallbacks(ids)
 
-    def _remove_damaged(self, heads: HeadRange, path: Path, identity: Any, key: bytes, error: PageError) -> None:
+    def _remove_damaged(self, path: Path, identity: Any, key: bytes, error: PageError) -> None:
         """Remove a covering file that failed verification, and only the file that was read (as
         an engine does with its own damaged pages): its writer's next store of the key replaces
         it, and no other reader pays for reading it. Through the slice directory's fd, no
         symlink followed; never raises."""
         parts = path.parts
-        root, rel = Path(*parts[:-5]), parts[-5:-2]  # ROOT / <ns> / g<g> / <slice> / <aa> / <name>
-        dirs = pagefile.RankDir(root, rel)
+        dirs = pagefile.RankDir(Path(*parts[:-5]), parts[-5:-2])  # ROOT / <ns> / g<g> / <slice> / <aa> / <name>
         try:
-            dir_fd = dirs.fanout(parts[-2], where=str(path), key=key)
-        except (PageError, OSError):
-            dirs.close()
-            return  # gone, or a directory on the way is not ours: nothing is touched
-        try:
-            removed = pagefile.remove_damaged_at(dir_fd, parts[-1], identity)
+            removed = dirs.remove_damaged(parts[-2], parts[-1], identity, where=str(path), key=key)
         finally:
-            os.close(dir_fd)
             dirs.close()
         if removed:
             page_index.note_removed(path.parent.parent, key)
@@ -280,7 +273,7 @@ class HeadSliceStore:
             return missing  # the request recomputes; nothing was read
         try:
             cost = assemble(self.heads, plan, self.full_layout, slot.view, lambda h: self.slices.locate(h, key),
-                            on_damage=lambda h, path, ident, exc: self._remove_damaged(h, path, ident, key, exc))
+                            on_damage=lambda path, ident, exc: self._remove_damaged(path, ident, key, exc))
         except PageError as exc:
             self.inner.release_slot(slot)
             with self._lock:

@@ -236,13 +236,13 @@ class AssembleCost:
 
 def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayout, out: memoryview,
              locate: Callable[[HeadRange], tuple[Path, PageExpectation]],
-             on_damage: Callable[[HeadRange, Path, pagefile.FileIdentity, PageError], None] | None = None,
+             on_damage: Callable[[Path, pagefile.FileIdentity, PageError], None] | None = None,
              ) -> AssembleCost:
     """Fill ``out`` (the ``slice_layout(full_layout, need)`` page) from the files of ``pieces``
     (``cover``'s answer). ``locate(piece)`` gives a piece's path and its writer's expectation
     (layout ``slice_layout(full_layout, piece)``). Each file is read and verified in full into
     a scratch buffer before any of its bytes is copied; see the module's failure policy.
-    ``on_damage(piece, path, identity, error)``: called for a file whose content is bad
+    ``on_damage(path, identity, error)``: called for a file whose content is bad
     (``BAD_CONTENT_KINDS``) before the error is raised, with the identity of the file read (the
     caller may remove exactly that file)."""
     dst_layout = slice_layout(full_layout, need)
@@ -260,7 +260,7 @@ def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayo
             header = pagefile.read_page_fd(fd, st, str(path), expect, scratch)  # every section checksum verified
         except PageError as exc:
             if on_damage is not None and exc.kind in BAD_CONTENT_KINDS:
-                on_damage(piece, path, pagefile.file_identity(st), exc)
+                on_damage(path, pagefile.file_identity(st), exc)
             raise
         finally:
             os.close(fd)
