@@ -212,7 +212,7 @@ class PageFiles:
         tmpl = self._template(len(key))
         hl = tmpl.header_len
         if self.mac is None and self.codec == Codec.NONE:
-            done = self._load_native(key, slot, tmpl, path, verify)
+            done = self._load_native(key, slot, path, verify)
             if done is not None:
                 return done
         dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
@@ -247,8 +247,7 @@ class PageFiles:
         finally:
             os.close(fd)
 
-    def _load_native(self, key: bytes, slot: StagingSlot, tmpl: HeaderTemplate, path: str,
-                     verify: bool) -> tuple[int, tuple[int, ...] | None] | None:
+    def _load_native(self, key: bytes, slot: StagingSlot, path: str, verify: bool) -> tuple[int, tuple[int, ...] | None] | None:
         """The common load in one GIL-free call (``native_page.load_page``: open, fstat, read
         (O_DIRECT when not cached and ``direct_loads``), hash, close, then the same header,
         checksum and gap checks as ``read_own_page``;

@@ -102,7 +102,7 @@ class LocalTier(EngineTier):
         if n is None:  # the engine's own header and layout (a head slice's at TP > 1)
             eng = self.engine()
             assert eng is not None
-            n = self._header_lens[len(key)] = eng._header_len(len(key)) + eng.layout.nbytes
+            n = self._header_lens[len(key)] = eng.files.header_len(len(key)) + eng.layout.nbytes
         # zstd frames of incompressible data can be slightly larger than the raw bytes
         slack = 0 if self.config.codec == "none" else 64 * len(self.layout.sections) + 4096
         return n + slack

@@ -53,9 +53,8 @@ from tierstore.tiers.tier import EngineTier, TierJob
 
 log = logging.getLogger(__name__)
 
-# engine settings a shared engine takes from the chain's (the rest come from the config)
-# What the shared tier's engine takes from the chain's engine settings: a head slice's
-# directory and layout too (every tier of a rank keeps the same slice, docs/DESIGN.md §9).
+# Engine settings a shared engine takes from the chain's (the rest come from the config): a
+# head slice's directory and layout too (every tier of a rank keeps the same slice, DESIGN §9).
 _SHARED_ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin", "rank_dir", "layout")
 _TOUCHED_MAX = 100_000  # pages whose last touch is remembered (then the memory starts over)
 
