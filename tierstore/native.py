@@ -240,8 +240,9 @@ def _build() -> Any:
 
 
 @lru_cache(maxsize=256)
-def _as_array(rows: tuple[tuple[int, ...], ...]) -> Any:
-    """A read-only int64 array of ``rows`` (spans or a read plan; cached: layouts are few)."""
+def rows_array(rows: tuple[tuple[int, ...], ...]) -> Any:
+    """A read-only int64 array of ``rows`` (spans, gaps, ranges or a read plan; an empty one is
+    n x 2; cached: layouts are few). The kernels take these."""
     np = _kernels[2]
     arr = np.array(rows, dtype=np.int64).reshape(len(rows), -1 if rows else 2)
     arr.setflags(write=False)
@@ -261,7 +262,7 @@ def section_sums(spans: Sequence[tuple[int, int]], data: memoryview, first: int,
         return None
     hash_spans, _, np = _kernels[:3]
     out = np.empty(end - first, dtype=np.uint64)
-    hash_spans(address(data), _as_array(tuple(spans)), first, end, out)
+    hash_spans(address(data), rows_array(tuple(spans)), first, end, out)
     return out.tolist()  # type: ignore[no-any-return]
 
 
@@ -279,7 +280,7 @@ def read_and_hash(fd: int, file_buf: memoryview, page_off: int, plan: Sequence[t
     if plan and file_buf.nbytes < plan[-1][1]:
         raise ValueError("file buffer shorter than the read plan")
     out = np.zeros(len(spans), dtype=np.uint64)
-    got = read_pieces(fd, address(file_buf), page_off, _as_array(tuple(plan)), _as_array(tuple(spans)), out)
+    got = read_pieces(fd, address(file_buf), page_off, rows_array(tuple(plan)), rows_array(tuple(spans)), out)
     return int(got), out.tolist()
 
 

@@ -63,22 +63,16 @@ class PageShape:
         self.header_len = tmpl.header_len
         self.size = tmpl.header_len + layout.nbytes
         self.plan_end = plan[-1][1] if plan else 0
-        self.plan = _rows(np, plan, 4)
-        self.spans = _rows(np, layout.spans, 2)  # a store hashes every section
-        self.load_spans = self.spans if hashed else _rows(np, (), 2)
+        self.plan = native.rows_array(tuple(plan))
+        self.spans = native.rows_array(tuple(layout.spans))  # a store hashes every section
+        self.load_spans = self.spans if hashed else native.rows_array(())
         self.sections = len(layout.sections)
-        self.gaps = _rows(np, layout.gaps, 2)
+        self.gaps = native.rows_array(tuple(layout.gaps))
         self.blank = np.frombuffer(tmpl.blank, dtype=np.uint8)
-        self.const_ranges = _rows(np, tmpl.const_ranges, 2)
+        self.const_ranges = native.rows_array(tuple(tmpl.const_ranges))
         self.sum_offsets = np.array(tmpl.sum_offsets, dtype=np.int64)
         self.sum_offsets.setflags(write=False)
         self.key_off, self.token_off, self.sum_off = tmpl.key_off, tmpl.token_off, tmpl.sum_off
-
-
-def _rows(np: Any, rows: Sequence[Sequence[int]], width: int) -> Any:
-    arr = np.array(rows, dtype=np.int64).reshape(len(rows), width)
-    arr.setflags(write=False)
-    return arr
 
 
 def frame_array(frame: memoryview) -> Any:
