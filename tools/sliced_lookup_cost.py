@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierstore.mapper import FileMapper
-from tierstore.tiers.head_slices import HeadRange, split_dir_name, tp_slices
+from tierstore.tiers.head_slices import HeadRange, slice_mappers, tp_slices
 from tierstore.tiers.indexed_lookup import IndexedLookup, SliceGroup
 
 HEADS = 8
@@ -40,8 +39,7 @@ def main() -> None:
     pages = int(sys.argv[2]) if len(sys.argv) > 2 else 20_000
     shutil.rmtree(root, ignore_errors=True)
     have = tuple(tp_slices(HEADS))
-    mappers = [FileMapper(root, "ns", 0, h.start // h.count, "r0" if h.count == HEADS else split_dir_name(h))
-               for h in have]
+    mappers = slice_mappers(root, "ns", 0, HEADS)
     for m in mappers:
         m.make_fanout_dirs()
     keys = [i.to_bytes(8, "big") * 4 for i in range(2 * pages)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.mapper import FileMapper
-from tierstore.tiers.head_slices import HeadRange, split_dir_name, tp_slices
+from tierstore.tiers.head_slices import HeadRange, slice_mappers, tp_slices
 from tierstore.tiers.indexed_lookup import IndexedLookup, SliceGroup
 
 HEADS = 8
@@ -20,7 +20,7 @@ HAVE = tuple(tp_slices(HEADS))
 
 
 def _mappers(root: Path) -> list[FileMapper]:
-    out = [FileMapper(root, "ns", 0, h.start // h.count, "r0" if h.count == HEADS else split_dir_name(h)) for h in HAVE]
+    out = slice_mappers(root, "ns", 0, HEADS)
     for m in out:
         m.make_fanout_dirs()
     return out

@@ -115,7 +115,7 @@ def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
     ``r0`` plus every other TP's slice directory, here empty), read at TP=1."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
-    from tierstore.tiers.head_slices import HeadRange, split_dir_name, tp_slices
+    from tierstore.tiers.head_slices import HeadRange, slice_mappers, tp_slices
     from tierstore.tiers.indexed_lookup import SliceGroup
     from tierstore.vllm.manager import TierStoreManager
 
@@ -124,8 +124,7 @@ def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
     slices = None
     if kv_heads:
         have = tuple(tp_slices(kv_heads))
-        mappers = [[FileMapper(root, NS, 0, h.start // h.count, "r0" if h.count == kv_heads else split_dir_name(h))
-                    for h in have]]
+        mappers = [slice_mappers(root, NS, 0, kv_heads)]
         slices = [SliceGroup(have, (HeadRange(0, kv_heads),))]
     t0 = time.perf_counter()
     manager = TierStoreManager(mappers, {g: 0 for g in range(REQUEST_GROUPS)}, [16], [False], index_refresh_s=0,

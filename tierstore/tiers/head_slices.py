@@ -51,6 +51,7 @@ from pathlib import Path
 from tierstore import pagefile
 from tierstore.errors import BAD_CONTENT_KINDS, PageError
 from tierstore.format import PageExpectation, PageLayout, SectionSpec
+from tierstore.mapper import FileMapper
 
 _SPLIT_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
 
@@ -93,6 +94,13 @@ def tp_slices(total_kv_heads: int) -> list[HeadRange]:
     dividing the KV-head count, at multiples of ``count`` (the full range included)."""
     return [HeadRange(start, count) for count in range(1, total_kv_heads + 1) if total_kv_heads % count == 0
             for start in range(0, total_kv_heads, count)]
+
+
+def slice_mappers(root: str | os.PathLike[str], namespace: str, group_index: int, units: int) -> list[FileMapper]:
+    """One mapper per slice directory some TP writes, in ``tp_slices`` order (``r0``: the full
+    range, where a TP=1 writer's files are)."""
+    return [FileMapper(root, namespace, group_index, h.start // h.count, "r0" if h.count == units else split_dir_name(h))
+            for h in tp_slices(units)]
 
 
 def cover(need: HeadRange, have: Sequence[HeadRange]) -> list[HeadRange] | None:

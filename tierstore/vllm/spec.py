@@ -55,6 +55,7 @@ from tierstore.tiers.head_slices import (
     rank_heads,
     segments,
     slice_layout,
+    slice_mappers,
     slice_units,
     split_dir_name,
     tp_slices,
@@ -185,9 +186,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
 
     def _slice_dirs(self, root: str, group: int) -> list[FileMapper]:
         """One mapper per slice directory some TP writes (``r0``: the full head range)."""
-        full = self._units(group)
-        return [FileMapper(root, self.namespace.digest, group, h.start // h.count,
-                           "r0" if h.count == full else split_dir_name(h)) for h in tp_slices(full)]
+        return slice_mappers(root, self.namespace.digest, group, self._units(group))
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
