@@ -35,10 +35,10 @@ def tierstore_engine(root: Path, ids: list[int]) -> tuple[list[int], int]:
         out = run_engine("qwen3next", root, [{"prompt_token_ids": ids}], prefix_cache_retention_interval=None)
         return out.outputs[0].tokens, out.outputs[0].cached
     from tp_engine import run_engine as mp_engine
-    from tp_gdn_engine import GDN_KW
+    from tp_hybrid_engine import FAMILIES
     from vllm_helpers import model_dir
 
-    res = mp_engine(str(model_dir("qwen3next")), str(root), ids, 1, **GDN_KW)
+    res = mp_engine(str(model_dir("qwen3next")), str(root), ids, 1, **FAMILIES["qwen3next"][1])
     return res["tokens"], res["cached"]
 
 

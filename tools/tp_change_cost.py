@@ -2,7 +2,10 @@
 read (verified) and bytes scattered, for a model shape, from real page files.
 
     python tools/tp_change_cost.py [--kv-heads 8 --layers 32 --head-size 128 --tokens 128]
-                                   [--root DIR] [--json]
+                                   [--mamba2 HEADS,HEAD_DIM,GROUPS,STATE] [--root DIR] [--json]
+
+``--mamba2``: a Mamba2 group instead (``--layers`` layers of conv + ssm states, bf16; e.g.
+``128,64,1,128``: Granite 4.0-H, B and C replicated on every rank; ``128,64,8,128``: Nemotron-H).
 
 For each (writer TP, reader TP) pair of {1, 2, 4, 8} (GQA replication where TP > KV heads) it
 writes the writer ranks' head-slice files of one page (tierstore.tiers.head_slices, the format
@@ -23,9 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tierstore.format import Codec, PageExpectation, PageMeta, encode_page  # noqa: E402
+from tierstore.format import Codec, GroupKind, PageExpectation, PageMeta, encode_page  # noqa: E402
+from tierstore.layout import mamba_layout  # noqa: E402
 from tierstore.pagefile import publish_page  # noqa: E402
-from tierstore.testing.pages import page_bytes, page_key, simple_namespace  # noqa: E402
+from tierstore.testing.pages import layout_namespace, page_bytes, page_key, simple_namespace  # noqa: E402
 from tierstore.tiers.head_slices import (  # noqa: E402
     HeadRange,
     assemble,
@@ -33,6 +37,7 @@ from tierstore.tiers.head_slices import (  # noqa: E402
     cover,
     rank_heads,
     slice_layout,
+    slice_units,
     split_dir_name,
 )
 
@@ -43,13 +48,25 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--mamba2", default=None, metavar="HEADS,HEAD_DIM,GROUPS,STATE")
     ap.add_argument("--root", default=None, help="where to write the pages (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    ns = simple_namespace("bfloat16", num_kv_heads=args.kv_heads, num_layers=args.layers,
-                          head_size=args.head_size, tokens_per_chunk=args.tokens)
+    if args.mamba2:
+        heads, head_dim, groups, state = (int(x) for x in args.mamba2.split(","))
+        layers = [f"model.layers.{i}.mixer" for i in range(args.layers)]
+        ns = layout_namespace(mamba_layout(layers, [("conv", (heads * head_dim + 2 * groups * state, 3), "bfloat16"),
+                                                    ("ssm", (heads, head_dim, state), "bfloat16")]),
+                              args.tokens, kind=GroupKind.MAMBA, layer_names=layers)
+        what = f"Mamba2 {heads} heads x {head_dim}, {groups} group(s), state {state}, {args.layers} layers"
+    else:
+        ns = simple_namespace("bfloat16", num_kv_heads=args.kv_heads, num_layers=args.layers,
+                              head_size=args.head_size, tokens_per_chunk=args.tokens)
+        what = f"{args.kv_heads} KV heads, {args.layers} layers, head size {args.head_size}, {args.tokens} tokens"
     full_layout, key = ns.groups[0].layout, page_key(0)
-    everything = HeadRange(0, args.kv_heads)
+    units = slice_units(full_layout)
+    assert units is not None
+    everything = HeadRange(0, units)
     full = memoryview(page_bytes(full_layout, key))
     rows = []
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
@@ -58,12 +75,12 @@ def main() -> int:
             base = Path(tmp) / f"w{w_tp}"
             files: dict[HeadRange, tuple[Path, PageExpectation]] = {}
             for r in range(w_tp):
-                heads = rank_heads(args.kv_heads, w_tp, r)
+                heads = rank_heads(units, w_tp, r)
                 if heads in files:
                     continue  # GQA replication: ranks holding the same head share one file
                 layout = slice_layout(full_layout, heads)
                 data = bytearray(layout.nbytes)
-                copy_heads(full, full_layout, everything, memoryview(data), layout, heads)
+                copy_heads(full_layout, full, everything, memoryview(data), heads)
                 meta = PageMeta(ns.digest_bytes, key, 0, ns.groups[0].kind, args.tokens, r, heads.start, heads.count)
                 header, pieces = encode_page(meta, layout, bytes(data), Codec.NONE, None)
                 path = base / split_dir_name(heads) / f"{key.hex()}.kvp"
@@ -71,7 +88,7 @@ def main() -> int:
                 publish_page(path, path.with_name(path.name + ".tmp"), header, pieces, key=key)
                 files[heads] = (path, PageExpectation(ns.digest_bytes, key, 0, r, layout))
             for r_tp in tps:
-                need = rank_heads(args.kv_heads, r_tp, 0)  # every reader rank costs the same
+                need = rank_heads(units, r_tp, 0)  # every reader rank costs the same
                 plan = cover(need, list(files))
                 assert plan is not None
                 out = memoryview(bytearray(slice_layout(full_layout, need).nbytes))
@@ -83,8 +100,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{args.kv_heads} KV heads, {args.layers} layers, head size {args.head_size}, {args.tokens} tokens: "
-              f"{full_layout.nbytes} bytes per full page (bf16); per reader rank:")
+        print(f"{what}: {full_layout.nbytes} bytes per full page (bf16); per reader rank:")
         print("writer TP  reader TP  files  bytes read  bytes scattered  read/scattered  seconds")
         for x in rows:
             print(f"{x['writer_tp']:>9}  {x['reader_tp']:>9}  {x['files']:>5}  {x['bytes_read']:>10}  "

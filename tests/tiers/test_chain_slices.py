@@ -35,7 +35,7 @@ def _rank_store(tmp_path: Path, node: str, heads: HeadRange) -> tuple[HeadSliceS
 def _slice(full: bytes, heads: HeadRange) -> bytes:
     layout = slice_layout(FULL, heads)
     out = bytearray(layout.nbytes)
-    copy_heads(memoryview(full), FULL, H(0, 2), memoryview(out), layout, heads)
+    copy_heads(FULL, memoryview(full), H(0, 2), memoryview(out), heads)
     return bytes(out)
 
 

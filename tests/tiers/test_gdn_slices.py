@@ -75,13 +75,15 @@ def vllm_rank_bytes(states: list[tuple[np.ndarray, np.ndarray]], tp: int, rank: 
 
 
 def test_segments_of_a_gdn_layout_and_refusals() -> None:
-    assert segments(gdn_layout()) == (NK, ((KEY_DIM, KEY_DIM, VALUE_DIM), (NV,)) * 2)
+    units, segs = segments(gdn_layout())
+    assert units == NK and [[g.rows for g in sec] for sec in segs] == [[KEY_DIM, KEY_DIM, VALUE_DIM], [NV]] * 2
+    assert all(g.blocks == NK for sec in segs for g in sec)  # every segment split by key heads
     assert slice_units(gdn_layout(2)) == NK // 2  # a rank's layout: its own key heads
     assert slice_units(attention_layout(LAYERS, 2, 16, 32, "bfloat16")) == 2
-    mamba2 = mamba_layout(LAYERS, [("conv", (CONV_DIM, K1), "bfloat16"), ("ssm", (NV, HV, HK), "bfloat16")])
-    assert slice_units(mamba2) is None  # Mamba2 (x, B, C channels): not sliceable, stays per-TP
+    unknown = mamba_layout(LAYERS, [("state0", (CONV_DIM, K1), "bfloat16")])
+    assert slice_units(unknown) is None  # states of unknown meaning: not sliceable, stays per-TP
     with pytest.raises(ValueError, match="cannot be stored as slices"):
-        slice_layout(mamba2, H(0, 1))
+        slice_layout(unknown, H(0, 1))
     with pytest.raises(ValueError):
         slice_layout(gdn_layout(), H(2, 4))  # units beyond the group's
 
@@ -95,7 +97,7 @@ def test_split_matches_vllm_sharding(tp: int) -> None:
         layout = slice_layout(full_layout, heads)
         assert layout == gdn_layout(tp)  # the rank's own (namespace) layout at that TP
         out = bytearray(layout.nbytes)
-        copied = copy_heads(memoryview(full), full_layout, H(0, NK), memoryview(out), layout, heads)
+        copied = copy_heads(full_layout, memoryview(full), H(0, NK), memoryview(out), heads)
         assert bytes(out) == vllm_rank_bytes(states, tp, r)
         assert copied == sum(s.nbytes for s in layout.sections)  # alignment gaps are not copied
 

@@ -54,7 +54,7 @@ def write_slice(root: Path, ns, full: bytes, heads: HeadRange, key: bytes) -> tu
     full_layout = ns.groups[0].layout
     layout = slice_layout(full_layout, heads)
     data = bytearray(layout.nbytes)
-    copy_heads(memoryview(full), full_layout, H(0, full_layout.sections[0].shape[0]), memoryview(data), layout, heads)
+    copy_heads(full_layout, memoryview(full), H(0, full_layout.sections[0].shape[0]), memoryview(data), heads)
     meta = PageMeta(ns.digest_bytes, key, 0, ns.groups[0].kind, 16, heads.start // heads.count, heads.start, heads.count)
     header, pieces = encode_page(meta, layout, bytes(data), Codec.NONE, None)
     path = root / split_dir_name(heads) / f"{key.hex()}.kvp"
@@ -75,8 +75,7 @@ def test_assemble_gives_the_readers_heads_byte_for_byte(tmp_path: Path, written,
     full = page_bytes(full_layout, key)
     files = {h: write_slice(tmp_path, ns, full, h, key) for h in written}
     want = bytearray(slice_layout(full_layout, need).nbytes)
-    copy_heads(memoryview(full), full_layout, H(0, full_layout.sections[0].shape[0]), memoryview(want),
-               slice_layout(full_layout, need), need)
+    copy_heads(full_layout, memoryview(full), H(0, full_layout.sections[0].shape[0]), memoryview(want), need)
     out = memoryview(bytearray(len(want)))
     plan = cover(need, written)
     assert plan is not None
@@ -127,7 +126,7 @@ def test_head_slice_store_serves_a_missing_own_page_from_other_slices(tmp_path: 
     store = HeadSliceStore(slice_engine(tmp_path, ns, need), need, full_layout, slices, store_back=False)
     try:
         want = bytearray(slice_layout(full_layout, need).nbytes)
-        copy_heads(memoryview(full), full_layout, H(0, 2), memoryview(want), slice_layout(full_layout, need), need)
+        copy_heads(full_layout, memoryview(full), H(0, 2), memoryview(want), need)
         job = store.submit_load(key, verify=False)
         (res,) = store.wait([job], 10)
         assert res.ok and res.verified and res.job_id == job, res.error
@@ -176,7 +175,7 @@ def test_an_assembled_page_is_stored_back_under_the_readers_slice(tmp_path: Path
     store = HeadSliceStore(own, need, full_layout, slices)
     try:
         want = bytearray(slice_layout(full_layout, need).nbytes)
-        copy_heads(memoryview(full), full_layout, H(0, 2), memoryview(want), slice_layout(full_layout, need), need)
+        copy_heads(full_layout, memoryview(full), H(0, 2), memoryview(want), need)
         (first,) = store.wait([store.submit_load(key)], 10)
         assert first.ok and bytes(first.slot.view[: len(want)]) == bytes(want)
         store.release_slot(first.slot)

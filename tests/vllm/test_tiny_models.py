@@ -27,6 +27,7 @@ EXPECTED_LAYER_TYPES = {
     "gptoss": {"sliding_attention", "full_attention"},
     "gemma4": {"sliding_attention", "full_attention"},
     "qwen3next": {"linear_attention", "full_attention"},
+    "granitehybrid": {"linear_attention", "full_attention"},  # Mamba2 layers are "linear_attention"
 }
 
 

@@ -24,29 +24,20 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from vllm_helpers import namespace_dir  # noqa: E402
+from vllm_helpers import namespace_dir, run_engine_script  # noqa: E402
 
 HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
     root = tmp_path_factory.mktemp("tp2")
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(HERE / "tp_engine.py"), str(root)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
-                                         if ln.startswith("RESULT "))}
-    assert proc.returncode == 0 and len(results) == 8, (proc.stdout[-2000:], proc.stderr[-4000:])
-    return root, results, proc.stdout + proc.stderr
+    results, out = run_engine_script("tp_engine.py", [str(root)], 8)
+    return root, results, out
 
 
 def test_tp2_restart_hits_with_identical_tokens(tp_run) -> None:
     _, res, _ = tp_run
-    print("engine seconds:", {p: r["seconds"] for p, r in res.items()})  # the cost of this test (-s)
     assert res["store"]["cached"] == 0
     assert res["restore"]["cached"] == 256
     assert res["restore"]["tokens"] == res["store"]["tokens"]

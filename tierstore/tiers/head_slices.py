@@ -1,23 +1,29 @@
 """Head slices of pages: the building blocks of reuse across a tensor-parallel change.
 
-A group whose state vLLM shards across ranks along one dimension is stored as slices of its
-full (TP=1) page. Every section's outermost dimension is a concatenation of *segments*, and a
-group has a number of *units* (its shard granularity): unit ``u`` of ``n`` holds rows
-``[u*S/n, (u+1)*S/n)`` of each segment of size ``S``, and a tensor-parallel rank holds a
-contiguous range of units. Two layouts have one (docs/measurements/tp.md):
+A group whose state vLLM shards across ranks is stored as slices of its full (TP=1) page.
+Every section's outermost dimension is a concatenation of *segments* (``Segment``), each made
+of blocks vLLM never splits, and a group has a number of *units* (its shard granularity): a
+tensor-parallel rank holds a contiguous range of units, and a slice of units ``[a, a+c)`` of
+``n`` holds blocks ``[a*q/n, ceil((a+c)*q/n))`` of each segment of ``q`` blocks. The layouts
+(docs/measurements/tp.md):
 
-- attention / sliding window: sections ``[H, T, 2, D]``, one segment of ``H`` rows, units = KV
-  heads (a rank's heads are one contiguous byte range of every section);
+- attention / sliding window: sections ``[H, T, 2, D]``, one segment of ``H`` heads, units =
+  KV heads (a rank's heads are one contiguous byte range of every section);
 - Gated DeltaNet (Qwen3-Next): per layer a ``<layer>.conv`` section ``(conv_dim, K-1)`` (the
   canonical orientation: channels first) whose channels are the q, k and v projections
   concatenated (segments ``key_dim, key_dim, value_dim``: vLLM shards each projection
   separately, so rank r holds ``[q_r, k_r, v_r]``), and a ``<layer>.temporal`` section
   ``(num_v_heads, head_v_dim, head_k_dim)`` (one segment of value heads); units = the linear
-  key heads (``key_dim / head_k_dim``), the TP sizes vLLM allows for GDN divide them.
+  key heads (``key_dim / head_k_dim``), the TP sizes vLLM allows for GDN divide them;
+- Mamba2: ``<layer>.conv`` channels x (heads x head_dim), B, C (n_groups x state each) and
+  ``<layer>.ssm`` ``(heads, head_dim, state)``; units = the groups (vLLM shards heads with their
+  groups), or with one group ``gcd(heads, MAX_SLICED_TP)`` and B and C one block that every
+  slice holds (vLLM replicates them on every rank);
+- Mamba1 (``conv``, 2-D ``ssm``) and short conv (``conv``): channels split contiguously;
+  units = ``gcd(channels, MAX_SLICED_TP)``.
 
-The segment map is derived from the layout alone (``segments``), so it holds for a slice's
-layout too (segment proportions do not depend on the slice) and needs no namespace field: TP=1
-digests are unchanged. Functions:
+The segment map is derived from the full layout alone (``segments``), so it needs no namespace
+field: TP=1 digests are unchanged. Functions:
 
 - ``HeadRange``: the units one file holds; ``split_dir_name``/``parse_split_dir`` name the
   directory of a slice (``h<start>-<count>``).
@@ -25,10 +31,11 @@ digests are unchanged. Functions:
   when they do not cover it (the exact slice; else one wider slice; else the fewest slices,
   left to right).
 - ``slice_units`` / ``segments``: a layout's unit count and per-section segment map (None /
-  ValueError for a layout that is not sliceable: Mamba1/2, MLA, ...).
+  ValueError for a layout that is not sliceable: MLA, unknown states, ...).
 - ``slice_layout``: the layout of a slice of a full layout.
-- ``copy_heads``: copy the units two slices share, segment by segment, from one page buffer
-  into another (each segment's rows are one contiguous byte range).
+- ``copy_heads``: copy what one slice needs from another, segment by segment, from one page
+  buffer into another (each segment's blocks are one contiguous byte range; a block several
+  slices hold is copied once).
 - ``assemble``: read the covering files, each fully verified by the general reader
   (``pagefile.read_page`` with that writer's expectation: header checksum, namespace, key,
   group, rank, layout and every section checksum) into a scratch buffer, and copy their units
@@ -42,6 +49,8 @@ Threading: pure functions; ``assemble`` does blocking file reads (call it from a
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -127,102 +136,218 @@ def cover(need: HeadRange, have: Sequence[HeadRange]) -> list[HeadRange] | None:
     return pieces
 
 
-GDN_CONV, GDN_TEMPORAL = "conv", "temporal"  # namespace.mamba_states' names of a GDN layer's states
+GDN_CONV, GDN_TEMPORAL, SSM = "conv", "temporal", "ssm"  # namespace.mamba_states' state names
+# Unit count of a state split by channels or heads with no coarser constraint (Mamba1, short
+# conv, Mamba2 with one group): the largest divisor of its rows up to this. A TP that does not
+# divide a group's units keeps a per-TP namespace (namespace.build_namespace).
+MAX_SLICED_TP = 16
 
 
-def _attention_segments(layout: PageLayout) -> tuple[int, tuple[tuple[int, ...], ...]] | None:
+@dataclass(frozen=True)
+class Segment:
+    """One part of a section's outermost dimension in the full (TP=1) state: ``rows`` rows in
+    ``blocks`` equal blocks that vLLM never splits (a KV head, a Mamba2 head or B/C group, a
+    conv channel range). A slice of units ``[a, a+c)`` of ``n`` holds blocks ``[a*q//n,
+    ceil((a+c)*q/n))``: exactly its share when ``q`` is a multiple of ``n``, and the blocks its
+    units need when blocks are coarser (Mamba2 with one group: every rank holds all of B and C)."""
+
+    rows: int
+    blocks: int
+
+    def block_range(self, units: int, heads: HeadRange) -> tuple[int, int]:
+        return heads.start * self.blocks // units, -(-heads.end * self.blocks // units)
+
+
+SegmentMap = tuple[tuple[Segment, ...], ...]  # per section, its segments in row order
+
+
+def _attention_segments(layout: PageLayout) -> tuple[int, SegmentMap] | None:
     heads = {s.shape[0] for s in layout.sections}
     if not layout.sections or any(len(s.shape) != 4 for s in layout.sections) or len(heads) != 1:
         return None
     (h,) = heads
-    return h, tuple((h,) for _ in layout.sections)
+    return h, tuple((Segment(h, h),) for _ in layout.sections)
 
 
-def _gdn_segments(layout: PageLayout) -> tuple[int, tuple[tuple[int, ...], ...]] | None:
-    """(units, segments) of a Gated DeltaNet layout: ``<layer>.conv`` (conv_dim, K-1) then
-    ``<layer>.temporal`` (num_v_heads, head_v_dim, head_k_dim) per layer (vLLM 0.32's
-    ``gated_delta_net_state_shape``, conv channels first); None for anything else."""
+def _state_pairs(layout: PageLayout, second: str, ndim: int) -> list[tuple[SectionSpec, SectionSpec]] | None:
+    """Per layer (``<layer>.conv`` (C, K-1), ``<layer>.<second>`` of ``ndim`` dimensions); None
+    if the layout is not made of such pairs."""
     secs = layout.sections
     if not secs or len(secs) % 2:
         return None
-    units: set[int] = set()
-    out: list[tuple[int, ...]] = []
-    for conv, temporal in zip(secs[::2], secs[1::2], strict=True):
-        if (not conv.name.endswith("." + GDN_CONV) or not temporal.name.endswith("." + GDN_TEMPORAL)
-                or conv.name[: -len(GDN_CONV)] != temporal.name[: -len(GDN_TEMPORAL)]
-                or len(conv.shape) != 2 or len(temporal.shape) != 3):
+    pairs = list(zip(secs[::2], secs[1::2], strict=True))
+    for conv, state in pairs:
+        if (not conv.name.endswith("." + GDN_CONV) or not state.name.endswith("." + second)
+                or conv.name[: -len(GDN_CONV)] != state.name[: -len(second)]
+                or len(conv.shape) != 2 or len(state.shape) != ndim):
             return None
+    return pairs
+
+
+def _one_unit_count(found: list[tuple[int, tuple[Segment, ...], tuple[Segment, ...]]]) -> tuple[int, SegmentMap] | None:
+    units = {n for n, _, _ in found}
+    if len(units) != 1:
+        return None
+    return units.pop(), tuple(seg for _, conv, state in found for seg in (conv, state))
+
+
+def _gdn_segments(layout: PageLayout) -> tuple[int, SegmentMap] | None:
+    """Gated DeltaNet: ``<layer>.conv`` (conv_dim, K-1) then ``<layer>.temporal`` (num_v_heads,
+    head_v_dim, head_k_dim) per layer (vLLM 0.32's ``gated_delta_net_state_shape``, conv
+    channels first); conv channels are q, k, v (``key_dim, key_dim, value_dim``), each split by
+    linear key heads (the units)."""
+    pairs = _state_pairs(layout, GDN_TEMPORAL, 3)
+    if pairs is None:
+        return None
+    found = []
+    for conv, temporal in pairs:
         v_heads, head_v, head_k = temporal.shape
         value_dim = v_heads * head_v
         key_dim2 = conv.shape[0] - value_dim
         if key_dim2 <= 0 or key_dim2 % 2 or (key_dim2 // 2) % head_k:
             return None
         key_dim = key_dim2 // 2
-        units.add(key_dim // head_k)
-        out += [(key_dim, key_dim, value_dim), (v_heads,)]
-    if len(units) != 1:
-        return None
-    (n,) = units
-    if any(seg % n for segs in out for seg in segs):
-        return None
-    return n, tuple(out)
+        n = key_dim // head_k
+        if value_dim % n or v_heads % n:
+            return None
+        found.append((n, (Segment(key_dim, n), Segment(key_dim, n), Segment(value_dim, n)), (Segment(v_heads, n),)))
+    return _one_unit_count(found)
 
 
-def segments(layout: PageLayout) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """(units, per-section segment sizes of the outermost dimension) of a sliceable layout (full
-    or slice; see the module docstring); ValueError for a layout that is neither attention nor
-    Gated DeltaNet."""
-    found = _attention_segments(layout) or _gdn_segments(layout)
+def _mamba2_segments(layout: PageLayout) -> tuple[int, SegmentMap] | None:
+    """Mamba2 (``mamba2_state_shape``): ``<layer>.conv`` (conv_dim, K-1) with channels x (heads x
+    head_dim), B and C (n_groups x state each), ``<layer>.ssm`` (heads, head_dim, state). vLLM
+    shards heads and groups together (TP divides n_groups) or, with one group, replicates B and
+    C on every rank (``mamba_v2_sharded_weight_loader``). Units: the groups, or with one group
+    ``gcd(heads, MAX_SLICED_TP)``."""
+    pairs = _state_pairs(layout, SSM, 3)
+    if pairs is None:
+        return None
+    found = []
+    for conv, ssm in pairs:
+        heads, head_dim, state = ssm.shape
+        x = heads * head_dim
+        bc = conv.shape[0] - x
+        if bc <= 0 or bc % (2 * state):
+            return None
+        groups = bc // (2 * state)
+        if heads % groups:
+            return None
+        n = groups if groups > 1 else math.gcd(heads, MAX_SLICED_TP)
+        bc_seg = Segment(groups * state, groups)
+        found.append((n, (Segment(x, heads), bc_seg, bc_seg), (Segment(heads, heads),)))
+    return _one_unit_count(found)
+
+
+def _channel_segments(layout: PageLayout) -> tuple[int, SegmentMap] | None:
+    """Mamba1 (``<layer>.conv`` (intermediate, K-1), ``<layer>.ssm`` (intermediate, state)) and
+    short conv (``<layer>.conv`` only): channels split contiguously across ranks. Units:
+    ``gcd(channels, MAX_SLICED_TP)``."""
+    secs = layout.sections
+    if secs and all(s.name.endswith("." + GDN_CONV) and len(s.shape) == 2 for s in secs):  # short conv
+        rows = {s.shape[0] for s in secs}
+        if len(rows) != 1:
+            return None
+        (c,) = rows
+        n = math.gcd(c, MAX_SLICED_TP)
+        return n, tuple((Segment(c, n),) for _ in secs)
+    pairs = _state_pairs(layout, SSM, 2)
+    if pairs is None or any(conv.shape[0] != ssm.shape[0] for conv, ssm in pairs):
+        return None
+    found = []
+    for conv, _ in pairs:
+        n = math.gcd(conv.shape[0], MAX_SLICED_TP)
+        found.append((n, (Segment(conv.shape[0], n),), (Segment(conv.shape[0], n),)))
+    return _one_unit_count(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _find_segments(layout: PageLayout) -> tuple[int, SegmentMap] | None:
+    found = (_attention_segments(layout) or _gdn_segments(layout) or _mamba2_segments(layout)
+             or _channel_segments(layout))
     if found is None:
-        raise ValueError(f"layout {[(s.name, s.shape) for s in layout.sections][:4]} is neither attention "
-                         "[H, T, 2, D] nor Gated DeltaNet (conv, temporal): it cannot be stored as slices")
+        return None
+    n, segs = found
+    for section, section_segs in zip(layout.sections, segs, strict=True):
+        if sum(g.rows for g in section_segs) != section.shape[0] or any(
+                g.rows % g.blocks or (g.blocks % n and n % g.blocks) for g in section_segs):
+            return None
+    return found
+
+
+def segments(layout: PageLayout) -> tuple[int, SegmentMap]:
+    """(units, per-section segments) of a sliceable FULL (TP=1) layout (module docstring);
+    ValueError for a layout that is not sliceable."""
+    found = _find_segments(layout)
+    if found is None:
+        raise ValueError(f"layout {[(s.name, s.shape) for s in layout.sections][:4]} is not attention [H, T, 2, D], "
+                         "Gated DeltaNet, Mamba1/2 or short-conv states: it cannot be stored as slices")
     return found
 
 
 def slice_units(layout: PageLayout) -> int | None:
-    """How many units (KV heads; GDN linear key heads) a sliceable layout has; None if it is not."""
-    found = _attention_segments(layout) or _gdn_segments(layout)
+    """How many units a sliceable layout has (KV heads; GDN linear key heads; Mamba2 groups; see
+    ``segments``); None if it is not sliceable."""
+    found = _find_segments(layout)
     return found[0] if found else None
 
 
+@functools.lru_cache(maxsize=1024)
 def slice_layout(layout: PageLayout, heads: HeadRange) -> PageLayout:
-    """The layout of units ``heads`` of a full layout (each section's segments cut to them)."""
+    """The layout of units ``heads`` of a full layout (each segment cut to the blocks they hold)."""
     units, segs = segments(layout)
     if heads.end > units:
         raise ValueError(f"slice [{heads.start}, {heads.end}) of a layout of {units} units")
     out = []
     for s, seg in zip(layout.sections, segs, strict=True):
-        out.append(SectionSpec(s.name, s.dtype, (sum(n * heads.count // units for n in seg), *s.shape[1:])))
+        rows = 0
+        for g in seg:
+            b0, b1 = g.block_range(units, heads)
+            rows += (b1 - b0) * (g.rows // g.blocks)
+        out.append(SectionSpec(s.name, s.dtype, (rows, *s.shape[1:])))
     return PageLayout(tuple(out))
 
 
-def copy_heads(src: memoryview, src_layout: PageLayout, src_heads: HeadRange,
-               dst: memoryview, dst_layout: PageLayout, dst_heads: HeadRange) -> int:
-    """Copy the units both slices hold from page buffer ``src`` into ``dst``; bytes copied.
-    Both layouts must be slices of one group (same sections, same rows per unit)."""
-    lo, hi = max(src_heads.start, dst_heads.start), min(src_heads.end, dst_heads.end)
-    if lo >= hi:
+def _blocks_to_copy(seg: Segment, units: int, src: HeadRange, dst: HeadRange) -> tuple[int, int]:
+    """The blocks of ``seg`` to copy from slice ``src`` into slice ``dst``: those ``dst`` holds
+    whose first unit ``dst`` needs lies in ``src`` (a block coarser than a unit, held by several
+    slices, is copied once, from the piece that covers its first needed unit)."""
+    lo, hi = max(src.start, dst.start), min(src.end, dst.end)
+    d0, d1 = seg.block_range(units, dst)
+    if seg.blocks % units == 0:  # a whole number of blocks per unit
+        per = seg.blocks // units
+        return lo * per, hi * per
+    per_block = units // seg.blocks
+    picked = [b for b in range(d0, d1) if lo <= max(b * per_block, dst.start) < hi]
+    return (picked[0], picked[-1] + 1) if picked else (0, 0)
+
+
+def copy_heads(full_layout: PageLayout, src: memoryview, src_heads: HeadRange,
+               dst: memoryview, dst_heads: HeadRange) -> int:
+    """Copy what slice ``dst_heads`` needs from slice ``src_heads`` (both slices of
+    ``full_layout``, their pages in ``src`` and ``dst``); bytes copied. Each segment's blocks
+    are one contiguous byte range in both pages."""
+    if max(src_heads.start, dst_heads.start) >= min(src_heads.end, dst_heads.end):
         return 0
-    _, src_segs = segments(src_layout)
-    _, dst_segs = segments(dst_layout)
+    units, segs = segments(full_layout)
+    src_layout, dst_layout = slice_layout(full_layout, src_heads), slice_layout(full_layout, dst_heads)
     copied = 0
-    for s_sec, s_off, s_seg, d_sec, d_off, d_seg in zip(src_layout.sections, src_layout.offsets, src_segs,
-                                                       dst_layout.sections, dst_layout.offsets, dst_segs,
-                                                       strict=True):
+    for s_sec, s_off, d_off, sec_segs in zip(src_layout.sections, src_layout.offsets, dst_layout.offsets, segs,
+                                             strict=True):
         row = s_sec.nbytes // s_sec.shape[0]  # bytes of one row of the outermost dimension
-        if (s_sec.name != d_sec.name or d_sec.nbytes // d_sec.shape[0] != row or len(s_seg) != len(d_seg)
-                or any(a * dst_heads.count != b * src_heads.count for a, b in zip(s_seg, d_seg, strict=True))):
-            raise ValueError(f"sections {s_sec.name} and {d_sec.name} are not slices of one layout")
         s_base, d_base = s_off, d_off
-        for s_rows, d_rows in zip(s_seg, d_seg, strict=True):
-            per_unit = s_rows // src_heads.count * row  # bytes of one unit in this segment
-            n = (hi - lo) * per_unit
-            a = s_base + (lo - src_heads.start) * per_unit
-            b = d_base + (lo - dst_heads.start) * per_unit
-            dst[b : b + n] = src[a : a + n]
-            copied += n
-            s_base += s_rows * row
-            d_base += d_rows * row
+        for g in sec_segs:
+            block = g.rows // g.blocks * row  # bytes of one block
+            s0, s1 = g.block_range(units, src_heads)
+            d0, d1 = g.block_range(units, dst_heads)
+            b0, b1 = _blocks_to_copy(g, units, src_heads, dst_heads)
+            if b1 > b0:
+                n = (b1 - b0) * block
+                a, b = s_base + (b0 - s0) * block, d_base + (b0 - d0) * block
+                dst[b : b + n] = src[a : a + n]
+                copied += n
+            s_base += (s1 - s0) * block
+            d_base += (d1 - d0) * block
     return copied
 
 
@@ -275,5 +400,5 @@ def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayo
         cost.token_count = header.meta.token_count
         cost.files += 1
         cost.bytes_read += layout.nbytes
-        cost.bytes_scattered += copy_heads(scratch, layout, piece, out, dst_layout, need)
+        cost.bytes_scattered += copy_heads(full_layout, scratch, piece, out, need)
     return cost

@@ -6,11 +6,12 @@ derive the same digest without talking to each other. It records everything that
 meaning of a page: model id and revision, KV dtype, per offloaded KV-cache group its kind,
 block size, tokens per chunk, layer names and canonical page layout (``tierstore.layout``),
 the prefix-cache hash algorithm and the seed its first hash depends on, the parallel sizes and
-the user's ``namespace_tag``. A model whose offloaded groups are all attention / sliding window
-or Gated DeltaNet is stored as slices readable at any tensor-parallel size (``head_sliced``;
-docs/DESIGN.md §9, ``tiers/head_slices.py``): its namespace records the full (TP=1) layouts
-and ``tp_size`` 1 whatever the engine's TP, so it is the TP=1 namespace, unchanged. Models with
-another Mamba group (Mamba1/2, short conv) keep their TP. A quantized (per-tensor fp8) KV cache adds its element type
+the user's ``namespace_tag``. A model whose offloaded groups are attention / sliding window,
+Gated DeltaNet, Mamba1/2 or short conv is stored as slices readable at any tensor-parallel size
+(``head_sliced``; docs/DESIGN.md §9, ``tiers/head_slices.py``): its namespace records the full
+(TP=1) layouts and ``tp_size`` 1 whatever the engine's TP, so it is the TP=1 namespace,
+unchanged. A TP whose slices would not be the engine's rank pages (a Mamba group's units not
+divisible by it, states sharded another way) keeps its TP in the namespace. A quantized (per-tensor fp8) KV cache adds its element type
 (``kv_cache_dtype``: float8_e4m3fn / float8_e5m2, also the sections' dtype and the namespace
 dtype) and what fixes its per-layer scales (``kv_scales``: "unit" or a digest of the
 checkpoint's scale tensors), so fp8 and bf16 pages, or pages quantized with other scales, never
@@ -39,7 +40,7 @@ from tierstore.errors import ConfigError
 from tierstore.format import GroupKind, PageLayout, SectionSpec
 from tierstore.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.layout import attention_layout, mamba_layout
-from tierstore.tiers.head_slices import rank_heads, slice_units
+from tierstore.tiers.head_slices import rank_heads, slice_layout, slice_units
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -348,23 +349,79 @@ def _attention_isa(spec: Any, cache_dtype: str | None) -> str | None:
     return cpu_attention_isa(spec, cache_dtype)
 
 
-def head_sliced(layouts: list[PageLayout], parallel: Any) -> bool:
-    """Whether pages are stored as slices readable at any TP (docs/DESIGN.md §9): every
-    offloaded group's (rank) layout is sliceable (attention / sliding window: KV heads; Gated
-    DeltaNet: linear key heads, ``head_slices.slice_units``; Mamba1/2 states are not) and no
-    other parallelism splits the cache. A host or local tier keeps the rank's slice directory
-    too (``TierChain`` passes it to every tier)."""
-    if not layouts or any(slice_units(lay) is None for lay in layouts):
-        return False
+def head_sliced(full_layouts: list[PageLayout], rank_layouts: list[PageLayout], kinds: list[GroupKind],
+                parallel: Any) -> bool:
+    """Whether pages are stored as slices readable at any TP (docs/DESIGN.md §9): no other
+    parallelism splits the cache, and every offloaded group's full (TP=1) layout is sliceable
+    (``head_slices.slice_units``: attention / sliding window, Gated DeltaNet, Mamba1/2, short
+    conv) with this TP's slices (``rank_heads``) giving exactly the engine's rank layout. A
+    Mamba group also needs the TP to divide its units (attention replicates KV heads past
+    their count; Mamba states cannot be). The rank-layout check keeps a model whose states are
+    sharded some other way on per-TP pages instead of serving it wrongly split ones. A host or
+    local tier keeps the rank's slice directory too (``TierChain`` passes it to every tier)."""
     others = (parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
               getattr(parallel, "prefill_context_parallel_size", 1))
-    return all(n == 1 for n in others)
+    if not full_layouts or any(n != 1 for n in others):
+        return False
+    tp = parallel.tensor_parallel_size
+    for full, mine, kind in zip(full_layouts, rank_layouts, kinds, strict=True):
+        units = slice_units(full)
+        if units is None or (kind == GroupKind.MAMBA and units % tp):
+            return False
+        if tp > 1 and any(slice_layout(full, rank_heads(units, tp, r)) != mine for r in range(tp)):
+            return False
+    return True
 
 
-def full_tp_layout(layout: PageLayout, tp_size: int) -> PageLayout:
-    """The TP=1 layout of a Gated DeltaNet group from one rank's: vLLM gives each rank
-    ``1/tp`` of every state's outermost dimension (conv channels of each of q, k, v; value
-    heads), so the full state has ``tp`` times its rows."""
+class _With:
+    """``obj`` with some attributes replaced (read-only view)."""
+
+    def __init__(self, obj: Any, **fields: Any) -> None:
+        self._obj, self._fields = obj, fields
+
+    def __getattr__(self, name: str) -> Any:
+        return self._fields[name] if name in self._fields else getattr(self._obj, name)
+
+
+def tp1_mamba_shapes(vllm_config: Any) -> tuple[tuple[int, ...], ...] | None:
+    """The model's Mamba state shapes at tensor_parallel_size 1 (engine orientation), from its
+    model class's ``get_mamba_state_shape_from_config`` (what vLLM sizes the cache with): the
+    only place that knows how a state is sharded (Mamba2 with one group replicates B and C,
+    which a rank's shape cannot tell). None when the class does not say (several Mamba
+    layouts, an older vLLM): the caller then keeps the engine's TP in the namespace."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        model_cls, _ = ModelRegistry.resolve_model_cls(vllm_config.model_config.architecture,
+                                                       model_config=vllm_config.model_config)
+        if hasattr(model_cls, "get_mamba_specs_from_config") or not hasattr(
+                model_cls, "get_mamba_state_shape_from_config"):
+            return None
+        at_tp1 = _With(vllm_config, parallel_config=_With(vllm_config.parallel_config, tensor_parallel_size=1))
+        return tuple(tuple(int(d) for d in shape) for shape in model_cls.get_mamba_state_shape_from_config(at_tp1))
+    except Exception:  # noqa: BLE001 - any failure means: not known, stay per-TP
+        return None
+
+
+def full_mamba_layout(spec: Any, layer_names: tuple[str, ...], tp1_shapes: tuple[tuple[int, ...], ...] | None,
+                      ) -> PageLayout | None:
+    """The TP=1 layout of a Mamba/GDN group whose rank spec is ``spec`` (states in canonical
+    orientation, the rank's dtypes); None if the TP=1 shapes are unknown or do not match the
+    spec's states."""
+    spec = representative_spec(spec)
+    if tp1_shapes is None or len(tp1_shapes) != len(spec.shapes):
+        return None
+    st = mamba_states(_With(spec, shapes=tp1_shapes))
+    return mamba_layout(layer_names, [(n, sh, dtype_name(dt))
+                                      for n, sh, dt in zip(st.names, st.canonical_shapes, st.dtypes, strict=True)])
+
+
+def scaled_layout(layout: PageLayout, tp_size: int) -> PageLayout:
+    """A rank's Mamba layout with every state's outermost dimension times ``tp_size``: the TP=1
+    layout of states split evenly across ranks (Gated DeltaNet, Mamba1, short conv, Mamba2
+    with TP dividing its groups). The fallback when the model class gives no TP=1 shapes: for a
+    state replicated on every rank (Mamba2's B and C with one group) it names a layout no
+    other TP has, so such pages are shared by no other TP, never served split wrongly."""
     return PageLayout(tuple(SectionSpec(s.name, s.dtype, (s.shape[0] * tp_size, *s.shape[1:]))
                             for s in layout.sections))
 
@@ -377,28 +434,39 @@ def build_namespace(
 ) -> Namespace:
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
     par = vllm_config.parallel_config
-    rank_layouts = [group_layout(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec, tuple(g.layer_names),
-                                 g.tokens_per_block * offloading_config.cache.blocks_per_chunk,
-                                 kv_storage_dtype(cache_dtype))[1] for g in offloading_config.groups]
-    sliced = head_sliced(rank_layouts, par)
-    # Slices: the page is the full (TP=1) one (at TP=1 the rank's heads are all of them).
-    total_heads = vllm_config.model_config.get_total_num_kv_heads() if sliced else None
+    tp = par.tensor_parallel_size
+    vgroups = [kv_cache_config.kv_cache_groups[g.group_id] for g in offloading_config.groups]
+    chunks = [g.tokens_per_block * offloading_config.cache.blocks_per_chunk for g in offloading_config.groups]
+    kv_dtype = kv_storage_dtype(cache_dtype)
+    # The rank's layouts (what this engine's pages hold), and the full (TP=1) ones: attention
+    # with every KV head, Mamba states at TP=1 (a page is the full one at TP=1 in either case).
+    ranked = [group_layout(vg.kv_cache_spec, tuple(g.layer_names), n, kv_dtype)
+              for vg, g, n in zip(vgroups, offloading_config.groups, chunks, strict=True)]
+    kinds, rank_layouts = [k for k, _ in ranked], [lay for _, lay in ranked]
+    total_heads = (vllm_config.model_config.get_total_num_kv_heads()
+                   if any(k != GroupKind.MAMBA for k in kinds) else None)
+    tp1_shapes = tp1_mamba_shapes(vllm_config) if tp > 1 and GroupKind.MAMBA in kinds else None
+    full_layouts: list[PageLayout] = []
+    for vg, g, n, kind, mine in zip(vgroups, offloading_config.groups, chunks, kinds, rank_layouts, strict=True):
+        if tp == 1:
+            full_layouts.append(mine)
+        elif kind == GroupKind.MAMBA:
+            full_layouts.append(full_mamba_layout(vg.kv_cache_spec, tuple(g.layer_names), tp1_shapes)
+                                or scaled_layout(mine, tp))
+        else:
+            full_layouts.append(group_layout(vg.kv_cache_spec, tuple(g.layer_names), n, kv_dtype, total_heads)[1])
+    sliced = head_sliced(full_layouts, rank_layouts, kinds, par)
     groups = []
-    for g in offloading_config.groups:
-        vgroup = kv_cache_config.kv_cache_groups[g.group_id]
-        tokens_per_chunk = g.tokens_per_block * offloading_config.cache.blocks_per_chunk
+    for vg, g, n, kind, mine, full in zip(vgroups, offloading_config.groups, chunks, kinds, rank_layouts, full_layouts,
+                                          strict=True):
         # A Mamba page holds the state after a chunk boundary; an attention page the chunk's KV.
-        kind, layout = group_layout(vgroup.kv_cache_spec, tuple(g.layer_names), tokens_per_chunk,
-                                    kv_storage_dtype(cache_dtype), total_heads)
-        if sliced and kind == GroupKind.MAMBA:  # Gated DeltaNet (head_sliced checked): the TP=1 states
-            layout = full_tp_layout(layout, par.tensor_parallel_size)
-        spec = representative_spec(vgroup.kv_cache_spec)
+        spec = representative_spec(vg.kv_cache_spec)
         groups.append(GroupSpec(
             kind=kind,
             block_size=g.tokens_per_block,
-            tokens_per_chunk=tokens_per_chunk,
+            tokens_per_chunk=n,
             layer_names=tuple(g.layer_names),
-            layout=layout,
+            layout=full if sliced else mine,  # slices: the full (TP=1) page
             sliding_window=getattr(spec, "sliding_window", None) if kind == GroupKind.SLIDING_WINDOW else None,
         ))
     cache = vllm_config.cache_config

@@ -177,11 +177,12 @@ class TierStoreOffloadingSpec(OffloadingSpec):
     @property
     def head_sliced(self) -> bool:
         """Pages are slices readable at any TP (``namespace.head_sliced`` decided it: every group
-        attention or Gated DeltaNet, and the namespace's TP is 1 whatever the engine's)."""
+        sliceable, and the namespace's TP is 1 whatever the engine's)."""
         return self.namespace.parallel.tp_size == 1 and all(slice_units(g.layout) for g in self.namespace.groups)
 
     def _units(self, group: int) -> int:
-        """The slice units of a head-sliced group: KV heads, or GDN linear key heads."""
+        """The slice units of a head-sliced group (KV heads, GDN linear key heads, Mamba2 groups,
+        ...: ``head_slices.segments``)."""
         return segments(self.namespace.groups[group].layout)[0]
 
     def _slice_dirs(self, root: str, group: int) -> list[FileMapper]:
@@ -274,14 +275,14 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                                   self.staging_slots_override)
         if gspec.kind != GroupKind.MAMBA:
             heads = kv_head_range(total_heads, tp, self.rank)
-        elif self.head_sliced and tp > 1:  # GDN slice: its linear key heads (TP=1 and per-TP: 0/0)
+        elif self.head_sliced and tp > 1:  # a Mamba/GDN slice: its units (TP=1 and per-TP: 0/0)
             heads = (mine.start, mine.count)
         else:
             heads = (0, 0)
         if gspec.kind != GroupKind.MAMBA and heads[1] and heads[1] != layout.sections[0].shape[0]:
             raise ConfigError(f"group {i}: rank {self.rank} holds {layout.sections[0].shape[0]} KV heads, "
                               f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
-        # The header records which KV heads (GDN slice: linear key heads) this rank's file holds.
+        # The header records which KV heads (Mamba/GDN slice: units) this rank's file holds.
         engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
         transfer = PageTransfer(copier, device,
                                 scratch_pages=transfer_scratch_pages(

@@ -1,0 +1,105 @@
+"""Entry point of the hybrid-model TP-change tests: vLLM-CPU engines running a tiny hybrid at
+tensor_parallel_size 2 and 1 on shared roots, run as a script because vLLM's worker processes
+re-import it (see ``tp_engine.py``).
+
+    python tests/vllm/tp_hybrid_engine.py ROOT FAMILY     # qwen3next (Gated DeltaNet) or granitehybrid (Mamba2)
+
+A hybrid's states are stored as slices of the full (TP=1) state (docs/DESIGN.md §9): a TP=2
+rank's file holds its units (GDN: its linear key head's conv channels and value heads; Mamba2
+with one group: its heads' x channels and ssm heads, and all of B and C, which vLLM replicates)
+under ``h<start>-<count>``, the TP=1 file the whole state (``r0``); one namespace for every TP.
+Engines, one after another: (1) ``tp2_store``: TP=2 on ``ROOT`` (cold: the TP=2 tokens), (2)
+``tp1_store``: TP=1 on ``ROOT-tp1`` (cold: the TP=1 tokens), (3) ``tp1_from_tp2``: TP=1 on
+``ROOT`` hits the pages TP=2 wrote (each state and attention page assembled from the two rank
+files), (4) ``tp2_from_tp1``: TP=2 on ``ROOT-tp1`` hits the pages TP=1 wrote (each rank reads
+the ``r0`` file and uses its slice), (5) ``tp1_swapped``: the negative control: on a copy of
+``ROOT`` whose Mamba rank files have their payloads swapped (rank 0's directory holds rank 1's
+states and the other way round, checksums recomputed: what a wrong split map would serve),
+TP=1 hits and its tokens must differ from (2)'s.
+Prints one ``RESULT {json}`` line per engine; the ``tierstore-slices`` log lines (stderr) after
+each ``PHASE`` line give that engine's cost of serving across the TP change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_engine import run_engine, tiny_model_and_prompt  # noqa: E402  (also installs the tierstore.slices log handler)
+
+
+def cpu_mamba2_without_prefill_checkpoints() -> None:
+    """Work around a vLLM-CPU 0.32 bug: in align mode ``MambaMixer2`` asks for mid-prefill state
+    checkpoints (``num_prefill_checkpoint_blocks=1``), which the CPU chunk-scan kernel does not
+    return (``_mamba_chunk_scan_combined_fwd_cpu`` gives final states only), so any Mamba2
+    hybrid with prefix caching fails with ``IndexError`` in ``conv_ssm_forward`` (with or
+    without tierstore). Without checkpoints the scheduler splits prefills at block boundaries
+    instead. Applied in every process that imports this script (vLLM's workers re-import it)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    MambaMixer2.get_kv_cache_spec = MambaBase.get_kv_cache_spec  # type: ignore[method-assign]
+
+
+cpu_mamba2_without_prefill_checkpoints()
+
+# The prompt ends one token after the last stored state, so the loaded state decides the
+# output. (GDN: with a longer tail, 2504 tokens, the tiny model's fast-decaying state was washed
+# out: zeroed or swapped states gave the same tokens, so the check could not fail.)
+FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
+    # two 1152-token blocks (vLLM's block size for the tiny Qwen3-Next) and one token
+    "qwen3next": (2305, dict(max_model_len=4096, num_gpu_blocks_override=16, max_num_batched_tokens=2303,
+                             prefix_cache_retention_interval=None)),
+    # seven 128-token blocks and one token; max_num_batched_tokens in [N, 2N): one block a step
+    "granitehybrid": (897, dict(max_model_len=2048, num_gpu_blocks_override=64, max_num_batched_tokens=255,
+                                prefix_cache_retention_interval=None)),
+}
+
+
+def swap_mamba_rank_files(root: Path) -> int:
+    """Swap the payloads of the two TP=2 rank files (``h0-<c>``, ``h<c>-<c>``) of every Mamba
+    group's pages, checksums recomputed (headers keep their own rank and units); the number of
+    files rewritten."""
+    from vllm_helpers import rewrite_page
+
+    from tierstore.format import GroupKind
+    from tierstore.pagefile import inspect_page, read_page
+
+    n = 0
+    for a in sorted(root.glob("*/g*/h0-*/*/*.kvp")):
+        count = a.parents[1].name.split("-")[1]
+        b = a.parents[2] / f"h{count}-{count}" / a.parent.name / a.name
+        if inspect_page(a).meta.group_kind != GroupKind.MAMBA or not b.exists():
+            continue
+        bufs = []
+        for p in (a, b):
+            buf = bytearray(inspect_page(p).layout.nbytes)
+            read_page(p, None, memoryview(buf))
+            bufs.append(bytes(buf))
+        for p, other in ((a, bufs[1]), (b, bufs[0])):
+            rewrite_page(p, lambda buf, other=other: buf.__setitem__(slice(None), other))
+            n += 1
+    return n
+
+
+def main() -> None:
+    root, family = sys.argv[1], sys.argv[2]
+    prompt_tokens, engine_kw = FAMILIES[family]
+    model, ids = tiny_model_and_prompt(family, prompt_tokens)
+    for phase, where, tp in (("tp2_store", root, 2), ("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1),
+                             ("tp2_from_tp1", root + "-tp1", 2), ("tp1_swapped", root + "-swapped", 1)):
+        if phase == "tp1_swapped":
+            # without the TP=1 reader's stored-back r0 pages: this reader must assemble again
+            shutil.copytree(root, where, ignore=lambda d, names: ["r0"] if Path(d).name.startswith("g") else [])
+            print("SWAPPED " + str(swap_mamba_rank_files(Path(where))), flush=True)
+        print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
+        print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp, **engine_kw)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
