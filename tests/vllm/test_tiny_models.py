@@ -28,6 +28,7 @@ EXPECTED_LAYER_TYPES = {
     "gemma4": {"sliding_attention", "full_attention"},
     "qwen3next": {"linear_attention", "full_attention"},
     "granitehybrid": {"linear_attention", "full_attention"},  # Mamba2 layers are "linear_attention"
+    "lfm2": {"conv", "full_attention"},
 }
 
 

@@ -60,7 +60,9 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
         params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)  # logprobs=0: the chosen token's
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     finally:
-        llm.llm_engine.engine_core.shutdown()  # flushes the workers' stores
+        # flushes the workers' stores; vLLM force-kills the engine core 5 s into a stop by
+        # default, which can cut off a store-back and its closing tierstore-slices line
+        llm.llm_engine.engine_core.shutdown(timeout=60)
     completion = out.outputs[0]
     logprobs = [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs or [], strict=False)]
     return {"tokens": list(completion.token_ids), "cached": int(out.num_cached_tokens or 0),

@@ -44,7 +44,7 @@ def run_engine_script(script: str, args: list[str], phases: int) -> tuple[dict[s
         pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=str(here.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1")
+               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60")
     proc = subprocess.run([sys.executable, str(here / script), *args], capture_output=True, text=True, env=env,
                           timeout=900)
     results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()

@@ -7,7 +7,7 @@ that vLLM and transformers load with ``HF_HUB_OFFLINE=1``. Nothing is downloaded
 Kinds: ``llama``, ``qwen3`` (dense), ``gemma3`` (sliding window + full attention),
 ``qwen3next`` (Gated DeltaNet + full attention; linear head dim 128, the only size vLLM 0.32's
 CPU kernels take), ``gptoss`` (sliding window + full, MoE), ``gemma4``, ``granitehybrid``
-(Mamba2 + full attention, MoE: Granite 4.0-H's shape). Sizes: ``size="tiny"`` (default:
+(Mamba2 + full attention, MoE: Granite 4.0-H's shape), ``lfm2`` (short conv + full attention). Sizes: ``size="tiny"`` (default:
 hidden 128, head dim 32, the smallest head size vLLM 0.32's CPU attention takes) or
 ``size="small"`` (hidden 1024 x 8 layers, head dim 64: the 4k-token prefill measurement). Any other override is a
 config field (``num_hidden_layers=4``) or one of ``seed``, ``dtype``, ``vocab_size``.
@@ -34,7 +34,7 @@ from typing import Any
 
 BUILDER_VERSION = 1
 STAMP_NAME = "tierstore-tiny.json"
-KINDS = ("llama", "qwen3", "gemma3", "qwen3next", "gptoss", "gemma4", "granitehybrid")
+KINDS = ("llama", "qwen3", "gemma3", "qwen3next", "gptoss", "gemma4", "granitehybrid", "lfm2")
 SIZES = ("tiny", "small")
 DEFAULT_VOCAB = 1024
 DEFAULT_SEED = 0
@@ -112,6 +112,12 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
                    mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
                    num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=cfg["hidden_size"],
                    position_embedding_type="rope")
+    elif kind == "lfm2":
+        cls = "Lfm2Config"
+        # short conv + full attention (LFM2's shape): conv over all hidden channels, kernel 3
+        cfg.update(num_hidden_layers=max(4, cfg["num_hidden_layers"]), conv_dim=cfg["hidden_size"], conv_L_cache=3,
+                   block_dim=cfg["hidden_size"],
+                   conv_bias=False, block_auto_adjust_ff_dim=False)
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {KINDS}")
     cfg.update(fields)
@@ -123,6 +129,8 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
             cfg["layer_types"] = _layer_pattern(["sliding_attention"] * 2 + ["full_attention"], n)
         elif kind in ("qwen3next", "granitehybrid"):  # Granite names its Mamba layers linear_attention too
             cfg["layer_types"] = _layer_pattern(["linear_attention"] * 3 + ["full_attention"], n)
+        elif kind == "lfm2":
+            cfg["layer_types"] = _layer_pattern(["conv"] * 3 + ["full_attention"], n)
     if kind == "gemma4" and "per_layer_config" not in fields:
         cfg["per_layer_config"] = {f"{i:02d}": {"head_dim": 2 * cfg["head_dim"]}
                                    for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"}
@@ -137,6 +145,7 @@ _MODEL_CLASSES = {
     "GptOssConfig": "GptOssForCausalLM",
     "Qwen3NextConfig": "Qwen3NextForCausalLM",
     "GraniteMoeHybridConfig": "GraniteMoeHybridForCausalLM",
+    "Lfm2Config": "Lfm2ForCausalLM",
 }
 
 
