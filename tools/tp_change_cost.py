@@ -26,10 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tierstore.format import Codec, GroupKind, PageExpectation, PageMeta, encode_page  # noqa: E402
+from tierstore.format import GroupKind, PageExpectation  # noqa: E402
 from tierstore.layout import mamba_layout  # noqa: E402
-from tierstore.pagefile import publish_page  # noqa: E402
-from tierstore.testing.pages import layout_namespace, page_bytes, page_key, simple_namespace  # noqa: E402
+from tierstore.testing.pages import (  # noqa: E402
+    layout_namespace,
+    page_bytes,
+    page_key,
+    simple_namespace,
+    write_slice_page,
+)
 from tierstore.tiers.head_slices import (  # noqa: E402
     HeadRange,
     assemble,
@@ -38,7 +43,6 @@ from tierstore.tiers.head_slices import (  # noqa: E402
     rank_heads,
     slice_layout,
     slice_units,
-    split_dir_name,
 )
 
 
@@ -78,15 +82,9 @@ def main() -> int:
                 heads = rank_heads(units, w_tp, r)
                 if heads in files:
                     continue  # GQA replication: ranks holding the same head share one file
-                layout = slice_layout(full_layout, heads)
-                data = bytearray(layout.nbytes)
+                data = bytearray(slice_layout(full_layout, heads).nbytes)
                 copy_heads(full_layout, full, everything, memoryview(data), heads)
-                meta = PageMeta(ns.digest_bytes, key, 0, ns.groups[0].kind, args.tokens, r, heads.start, heads.count)
-                header, pieces = encode_page(meta, layout, bytes(data), Codec.NONE, None)
-                path = base / split_dir_name(heads) / f"{key.hex()}.kvp"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                publish_page(path, path.with_name(path.name + ".tmp"), header, pieces, key=key)
-                files[heads] = (path, PageExpectation(ns.digest_bytes, key, 0, r, layout))
+                files[heads] = write_slice_page(base, ns, bytes(data), heads, key)
             for r_tp in tps:
                 need = rank_heads(units, r_tp, 0)  # every reader rank costs the same
                 plan = cover(need, list(files))

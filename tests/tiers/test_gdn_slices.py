@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 from tierstore.errors import PageError
-from tierstore.format import Codec, GroupKind, PageExpectation, PageLayout, PageMeta, encode_page
+from tierstore.format import GroupKind, PageLayout
 from tierstore.layout import attention_layout, mamba_layout
-from tierstore.pagefile import publish_page
-from tierstore.testing.pages import corrupt_flip_bit, layout_namespace, page_key
+from tierstore.testing.pages import corrupt_flip_bit, layout_namespace, page_key, write_slice_page
 from tierstore.tiers.head_slices import (
     HeadRange,
     assemble,
@@ -31,7 +30,6 @@ from tierstore.tiers.head_slices import (
     segments,
     slice_layout,
     slice_units,
-    split_dir_name,
 )
 
 H = HeadRange
@@ -102,25 +100,13 @@ def test_split_matches_vllm_sharding(tp: int) -> None:
         assert copied == sum(s.nbytes for s in layout.sections)  # alignment gaps are not copied
 
 
-def write_rank_file(root: Path, ns, data: bytes, heads: HeadRange, key: bytes) -> tuple[Path, PageExpectation]:
-    """A TP rank's file of ``heads`` with its bytes ``data`` (the encoder's checksums)."""
-    layout = slice_layout(ns.groups[0].layout, heads)
-    meta = PageMeta(ns.digest_bytes, key, 0, GroupKind.MAMBA, 1152, heads.start // heads.count, heads.start,
-                    heads.count)
-    header, pieces = encode_page(meta, layout, data, Codec.NONE, None)
-    path = root / split_dir_name(heads) / f"{key.hex()}.kvp"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    publish_page(path, path.with_name(path.name + ".tmp"), header, pieces, key=key)
-    return path, PageExpectation(ns.digest_bytes, key, 0, meta.rank, layout)
-
-
 @pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4)])
 def test_assemble_across_a_tp_change_gives_the_readers_vllm_bytes(tmp_path: Path, writer_tp: int,
                                                                     reader_tp: int) -> None:
     ns = layout_namespace(gdn_layout(), 1152, kind=GroupKind.MAMBA, layer_names=LAYERS)
     states, key = full_states(2), page_key(5)
     written = [rank_heads(NK, writer_tp, r) for r in range(writer_tp)]
-    files = {h: write_rank_file(tmp_path, ns, vllm_rank_bytes(states, writer_tp, r), h, key)
+    files = {h: write_slice_page(tmp_path, ns, vllm_rank_bytes(states, writer_tp, r), h, key)
              for r, h in enumerate(written)}
     for r in range(reader_tp):
         need = rank_heads(NK, reader_tp, r)
@@ -138,7 +124,7 @@ def test_assemble_across_a_tp_change_gives_the_readers_vllm_bytes(tmp_path: Path
 def test_a_damaged_rank_file_is_a_typed_error_and_wrong_bytes_change_the_result(tmp_path: Path) -> None:
     ns = layout_namespace(gdn_layout(), 1152, kind=GroupKind.MAMBA, layer_names=LAYERS)
     states, key = full_states(3), page_key(6)
-    files = {H(2 * r, 2): write_rank_file(tmp_path, ns, vllm_rank_bytes(states, 2, r), H(2 * r, 2), key)
+    files = {H(2 * r, 2): write_slice_page(tmp_path, ns, vllm_rank_bytes(states, 2, r), H(2 * r, 2), key)
              for r in (0, 1)}
     out = memoryview(bytearray(gdn_layout().nbytes))
     corrupt_flip_bit(files[H(2, 2)][0], -60)

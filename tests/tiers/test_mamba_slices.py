@@ -20,10 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tierstore.format import Codec, GroupKind, PageExpectation, PageLayout, PageMeta, encode_page
+from tierstore.format import GroupKind, PageLayout
 from tierstore.layout import mamba_layout
-from tierstore.pagefile import publish_page
-from tierstore.testing.pages import layout_namespace, page_key
+from tierstore.testing.pages import layout_namespace, page_key, write_slice_page
 from tierstore.tiers.head_slices import (
     HeadRange,
     assemble,
@@ -33,7 +32,6 @@ from tierstore.tiers.head_slices import (
     segments,
     slice_layout,
     slice_units,
-    split_dir_name,
 )
 from tierstore.vllm.namespace import head_sliced, scaled_layout
 
@@ -117,17 +115,6 @@ def test_split_matches_vllm_sharding(kind: str) -> None:
             assert copied == sum(s.nbytes for s in layout.sections)
 
 
-def write_rank_file(root: Path, ns, data: bytes, heads: HeadRange, key: bytes) -> tuple[Path, PageExpectation]:
-    layout = slice_layout(ns.groups[0].layout, heads)
-    meta = PageMeta(ns.digest_bytes, key, 0, GroupKind.MAMBA, 128, heads.start // heads.count, heads.start,
-                    heads.count)
-    header, pieces = encode_page(meta, layout, data, Codec.NONE, None)
-    path = root / split_dir_name(heads) / f"{key.hex()}.kvp"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    publish_page(path, path.with_name(path.name + ".tmp"), header, pieces, key=key)
-    return path, PageExpectation(ns.digest_bytes, key, 0, meta.rank, layout)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4)])
 def test_assemble_across_a_tp_change_gives_the_readers_vllm_bytes(tmp_path: Path, kind: str, writer_tp: int,
@@ -136,7 +123,7 @@ def test_assemble_across_a_tp_change_gives_the_readers_vllm_bytes(tmp_path: Path
     full_layout, units = ns.groups[0].layout, KINDS[kind]
     states, key = full_states(kind, 2), page_key(5)
     written = [rank_heads(units, writer_tp, r) for r in range(writer_tp)]
-    files = {h: write_rank_file(tmp_path, ns, vllm_rank_bytes(kind, states, writer_tp, r), h, key)
+    files = {h: write_slice_page(tmp_path, ns, vllm_rank_bytes(kind, states, writer_tp, r), h, key)
              for r, h in enumerate(written)}
     for r in range(reader_tp):
         need = rank_heads(units, reader_tp, r)

@@ -18,7 +18,9 @@ Contract:
 - ``write_page`` encodes and atomically publishes one page exactly as the engine does
   (``format.encode_page`` + ``pagefile.publish_page`` at ``FileMapper.path_for``);
   ``fill_pages`` writes the manifest and N pages per group and rank;
-  ``read_stored`` reads a page back through ``pagefile.read_page`` with the full expectation.
+  ``read_stored`` reads a page back through ``pagefile.read_page`` with the full expectation;
+  ``write_slice_page`` writes one tensor-parallel slice's file of a one-group namespace (its
+  units ``heads`` of the full layout, ``head_slices``) under ``<dir>/h<start>-<count>/``.
 
 Only numpy, xxhash and zstandard are needed (no torch, no vLLM). Page sizes stay small by
 default (a few KiB) so tests are fast. Threading: pure functions plus file writes; callers
@@ -32,6 +34,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -285,3 +288,21 @@ def corrupt_flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) ->
         byte = f.read(1)[0]
         f.seek(pos)
         f.write(bytes([byte ^ (1 << bit)]))
+
+
+def write_slice_page(directory: str | os.PathLike[str], ns: Namespace, data: bytes, heads: Any, key: bytes,
+                     ) -> tuple[Path, PageExpectation]:
+    """Publish the slice ``heads`` (a ``head_slices.HeadRange``) of group 0's page ``key`` with
+    the payload ``data`` (the slice layout's bytes) as the writer rank ``start // count`` would,
+    and return its path and that writer's expectation."""
+    from tierstore.tiers.head_slices import slice_layout, split_dir_name
+
+    group = ns.groups[0]
+    layout = slice_layout(group.layout, heads)
+    meta = PageMeta(ns.digest_bytes, key, 0, group.kind, group.tokens_per_chunk, heads.start // heads.count,
+                    heads.start, heads.count)
+    header, pieces = encode_page(meta, layout, data, Codec.NONE, None)
+    path = Path(directory) / split_dir_name(heads) / f"{key.hex()}.kvp"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    publish_page(path, path.with_name(path.name + ".tmp"), header, pieces, key=key)
+    return path, PageExpectation(ns.digest_bytes, key, 0, meta.rank, layout)
