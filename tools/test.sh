@@ -7,4 +7,4 @@ bash tools/setup-env.sh
 export TRITON_INTERPRET=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 .venv/bin/ruff check tierstore tests tools
-exec .venv/bin/python -m pytest -q -rs "$@"
+exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"

@@ -2,7 +2,8 @@
 tensor_parallel_size 2 and 1 on shared roots, run as a script because vLLM's worker processes
 re-import it (see ``tp_engine.py``).
 
-    python tests/vllm/tp_hybrid_engine.py ROOT FAMILY   # qwen3next (GDN), granitehybrid (Mamba2), lfm2 (short conv)
+    python tests/vllm/tp_hybrid_engine.py ROOT FAMILY   # qwen3next (GDN), granitehybrid (Mamba2), lfm2 (short
+                                                        # conv), gemma3 (sliding window)
 
 A hybrid's states are stored as slices of the full (TP=1) state (docs/DESIGN.md §9): a TP=2
 rank's file holds its units (GDN: its linear key head's conv channels and value heads; Mamba2
@@ -13,9 +14,9 @@ Engines, one after another: (1) ``tp2_store``: TP=2 on ``ROOT`` (cold: the TP=2 
 ``ROOT`` hits the pages TP=2 wrote (each state and attention page assembled from the two rank
 files), (4) ``tp2_from_tp1``: TP=2 on ``ROOT-tp1`` hits the pages TP=1 wrote (each rank reads
 the ``r0`` file and uses its slice), (5) ``tp1_swapped``: the negative control: on a copy of
-``ROOT`` whose Mamba rank files have their payloads swapped (rank 0's directory holds rank 1's
-states and the other way round, checksums recomputed: what a wrong split map would serve),
-TP=1 hits and its tokens must differ from (2)'s.
+``ROOT`` whose Mamba (gemma3: sliding-window) rank files have their payloads swapped (rank 0's
+directory holds rank 1's states or KV heads and the other way round, checksums recomputed: what
+a wrong split map would serve), TP=1 hits and its tokens must differ from (2)'s.
 Prints one ``RESULT {json}`` line per engine; the ``tierstore-slices`` log lines (stderr) after
 each ``PHASE`` line give that engine's cost of serving across the TP change.
 """
@@ -61,13 +62,15 @@ FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
                                 prefix_cache_retention_interval=None)),
     "lfm2": (897, dict(max_model_len=2048, num_gpu_blocks_override=64, max_num_batched_tokens=255,
                        prefix_cache_retention_interval=None)),
+    # sliding window (32 tokens) + full attention: phase 5 swaps the sliding-window rank files
+    "gemma3": (897, dict(max_model_len=2048, num_gpu_blocks_override=64, max_num_batched_tokens=255)),
 }
 
 
-def swap_mamba_rank_files(root: Path) -> int:
-    """Swap the payloads of the two TP=2 rank files (``h0-<c>``, ``h<c>-<c>``) of every Mamba
-    group's pages, checksums recomputed (headers keep their own rank and units); the number of
-    files rewritten."""
+def swap_rank_files(root: Path, kind: str) -> int:
+    """Swap the payloads of the two TP=2 rank files (``h0-<c>``, ``h<c>-<c>``) of every page of
+    the groups of ``kind`` (a ``GroupKind`` name), checksums recomputed (headers keep their own
+    rank and units); the number of files rewritten."""
     from vllm_helpers import rewrite_page
 
     from tierstore.format import GroupKind
@@ -77,7 +80,7 @@ def swap_mamba_rank_files(root: Path) -> int:
     for a in sorted(root.glob("*/g*/h0-*/*/*.kvp")):
         count = a.parents[1].name.split("-")[1]
         b = a.parents[2] / f"h{count}-{count}" / a.parent.name / a.name
-        if inspect_page(a).meta.group_kind != GroupKind.MAMBA or not b.exists():
+        if inspect_page(a).meta.group_kind != GroupKind[kind] or not b.exists():
             continue
         bufs = []
         for p in (a, b):
@@ -99,7 +102,8 @@ def main() -> None:
         if phase == "tp1_swapped":
             # without the TP=1 reader's stored-back r0 pages: this reader must assemble again
             shutil.copytree(root, where, ignore=lambda d, names: ["r0"] if Path(d).name.startswith("g") else [])
-            print("SWAPPED " + str(swap_mamba_rank_files(Path(where))), flush=True)
+            swapped = swap_rank_files(Path(where), "SLIDING_WINDOW" if family == "gemma3" else "MAMBA")
+            print("SWAPPED " + str(swapped), flush=True)
         print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
         print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp, **engine_kw)}),
               flush=True)
