@@ -6,9 +6,11 @@ under ``r0`` in both of its tiers."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tierstore.config import TierStoreConfig
+from tierstore.pagefile import inspect_page
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 from tierstore.tiers import close_shared_state, open_group_store
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
@@ -75,6 +77,48 @@ def test_tp2_halves_in_both_tiers_assemble_for_a_tp1_reader_with_its_own_local_t
         assert again.ok and bytes(again.slot.view[: len(full)]) == full
         reader.release_slot(again.slot)
         assert reader.stats["slice_loads"] == 1  # the second hit: its own file
+        reader.close()
+        source.close()
+    finally:
+        close_shared_state()
+
+
+def test_a_slice_the_shared_tier_missed_is_uploaded_under_its_slice_directory(tmp_path: Path) -> None:
+    """TP=2 rank 1's shared store fails (injected ENOSPC): the page is stored locally and the
+    backlog uploads it later from the local ``h1-1`` directory to the shared ``h1-1`` directory
+    (the header keeps the slice), where a TP=1 reader on another node assembles the page."""
+    from tierstore.testing.faults import Fault, FaultInjectingStore
+
+    key = page_key(6)
+    full = page_bytes(FULL, key)
+    try:
+        store, source = _rank_store(tmp_path, "local-a", H(0, 1))
+        _store(store, key, _slice(full, H(0, 1)))
+        store.close()
+        source.close()
+        store, source = _rank_store(tmp_path, "local-a", H(1, 1))
+        chain = store.inner
+        shared = chain.wrap_tier("shared", lambda t: FaultInjectingStore(t, [Fault("store", kind="enospc", times=1)]))
+        _store(store, key, _slice(full, H(1, 1)))
+        assert shared.injected[("store", "enospc")] == 1
+        uploaded = tmp_path / "shared" / NS.digest / "g0" / "h1-1"
+        end = time.monotonic() + 10
+        while not any(uploaded.rglob(f"{key.hex()}.kvp")) and time.monotonic() < end:
+            time.sleep(0.02)
+            chain.poll()
+        assert chain.flush(10) and chain.shared_backlog == 0
+        (path,) = uploaded.rglob(f"{key.hex()}.kvp")
+        meta = inspect_page(path).meta
+        assert (meta.rank, meta.head_start, meta.head_count) == (1, 1, 1)
+        assert not (tmp_path / "shared" / NS.digest / "g0" / "r1").exists()
+        store.close()
+        source.close()
+        reader, source = _rank_store(tmp_path, "local-b", H(0, 2))  # TP=1, another node
+        assert source.listed.wait(5)
+        (res,) = reader.wait([reader.submit_load(key)], 10)
+        assert res.ok and res.verified and bytes(res.slot.view[: len(full)]) == full, res.error
+        reader.release_slot(res.slot)
+        assert reader.stats["slice_files"] == 2
         reader.close()
         source.close()
     finally:
