@@ -5,7 +5,9 @@ The engines run in a subprocess (``tp_hybrid_engine.py ROOT gemma3``). The model
 rank at TP=2). Checked (issue 13): pages written at TP=2 are hits at TP=1 and pages written at
 TP=1 are hits at TP=2, with the tokens of a no-cache run at the reader's TP; the sliding-window
 group loads only the page its window reaches (one of seven), assembled from both ranks' files
-going down a TP; one namespace serves both TPs. The check can fail: sliding-window rank files
+going down a TP; one namespace serves both TPs. Every engine has a fresh local tier in front
+of the shared root (a TierChain at TP=2 writes and assembles; each tier keeps the rank's slice
+directory, and assembled pages are stored back in both). The check can fail: sliding-window rank files
 whose payloads are swapped (valid checksums, the KV heads in each other's place) change the
 tokens. 5 engine starts (2 with 2 worker processes) in one subprocess.
 """
@@ -60,6 +62,13 @@ def test_sliding_pages_written_at_tp1_hit_at_tp2_with_the_tp2_tokens(sliding_run
     assert sorted(str(ln["heads"]) for ln in lines["SLIDING_WINDOW"]) == ["h0-1", "h1-1"], lines
     for ln in lines["SLIDING_WINDOW"] + lines["ATTENTION"]:
         assert ln["files"] == ln["loads"] == ln["stored_back"] and 2 * int(ln["bytes_scattered"]) == ln["bytes_read"]
+    # stored back under each rank's own slice in both tiers of its chain: the shared root and
+    # its local tier hold h0-1 and h1-1 (never r<rank>), 1 sliding + 7 full pages each
+    for tier in ("-tp1", "-local-tp2_from_tp1"):
+        ns = namespace_dir(root.with_name(root.name + tier))
+        got = sorted(p.parent.parent.name for p in ns.glob("g*/h*/*/*.kvp"))
+        assert got == ["h0-1"] * 8 + ["h1-1"] * 8, (tier, got)
+        assert not list(ns.glob("g*/r[1-9]*/*/*.kvp"))
     print(f"sliding window TP 1->2: {lines}")
 
 

