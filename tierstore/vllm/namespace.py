@@ -11,11 +11,11 @@ Gated DeltaNet, Mamba1/2 or short conv is stored as slices readable at any tenso
 (``head_sliced``; docs/DESIGN.md §9, ``tiers/head_slices.py``): its namespace records the full
 (TP=1) layouts and ``tp_size`` 1 whatever the engine's TP, so it is the TP=1 namespace,
 unchanged. A TP whose slices would not be the engine's rank pages (a Mamba group's units not
-divisible by it, states sharded another way) keeps its TP in the namespace. A quantized (per-tensor fp8) KV cache adds its element type
-(``kv_cache_dtype``: float8_e4m3fn / float8_e5m2, also the sections' dtype and the namespace
-dtype) and what fixes its per-layer scales (``kv_scales``: "unit" or a digest of the
-checkpoint's scale tensors), so fp8 and bf16 pages, or pages quantized with other scales, never
-share a namespace. Other KV quantization modes are refused at startup.
+divisible by it, states sharded another way) keeps its TP in the namespace. A quantized
+(per-tensor fp8) KV cache adds its element type (``kv_cache_dtype``: float8_e4m3fn /
+float8_e5m2, also the sections' dtype and the namespace dtype) and what fixes its per-layer
+scales (``kv_scales``: "unit" or a digest of the checkpoint's scale tensors), so fp8 and bf16
+pages, or pages quantized with other scales, never share a namespace. Other KV quantization modes are refused at startup.
 
 Mamba/GDN states are described in the canonical orientation (conv state ``(dim, state_len)``)
 whatever ``VLLM_SSM_CONV_STATE_LAYOUT`` the engine uses; ``MambaStates`` tells the worker how
@@ -388,7 +388,7 @@ def tp1_mamba_shapes(vllm_config: Any) -> tuple[tuple[int, ...], ...] | None:
     model class's ``get_mamba_state_shape_from_config`` (what vLLM sizes the cache with): the
     only place that knows how a state is sharded (Mamba2 with one group replicates B and C,
     which a rank's shape cannot tell). None when the class does not say (several Mamba
-    layouts, an older vLLM): the caller then keeps the engine's TP in the namespace."""
+    layouts, an older vLLM): the caller then falls back to ``scaled_layout``."""
     try:
         from vllm.model_executor.models import ModelRegistry
 
