@@ -75,6 +75,14 @@ def test_native_section_sums_are_xxhash_byte_for_byte() -> None:
     assert native.section_sums(spans, data, 9, 10) is None  # too small to gain: the Python path
 
 
+def test_record_sums_hash_each_records_prefix_like_xxhash() -> None:
+    rng = random.Random(6)
+    keys = [rng.randbytes(36) for _ in range(300)]
+    got = native.record_sums(b"".join(keys), 36, 32)
+    assert got is not None and got.tolist() == [xxhash.xxh3_64_intdigest(k[:32]) for k in keys]
+    assert native.record_sums(b"", 36, 32).tolist() == []
+
+
 def test_read_and_hash_reads_pieces_and_reports_a_short_file(tmp_path: Path) -> None:
     rng = random.Random(6)
     hl, spans = 4096, _spans([100_000, 50_000, 30_001], gap=7)

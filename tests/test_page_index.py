@@ -7,6 +7,8 @@ import os
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 from tierstore import page_index
 from tierstore.mapper import FileMapper
 from tierstore.page_index import PageIndex, fingerprint
@@ -147,3 +149,66 @@ def test_bucket_lookup_agrees_with_the_listing(tmp_path: Path) -> None:
     index.load_all()
     assert all(index.contains(k) is True for k in keys)
     assert not any(index.contains(key_of(i)) for i in range(10_000, 20_000))
+
+
+def test_found_many_agrees_with_contains_any(tmp_path: Path) -> None:
+    """The vectorized answer is True exactly where ``contains_any`` is True (listings, this
+    process's additions and removals on top of them, two indexes), False where it is False or
+    undecided (a shard with an unlisted directory)."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(7)
+    keys = [rng.randbytes(32) for _ in range(3000)]
+    a_map, b_map = FileMapper(tmp_path / "a", "ns", 0), FileMapper(tmp_path / "b", "ns", 0)
+    make_pages(a_map, keys[:1000])
+    make_pages(b_map, keys[800:1500])
+    a, b = PageIndex(a_map.base), PageIndex(b_map.base)
+    unlisted = {fingerprint(keys[2000]) >> 56, fingerprint(keys[5]) >> 56}
+    for d in range(256):
+        a.load_dir(d)
+        if d not in unlisted:
+            b.load_dir(d)
+    for k in keys[1500:1700]:
+        a.add(k)  # stored after the listing
+    for k in keys[:100] + keys[1600:1650]:
+        a.discard(k)  # removed after the listing (or after being added)
+    fps = np.array([fingerprint(k) for k in keys], dtype=np.uint64)
+    got = page_index.found_many([a, b], fps).tolist()
+    want = [page_index.contains_any([a, b], int(fp)) is True for fp in fps]
+    partial = {d >> 4 for d in unlisted}  # b's shards with an unlisted directory
+    assert all(w for g, w in zip(got, want, strict=True) if g)  # never a True contains_any lacks
+    assert [g for g, fp in zip(got, fps, strict=True) if int(fp) >> 60 not in partial] == \
+        [w for w, fp in zip(want, fps, strict=True) if int(fp) >> 60 not in partial]
+    assert sum(got) > 1000 and not all(got)
+    undecided = [page_index.contains_any([b], int(fp)) is None for fp in fps]
+    assert any(undecided) and not any(page_index.found_many([b], fps)[undecided])
+    assert page_index.found_many([a], fps[:0]).tolist() == []
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fingerprints_of_offload_keys_leave_the_suffix_out(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fingerprints`` (one compiled call, or one hash per key when the native path is not
+    ready) equals ``fingerprint`` of each key without its 4-byte group suffix; keys of mixed
+    lengths take the per-key path and are still right."""
+    import random
+
+    from tierstore import native
+
+    if compiled:
+        pytest.importorskip("numba", reason="the compiled path needs numba (a vLLM dependency)")
+        assert native.start(wait=True), native.failure()
+    else:
+        monkeypatch.setattr(native, "_kernels", None)
+    compiled_calls: list[int] = []
+    real = native.record_sums
+    monkeypatch.setattr(native, "record_sums", lambda *a: compiled_calls.append(1) or real(*a))
+    rng = random.Random(3)
+    keys = [rng.randbytes(32) + b"\x00\x00\x00\x01" for _ in range(500)]
+    assert page_index.fingerprints(keys, 4).tolist() == [fingerprint(k[:32]) for k in keys]
+    assert compiled_calls == [1]  # asked once; answered only when compiled
+    mixed = keys[:10] + [rng.randbytes(20) + b"\x00\x00\x00\x02"]
+    assert page_index.fingerprints(mixed, 4).tolist() == [fingerprint(k[:-4]) for k in mixed]
+    assert page_index.fingerprints(keys[:3]).tolist() == [fingerprint(k) for k in keys[:3]]
+    assert page_index.fingerprints([], 4).tolist() == []

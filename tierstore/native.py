@@ -9,7 +9,8 @@ loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use
 ``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
 - ``native_page.load_page`` / ``store_page`` (compiled here, with the others): a warm load or a
   store of one page file, header checks and header fill included, in one call each;
-- ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file.
+- ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file;
+- ``record_sums``: xxh3 of many equal-length records at once (the scheduler's key fingerprints).
 
 Contract: every function returns None whenever the native path is not ready (numba missing,
 not compiled yet, ``TIERSTORE_NATIVE=0``, a probe mismatch; the open/stat ones also off
@@ -175,6 +176,12 @@ def _build() -> Any:
         for i in range(first, end):
             out[i - first] = xxh3(base + spans[i, 0], spans[i, 1] - spans[i, 0])
 
+    @numba.njit(numba.types.void(i64, i64, i64, i64, sums), nogil=True, cache=False)
+    def hash_strided(base: int, n: int, stride: int, length: int, out: Any) -> None:
+        # n records of ``stride`` bytes back to back: xxh3 of each one's first ``length``.
+        for i in range(n):
+            out[i] = xxh3(base + i * stride, length)
+
     @numba.njit(i64(i64, i64, i64, rows, rows, sums), nogil=True, cache=False)
     def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any) -> int:
         # pieces: (file start, file end, first section, end section); the page starts at
@@ -234,9 +241,12 @@ def _build() -> Any:
     out = np.zeros(2, dtype=np.uint64)
     hash_spans(int(probe.ctypes.data), spans, 0, 2, out)
     want = [xxhash.xxh3_64_intdigest(probe[a:b].tobytes()) for a, b in spans]
-    if [int(v) for v in out] != want:
+    strided = np.zeros(3, dtype=np.uint64)
+    hash_strided(int(probe.ctypes.data), 3, 36, 32, strided)
+    want_strided = [xxhash.xxh3_64_intdigest(probe[i * 36:i * 36 + 32].tobytes()) for i in range(3)]
+    if [int(v) for v in out] != want or [int(v) for v in strided] != want_strided:
         raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
-    return (hash_spans, read_pieces, np, load_page, store_page)
+    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided)
 
 
 @lru_cache(maxsize=256)
@@ -282,6 +292,20 @@ def read_and_hash(fd: int, file_buf: memoryview, page_off: int, plan: Sequence[t
     out = np.zeros(len(spans), dtype=np.uint64)
     got = read_pieces(fd, address(file_buf), page_off, rows_array(tuple(plan)), rows_array(tuple(spans)), out)
     return int(got), out.tolist()
+
+
+def record_sums(records: bytes, stride: int, length: int) -> Any:
+    """xxh3 of the first ``length`` bytes of each ``stride``-byte record of ``records`` (a
+    uint64 numpy array), in one GIL-free call; None when the native path is not ready. The
+    scheduler's key fingerprints: its keys joined, the 4-byte group suffix left out."""
+    if _kernels is None:
+        return None
+    np, hash_strided = _kernels[2], _kernels[5]
+    n = len(records) // stride
+    out = np.empty(n, dtype=np.uint64)
+    if n:
+        hash_strided(int(np.frombuffer(records, dtype=np.uint8).ctypes.data), n, stride, length, out)
+    return out
 
 
 def numpy() -> Any:

@@ -7,14 +7,21 @@ Contract:
   a bucket directory (``uint32`` starts of 2^k buckets picked by the bits below the directory
   byte, 2^k <= pages of the directory): a lookup bisects one or two entries, so it touches two
   cache lines instead of bisecting the whole array; and a small delta dict (this process's
-  changes since that listing started): about 12 to 16 bytes per page (measured with
+  changes since that listing started). For lookups of many keys at once (``found_many``,
+  the scheduler's prefix lookups) it also keeps a copy of the arrays concatenated per *shard*
+  of 16 directories (fingerprints' top 4 bits): one ``numpy.searchsorted`` per shard instead
+  of one Python bisect per key. About 20 to 24 bytes per page in all (measured with
   tracemalloc by ``tierstore bench lookup``).
 - ``contains(key)`` -> True / False, or None while that directory has never been listed (the
   caller asks the file system off its thread, or says "retry"). It never touches the file
   system. A fingerprint collision (about n / 2^64) is a stale positive: the load finds no
   file and the request recomputes, as for a page deleted behind our back.
+- ``found_many(indexes, fps)`` -> per fingerprint, True where some index surely has the page
+  (what ``contains_any`` answers True), False where it is absent *or undecided* (a shard with
+  an unlisted directory): a shortcut for positives; the caller asks ``contains_any`` for the
+  rest.
 - ``load_dir(d)`` lists one fan-out directory (one ``readdir``; no ``stat`` per page) and
-  replaces its array. Changes made with ``add`` / ``discard`` after the listing started are
+  replaces its array and its shard's copy. Changes made with ``add`` / ``discard`` after the listing started are
   kept on top of it, so a page this process stored is never forgotten by a refresh that
   raced with the store (no stale negative for our own pages).
 - ``on_removal`` (optional) is called after any change that can turn a True answer into
@@ -26,9 +33,12 @@ Contract:
   directory in this process; the store, eviction and gc paths call them (no-ops when no index
   exists, e.g. in a worker process without a scheduler).
 
-Threading: ``contains`` is lock-free (reads of a list slot and a dict under the GIL) and may be
-called from any thread; ``add``, ``discard`` and ``load_dir`` take a short lock and may be
-called from any thread. ``load_dir`` does the listing outside the lock.
+Threading: ``contains`` and ``found_many`` are lock-free (reads of list slots, and dict
+lookups and a dict-keys intersection done in C under the GIL) and may be called from any
+thread; ``add``, ``discard`` and ``load_dir`` take a short lock and may be called from any
+thread. ``load_dir`` does the listing outside the lock; publishing (the directory's array and
+its shard's copy, built from the arrays being published) is serialised per index, so a shard
+is never built from an array that is no longer current.
 """
 
 from __future__ import annotations
@@ -38,16 +48,21 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
+from tierstore import native
 from tierstore.mapper import FANOUT_DIRS, PAGE_SUFFIX, locate
 
 _SUFFIX_LEN = len(PAGE_SUFFIX)
 _DIRS = len(FANOUT_DIRS)
+_SHARD_SHIFT = 60  # a shard: the 16 fan-out directories of one top hex digit
+_SHARDS = 1 << (64 - _SHARD_SHIFT)
+_DIRS_PER_SHARD = _DIRS // _SHARDS
+_SHARD_EDGES = np.arange(_SHARDS + 1, dtype=np.uint64)
 
 
 def fingerprint(key: bytes) -> int:
@@ -95,6 +110,10 @@ class PageIndex:
         self._search: list[tuple[memoryview, memoryview, int, int] | None] = [None] * _DIRS
         # fingerprint -> (present, sequence number of the change); per fan-out directory
         self._delta: list[dict[int, tuple[bool, int]]] = [{} for _ in range(_DIRS)]
+        self._delta_all: dict[int, bool] = {}  # the same changes in one dict (``found_many``)
+        # Per shard: the sorted arrays of its directories concatenated (None until all listed).
+        self._shards: list[np.ndarray | None] = [None] * _SHARDS
+        self._publish = threading.Lock()  # one directory published (and its shard built) at a time
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._loaded = 0  # directories listed at least once
@@ -147,8 +166,10 @@ class PageIndex:
         return n
 
     def nbytes(self) -> int:
-        """Bytes held by the fingerprint arrays (the delta dicts are small and not counted)."""
-        return sum(a.nbytes + starts.nbytes for a, starts, _s, _m in filter(None, self._search))
+        """Bytes held by the fingerprint arrays, bucket starts and shard copies (the delta dicts
+        are small and not counted)."""
+        shards = sum(a.nbytes for a in self._shards if a is not None)
+        return shards + sum(a.nbytes + starts.nbytes for a, starts, _s, _m in filter(None, self._search))
 
     # ------------------------------------------------------------ changes (any thread)
     def add(self, key: bytes) -> None:
@@ -163,6 +184,7 @@ class PageIndex:
         fp = xxhash.xxh3_64_intdigest(key)
         with self._lock:
             self._delta[fp >> 56][fp] = (present, next(self._seq))
+            self._delta_all[fp] = present
         if not present and self.on_removal is not None:
             self.on_removal(key)
 
@@ -178,19 +200,35 @@ class PageIndex:
             self.list_errors += 1
             raise
         search = _buckets(arr)
-        with self._lock:
-            delta = self._delta[fanout_index]
-            # Changes older than the listing are in it; newer ones stay on top.
-            self._delta[fanout_index] = {fp: c for fp, c in delta.items() if c[1] > started}
-            old = self._arrays[fanout_index]
-            if old is None:
-                self._loaded += 1
-            self._arrays[fanout_index] = arr
-            self._search[fanout_index] = search
-            self.listings += 1
-            dropped = [fp for fp, (present, seq) in delta.items() if present and seq <= started]
+        with self._publish:
+            shard = self._build_shard(fanout_index, arr)
+            with self._lock:
+                delta = self._delta[fanout_index]
+                # Changes older than the listing are in it; newer ones stay on top.
+                kept = {fp: c for fp, c in delta.items() if c[1] > started}
+                self._delta[fanout_index] = kept
+                for fp in delta.keys() - kept.keys():
+                    del self._delta_all[fp]
+                old = self._arrays[fanout_index]
+                if old is None:
+                    self._loaded += 1
+                self._arrays[fanout_index] = arr
+                self._search[fanout_index] = search
+                self._shards[fanout_index // _DIRS_PER_SHARD] = shard
+                self.listings += 1
+                dropped = [fp for fp, (present, seq) in delta.items() if present and seq <= started]
         if self.on_removal is not None and (_lost(old, arr) or not all(_in_sorted(arr, fp) for fp in dropped)):
             self.on_removal(None)
+
+    def _build_shard(self, fanout_index: int, arr: memoryview) -> np.ndarray | None:
+        """The shard of ``fanout_index`` with ``arr`` as that directory's array (None while a
+        directory of it is unlisted). Copies 1/16 of the index: at 10^6 pages 0.5 MB per
+        listing, on the listing thread."""
+        first = fanout_index - fanout_index % _DIRS_PER_SHARD
+        parts = [arr if d == fanout_index else self._arrays[d] for d in range(first, first + _DIRS_PER_SHARD)]
+        if any(p is None for p in parts):
+            return None
+        return np.concatenate([np.frombuffer(p, dtype=np.uint64) for p in parts])  # type: ignore[arg-type]
 
     def load_all(self) -> None:
         """List every fan-out directory (tests and tools; the manager paces its own listing)."""
@@ -224,6 +262,71 @@ def contains_any(indexes: list[PageIndex], fp: int) -> bool | None:
         if i < hi and arr[i] == fp:
             return True
     return None if unknown else False
+
+
+def fingerprints(keys: Sequence[bytes], suffix_len: int = 0) -> np.ndarray:
+    """``fingerprint`` of each of ``keys`` without its last ``suffix_len`` bytes (vLLM's offload
+    keys end with their group index), as uint64. When the keys have one length and the native
+    path is compiled (``native.record_sums``): one join and one GIL-free call, about 15 ns a
+    key; else one slice and one hash per key, about 100 ns.
+
+    "One length" is checked by the joined length only (a per-key check costs as much as the
+    hashing saves): keys of mixed lengths that add up to n equal ones would be hashed
+    misaligned, giving fingerprints of no page: misses, or with odds of about n / 2^64 a stale
+    positive that the load corrects, never another page's bytes. vLLM's keys of one engine
+    all have its block hash's length."""
+    if keys:
+        width = len(keys[0])
+        joined = b"".join(keys)
+        if width > suffix_len and len(joined) == width * len(keys):
+            sums = native.record_sums(joined, width, width - suffix_len)
+            if sums is not None:
+                return sums  # type: ignore[no-any-return]
+    if suffix_len:
+        keys = [key[:-suffix_len] for key in keys]
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, keys), dtype=np.uint64, count=len(keys))
+
+
+def found_many(indexes: list[PageIndex], fps: np.ndarray) -> np.ndarray:
+    """Per fingerprint of ``fps`` (uint64), whether some of ``indexes`` surely has its page:
+    True exactly where ``contains_any`` answers True, except for pages in a shard not fully
+    listed yet (False there: undecided, the caller asks ``contains_any``). One sort and one
+    ``searchsorted`` per shard and index: about 0.1 µs a key at 4,096 keys, against about 1 µs
+    for ``contains_any`` called per key (``tierstore bench lookup``)."""
+    order = np.argsort(fps, kind="stable")
+    ordered = fps[order]
+    found = np.zeros(len(fps), dtype=bool)
+    if not len(fps):
+        return found
+    edges = np.searchsorted(ordered >> np.uint64(_SHARD_SHIFT), _SHARD_EDGES).tolist()
+    wanted: set[int] | None = None
+    for index in indexes:
+        # This process's changes since the listings override them. Read before the shards
+        # (as ``contains_fp`` reads the delta first): a listing published in between can then
+        # only turn a positive into a False (undecided), never revive a page we removed.
+        changes: dict[int, bool] = {}
+        if index._delta_all:
+            if wanted is None:
+                wanted = set(ordered.tolist())
+            delta = index._delta_all
+            changes = {fp: present for fp in delta.keys() & wanted
+                       if (present := delta.get(fp)) is not None}
+        have = np.zeros(len(fps), dtype=bool)
+        for s, arr in enumerate(index._shards):
+            lo, hi = edges[s], edges[s + 1]
+            if lo == hi or arr is None or not len(arr):
+                continue
+            part = ordered[lo:hi]
+            have[lo:hi] = arr.take(np.searchsorted(arr, part), mode="clip") == part
+        if changes:
+            for present in (True, False):
+                fps_changed = np.array([fp for fp, p in changes.items() if p is present], dtype=np.uint64)
+                if len(fps_changed):
+                    have[np.isin(ordered, fps_changed)] = present
+        found |= have
+    out = np.empty_like(found)
+    out[order] = found
+    return out
 
 
 def _buckets(arr: memoryview) -> tuple[memoryview, memoryview, int, int]:

@@ -63,6 +63,14 @@ def test_answers_equal_the_covered_rule_for_random_slice_contents(tmp_path: Path
             present = [i in where[k] for i in range(len(HAVE))]
             assert lookup.answer(0, k) is sg.covered(present, present), (tp, sorted(where[k]))
         assert sum(lookup.answer(0, k) for k in keys) > 0  # the draw covers some keys
+        # The vectorized prefix: the leading keys every current rank finds under its own slice
+        # (the shortcut ``answer`` takes first), all of them hits.
+        for start in range(0, len(keys), 7):
+            run = keys[start:]
+            n = lookup.known_prefix(0, run)
+            own_all = [own <= where[k] for k in run] + [False]
+            assert n == own_all.index(False), (tp, start)
+            assert all(lookup.answer(0, k) for k in run[:n])
     finally:
         lookup.close()
 

@@ -128,6 +128,7 @@ def test_scheduler_thread_never_calls_the_file_system(tmp_path: Path, monkeypatc
                                index_refresh_s=0.05)
     answers: dict[int, LookupResult] = {}
     for _step in range(2000):  # a scheduler loop while the index loads and refreshes
+        manager.lookup_prefix(keys, ctx)  # the connector's prefix loop, vectorized
         for i, key in enumerate(keys):
             answers[i] = manager.lookup(key, ctx)
         if all(a is not LookupResult.RETRY for a in answers.values()):
@@ -310,3 +311,112 @@ def test_repeated_hits_stop_when_the_page_leaves_the_index(tmp_path: Path) -> No
     manager.mark_failed(keys[2], "checksum")  # its load failed
     assert manager.lookup(keys[2], ctx) is LookupResult.MISS
     manager.shutdown()
+
+
+def _vllm_prefix(manager: TierStoreManager, keys: list[bytes], ctx: ReqContext) -> int | None:
+    """vLLM 0.32's own prefix loop (one ``lookup`` per key, KV events off)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    loop = SimpleNamespace(manager=manager, _events_tracker=OffloadingEventsTracker(OffloadingKVEventsConfig(False, False)))
+    return OffloadingConnectorScheduler._maximal_prefix_lookup(loop, keys, ctx, None, None, 0)
+
+
+def _ours(manager: TierStoreManager, keys: list[bytes], ctx: ReqContext) -> int | None:
+    """The connector's loop (``TierStoreConnectorScheduler``: one ``lookup_prefix``)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+    )
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    from tierstore.vllm.scheduler import TierStoreConnectorScheduler
+
+    loop = SimpleNamespace(manager=manager, _events_tracker=OffloadingEventsTracker(OffloadingKVEventsConfig(False, False)))
+    return TierStoreConnectorScheduler._maximal_prefix_lookup(loop, keys, ctx, None, None, 0)
+
+
+@pytest.mark.parametrize("load_index", [True, False])
+def test_prefix_lookups_in_one_call_answer_as_vllms_loop(tmp_path: Path, load_index: bool) -> None:
+    """``lookup_prefix`` (vectorized leading hits, then ``lookup`` per key) gives vLLM's loop's
+    answer and counters at every step: a cold index (RETRY), holes, failed and probing keys,
+    cached hits, pages removed and added behind the cache."""
+    mapper = FileMapper(tmp_path, NS, 0)
+    n = 400
+    for i in range(n):
+        if i not in (250, 390):
+            put(mapper, key_of(i))
+    ours, _ = make(tmp_path, load_index=load_index)
+    theirs, _ = make(tmp_path, load_index=load_index)
+    if load_index:
+        assert until(lambda: ours.pages.loaded and theirs.pages.loaded)
+    ctx = ReqContext("r")
+    keys = [make_offload_key(key_of(i), VLLM_GROUP) for i in range(n)]
+    runs = [keys, keys[:200], keys[40:], keys[251:], keys[251:300], keys[245:260]]
+    passes: list[int] = []  # keys decided by each vectorized pass (the path under test is taken)
+    real_pass = ours.pages.known_prefix
+    ours.pages.known_prefix = lambda *a, **k: passes.append(real_pass(*a, **k)) or passes[-1]  # type: ignore[method-assign]
+
+    def step(note: str) -> list[int | None]:
+        got = [_ours(ours, run, ctx) for run in runs]
+        assert got == [_vllm_prefix(theirs, run, ctx) for run in runs], note
+        assert ours.counters == theirs.counters, note
+        for m in (ours, theirs):
+            assert m.settle(5.0)
+        return got
+
+    first = step("first sight")
+    if not load_index:
+        assert first[0] is None  # unlisted directories: RETRY, probed in the background
+    assert step("again") == [250, 200, 210, 139, 49, 5]
+    assert max(passes) >= 200  # the first sight of a loaded index took the vectorized pass
+    for m in (ours, theirs):
+        m.mark_failed(keys[100], "checksum")  # its load failed: MISS until replaced
+        m.complete_store(keys[320:322], ctx)  # stores to confirm: RETRY meanwhile
+    assert step("failed and probing")[:3] == [100, 100, 60]
+    for m in (ours, theirs):
+        m._hits.clear()  # the set of HIT answers was full: the vectorized pass meets the failed key
+    passes.clear()
+    assert step("failed, HITs not cached")[:3] == [100, 100, 60]
+    # keys[0:]: 8 one by one, then one pass finds index hits up to the hole at 250; the
+    # failed keys[100] cuts them (the answer above is vLLM's 100, not 250).
+    assert 242 in passes
+    for m in (ours, theirs):
+        page_index.note_removed(m.pages.shared.mappers[0][0].base, key_of(10))  # an eviction
+        put(mapper, key_of(250))
+        page_index.note_stored(m.pages.shared.mappers[0][0].base, key_of(250))  # a store of ours
+    after = step("removal and store")
+    assert after[0] == 10 and after[3] == 139
+    ours.shutdown()
+    theirs.shutdown()
+
+
+def test_the_scheduler_keeps_vllms_loop_when_kv_events_are_on(tmp_path: Path) -> None:
+    """With KV-cache events on, vLLM records each HIT key as it is found: the connector's
+    scheduler then runs vLLM's own per-key loop (``lookup_prefix`` is not called)."""
+    from types import SimpleNamespace
+
+    from tierstore.vllm.scheduler import TierStoreConnectorScheduler
+
+    calls: list[str] = []
+    manager = SimpleNamespace(lookup=lambda key, ctx: calls.append("lookup") or LookupResult.HIT,
+                              lookup_prefix=lambda keys, ctx: calls.append("prefix") or len(keys))
+    recorded: list[bytes] = []
+    events = SimpleNamespace(self_describing_enabled=True,
+                             record_lookup=lambda req, cfg, idx, key: recorded.append(key))
+    loop = SimpleNamespace(manager=manager, _events_tracker=events)
+    keys = [make_offload_key(key_of(i), VLLM_GROUP) for i in range(5)]
+    assert TierStoreConnectorScheduler._maximal_prefix_lookup(loop, keys, ReqContext("r"), None, None, 0) == 5
+    assert calls == ["lookup"] * 5 and recorded == keys
+    events.self_describing_enabled = False
+    calls.clear()
+    assert TierStoreConnectorScheduler._maximal_prefix_lookup(loop, keys, ReqContext("r"), None, None, 0) == 5
+    assert calls == ["prefix"]

@@ -21,11 +21,12 @@ the index is better). Per target also the index's first load time (background; e
 does not wait for it).
 
 The 32k-token request (16-token pages, two KV-cache groups: 2 x 2,048 keys, every page stored)
-is driven through vLLM's own scheduler loop (``OffloadingConnectorScheduler.
-_maximal_prefix_lookup``, events off) and then ``prepare_load`` of its 4,096 keys: with a
-manager that answers HIT at once (vLLM's share: its loop and the call), with ours on first
-sight and again. ``ours`` is the difference (wall clock; the scheduler thread's CPU time is
-printed too, robust to other processes on a loaded machine). Memory of the index (tracemalloc, bytes per page)
+is driven through the scheduler's prefix loop, events off, and then ``prepare_load`` of its
+4,096 keys: vLLM's own loop (``OffloadingConnectorScheduler._maximal_prefix_lookup``, one
+``lookup`` per key) with a manager that answers HIT at once (vLLM's share: its loop and the
+calls) and with ours, and the loop the connector uses (``TierStoreConnectorScheduler``: one
+``lookup_prefix`` per group), on first sight and again (wall clock and the scheduler thread's
+CPU time, robust to other processes on a loaded machine). Memory of the index (tracemalloc, bytes per page)
 once, on the local directory.
 
 The page tree (empty files under the real names: lookups only see names) is made once in
@@ -105,6 +106,7 @@ def measure(fn: Callable[[Any], object], items: list[Any], reset: Callable[[], N
 
 
 REQUEST_GROUPS = 2  # vLLM groups of the 32k request (both map to the tree's tierstore group)
+SHORT_PREFIX = 16  # stored pages per group of the "short prefix" request (the rest are new)
 
 
 def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
@@ -200,42 +202,57 @@ class _AlwaysHit:
 
 def request_cost(manager: Any, pages: int, ctx: Any, repeats: int = 15) -> dict[str, float]:
     """Scheduler time (ms, median of ``repeats``) of a 32k-token request whose pages are all
-    stored: vLLM's prefix loop per group, then ``prepare_load`` of every key."""
+    stored: the prefix loop per group, then ``prepare_load`` of every key. Loops: vLLM's own
+    (``OffloadingConnectorScheduler``, one ``lookup`` per key) with a manager that answers HIT
+    at once (vLLM's share) and with ours, and tierstore's (``TierStoreConnectorScheduler``:
+    one ``lookup_prefix`` per group), each on first sight and again. Also a request whose
+    first ``SHORT_PREFIX`` pages per group are stored and the rest are new (a shared system
+    prompt, then a new document: the common first sight), on first sight, both loops."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
     from vllm.v1.kv_offload.base import make_offload_key
 
+    from tierstore.vllm.scheduler import TierStoreConnectorScheduler
+
     per_group = REQUEST_LOOKUPS // REQUEST_GROUPS
     hashes = [page_key(i * (pages // per_group) + 1) for i in range(per_group)]
     groups = [[make_offload_key(h, g) for h in hashes] for g in range(REQUEST_GROUPS)]
-    prefix = OffloadingConnectorScheduler._maximal_prefix_lookup
-    loop = SimpleNamespace(_events_tracker=_Events().tracker, manager=None)  # the method's ``self``
+    new_doc = [page_key(pages + 1_000_000 + i) for i in range(per_group - SHORT_PREFIX)]
+    short = [[make_offload_key(h, g) for h in hashes[:SHORT_PREFIX] + new_doc] for g in range(REQUEST_GROUPS)]
+    # The methods' ``self``: the parts of a scheduler they read.
+    loop = SimpleNamespace(_events_tracker=_Events().tracker, manager=None)
 
-    def one(mgr: Any, fresh: bool) -> tuple[float, float, float]:
+    def one(prefix: Callable[..., int | None], mgr: Any, fresh: bool,
+            request: list[list[bytes]]) -> tuple[float, float, float]:
         if fresh:
             mgr.reset_cache()
         loop.manager = mgr
-        c0, t0 = time.thread_time(), time.perf_counter()
-        found = sum(prefix(loop, keys, ctx, None, None, 0) for keys in groups)
-        t1, c1 = time.perf_counter(), time.thread_time()
-        mgr.prepare_load([k for keys in groups for k in keys], ctx)
-        t2 = time.perf_counter()
-        if found != REQUEST_LOOKUPS and mgr is manager and manager.pages.shared_up:
-            raise RuntimeError(f"the 32k request found {found} of {REQUEST_LOOKUPS} pages")
-        return (t1 - t0) * 1000.0, (c1 - c0) * 1000.0, (t2 - t1) * 1000.0
+        c0, w0 = time.thread_time(), time.perf_counter()
+        found = sum(prefix(loop, keys, ctx, None, None, 0) or 0 for keys in request)
+        w1, c1 = time.perf_counter(), time.thread_time()
+        mgr.prepare_load([k for keys in request for k in (keys if request is groups else keys[:SHORT_PREFIX])], ctx)
+        w2 = time.perf_counter()
+        want = REQUEST_LOOKUPS if request is groups else REQUEST_GROUPS * SHORT_PREFIX
+        if found != want and mgr is manager and manager.pages.shared_up:
+            raise RuntimeError(f"the 32k request found {found} of {want} pages")
+        return (w1 - w0) * 1000.0, (c1 - c0) * 1000.0, (w2 - w1) * 1000.0
 
-    def median_of(mgr: Any, fresh: bool) -> tuple[float, float, float]:
-        runs = [one(mgr, fresh) for _ in range(repeats)]
+    def median_of(prefix: Callable[..., int | None], mgr: Any, fresh: bool,
+                  request: list[list[bytes]] = groups) -> tuple[float, float, float]:
+        runs = [one(prefix, mgr, fresh, request) for _ in range(repeats)]
         return tuple(statistics.median(r[i] for r in runs) for i in range(3))  # type: ignore[return-value]
 
-    vllm_ms, vllm_cpu_ms, _ = median_of(_AlwaysHit(), False)
-    first_ms, first_cpu_ms, load_ms = median_of(manager, True)
-    again_ms, again_cpu_ms, _ = median_of(manager, False)
-    return {"vllm_loop_ms": vllm_ms, "lookups_first_ms": first_ms, "lookups_again_ms": again_ms,
-            "prepare_load_ms": load_ms, "ours_first_ms": first_ms - vllm_ms, "ours_again_ms": again_ms - vllm_ms,
-            "vllm_loop_cpu_ms": vllm_cpu_ms, "lookups_first_cpu_ms": first_cpu_ms,
-            "lookups_again_cpu_ms": again_cpu_ms}
+    vllm_loop = OffloadingConnectorScheduler._maximal_prefix_lookup
+    ours = TierStoreConnectorScheduler._maximal_prefix_lookup
+    out: dict[str, float] = {}
+    out["vllm_loop_ms"], out["vllm_loop_cpu_ms"], _ = median_of(vllm_loop, _AlwaysHit(), False)
+    for name, prefix in (("perkey", vllm_loop), ("batched", ours)):
+        out[f"{name}_first_ms"], out[f"{name}_first_cpu_ms"], load_ms = median_of(prefix, manager, True)
+        out[f"{name}_again_ms"], out[f"{name}_again_cpu_ms"], _ = median_of(prefix, manager, False)
+        out["prepare_load_ms"] = load_ms
+        out[f"{name}_short_ms"], out[f"{name}_short_cpu_ms"], _ = median_of(prefix, manager, True, short)
+    return out
 
 
 def _stat(path: Path) -> None:
@@ -314,11 +331,17 @@ def print_table(results: list[dict[str, Any]], memory: dict[str, float] | None) 
             print(f"{r['target']:8} {way:11} {m['median_us']:10.2f} {m['p99_us']:10.2f} {m['lookups_per_s']:12,.0f} "
                   f"{m['request_32k_ms']:9.2f} {vs}".rstrip())
         q = r["request_32k"]
-        print(f"{r['target']:8} 32k request (vLLM loop, 2x2048 keys): vLLM alone {q['vllm_loop_ms']:.2f} ms; with "
-              f"tierstore {q['lookups_first_ms']:.2f} ms first sight (ours {q['ours_first_ms']:.2f}), "
-              f"{q['lookups_again_ms']:.2f} ms again (ours {q['ours_again_ms']:.2f}); prepare_load "
-              f"{q['prepare_load_ms']:.2f} ms; thread CPU: vLLM {q['vllm_loop_cpu_ms']:.2f}, first "
-              f"{q['lookups_first_cpu_ms']:.2f}, again {q['lookups_again_cpu_ms']:.2f} ms")
+        print(f"{r['target']:8} 32k request (2x2048 keys), ms, wall / scheduler-thread CPU: vLLM's loop alone "
+              f"{q['vllm_loop_ms']:.2f} / {q['vllm_loop_cpu_ms']:.2f}; prepare_load {q['prepare_load_ms']:.2f}")
+        for name, label in (("perkey", "vLLM's loop + tierstore lookup"), ("batched", "tierstore lookup_prefix")):
+            print(f"{r['target']:8}   {label:31} first sight {q[f'{name}_first_ms']:6.2f} / "
+                  f"{q[f'{name}_first_cpu_ms']:6.2f}, again {q[f'{name}_again_ms']:5.2f} / "
+                  f"{q[f'{name}_again_cpu_ms']:5.2f}")
+        print(f"{r['target']:8}   first sight per-key / batched: {q['perkey_first_ms'] / q['batched_first_ms']:.1f}x "
+              f"(wall), {q['perkey_first_cpu_ms'] / max(q['batched_first_cpu_ms'], 1e-6):.1f}x (CPU)")
+        print(f"{r['target']:8}   {SHORT_PREFIX} stored pages then a new document, first sight, ms (wall / CPU): "
+              f"per-key {q['perkey_short_ms']:.3f} / {q['perkey_short_cpu_ms']:.3f}, batched "
+              f"{q['batched_short_ms']:.3f} / {q['batched_short_cpu_ms']:.3f}")
         down = "" if r["shared_up"] else "; shared tier down (MISS at once)"
         print(f"{r['target']:8} index ready (constructor) {r['index_ready_s'] * 1000:.1f} ms, first load "
               f"{r['index_load_s']:.2f} s at {r['pages']:,} pages; hits {r['hits']}/{r['keys']}{down}")

@@ -7,8 +7,9 @@ Configuration (the whole contract with the user)::
 
 Every other ``kv_connector_extra_config`` key is a ``TierStoreConfig`` setting (validated,
 unknown keys rejected). The class keeps vLLM's offloading scheduler (hybrid hit planning: full
-attention prefix, sliding windows, Mamba align boundary states, minimum across groups) and
-replaces three things:
+attention prefix, sliding windows, Mamba align boundary states, minimum across groups; its
+per-key prefix loop replaced by one call, ``TierStoreConnectorScheduler``) and replaces three
+things:
 
 1. the spec: ``TierStoreOffloadingSpec`` (lookups = file existence; worker = GroupCopier +
    IOEngine per group), built here from vLLM's config with tierstore's chunking;
@@ -66,6 +67,7 @@ from tierstore.identity import write_manifest
 from tierstore.metrics import default_registry
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
+from tierstore.vllm.scheduler import TierStoreConnectorScheduler
 from tierstore.vllm.spec import TierStoreOffloadingSpec
 from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, accumulate, add_adapter_counters
 from tierstore.vllm.stop import stop_warnings, sweep_at_start
@@ -204,7 +206,7 @@ class TierStoreConnector(OffloadingConnector):
             for warning in stop_warnings(vllm_config, self.ts_config.flush_timeout_s):
                 logger.warning(warning)
             sweep_at_start(self.ts_config.root, self.namespace.digest, self.ts_config.local_root)
-            self.connector_scheduler = OffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
+            self.connector_scheduler = TierStoreConnectorScheduler(spec, vllm_config, kv_cache_config)
             self._reported_sched: Counter[str] = Counter()
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = TierStoreConnectorWorker(spec, vllm_config, kv_cache_config)
