@@ -126,3 +126,32 @@ def test_offload_keys_end_with_the_group_index_in_four_big_endian_bytes() -> Non
             key = make_offload_key(block_hash, gid)
             assert key[-4:] == gid.to_bytes(4, "big") and get_offload_group_idx(key) == gid
             assert key[:-4] == get_offload_block_hash(key) == block_hash
+
+
+def test_the_prefix_loop_lookup_prefix_stands_in_for() -> None:
+    """``TierStoreConnectorScheduler`` replaces ``_maximal_prefix_lookup`` by one
+    ``lookup_prefix`` call that must answer as it does: HITs counted until the first MISS, any
+    RETRY before it makes the answer None (later keys still asked), and the scheduler calls it
+    for non-sliding groups. It keeps vLLM's loop while ``self_describing_enabled`` (KV events
+    record each hit)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.v1.kv_offload.base import LookupResult, OffloadingKVEventsConfig
+
+    H, R, M = LookupResult.HIT, LookupResult.RETRY, LookupResult.MISS
+    events = OffloadingEventsTracker(OffloadingKVEventsConfig(False, False))
+    assert events.self_describing_enabled is False
+    for answers, want, asked in (([H, H, M, H], 2, 3), ([H, R, H, M, H], None, 4), ([H, H, H], 3, 3), ([M, H], 0, 1)):
+        seen: list[bytes] = []
+        manager = SimpleNamespace(lookup=lambda key, ctx, a=answers, s=seen: s.append(key) or a[len(s) - 1])
+        loop = SimpleNamespace(manager=manager, _events_tracker=events)
+        keys = [bytes([i]) for i in range(len(answers))]
+        assert OffloadingConnectorScheduler._maximal_prefix_lookup(loop, keys, None, None, None, 0) == want
+        assert len(seen) == asked
+    assert "self._maximal_prefix_lookup(" in inspect.getsource(OffloadingConnectorScheduler._lookup_complete_chunks)
