@@ -94,6 +94,8 @@ def test_fp8_and_bf16_pages_never_serve_each_other(fp8_store, tmp_path: Path) ->
     bf16_data = inspect_page(bf16_pages[0]).layout.data_bytes
     assert 2 * fp8_data == bf16_data
     assert fp8_pages[0].stat().st_size < 0.55 * bf16_pages[0].stat().st_size
+    print(f"bytes per page: fp8 {fp8_data} data in a {fp8_pages[0].stat().st_size}-byte file, "
+          f"bf16 {bf16_data} data in a {bf16_pages[0].stat().st_size}-byte file")
 
     shutil.rmtree(fp8_ns)  # only bf16 pages left: an fp8 engine must not be served them
     fp8 = run_engine("llama", work, [{"prompt_token_ids": ids}], kv_cache_dtype="fp8", **SMALL)
