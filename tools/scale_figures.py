@@ -79,17 +79,26 @@ idx.close()
 """
 
 
-def write_root(root: Path, n: int) -> int:
-    """N pages of one simple namespace; returns the bytes written."""
+def write_root(root: Path, n: int, procs: int = 1) -> int:
+    """N pages of one simple namespace, written by ``procs`` processes (each a stride of the
+    keys); returns the bytes written."""
     from tierstore.identity import write_manifest
+    from tierstore.testing.pages import simple_namespace
+
+    write_manifest(root, simple_namespace())
+    if procs <= 1:
+        return _write_pages(root, 0, n, 1)
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(procs) as pool:
+        return sum(pool.map(_write_pages, [root] * procs, range(procs), [n] * procs, [procs] * procs))
+
+
+def _write_pages(root: Path, first: int, n: int, step: int) -> int:
     from tierstore.testing.pages import page_key, simple_namespace, write_page
 
     ns = simple_namespace()
-    write_manifest(root, ns)
-    total = 0
-    for i in range(n):
-        total += write_page(root, ns, 0, page_key(i)).path.stat().st_size
-    return total
+    return sum(write_page(root, ns, 0, page_key(i)).path.stat().st_size for i in range(first, n, step))
 
 
 def run_child(argv: list[str]) -> tuple[float, float, str]:
@@ -156,10 +165,11 @@ def main() -> int:
     ap.add_argument("--existing", type=Path, default=None,
                     help="measure this root of --pages N pages, written before (consumed: gc evicts half)")
     ap.add_argument("--write-only", type=Path, default=None, help="write --pages N pages into this new root and stop")
+    ap.add_argument("--procs", type=int, default=1, help="processes writing pages (--write-only)")
     args = ap.parse_args()
     if args.write_only is not None:
         t0 = time.perf_counter()
-        nbytes = write_root(args.write_only, args.pages[0])
+        nbytes = write_root(args.write_only, args.pages[0], args.procs)
         print(f"wrote {args.pages[0]} pages, {nbytes} bytes in {time.perf_counter() - t0:.0f} s")
         return 0
     if args.existing is not None:
