@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  
 
 from tierstore import page_index  # noqa: E402
 from tierstore.mapper import FileMapper  # noqa: E402
-from tierstore.tiers import indexed_lookup  # noqa: E402
+from tierstore.tiers import index_prober  # noqa: E402
 from tierstore.vllm.manager import TierStoreFileSpec, TierStoreManager  # noqa: E402
 
 VLLM_GROUP = 3  # vLLM group id of the single tierstore group 0
@@ -263,7 +263,7 @@ def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: py
     assert ask(manager, key, ctx) is LookupResult.HIT
 
     hang = threading.Event()
-    real_identity, real_stat = indexed_lookup.file_identity, os.stat
+    real_identity, real_stat = index_prober.file_identity, os.stat
 
     def hanging_identity(path):  # type: ignore[no-untyped-def]
         hang.wait(30)
@@ -274,8 +274,8 @@ def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: py
             hang.wait(30)
         return real_stat(path, *a, **kw)
 
-    monkeypatch.setattr(indexed_lookup, "file_identity", hanging_identity)
-    monkeypatch.setattr(indexed_lookup.os, "stat", hanging_stat)
+    monkeypatch.setattr(index_prober, "file_identity", hanging_identity)
+    monkeypatch.setattr(index_prober.os, "stat", hanging_stat)
     other = make_offload_key(b"o" * 32, VLLM_GROUP)
     assert manager.lookup(other, ctx) is LookupResult.RETRY
     manager.on_schedule_end(None)
@@ -285,7 +285,7 @@ def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: py
     assert manager.lookup(key, ctx) is LookupResult.MISS
     assert manager.pages.counters["probe_timeouts"] == 1
 
-    monkeypatch.setattr(indexed_lookup, "file_identity", real_identity)
+    monkeypatch.setattr(index_prober, "file_identity", real_identity)
     hang.set()  # the server answers again
     assert until(lambda: manager.pages.shared_up, timeout=10)
     assert manager.lookup(key, ctx) is LookupResult.HIT

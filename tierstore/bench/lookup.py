@@ -55,7 +55,7 @@ from typing import Any
 
 from tierstore.mapper import FileMapper
 from tierstore.page_index import PageIndex
-from tierstore.tiers.indexed_lookup import file_identity
+from tierstore.tiers.index_prober import file_identity
 
 NS = "bench-lookup"
 REQUEST_LOOKUPS = 4096  # a 32k-token prompt, 16-token pages, two KV-cache groups

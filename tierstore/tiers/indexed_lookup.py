@@ -9,9 +9,10 @@ Contract:
   to load on that rank forever. ``start()`` starts two daemon threads:
   the *loader* lists every fan-out directory of every index (local first; shared listings run
   on a small pool, each under ``deadline_s``) and then lists them all again every
-  ``refresh_s`` (0: never again); the *prober* answers batches of keys with one ``stat`` per
-  tier (local inline, shared on a pool of ``probe_threads`` under ``deadline_s``), writes the
-  verdicts into the indexes and hands ``(token, identity)`` pairs back through ``results``.
+  ``refresh_s`` (0: never again); the *prober* (``index_prober.IndexProber``) answers batches
+  of keys with one ``stat`` per tier (local inline, shared on a pool of ``probe_threads``
+  under ``deadline_s``), writes the verdicts into the indexes and hands ``(token, identity)``
+  pairs back through ``results``.
 - ``answer(group, key)`` never touches the file system: True (for every rank some tier has
   its file), False (some rank's file is on no tier, or only on a tier that is down), None (an
   index that could decide it has not listed that directory yet: ask ``probe``).
@@ -46,13 +47,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,23 +62,9 @@ from tierstore.mapper import FANOUT_DIRS, FileMapper
 from tierstore.page_index import PageIndex, contains_any, fingerprints, found_many
 from tierstore.tiers.deadline import Health
 from tierstore.tiers.head_slices import HeadRange, cover
+from tierstore.tiers.index_prober import IndexProber, PageIdentity, ProbeItem
 
 log = logging.getLogger(__name__)
-
-Identity = tuple[int, int, int]  # (inode, size, mtime_ns) of a page file
-# What a probe reports for a key: one rank's Identity, or one per rank (TP > 1).
-PageIdentity = Identity | tuple[Identity, ...]
-ProbeItem = tuple[Any, int, bytes]  # (caller's token, group, page key)
-
-
-def file_identity(path: str | os.PathLike[str]) -> Identity | None:
-    """(inode, size, mtime_ns) of ``path``, or None when there is no such file."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
 
 def per_rank(mappers: Sequence[FileMapper | Sequence[FileMapper]]) -> list[list[FileMapper]]:
     """Each group's mappers, one per rank (a lone ``FileMapper`` is a group of one rank)."""
@@ -160,7 +145,7 @@ class IndexedLookup:
         # ``contains_any``): its index on every tier, and on the tiers without health (shared
         # down); None for the other groups.
         self._plain: list[tuple[list[PageIndex], list[PageIndex]] | None] = [
-            None if self._slice_group(g) is not None or len(ranks) != 1
+            None if self.slice_group(g) is not None or len(ranks) != 1
             else ([t.indexes[g][0] for t in self.tiers], [t.indexes[g][0] for t in self.tiers if t.health is None])
             for g, ranks in enumerate(self.shared.indexes)]
         # Per head-sliced group: for each rank of the current TP whose own slice is a directory
@@ -176,34 +161,31 @@ class IndexedLookup:
         # after each listing without the slices found empty (most of them: one TP writes a
         # cache), except the current ranks' own (this process's stores land there at once).
         self._every: list[tuple[list[PageIndex], list[PageIndex]]] = self._may_hold()
-        self.results: queue.SimpleQueue[list[tuple[Any, PageIdentity | None]]] = queue.SimpleQueue()
-        self._probes: queue.SimpleQueue[list[ProbeItem] | None] = queue.SimpleQueue()
+        self.counters = {"probed": 0, "probe_timeouts": 0, "list_timeouts": 0, "refreshes": 0}
+        self._prober = IndexProber(self, probe_threads)
+        self.results = self._prober.results  # the prober's verdicts, one list per batch
         # Stuck threads stay stuck in a hung mount; nothing new is submitted while it is down.
-        self._stat_pool = ThreadPoolExecutor(probe_threads, thread_name_prefix="tierstore-probe")
         self._list_pool = ThreadPoolExecutor(list_threads, thread_name_prefix="tierstore-list")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.first_load_s: float | None = None  # seconds the first full listing took
-        self.counters = {"probed": 0, "probe_timeouts": 0, "list_timeouts": 0, "refreshes": 0}
 
     # ------------------------------------------------------------ lifecycle
     def start(self, load: bool = True) -> IndexedLookup:
         """Start the prober and (``load``; tests leave it out to keep the index cold) the loader."""
-        threads = [("tierstore-prober", self._probe_loop)]
+        self._threads.append(self._prober.start())
         if load:
-            threads.append(("tierstore-index", self._load_loop))
-        for name, target in threads:
-            t = threading.Thread(target=target, name=name, daemon=True)
+            t = threading.Thread(target=self._load_loop, name="tierstore-index", daemon=True)
             t.start()
             self._threads.append(t)
         return self
 
     def close(self) -> None:
         self._stop.set()
-        self._probes.put(None)
+        self._prober.stop()
         for t in self._threads:
             t.join(timeout=1.0)
-        self._stat_pool.shutdown(wait=False, cancel_futures=True)
+        self._prober.close()
         self._list_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -237,11 +219,11 @@ class IndexedLookup:
         self._shared_up = up
 
     # ------------------------------------------------------------ scheduler-thread API
-    def _slice_group(self, group: int) -> SliceGroup | None:
+    def slice_group(self, group: int) -> SliceGroup | None:
         return self.slices[group] if group < len(self.slices) else None
 
     def _own_slices(self, group: int) -> tuple[list[list[PageIndex]], list[list[PageIndex]]] | None:
-        sg = self._slice_group(group)
+        sg = self.slice_group(group)
         if sg is None or any(n not in sg.have for n in sg.need):
             return None
         at = [sg.have.index(n) for n in sg.need]
@@ -252,7 +234,7 @@ class IndexedLookup:
         """``_every``: per group, the indexes not listed yet, not empty, or a current rank's own."""
         out = []
         for g in range(len(self.shared.indexes)):
-            sg = self._slice_group(g)
+            sg = self.slice_group(g)
             order = (sorted(range(len(sg.have)), key=lambda i: -sg.have[i].count) if sg is not None
                      else range(len(self.shared.indexes[g])))
             own = {id(ix) for ixs in (self._own[g] or ([], []))[0] for ix in ixs}
@@ -266,7 +248,7 @@ class IndexedLookup:
         plain = self._plain[group]
         if plain is not None:  # _answer_rank for one rank, flat (the hot path)
             return contains_any(plain[0] if self._shared_live else plain[1], xxh3_64_intdigest(key))
-        sg = self._slice_group(group)
+        sg = self.slice_group(group)
         if sg is not None:
             fp = xxh3_64_intdigest(key)
             live = 0 if self._shared_live else 1
@@ -340,80 +322,20 @@ class IndexedLookup:
         t = self.shared if tier == "shared" else self.local
         if t is None or not t.up:
             return False
-        sg = self._slice_group(group)
+        sg = self.slice_group(group)
         if sg is not None:
             return self._answer_slices(sg, group, xxh3_64_intdigest(key), [t])
         return all_ranks([ix.contains(key) for ix in t.indexes[group]])
 
     def probe(self, items: list[ProbeItem]) -> None:
         """Look these keys up on disk in the background; ``results`` gets one list back."""
-        if items:
-            self._probes.put(items)
-
-    # ------------------------------------------------------------ prober thread
-    def _probe_loop(self) -> None:
-        while True:
-            batch = self._probes.get()
-            if batch is None:
-                return
-            try:
-                self.results.put(self.probe_now(batch))
-            except Exception:  # never lose a batch: the caller would wait for it forever
-                log.exception("tierstore: lookup probe failed")
-                self.results.put([(token, None) for token, _g, _k in batch])
+        self._prober.probe(items)
 
     def probe_now(self, batch: list[ProbeItem]) -> list[tuple[Any, PageIdentity | None]]:
-        """Stat every rank's file of every key of ``batch`` on each tier until found (this
-        thread: local; shared on the pool under the deadline); record the verdicts in the
-        indexes. A key's identity is its one rank's, or the tuple of every rank's (None when
-        any rank's file is on no tier)."""
-        self.counters["probed"] += len(batch)
-        files = [(i, r) for i, (_t, g, _k) in enumerate(batch) for r in range(len(self.shared.mappers[g]))]
-        found: dict[tuple[int, int], Identity] = {}
-        todo = list(range(len(files)))
-        for tier in self.tiers:
-            if not todo or not tier.up:
-                continue
-            paths = [tier.mappers[batch[files[j][0]][1]][files[j][1]].path_for(batch[files[j][0]][2]) for j in todo]
-            if tier.health is None:
-                idents: list[Identity | None] | None = [file_identity(p) for p in paths]
-            else:
-                idents = self._stat_under_deadline(tier, paths)
-                if idents is None:
-                    continue  # timed out: the tier is down now, its index is not consulted
-            rest = []
-            for j, ident in zip(todo, idents, strict=True):
-                (i, r), key = files[j], batch[files[j][0]][2]
-                index = tier.indexes[batch[i][1]][r]
-                if ident is None:
-                    index.discard(key)
-                    rest.append(j)
-                else:
-                    index.add(key)
-                    found[files[j]] = ident
-            todo = rest
-        out: list[tuple[Any, PageIdentity | None]] = []
-        for i, (token, g, _k) in enumerate(batch):
-            idents = [found.get((i, r)) for r in range(len(self.shared.mappers[g]))]
-            sg = self._slice_group(g)
-            if sg is not None:  # the identities of every slice file found, if they cover every rank
-                have = [ident is not None for ident in idents]
-                whole = tuple(x for x in idents if x is not None) if sg.covered(have, have) else None
-                out.append((token, whole))  # type: ignore[arg-type]
-                continue
-            whole = None if None in idents else (idents[0] if len(idents) == 1 else tuple(idents))
-            out.append((token, whole))  # type: ignore[arg-type]
-        return out
+        """``IndexProber.probe_now`` on this thread (tests and tools)."""
+        return self._prober.probe_now(batch)
 
-    def _stat_under_deadline(self, tier: TierIndexes, paths: list[Any]) -> list[Identity | None] | None:
-        futures = [self._stat_pool.submit(file_identity, p) for p in paths]
-        done, pending = wait_futures(futures, timeout=self.deadline_s)
-        if pending:
-            self._missed_deadline(tier, pending, "probe_timeouts", f"{len(pending)} lookups")
-            return None
-        return [f.result() for f in futures]
-
-    def _missed_deadline(self, tier: TierIndexes, futures: Iterable[Future[Any]], counter: str, what: str) -> None:
+    def missed_deadline(self, tier: TierIndexes, futures: Iterable[Future[Any]], counter: str, what: str) -> None:
         """Cancel ``futures`` not yet started, count the miss and mark the shared tier down."""
         for f in futures:
             f.cancel()
@@ -441,7 +363,7 @@ class IndexedLookup:
                 for index in ranks:
                     if self._stop.is_set():
                         return
-                    if self._slice_group(group) is not None and index.loaded and not self._exists(tier, index):
+                    if self.slice_group(group) is not None and index.loaded and not self._exists(tier, index):
                         continue  # a slice no TP has written here: one stat, not 256 listings
                     self._list_index(tier, index)
 
@@ -475,7 +397,7 @@ class IndexedLookup:
             try:
                 f.result(timeout=self.deadline_s)
             except FutureTimeout:
-                self._missed_deadline(tier, futures, "list_timeouts", "listing a directory")
+                self.missed_deadline(tier, futures, "list_timeouts", "listing a directory")
                 return
             except OSError as exc:
                 log.warning("tierstore: cannot list a directory of %s: %s", index.base, exc)

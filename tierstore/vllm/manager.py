@@ -75,7 +75,8 @@ from vllm.v1.kv_offload.base import (
 from tierstore import native
 from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.mapper import FileMapper
-from tierstore.tiers.indexed_lookup import IndexedLookup, PageIdentity, SliceGroup
+from tierstore.tiers.index_prober import PageIdentity
+from tierstore.tiers.indexed_lookup import IndexedLookup, SliceGroup
 
 _HIT = LookupResult.HIT
 MAX_FAILED_KEYS = 100_000
