@@ -63,3 +63,11 @@ def test_worker_pipelines_store_and_load_a_case_on_the_cpu(tmp_path) -> None:
         pipes = bk.WorkerPipelines(case, engine, PageTransfer(copier, "cpu"), batch=2, tokens=32)
         with pytest.raises(RuntimeError, match="load job failed"):
             pipes.run("load", [b"missing-page-key"], case.ids[:1])
+
+
+def test_default_slots_never_below_the_vllm_workers_floor() -> None:
+    """The transfer benchmark stages as deep as the worker does (spec.staging_slots_for's floor
+    is 4 x io_threads + 8), and three batches when that is more."""
+    assert bk.default_slots(8, 16) == 72  # 24 slots (3 x batch) would be under the floor
+    assert bk.default_slots(32, 4) == 96
+    assert bk.default_slots(1, 1) == 12

@@ -133,6 +133,47 @@ def test_verify_flags_exactly_the_corrupted_pages(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_hash_into_out_and_check_and_mask(device: str) -> None:
+    """``hash(out=)`` writes the given rows (pinned host memory on CUDA: no copy back), and
+    ``check_and_mask`` keeps the block ids of pages that match or are skipped, puts -1 in those
+    of the others and flags them, reading ids either from the meta rows or another tensor."""
+    from tierstore.kernels.checksum import check_and_mask
+
+    lay = byte_layout((1100, 7, 150, 300))
+    pages = random_pages(5, lay.nbytes, 4, device)
+    hasher = SectionHasher(lay, device)
+    host_out = torch.full((6, 4), 7, dtype=torch.int64, pin_memory=device == "cuda")
+    hasher.hash(pages, out=host_out[1:])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert unsigned(host_out[1:]) == expected(pages, lay) and host_out[0].tolist() == [7] * 4
+    with pytest.raises(ValueError, match="out must be"):
+        hasher.hash(pages, out=host_out[:3])
+    bad = pages.clone()
+    bad[1, 3] ^= 1  # page 1 damaged, checked: masked
+    bad[4, lay.offsets[3]] ^= 1  # page 4 damaged but skipped: kept
+    sums = hasher.hash(bad)
+    bpp = 3
+    ids = torch.arange(5 * bpp, dtype=torch.int64).view(5, bpp) + 100
+    meta = torch.zeros(5, bpp + 4 + 1 + 2, dtype=torch.int64)  # two spare columns: any row stride
+    meta[:, :bpp] = ids
+    meta[:, bpp : bpp + 4] = hasher.hash(pages).cpu()
+    meta[:, bpp + 4] = torch.tensor([0, 0, 0, 0, 1])
+    meta[2, bpp + 1] ^= 1 << 40  # page 2: its expected sums are wrong
+    meta_d = meta.to(device)
+    for ids_in in (meta_d[:, :bpp], ids.to(device)):
+        ids_out = torch.full((5, bpp), 9, dtype=torch.int64, device=device)
+        ok = torch.full((8,), 9, dtype=torch.uint8, pin_memory=device == "cuda")
+        check_and_mask(sums, meta_d, bpp, ids_in, ids_out, ok)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert ok[:5].tolist() == [1, 0, 0, 1, 1] and ok[5:].tolist() == [9] * 3
+        want = ids.clone()
+        want[[1, 2]] = -1
+        assert torch.equal(ids_out.cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batches_and_layouts(device: str) -> None:
     lay = byte_layout((300, 4))
     hasher = SectionHasher(lay, device)

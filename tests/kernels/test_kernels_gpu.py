@@ -227,6 +227,64 @@ def test_transfer_checksums_on_gpu_feed_the_engine_and_catch_damage(tmp_path: Pa
     assert bool((bits(got[:, 2]) == 0x3C).all()), "a page that failed the GPU check was scattered"
 
 
+@pytest.mark.parametrize("use_driver", [True, False], ids=["driver-calls", "torch-calls"])
+def test_adjacent_slots_copy_in_one_piece_and_touch_no_other_frame(tmp_path: Path, use_driver: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging slots of adjacent frames, in address order, move in ONE copy each way (the
+    scratch rows take the frames' stride). The store writes the pages whole (canonical: the
+    torch reference's bytes, zero gaps included) and no byte of the frames outside the batch,
+    nor the header room before the first page or the padding after the last; the load puts the
+    same bytes back and still masks a page damaged in its slot."""
+    import xxhash
+
+    from tierstore.directio import round_up
+    from tierstore.kernels import cuda_driver
+    from tierstore.kernels.transfer import slot_address
+
+    if not use_driver:  # torch's copies and events (where libcuda cannot be bound)
+        monkeypatch.setattr(cuda_driver, "driver", lambda: None)
+    case = AttentionCase("bfloat16", layers=2, heads=8, head_size=128, tokens=16, n_pages=6, seed=21)
+    views, ids = case.build("LBNHC", 16, "cuda")
+    lay = case.layout
+    t = PageTransfer(GroupCopier(views, lay, 1, [1] * case.layers), scratch_pages=8)
+    assert t.driver_calls == use_driver
+    ref = torch.full((case.n_pages, lay.nbytes), 0xA5, dtype=torch.uint8, device="cuda")
+    GroupCopier(views, lay, 1, [1] * case.layers, backend="torch").gather(ids.cuda(), ref)
+    with case.engine(tmp_path, 8, pin=True) as engine:
+        slots = sorted((engine.acquire_slot() for _ in range(8)), key=slot_address)
+        for s in slots:
+            s._frame[:] = b"\x5a" * len(s._frame)
+        batch = slots[1:7]
+        h = t.start_store(ids, batch)
+        assert h is not None
+        t.wait()
+        assert t.host_copies == 1, "six adjacent frames should be one device-to-host copy"
+        room = len(batch[0]._frame) - round_up(lay.nbytes)  # header room before each page
+        assert set(bytes(slots[0]._frame)) == {0x5A} and set(bytes(slots[7]._frame)) == {0x5A}
+        assert set(bytes(batch[0]._frame[:room])) == {0x5A}
+        assert set(bytes(batch[-1]._frame[room + lay.nbytes :]) or b"\x5a") == {0x5A}
+        got = torch.stack([s.tensor.clone() for s in batch])
+        assert torch.equal(got, ref.cpu())
+        assert h.sums == [tuple(xxhash.xxh3_64_intdigest(memoryview(s.tensor.numpy())[o : o + sec.nbytes])
+                                for o, sec in zip(lay.offsets, lay.sections, strict=True)) for s in batch]
+        batch[3].tensor[100] ^= 0x01  # damaged in the slot after the store
+        nb = int(ids.max()) + 9
+        _, views2 = make_attention_caches("LBHNC", case.layers, nb, case.heads, 16, case.head_size, case.dtype, "cuda")
+        for v in views2:
+            bits(v).fill_(0x3C)
+        lt = PageTransfer(GroupCopier(views2, lay, 1, [1] * case.layers), scratch_pages=8)
+        h2 = lt.start_load(batch, ids, expect=h.sums)
+        assert h2 is not None
+        lt.wait()
+        assert lt.host_copies == 1 and h2.failed == [3]
+        for s in slots:
+            engine.release_slot(s)
+    out = case.logical_from(views2, ids)
+    good = [0, 1, 2, 4, 5]
+    assert torch.equal(bits(out[:, good]), bits(case.logical[:, good]))
+    assert bool((bits(out[:, 3]) == 0x3C).all()), "a page that failed the GPU check was scattered"
+
+
 def test_warm_up_writes_no_block() -> None:
     """warm_up compiles every variant (1, 2, 16 pages) and leaves the cache untouched."""
     case = AttentionCase("bfloat16", layers=2, heads=8, head_size=128, tokens=16, n_pages=4, seed=9)

@@ -250,7 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "vLLM worker's transfer_scratch_mib: it batches by bytes too)")
     parser.add_argument("--io-threads", default="4",
                         help="IOEngine and raw-file threads; a comma list (1,4,8,16) sweeps them (default 4)")
-    parser.add_argument("--slots", type=int, default=0, help="IOEngine staging slots (default 3 x batch)")
+    parser.add_argument("--slots", type=int, default=0, help="IOEngine staging slots (default max(3 x batch, 4 x io-threads + 8), the vLLM "
+                             "worker's floor)")
     parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench repetition time in ms (default 100)")
     parser.add_argument("--sweep", action="store_true", help="also try other Triton tile sizes / warps (first case)")

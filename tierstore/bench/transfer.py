@@ -6,7 +6,10 @@ on a CUDA device against raw PCIe and raw files, measured in the same run.
   the worker's own pipelines (``tierstore.vllm.pipelines.GroupPipelines`` with a
   ``JobTracker``: one job of every page per direction), so the benchmark measures the code
   vLLM runs and a protocol change is made once. ``batch`` caps the pages per transfer; the
-  transfer scratch holds two batches (one copying while the next fills).
+  transfer scratch holds two batches (one copying while the next fills); the engine gets
+  ``default_slots`` staging slots (the worker's floor at that thread count). Each row also
+  reports the driver thread's busy share (time inside ``GroupPipelines.step``) and the
+  host<->device copies per transfer (adjacent staging slots move in one).
 - ``raw_pcie``: one large pinned<->device copy; ``raw_files``: plain ``os.write`` /
   ``os.preadv`` of the same bytes, one file per page, the same threads and cache state.
 - ``engine_only``: the same IOEngine without the GPU (how much of the gap is the engine's).
@@ -141,6 +144,8 @@ class WorkerPipelines:
         self.pipes = GroupPipelines(group, self.jobs, self.counters, defer_limit_s=float("inf"), batch_limit=batch)
         self.tokens = tokens
         self._job_ids = itertools.count(1)
+        self.busy_s = 0.0  # time inside GroupPipelines.step (the driver thread's own work)
+        self.wall_s = 0.0  # time inside run
 
     def run(self, op: str, keys: list[bytes], rows: torch.Tensor) -> None:
         """Store (``op="store"``) or load every page of ``keys`` to/from its ``rows`` (kernel
@@ -156,8 +161,11 @@ class WorkerPipelines:
                 self.pipes.stores.add(job, key, self.tokens, row[None, :])
         self.jobs.seal(job)
         last, state = time.perf_counter(), None
+        t_run = last
         while True:
+            t0 = time.perf_counter()
             self.pipes.step()
+            self.busy_s += time.perf_counter() - t0
             finished = self.jobs.take_finished()
             if finished:
                 break
@@ -170,6 +178,7 @@ class WorkerPipelines:
                                    f"engine {self.pipes.g.engine.stats}")
         if is_load and self.pipes.g.device.type == "cuda":
             torch.cuda.synchronize()
+        self.wall_s += time.perf_counter() - t_run
         if not finished[0].success:
             raise RuntimeError(f"{op} job failed: {dict(self.counters)}")
 
@@ -192,10 +201,12 @@ def _store_timed(pipes: WorkerPipelines, keys: list[bytes], ids_cpu: torch.Tenso
     os.sync()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    busy0, wall0 = pipes.busy_s, pipes.wall_s
     pipes.run("store", keys, ids_cpu)
     store_s = time.perf_counter() - t0
     batches = max(1, pipes.counters["store_batches"])
     return {"store_s": store_s, "store_gbps": round(total / store_s / GB, 2),
+            "store_driver_busy": round((pipes.busy_s - busy0) / max(1e-9, pipes.wall_s - wall0), 3),
             "store_failed": sum(v for k, v in pipes.counters.items() if k.startswith("store_failed:")),
             "store_pages_per_transfer": round(len(keys) / batches, 2)}
 
@@ -219,8 +230,11 @@ def _load_checked(case: Any, pipes: WorkerPipelines, keys: list[bytes], ids_cpu:
             v[case.block_ids_flat] = 0  # poison
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        busy0, wall0 = pipes.busy_s, pipes.wall_s
         pipes.run("load", keys, ids_cpu)
         out[f"load_{name}_gbps"] = round(total / (time.perf_counter() - t0) / GB, 2)
+        # share of the load's wall time the driver thread spent inside step() (not sleeping idle)
+        out[f"load_{name}_driver_busy"] = round((pipes.busy_s - busy0) / max(1e-9, pipes.wall_s - wall0), 3)
         got.zero_()
         ref.gather(case.ids, got)
         out["verified"] = out["verified"] and bool(torch.equal(got, want))
@@ -231,9 +245,18 @@ def _load_checked(case: Any, pipes: WorkerPipelines, keys: list[bytes], ids_cpu:
     return out
 
 
+def default_slots(batch: int, threads: int) -> int:
+    """Staging slots the benchmark gives the engine: three batches, and never fewer than the
+    vLLM worker's own floor (``tierstore.vllm.spec.staging_slots_for``: 4 x io_threads + 8, not
+    imported here because that module needs vLLM), so that the pipeline is measured with the
+    staging depth the worker runs it with (with 3 x batch alone, 24 slots of 8 MiB at 16
+    threads, the slots' round trip, not the code, set the rate: docs/measurements/scaling.md)."""
+    return max(3 * batch, 4 * threads + 8)
+
+
 def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0) -> dict[str, Any]:
     """Store then load every page of ``case`` through the worker's pipelines (see the module
-    docstring); the engine alone after them. ``slots``: staging slots (default 3 x batch)."""
+    docstring); the engine alone after them. ``slots``: staging slots (default ``default_slots``)."""
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.format import GroupKind
@@ -249,7 +272,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     ns = layout_namespace(lay, tokens, kind=kind, model=f"bench/{case.label}")
     shutil.rmtree(root / "ts", ignore_errors=True)
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off")
-    n_slots = slots or 3 * batch
+    n_slots = slots or default_slots(batch, threads)
     transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=2 * batch)
     transfer.warm_up()
     keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
@@ -261,8 +284,14 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         out["slots_pinned"] = engine.pinned
         _warm_up(transfer, engine, ids_cpu, batch)
         pipes = WorkerPipelines(case, engine, transfer, batch, tokens)
+        c0, b0 = transfer.host_copies, transfer.batches
         out.update(_store_timed(pipes, keys, ids_cpu, total))
+        c1, b1 = transfer.host_copies, transfer.batches
         out.update(_load_checked(case, pipes, keys, ids_cpu, total, cold))
+        c2, b2 = transfer.host_copies, transfer.batches
+        # host<->device copies per transfer (adjacent staging slots move in one copy)
+        out["store_copies_per_transfer"] = round((c1 - c0) / max(1, b1 - b0), 2)
+        out["load_copies_per_transfer"] = round((c2 - c1) / max(1, b2 - b1), 2)
         out["engine_io_mode"] = engine.stats["io_mode"]
         # the same engine without the GPU: how much of the gap to raw files is the engine's own
         out.update(engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold,

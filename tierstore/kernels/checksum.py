@@ -7,8 +7,10 @@ whose bit patterns are exactly ``xxhash.xxh3_64_intdigest(section_bytes)`` (seed
 192-byte secret) -- the section checksums of the page format (``tierstore.format.checksum``;
 unchanged since format 1). Gap bytes between sections are not hashed: readers check them
 (``format.check_gaps``).
-Convert a value with ``v & 0xFFFFFFFFFFFFFFFF``. ``verify(pages, expect)`` compares against
-sums of the same form and returns ``[n]`` bool. Both only queue work on the current stream
+Convert a value with ``v & 0xFFFFFFFFFFFFFFFF``. ``hash(pages, out=)`` writes given rows instead
+(on CUDA they may be pinned host memory: no copy back). ``verify(pages, expect)`` compares against
+sums of the same form and returns ``[n]`` bool; ``check_and_mask`` is a load's whole check in
+one launch (compare, skip flags, masked block ids, flags written to pinned memory). Both only queue work on the current stream
 (no host synchronisation); every length is supported (``supported`` is False only when Triton
 cannot run on the device: no Triton, or CPU tensors without ``TRITON_INTERPRET=1``).
 
@@ -150,7 +152,9 @@ if HAVE_TRITON:
         pair = tl.sum(v, axis=AX)
         return tl.expand_dims(pair, AX) - v
 
-    @triton.jit
+    # ``out_ptr``: a transfer's result rows start at its scratch row: alignment not specialized
+    # (a variant per row offset would compile, or load, mid-run)
+    @triton.jit(do_not_specialize_on_alignment=["out_ptr"])
     def _hash_long_kernel(
         pages_u8,  # uint8 pointer: the pages
         tab_ptr,  # int64 [N_KEYS + 8]: readLE64(secret + o), then the 8 initial accumulators
@@ -284,7 +288,7 @@ if HAVE_TRITON:
             acc_end += tl.where(mi, _mix16(pages_u8, start, 16 * i, length, mi, tab_ptr, 16 * (i - 8) + 3), 0)
         return _avalanche(acc + acc_end)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["out_ptr"])
     def _hash_short_kernel(
         pages_u8,
         tab_ptr,
@@ -319,6 +323,62 @@ if HAVE_TRITON:
         res = tl.where(length >= 17, h17, res)
         res = tl.where(length >= 129, h129, res)
         tl.store(out_ptr + page * n_cols + col, res.to(tl.int64, bitcast=True), mask=ok)
+
+    @triton.jit(do_not_specialize_on_alignment=["sums_ptr", "meta_ptr", "ids_ptr", "ids_out_ptr", "ok_ptr"])
+    def _check_mask_kernel(
+        sums_ptr,  # int64 [n, n_sec], rows contiguous: the computed sums
+        meta_ptr,  # int64 [n, meta_stride]: from column want_col the expected sums (n_sec), then the skip flag
+        ids_ptr,  # int64 [n, ids_stride]: the block ids (bpp per row)
+        ids_out_ptr,  # int64 [n, bpp] contiguous: the block ids, or -1 where the page failed
+        ok_ptr,  # uint8 [n]: 1 when the page matched (or was not to be checked)
+        n_sec,
+        bpp,
+        meta_stride,
+        want_col,
+        ids_stride,
+        SEC: tl.constexpr,
+        BPP: tl.constexpr,
+    ):
+        page = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SEC)
+        sm = s < n_sec
+        row = meta_ptr + page * meta_stride + want_col
+        got = tl.load(sums_ptr + page * n_sec + s, mask=sm, other=0)
+        want = tl.load(row + s, mask=sm, other=0)
+        skip = tl.load(row + n_sec)
+        bad = tl.sum((got != want).to(tl.int32), axis=0)
+        ok = (bad == 0) | (skip != 0)
+        b = tl.arange(0, BPP)
+        bm = b < bpp
+        ids = tl.load(ids_ptr + page * ids_stride + b, mask=bm, other=-1)
+        tl.store(ids_out_ptr + page * bpp + b, tl.where(ok, ids, -1), mask=bm)
+        tl.store(ok_ptr + page, ok.to(tl.uint8))
+
+
+def check_and_mask(sums: torch.Tensor, meta: torch.Tensor, want_col: int, ids: torch.Tensor,
+                   ids_out: torch.Tensor, ok_out: torch.Tensor) -> None:
+    """One launch for a load's check: page i is ok when ``sums[i]`` equals its expected sums or
+    its skip flag is set; ``ids_out[i]`` = ``ids[i]`` if ok, else -1 (the scatter writes
+    nothing there); ``ok_out[i]`` = 1 or 0.
+
+    ``meta`` [n, >= want_col + n_sec + 1] int64 rows (row stride free, inner dim contiguous):
+    from column ``want_col`` the expected sums (int64 bit patterns), then the skip flag
+    (non-zero: not checked). ``ids`` [n, bpp] int64 (row stride free; may be columns of
+    ``meta``). ``ok_out`` (uint8 [n]) may be pinned host memory on CUDA (written over PCIe).
+    Queued on the current stream; one launch instead of the five tensor operations (compare,
+    all, or, where, copy back) it replaces, because each is a GIL hand-off on the thread that
+    drives the transfers (docs/measurements/scaling.md)."""
+    n, n_sec = sums.shape
+    bpp = ids.shape[1]
+    if n == 0:
+        return
+    if (meta.shape[0] != n or meta.shape[1] < want_col + n_sec + 1 or meta.stride(1) != 1
+            or not sums.is_contiguous() or ids.shape[0] != n or ids.stride(1) != 1):
+        raise ValueError(f"meta {tuple(meta.shape)}, sums {tuple(sums.shape)}, ids {tuple(ids.shape)} do not match")
+    if tuple(ids_out.shape) != (n, bpp) or not ids_out.is_contiguous() or ok_out.numel() < n:
+        raise ValueError(f"ids_out must be contiguous [{n}, {bpp}] and ok_out hold {n} flags")
+    _check_mask_kernel[(n,)](sums, meta, ids, ids_out, ok_out, n_sec, bpp, meta.stride(0), want_col, ids.stride(0),
+                             SEC=triton.next_power_of_2(n_sec), BPP=triton.next_power_of_2(bpp), num_warps=1)
 
 
 class SectionHasher:
@@ -356,11 +416,18 @@ class SectionHasher:
         ):
             raise ValueError(f"pages on {pages.device}, hasher built for {self.device}")
 
-    def hash(self, pages: torch.Tensor) -> torch.Tensor:
-        """[n, n_sections] int64 (uint64 bit patterns), queued on the current stream."""
+    def hash(self, pages: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, n_sections] int64 (uint64 bit patterns), queued on the current stream.
+
+        ``out``: a contiguous [n, n_sections] int64 tensor to write instead of a new one; on CUDA
+        it may be pinned host memory (the kernels write it over PCIe: no separate copy back)."""
         self._check(pages)
         n, n_cols = pages.shape[0], len(self.layout.sections)
-        out = torch.empty((n, n_cols), dtype=torch.int64, device=pages.device)
+        if out is None:
+            out = torch.empty((n, n_cols), dtype=torch.int64, device=pages.device)
+        elif out.dtype != torch.int64 or tuple(out.shape) != (n, n_cols) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous int64 [{n}, {n_cols}] tensor, got {out.dtype} "
+                             f"{tuple(out.shape)}")
         if n == 0 or n_cols == 0:
             return out
         stride = pages.stride(0) if n > 1 else self.layout.nbytes

@@ -6,42 +6,63 @@ buffers (the IOEngine's ``StagingSlot`` tensors; pinned when the engine has ``pi
 - store: ``start_store(block_ids, slots)`` makes a side stream wait for the work already
   queued on the caller's current stream (the forward pass that wrote the KV), gathers the
   blocks into a bounded device scratch ring, then copies scratch -> pinned slots
-  asynchronously (one copy per slot, or one in all when the slots lie back to back). ``handle.blocks_free()`` turns true once the gather has read the
-  blocks (vLLM may reuse them), ``handle.done()`` once the slots hold the pages (then submit
-  them to the IOEngine).
+  asynchronously. ``handle.blocks_free()`` turns true once the gather has read the blocks
+  (vLLM may reuse them), ``handle.done()`` once the slots hold the pages (then submit them to
+  the IOEngine).
 - load: ``start_load(slots, block_ids, expect)`` copies pinned slots -> scratch -> scatter
   into the cache, all on the side stream, after the work queued on the caller's current
   stream. ``handle.slots_free()`` once the slots may be released, ``handle.done()`` once the
   blocks hold the pages; ``handle.wait_on(stream)`` makes a stream (e.g. the forward pass's)
   wait on the GPU without blocking the CPU.
 
+Host copies: one per run of adjacent slots. The scratch rows take the spacing of the staging
+slots' frames (``ScratchRows.adopt_pitch``, when nothing is in flight and the frame fits a row's room),
+so a run of slots whose frames follow each other in one allocation, given in address order
+(``slot_address``; the pipelines sort their batches), moves in one contiguous copy. A store's
+copy of a run also writes the header room and padding between the run's pages: those belong
+to the run's own slots, and the page store fills the header and cuts the padding before a file
+is published, so no file byte depends on them. Frames outside the batch, the header room
+before its first page and the padding after its last are never written.
+
 Checksums on the GPU (``checksums_on_gpu``: CUDA, Triton copier, every section hashable by
-``kernels.checksum.SectionHasher``): a store hashes the gathered pages in the scratch and
-copies the section checksums back with the pages (``handle.sums``, for
+``kernels.checksum.SectionHasher``): a store hashes the gathered pages in the scratch, the
+kernels writing the sums straight into pinned rows (``handle.sums``, for
 ``IOEngine.submit_store(sums=)``), so the I/O threads never hash. A load with ``expect`` (the
 header's sums of pages the engine read with ``verify=False``) hashes the pages after the H2D
-copy and scatters only the pages that match: the block ids of a mismatching page are masked
-(negative), so its blocks are never written; ``handle.failed`` lists such pages once done.
-This checks the bytes the GPU actually received (after PCIe), not just those on the host.
+copy and scatters only the pages that match (``checksum.check_and_mask``: the block ids of a
+mismatching page become -1, so its blocks are never written); ``handle.failed`` lists such
+pages once done. This checks the bytes the GPU actually received (after PCIe), not just those
+on the host.
+
+The driving thread's cost: it competes for the GIL with the engine's I/O threads, and every
+torch call that releases the GIL (a copy, an event record or query) costs it a wait to get
+the GIL back (docs/measurements/scaling.md, Session 5). So a start builds no tensors: the
+per-row host buffers are filled through numpy, copies, event records and queries go through
+``cuda_driver`` (libcuda calls that keep the GIL; torch's calls where it cannot be bound),
+each scratch row owns two reusable events, and the copier and hasher take scratch rows as
+strided views with no per-batch tables.
 
 Nothing here synchronizes the host with the GPU except ``synchronize()``/``wait()``: callers
-poll. Device memory is bounded by ``scratch_pages`` x page size; pinned memory is the
-caller's slots (bounded by the IOEngine's pool; pinned only when it was created with
-``pin=True`` on a CUDA host, else host copies block the calling thread and a warning says so)
-plus per-scratch-row buffers for block ids, checksums and check results, allocated once
-(``_alloc_row_buffers``): no pinned allocation per call.
+poll. Device memory is bounded by ``scratch_pages`` x a row's room (page size rounded up to
+ALIGN, plus room for a frame's header); pinned memory is the caller's slots (bounded by the
+IOEngine's pool; pinned only when it was created with ``pin=True`` on a CUDA host, else host
+copies block the calling thread and a warning says so) plus per-scratch-row buffers for block
+ids, checksums and check results, allocated once (``_alloc_row_buffers``): no pinned
+allocation per call.
 
 Canonical bytes: a store's gather writes whole scratch rows (sections and zero alignment
 gaps, ``GroupCopier.gather``) and the whole row is copied to the slot, so neither an earlier
-page in the scratch nor one in the slot reaches a file. A start that does not fit in the free scratch returns None
-(try again after ``poll``); a batch larger than the scratch raises ValueError.
+page in the scratch nor one in the slot reaches a file. A start that does not fit in the free
+scratch returns None (try again after ``poll``); a batch larger than the scratch raises
+ValueError.
 
 On CPU (sources on the CPU) there is no scratch and no stream: the copier gathers straight
 into the slots and scatters straight from them; handles are complete on return (and are
 still handed back by ``poll``, like GPU ones).
 
 Threading: one PageTransfer per group, driven by one thread (the vLLM worker's); handles may
-be polled from that thread only.
+be polled from that thread only. A handle that ``poll`` returned is complete for good (its
+events go back to its scratch row).
 """
 
 from __future__ import annotations
@@ -51,10 +72,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from tierstore.directio import round_up
 from tierstore.format import U64_MASK, checksum_as_int64, section_checksums
 from tierstore.kernels import GroupCopier
+from tierstore.kernels.scratch import ScratchRows
 
 logger = logging.getLogger(__name__)
 
@@ -64,52 +88,57 @@ def _slot_tensor(slot: Any) -> torch.Tensor:
     return slot.tensor if hasattr(slot, "tensor") else slot
 
 
-def _as_rows(tensors: Sequence[torch.Tensor], nbytes: int) -> torch.Tensor | None:
-    """One contiguous [n, nbytes] view when the buffers lie back to back in one allocation
-    (one copy instead of n), else None. (A strided host view would make torch stage the copy
-    through a pageable temporary, synchronously.)"""
-    if not tensors:
-        return None
-    storage = tensors[0].untyped_storage()
-    base = storage.data_ptr()
-    if any(t.untyped_storage().data_ptr() != base for t in tensors):
-        return None
-    offs = [t.data_ptr() - base for t in tensors]
-    if any(b - a != nbytes for a, b in zip(offs, offs[1:], strict=False)):
-        return None
-    out = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
-    return out.set_(storage, offs[0], (len(tensors), nbytes), (nbytes, 1))
+def slot_address(slot: Any) -> int:
+    """A slot's page address: sort a batch's slots by it, so that adjacent frames form runs
+    that ``PageTransfer`` copies in one piece."""
+    return int(_slot_tensor(slot).data_ptr())
+
+
+def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The [1, blocks_per_page] block-id rows of a batch's pages as one [pages, blocks_per_page]
+    tensor; CPU rows through numpy (``torch.cat`` would hand the GIL to the I/O threads)."""
+    if len(rows) == 1:
+        return rows[0]
+    try:
+        return torch.from_numpy(np.concatenate([r.numpy() for r in rows]))
+    except (TypeError, RuntimeError):  # device rows: torch's own
+        return torch.cat(rows)
 
 
 class TransferHandle:
     """One started store or load; poll ``done()``."""
 
     def __init__(self, op: str, slots: list[Any], rows: list[tuple[int, int]] | None,
-                 first: Any = None, last: Any = None, sums_host: torch.Tensor | None = None,
-                 ok_host: torch.Tensor | None = None, failed: list[int] | None = None,
-                 keep: tuple[Any, ...] = ()) -> None:
+                 first: Any = None, last: Any = None, sums_host: np.ndarray | None = None,
+                 ok_host: np.ndarray | None = None, failed: list[int] | None = None,
+                 keep: tuple[Any, ...] = (), drv: Any = None) -> None:
         self.op = op
         self.slots = slots
         self.rows = rows  # scratch ring spans held until done (GPU only)
         self._first = first  # store: gather finished; load: H2D finished
         self._last = last  # everything finished
-        # Rows of the transfer's pinned result buffers, filled by the stream; read into Python
-        # lists when the handle retires (its rows may be reused right after).
+        # numpy views of the transfer's pinned result rows, filled by the stream; read into
+        # Python lists when the handle retires (its rows may be reused right after).
         self._sums_host = sums_host  # store: [n, sections] int64
-        self._ok_host = ok_host  # load: [n] bool
+        self._ok_host = ok_host  # load: [n] uint8 (1: matched)
         self._sums: list[tuple[int, ...]] | None = None
         self._failed = failed  # load: known at once on CPU, else at retirement
         self._keep = keep  # device tensors the queued work still reads
+        self._drv = drv  # cuda_driver.Driver: event calls that keep the GIL (None: torch's)
 
     def _materialize(self) -> None:
-        """Copy the results out of the shared pinned rows (called once done, before reuse)."""
+        """Copy the results out of the shared pinned rows (called once done, before reuse).
+        numpy views: one C call per handle instead of a Python step per checksum."""
         if self._sums_host is not None:
-            self._sums = [tuple(v & U64_MASK for v in row) for row in self._sums_host.tolist()]
+            self._sums = [tuple(row) for row in self._sums_host.view(np.uint64).tolist()]
             self._sums_host = None
         if self._ok_host is not None:
-            self._failed = [i for i, ok in enumerate(self._ok_host.tolist()) if not ok]
+            self._failed = np.flatnonzero(self._ok_host == 0).tolist()
             self._ok_host = None
         self._keep = ()
+        # complete for good: the events are the transfer's per-row ones, which the next
+        # transfer from the same scratch row records again
+        self._first = self._last = None
 
     @property
     def sums(self) -> list[tuple[int, ...]] | None:
@@ -128,7 +157,15 @@ class TransferHandle:
         return self._failed or []
 
     def _query(self, ev: Any) -> bool:
-        return ev is None or bool(ev.query())
+        if ev is None:
+            return True
+        return self._drv.query(ev.cuda_event) if self._drv is not None else bool(ev.query())
+
+    def _wait(self, stream: Any, ev: Any) -> None:
+        if self._drv is not None:
+            self._drv.wait_event(stream.cuda_stream, ev.cuda_event)
+        else:
+            stream.wait_event(ev)
 
     def done(self) -> bool:
         return self._query(self._last)
@@ -144,13 +181,13 @@ class TransferHandle:
     def wait_on(self, stream: Any) -> None:
         """Make ``stream`` wait for this transfer on the GPU (no host blocking)."""
         if self._last is not None:
-            stream.wait_event(self._last)
+            self._wait(stream, self._last)
 
     def blocks_wait_on(self, stream: Any) -> None:
         """Store: make ``stream`` wait (on the GPU) only until the gather has read the blocks,
         not for the copy to the host: work queued after it may then overwrite the blocks."""
         if self._first is not None:
-            stream.wait_event(self._first)
+            self._wait(stream, self._first)
 
     def synchronize(self) -> None:
         """Block the calling thread until done (tests and shutdown only)."""
@@ -170,14 +207,13 @@ class PageTransfer:
         self.on_gpu = self.device.type == "cuda"
         self._inflight: deque[TransferHandle] = deque()  # started, not finished (scratch held)
         self._finished: list[TransferHandle] = []  # finished, not yet returned by poll()
+        self.batches = 0  # transfers started on the GPU
         if self.on_gpu:
             if scratch_pages < 1:
                 raise ValueError(f"scratch_pages must be >= 1, got {scratch_pages}")
             self.capacity = scratch_pages
-            self.scratch = torch.empty(scratch_pages, self.nbytes, dtype=torch.uint8, device=self.device)
             self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
-            self._warned_unpinned = False
-            self._pinned_seen: set[int] = set()  # slot addresses checked by _check_pinned
+            self._scr = ScratchRows(self.nbytes, scratch_pages, self.device, self.stream)
         else:
             self.capacity = 0
         self.hasher: Any = None
@@ -188,20 +224,40 @@ class PageTransfer:
         if self.on_gpu:
             self._alloc_row_buffers()
 
+    @property
+    def scratch(self) -> torch.Tensor:
+        """The device scratch as [capacity, nbytes] rows (row stride: the current pitch)."""
+        return self._scr.rows(0, self.capacity)
+
+    @property
+    def host_copies(self) -> int:
+        """Host<->device page copies issued so far (one per run of adjacent slots; 0 on CPU)."""
+        return self._scr.host_copies if self.on_gpu else 0
+
+    @property
+    def driver_calls(self) -> bool:
+        """Copies and events go through ``cuda_driver`` (GIL kept), not torch's calls."""
+        return self.on_gpu and self._scr.drv is not None
+
     def _alloc_row_buffers(self) -> None:
         """Per scratch row: block ids, expected and computed checksums, check results; pinned on
         the host (and a device copy where the GPU reads them). A transfer uses the rows of its
         scratch span, which the ring keeps to itself until it retires: no per-call pinned
-        allocations, and pinned memory stays bounded by the scratch size."""
+        allocations, and pinned memory stays bounded by the scratch size. The host side is
+        filled through numpy views (no torch call: each one is a GIL hand-off)."""
         cap, bpp, n_sec = self.capacity, self.copier.blocks_per_page, max(1, len(self.layout.sections))
         self._ids_host = torch.empty(cap, bpp, dtype=torch.int64, pin_memory=True)
+        self._ids_np = self._ids_host.numpy()
         self._ids_dev = torch.empty(cap, bpp, dtype=torch.int64, device=self.device)
-        self._sums_host = torch.empty(cap, n_sec, dtype=torch.int64, pin_memory=True)
-        self._want_host = torch.empty(cap, n_sec, dtype=torch.int64, pin_memory=True)
-        self._want_dev = torch.empty(cap, n_sec, dtype=torch.int64, device=self.device)
-        self._skip_host = torch.empty(cap, dtype=torch.bool, pin_memory=True)
-        self._skip_dev = torch.empty(cap, dtype=torch.bool, device=self.device)
-        self._ok_host = torch.empty(cap, dtype=torch.bool, pin_memory=True)
+        self._sums_host = torch.empty(cap, n_sec, dtype=torch.int64, pin_memory=True)  # store: the GPU writes it
+        self._sums_np = self._sums_host.numpy()
+        # load checks: per row [block ids | expected sums | skip flag], one H2D copy per batch
+        self._meta_host = torch.empty(cap, bpp + n_sec + 1, dtype=torch.int64, pin_memory=True)
+        self._meta_np = self._meta_host.numpy()
+        self._meta_dev = torch.empty_like(self._meta_host, device=self.device)
+        self._sums_dev = torch.empty(cap, n_sec, dtype=torch.int64, device=self.device)  # load: computed
+        self._ok_host = torch.empty(cap, dtype=torch.uint8, pin_memory=True)  # load: the GPU writes it
+        self._ok_np = self._ok_host.numpy()
 
     def _make_hasher(self) -> str | None:
         """Build the GPU section hasher; the reason when the engine must hash instead."""
@@ -222,23 +278,41 @@ class PageTransfer:
     def warm_up(self) -> None:
         """Compile (and load) every kernel variant a transfer can launch, then wait for them.
 
-        Triton specializes integer arguments equal to 1 and divisible by 16, so batches of 1, 2
-        and 16 pages cover every variant. Loading a compiled module can synchronize the device,
-        which must not happen behind a forward pass, so callers do this at startup. Nothing in
-        the cache is written (the scatter's block ids are all masked) and no slot is touched.
+        Triton specializes integer arguments equal to 1 and divisible by 16, and the copier
+        picks words by alignment, so batches of 1, 2 and 16 pages, from scratch row 0 and row 1,
+        at the page-size row pitch and at a frame-stride pitch (any multiple of ALIGN: what
+        ``ScratchRows.adopt_pitch`` may switch to) cover every variant. Loading a compiled module can
+        synchronize the device, which must not happen behind a forward pass, so callers do
+        this at startup. Nothing in the cache is written (the scatter's block ids are all
+        masked) and no slot is touched.
         """
         if not self.on_gpu:
             return
+        from tierstore.kernels.checksum import check_and_mask
+
         bpp = self.copier.blocks_per_page
+        scr = self._scr
+        pitches = [self.nbytes] + ([round_up(self.nbytes)] if round_up(self.nbytes) <= scr.room else [])
+        saved = scr.pitch
         with torch.cuda.stream(self.stream):
-            for n in sorted({1, min(2, self.capacity), min(16, self.capacity)}):
-                rows = self.scratch[:n]
-                ids = torch.zeros(n, bpp, dtype=torch.int64, device=self.device)
-                self.copier.gather(ids, rows)
-                if self.hasher is not None:
-                    self.hasher.verify(rows, self.hasher.hash(rows))
-                self.copier.scatter(rows, torch.full_like(ids, -1))
+            for pitch in pitches:
+                scr.set_pitch(pitch)
+                for n in sorted({1, min(2, self.capacity), min(16, self.capacity)}):
+                    for a in sorted({0, min(1, self.capacity - n)}):
+                        rows = scr.rows(a, n)
+                        ids = torch.zeros(n, bpp, dtype=torch.int64, device=self.device)
+                        self.copier.gather(ids, rows)
+                        if self.hasher is not None:
+                            sums = self.hasher.hash(rows, out=self._sums_dev[a : a + n])
+                            self.hasher.hash(rows, out=self._sums_host[a : a + n])
+                            meta = self._meta_dev[a : a + n]
+                            meta.fill_(-1)  # expected sums that no page has: every id masked
+                            meta[:, -1] = 0
+                            check_and_mask(sums, meta, bpp, meta[:, :bpp], self._ids_dev[a : a + n],
+                                           self._ok_host[a : a + n])
+                        self.copier.scatter(rows, torch.full_like(ids, -1))
         self.stream.synchronize()
+        scr.set_pitch(saved)
 
     # -- scratch ring ---------------------------------------------------------------------
     def _reserve(self, n: int) -> list[tuple[int, int]] | None:
@@ -284,23 +358,10 @@ class PageTransfer:
         """Block ids on the device, through the span's pinned rows (queued on the current stream)."""
         if block_ids.device.type == "cuda":
             return block_ids
-        self._ids_host[a:b].copy_(block_ids.reshape(b - a, -1))
+        self._ids_np[a:b] = block_ids.numpy()
         dev = self._ids_dev[a:b]
-        dev.copy_(self._ids_host[a:b], non_blocking=True)
+        self._scr.copy(dev, self._ids_host[a:b])
         return dev
-
-    def _check_pinned(self, tensors: Sequence[torch.Tensor]) -> None:
-        # Each slot once: ``is_pinned`` asks the CUDA allocator (~µs a call, and the worker
-        # thread's time is the pipeline's cap: docs/measurements/scaling.md).
-        if self._warned_unpinned:
-            return
-        new = [t for t in tensors if t.data_ptr() not in self._pinned_seen]
-        if any(not t.is_pinned() for t in new):
-            logger.warning(
-                "staging slots are not pinned: host<->GPU copies will block the calling thread; "
-                "create the IOEngine with pin=True")
-            self._warned_unpinned = True
-        self._pinned_seen.update(t.data_ptr() for t in new)
 
     def _slot_tensors(self, slots: list[Any], block_ids: torch.Tensor) -> list[torch.Tensor]:
         tensors = [_slot_tensor(s) for s in slots]
@@ -308,26 +369,24 @@ class PageTransfer:
             raise ValueError(f"{block_ids.shape[0]} pages but {len(tensors)} slots")
         return tensors
 
-    def _claim_scratch(self, tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], torch.Tensor] | None:
-        """(ring spans, scratch rows) for a batch of pages; None when the scratch is full."""
-        span = self._reserve(len(tensors))
+    def _begin(self, slots: list[Any]) -> tuple[list[tuple[int, int]], int, int, Any] | None:
+        """Claim scratch rows for a batch and order the side stream after the caller's queued
+        work: (ring spans, first row, one past the last, caller's stream); None when full."""
+        self._retire()
+        self._scr.adopt_pitch(slots, idle=not self._inflight)
+        span = self._reserve(len(slots))
         if span is None:
             return None
-        self._check_pinned(tensors)
-        return span, self.scratch[span[-1][0] : span[-1][1]]
-
-    def _copy_host(self, tensors: list[torch.Tensor], rows: torch.Tensor, *, to_host: bool) -> None:
-        """Scratch rows <-> staging slots, asynchronously: one copy when the slots lie back to back."""
-        host = _as_rows(tensors, self.nbytes)
-        pairs = [(host, rows)] if host is not None else list(zip(tensors, rows, strict=True))
-        for h, r in pairs:
-            if to_host:
-                h.copy_(r, non_blocking=True)
-            else:
-                r.copy_(h, non_blocking=True)
+        producer = torch.cuda.current_stream(self.device)
+        self._scr.wait_for(producer)
+        self.batches += 1
+        a, b = span[-1]
+        return span, a, b, producer
 
     def start_store(self, block_ids: torch.Tensor, slots: Sequence[Any]) -> TransferHandle | None:
-        """Gather ``block_ids`` [n, blocks_per_page] into ``slots`` (n staging slots)."""
+        """Gather ``block_ids`` [n, blocks_per_page] into ``slots`` (n staging slots).
+
+        Slots given in address order copy in fewer pieces (runs of adjacent frames)."""
         slots = list(slots)
         tensors = self._slot_tensors(slots, block_ids)
         if not self.on_gpu:
@@ -335,25 +394,23 @@ class PageTransfer:
             h = TransferHandle("store", slots, None)
             self._inflight.append(h)  # complete already; poll() hands it back like a GPU one
             return h
-        claimed = self._claim_scratch(tensors)
-        if claimed is None:
+        begun = self._begin(slots)
+        if begun is None:
             return None
-        span, rows = claimed
-        producer = torch.cuda.current_stream(self.device)
-        gathered = torch.cuda.Event()
-        finished = torch.cuda.Event()
+        span, a, b, _ = begun
+        scr = self._scr
+        rows = scr.rows(a, b - a)
+        gathered, finished = scr.ev_first[a], scr.ev_last[a]
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(producer)  # the KV written by queued forward work
-            a, b = span[-1]
             self.copier.gather(self._ids(block_ids, a, b), rows)
-            gathered.record(self.stream)
-            self._copy_host(tensors, rows, to_host=True)
+            scr.record(gathered, self.stream)
+            scr.copy_host(tensors, a, to_host=True)
             sums_host = None
-            if self.hasher is not None:
-                sums_host = self._sums_host[a:b]
-                sums_host.copy_(self.hasher.hash(rows), non_blocking=True)
-            finished.record(self.stream)
-        h = TransferHandle("store", slots, span, gathered, finished, sums_host=sums_host)
+            if self.hasher is not None:  # straight into the pinned rows: no copy back
+                self.hasher.hash(rows, out=self._sums_host[a:b])
+                sums_host = self._sums_np[a:b]
+            scr.record(finished, self.stream)
+        h = TransferHandle("store", slots, span, gathered, finished, sums_host=sums_host, drv=scr.drv)
         self._inflight.append(h)
         return h
 
@@ -362,7 +419,8 @@ class PageTransfer:
         """Scatter the pages in ``slots`` into ``block_ids`` [n, blocks_per_page].
 
         ``expect[i]``: the section checksums page i must have (None: already verified). A page
-        that does not match is not scattered and is listed in ``handle.failed``.
+        that does not match is not scattered and is listed in ``handle.failed``. Slots given in
+        address order copy in fewer pieces.
         """
         slots = list(slots)
         tensors = self._slot_tensors(slots, block_ids)
@@ -395,42 +453,54 @@ class PageTransfer:
                 failed.append(i)
         return failed
 
+    def _fill_meta(self, block_ids: torch.Tensor | None, expect: Sequence[Sequence[int] | None], a: int,
+                   b: int) -> None:
+        """The span's pinned meta rows: [block ids (host ids only) | expected sums (int64 bits) |
+        skip flag], through numpy (no torch call)."""
+        bpp, n_sec = self.copier.blocks_per_page, len(self.layout.sections)
+        meta = self._meta_np[a:b]
+        if block_ids is not None:
+            meta[:, :bpp] = block_ids.numpy()
+        zeros = (0,) * n_sec
+        want = [zeros if e is None else e for e in expect]
+        try:  # unsigned sums (the header's): one C conversion
+            meta[:, bpp : bpp + n_sec] = np.array(want, dtype=np.uint64).reshape(b - a, n_sec).view(np.int64)
+        except OverflowError:  # signed bit patterns among them
+            meta[:, bpp : bpp + n_sec] = [[checksum_as_int64(v) for v in w] for w in want]
+        meta[:, bpp + n_sec] = [e is None for e in expect]
+
     def _start_load_gpu(self, slots: list[Any], block_ids: torch.Tensor,
                         expect: Sequence[Sequence[int] | None] | None) -> TransferHandle | None:
         tensors = self._slot_tensors(slots, block_ids)
-        claimed = self._claim_scratch(tensors)
-        if claimed is None:
+        begun = self._begin(slots)
+        if begun is None:
             return None
-        span, rows = claimed
-        copied = torch.cuda.Event()
-        finished = torch.cuda.Event()
-        producer = torch.cuda.current_stream(self.device)
+        span, a, b, _ = begun
+        scr = self._scr
+        rows = scr.rows(a, b - a)
+        copied, finished = scr.ev_first[a], scr.ev_last[a]
         ok_host = None
-        keep: tuple[Any, ...] = ()
         with torch.cuda.stream(self.stream):
-            # Blocks are written only after the caller's queued work (which may still read them).
-            self.stream.wait_stream(producer)
             # scratch rows may still be read by an older op on this same stream: stream order covers it
-            self._copy_host(tensors, rows, to_host=False)
-            copied.record(self.stream)
-            a, b = span[-1]
-            ids = self._ids(block_ids, a, b)
+            scr.copy_host(tensors, a, to_host=False)
+            scr.record(copied, self.stream)
             if expect is not None:
-                n_sec = len(self.layout.sections)
-                want = [[checksum_as_int64(v) for v in e] if e is not None else [0] * n_sec for e in expect]
-                self._want_host[a:b, :n_sec].copy_(torch.tensor(want, dtype=torch.int64).view(b - a, n_sec))
-                self._skip_host[a:b].copy_(torch.tensor([e is None for e in expect], dtype=torch.bool))
-                want_dev, skip_dev = self._want_dev[a:b, :n_sec], self._skip_dev[a:b]
-                want_dev.copy_(self._want_host[a:b, :n_sec], non_blocking=True)
-                skip_dev.copy_(self._skip_host[a:b], non_blocking=True)
-                ok = self.hasher.verify(rows, want_dev) | skip_dev
-                ids = torch.where(ok[:, None], ids.view(len(slots), -1), -1)
-                ok_host = self._ok_host[a:b]
-                ok_host.copy_(ok, non_blocking=True)
-                keep = (ok, ids)
+                from tierstore.kernels.checksum import check_and_mask
+
+                bpp = self.copier.blocks_per_page
+                on_host = block_ids.device.type != "cuda"
+                self._fill_meta(block_ids if on_host else None, expect, a, b)
+                meta = self._meta_dev[a:b]
+                scr.copy(meta, self._meta_host[a:b])  # ids, sums, flags: one copy
+                sums = self.hasher.hash(rows, out=self._sums_dev[a:b])
+                ids = self._ids_dev[a:b]
+                check_and_mask(sums, meta, bpp, meta[:, :bpp] if on_host else block_ids, ids, self._ok_host[a:b])
+                ok_host = self._ok_np[a:b]
+            else:
+                ids = self._ids(block_ids, a, b)
             self.copier.scatter(rows, ids)
-            finished.record(self.stream)
-        h = TransferHandle("load", slots, span, copied, finished, ok_host=ok_host, keep=keep)
+            scr.record(finished, self.stream)
+        h = TransferHandle("load", slots, span, copied, finished, ok_host=ok_host, drv=scr.drv)
         self._inflight.append(h)
         return h
 
@@ -439,3 +509,4 @@ class PageTransfer:
         for h in list(self._inflight):
             h.synchronize()
         return self.poll()
+

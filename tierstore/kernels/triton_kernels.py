@@ -15,11 +15,16 @@ tile); a tile is ``ROWS x COLS`` words of one section. Per-section descriptors (
 offset, page offset, strides, sizes) live in a small device tensor built once; all address
 arithmetic is 64-bit. Sources are addressed relative to one anchor storage and pages relative
 to another (address differences in words), so per-layer tensors of different allocations are
-served by one launch.
+served by one launch. Pages given as one [n, nbytes] tensor (rows at any stride, e.g. a
+transfer's scratch rows) are addressed from scalars (``STRIDED``: first page and page stride),
+with no per-call table; a list of page buffers gets a table of starts. Arguments that vary with
+the scratch row a transfer starts at are not specialized by Triton (``do_not_specialize``), so
+no kernel variant is compiled or loaded in the middle of a run.
 
 CPU: set ``TRITON_INTERPRET=1`` before this module is imported (tests do); the interpreter is
 slow (~50 MiB/s) and meant for tests. Threading: a TritonCopier is immutable after
-construction except for a cache of launch plans (filled under a lock); launches go to the
+construction except for a cache of launch plans and one of word views of page storages (both
+filled under a lock; the second keeps at most ``_ANCHORS`` storages alive); launches go to the
 current CUDA stream of the calling thread.
 """
 
@@ -42,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ROW_DIMS = 4
 MAX_GRID_Y = 65535
+_ANCHORS = 8  # word views of page storages kept (``TritonCopier._word_anchor``)
 # Descriptor fields (int64 each), see _page_copy_kernel.
 _F_SRC, _F_DST, _F_BLK, _F_JSTRIDE, _F_WIDTH, _F_NROWS, _F_NCOLT, _F_TILE0 = range(8)
 _F_SIZE = 8  # 4 row-dim sizes
@@ -50,14 +56,21 @@ _F_DS = 16  # 4 page strides (words)
 NF = 20
 
 
-@triton.jit
+# Arguments that vary with the scratch row a transfer starts at (the ids' row, the first page's
+# offset) are not specialized: each new alignment or divisibility would compile (or load) another
+# variant in the middle of a run, and loading a module can synchronize the device. The 16-byte
+# facts the copy needs are passed explicitly (VEC, ``tl.multiple_of``).
+@triton.jit(do_not_specialize=["page_start0", "page_stride"],
+            do_not_specialize_on_alignment=["ids_ptr", "page_delta_ptr"])
 def _page_copy_kernel(
     src_base,  # word pointer: anchor of the source storages
     page_base,  # word pointer: anchor of the page buffers
     desc_ptr,  # int64 [n_sections, NF]
     tile_sec_ptr,  # int32 [n_tiles]: section of each tile
     ids_ptr,  # int64 [n_pages * bpp]: kernel block ids
-    page_delta_ptr,  # int64 [n_pages]: page start, in words from page_base
+    page_delta_ptr,  # int64 [n_pages]: page start, in words from page_base (not read when STRIDED)
+    page_start0,  # STRIDED: page 0's start, in words from page_base
+    page_stride,  # STRIDED: words from one page's start to the next
     bpp,
     tile_offset,
     NF: tl.constexpr,
@@ -67,6 +80,7 @@ def _page_copy_kernel(
     SCATTER: tl.constexpr,
     VEC: tl.constexpr,  # words per 16 bytes when every row start and width is 16-byte aligned, else 1
     ZERO: tl.constexpr = False,  # gather only: the descriptors are alignment gaps; write zeros
+    STRIDED: tl.constexpr = False,  # pages evenly spaced: starts from page_start0/page_stride, no table
 ):
     pb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) + tile_offset
@@ -85,7 +99,10 @@ def _page_copy_kernel(
     page = pb // bpp
     j = pb - page * bpp
     blk = tl.load(ids_ptr + pb)
-    page_start = tl.load(page_delta_ptr + page)
+    if STRIDED:  # noqa: SIM108 - a constexpr branch: the other side is not compiled
+        page_start = page_start0 + page * page_stride
+    else:
+        page_start = tl.load(page_delta_ptr + page)
 
     r = row_tile.to(tl.int32) * ROWS + tl.arange(0, ROWS)
     rmask = r < n_rows
@@ -251,6 +268,7 @@ class TritonCopier(PlannedCopier):
         self.num_warps = num_warps
         self.vector_hints = vector_hints
         self._plans: dict[tuple[int, bool], list[_Launch]] = {}
+        self._anchors: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}  # _word_anchor
         self._lock = threading.Lock()
 
     # -- planning -------------------------------------------------------------------------
@@ -335,38 +353,58 @@ class TritonCopier(PlannedCopier):
         return launches
 
     # -- copies ---------------------------------------------------------------------------
-    def _page_table(self, pages: PagesArg, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(anchor tensor, page start offsets in bytes from its storage base, alignment)."""
-        if isinstance(pages, torch.Tensor):
-            anchor = pages
+    def _word_anchor(self, t: torch.Tensor, word: int) -> tuple[torch.Tensor, int]:
+        """(word view at ``t``'s storage base, that base's address), cached per storage.
+
+        Cached because the transfer path calls this for every launch of every batch on the same
+        few storages (its scratch, the staging slab), and each torch call there is a GIL
+        hand-off on the thread that drives the pipeline (docs/measurements/scaling.md). The
+        cache holds at most ``_ANCHORS`` views (each keeps its storage alive until evicted)."""
+        storage = t.untyped_storage()
+        base = storage.data_ptr()
+        key = (base, storage.nbytes(), word, t.device)
+        view = self._anchors.get(key)
+        if view is None:
+            with self._lock:
+                if len(self._anchors) >= _ANCHORS:
+                    self._anchors.pop(next(iter(self._anchors)))
+                view = self._anchors[key] = _word_view_of_storage(t, word)
+        return view, base
+
+    def _page_table(self, pages: PagesArg, n: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int, int]:
+        """(anchor tensor, page start offsets in bytes from its storage base or None when the pages
+        are evenly spaced, first page's offset, page stride in bytes, alignment)."""
+        if isinstance(pages, torch.Tensor):  # [n, nbytes] rows: strided, no table to build
             base = pages.untyped_storage().data_ptr()
             start = pages.data_ptr() - base
             stride = pages.stride(0) if n > 1 else 0
             align = math.gcd(start, stride, base, 16) or 16
-            starts = torch.arange(n, dtype=torch.int64, device=self.device) * stride + start
-            return anchor, starts, align
+            return pages, None, start, stride, align
         anchor = pages[0]
         base = anchor.untyped_storage().data_ptr()
         offs = [p.data_ptr() - base for p in pages]
         align = math.gcd(*offs, base, 16) or 16
-        return anchor, torch.tensor(offs, dtype=torch.int64).to(self.device), align
+        return anchor, torch.tensor(offs, dtype=torch.int64).to(self.device), 0, 0, align
 
     def _run(self, block_ids: torch.Tensor, pages: PagesArg, scatter: bool) -> None:
         n = self.check_batch(block_ids, pages)
         if n == 0:
             return
-        ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous().view(-1)
-        page_anchor, starts_bytes, align = self._page_table(pages, n)
+        ids = block_ids
+        if ids.device != self.device or ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.to(device=self.device, dtype=torch.int64).contiguous()
+        page_anchor, table, start, stride, align = self._page_table(pages, n)
         for launch in self._plan(align, gaps=not scatter):
             w = launch.word
-            page_words = _word_view_of_storage(page_anchor, w)
-            starts = starts_bytes // w
+            page_words, _ = self._word_anchor(page_anchor, w)
+            # STRIDED: starts in words from scalars; else a table (scaled on the device)
+            starts = ids if table is None else table // w
             for tile0 in range(0, launch.n_tiles, MAX_GRID_Y):
                 grid = (n * self.blocks_per_page, min(MAX_GRID_Y, launch.n_tiles - tile0))
                 args = (launch.src_anchor, page_words, launch.desc, launch.tile_sec, ids, starts,
-                        self.blocks_per_page, tile0)
+                        start // w, stride // w, self.blocks_per_page, tile0)
                 meta = dict(NF=NF, ROWS=launch.rows, COLS=launch.cols, ROW_DIMS=launch.row_dims,
-                            SCATTER=scatter, ZERO=launch.zero, num_warps=self.num_warps)
+                            SCATTER=scatter, ZERO=launch.zero, STRIDED=table is None, num_warps=self.num_warps)
                 try:
                     _page_copy_kernel[grid](*args, VEC=launch.vec, **meta)
                 except Exception as exc:  # a Triton build that rejects the hints: run without them

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tierstore.kernels.transfer import slot_address, stack_rows
 from tierstore.store import IOResult
 from tierstore.vllm.group import (
     StartedTransfer,
     TransferPoller,
     WorkerGroup,
-    batch_rows,
     count_result,
     max_batch,
 )
@@ -134,6 +134,7 @@ class LoadPipeline:
     def _start_scatter(self, batch: list[LoadPage]) -> bool:
         """Start one transfer of ``batch``. False: no scratch room (nothing changed)."""
         g = self.g
+        batch.sort(key=lambda p: slot_address(p.res.slot))  # adjacent slots: one copy (PageTransfer)
         slots = [p.res.slot for p in batch]
         try:
             if g.fixup is not None:
@@ -142,7 +143,7 @@ class LoadPipeline:
                         g.fixup.before_scatter(p.res.slot.tensor)
                         p.fixed = True
             expect = [None if p.res.verified else p.res.sums for p in batch]
-            h = g.transfer.start_load(slots, batch_rows([p.row for p in batch]),
+            h = g.transfer.start_load(slots, stack_rows([p.row for p in batch]),
                                       expect=None if all(e is None for e in expect) else expect)
         except Exception as e:  # noqa: BLE001 - fail these pages, keep the slots and the step
             g.release(slots)

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
+from tierstore.kernels.transfer import slot_address, stack_rows
 from tierstore.store import IOResult
 from tierstore.vllm.group import (
     StartedTransfer,
     TransferPoller,
     WorkerGroup,
-    batch_rows,
     count_result,
     max_batch,
 )
@@ -139,6 +139,7 @@ class StorePipeline:
                 if more is None:
                     break
                 slots.append(more)
+            slots.sort(key=slot_address)  # adjacent slots: one copy (PageTransfer)
             if self._start_gather(todo[: len(slots)], slots):
                 return len(slots)
             # the transfer scratch is full: give the slots back; retry while the budget lasts
@@ -151,7 +152,7 @@ class StorePipeline:
     def _start_gather(self, batch: list[StorePage], slots: list[Any]) -> bool:
         """Start one gather of ``batch`` into ``slots``. False: no scratch room (nothing changed)."""
         try:
-            h = self.g.transfer.start_store(batch_rows([p.row for p in batch]), slots)
+            h = self.g.transfer.start_store(stack_rows([p.row for p in batch]), slots)
         except Exception as e:  # noqa: BLE001 - fail these pages, keep the slots and the step
             self.g.release(slots)
             for page in batch:
