@@ -752,3 +752,37 @@ def test_deep_counts_non_canonical_pages_of_an_older_format_and_leaves_them(root
         msg = next(p["message"] for p in rep["problems"] if p["kind"] == "noncanonical")
         assert "page format 2: 2 of 3 page(s)" in msg
     assert [p.read_bytes() for p in paths] == before
+
+
+def test_fsck_gates_its_threads_by_what_pays_off(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default fsck's 64 threads pass an adaptive gate. Pages that each take a slow mount's
+    latency (a 4 ms sleep per page, no CPU) drive the limit up from 4 on a fast root, and keep
+    it at 64 on a root that answers slowly; an explicit --jobs is kept as given."""
+    from tierstore import fsck as fsck_module
+    from tierstore.fsck import FsckOptions, PageVerifier, run_fsck
+    from tierstore.testing import simple_namespace
+
+    ns = simple_namespace()
+    write_manifest(root, ns)
+    data = page_bytes(ns.groups[0].layout, b"gate")
+    for i in range(4000):
+        write_page(root, ns, 0, page_key(i), data=data)
+    real = PageVerifier._verify_fd
+
+    def slow(self: PageVerifier, *args: object) -> object:  # the page is open (a read in flight)
+        time.sleep(0.004)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageVerifier, "_verify_fd", slow)
+    rep = run_fsck(FsckOptions(root, progress=False))
+    assert rep.pages_ok == 4000 and not rep.problems
+    assert rep.reads["adaptive"] and rep.reads["threads"] == 64
+    assert rep.reads["limit_max"] >= 32 and rep.reads["max_in_flight"] >= 16  # climbed from 4
+    monkeypatch.setattr(fsck_module, "root_latency_s", lambda root: 0.01)  # a 10 ms mount
+    slow_root = run_fsck(FsckOptions(root, progress=False))
+    assert slow_root.reads["limit_final"] == 64 and slow_root.reads["max_in_flight"] >= 48
+    monkeypatch.undo()
+    assert fsck_module.root_latency_s(root) < fsck_module.SLOW_ROOT_S  # this disk starts low
+    fixed = run_fsck(FsckOptions(root, jobs=3, progress=False))
+    assert fixed.pages_ok == 4000
+    assert not fixed.reads["adaptive"] and fixed.reads["limit_max"] == 3 and fixed.reads["max_in_flight"] <= 3

@@ -9,8 +9,10 @@ Contract:
   group kind = the manifest's group. Pages are opened through checked directory fds, never
   followed, never blocking, in memory bounded per read by the layout and in total by
   ``budget_bytes`` (see fsck_read.py). Pages are read concurrently by ``jobs`` threads (None: 64,
-  ``READS_IN_FLIGHT``; on NFS latency dominates, so more threads than cores pay off). Every
-  exception on one page is a finding about it.
+  ``READS_IN_FLIGHT``; on NFS latency dominates, so more threads than cores pay off), at most
+  as many at once as an ``AdaptiveGate`` finds pay off when ``jobs`` is None (a cached tree
+  verifies fastest with 1-4: the rest only fight for the GIL). Every exception on one page is
+  a finding about it.
 - Problems: bad pages, stale temps, orphans, foreign files (hard-linked or non-regular page
   names: kind ``unsafe``), NFS/FUSE silly-rename leftovers, symlinks, namespace directories
   without a valid manifest, unreadable directories, and ``.tierstore*`` root entries that are
@@ -57,6 +59,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tierstore import display, safefs
+from tierstore.adaptive_gate import AdaptiveGate
 from tierstore.errors import PageError
 from tierstore.format import (
     FORMAT_VERSION,
@@ -98,6 +101,7 @@ EXIT_CANCELLED = 32
 __all__ = ["MAX_UNMANIFESTED_PAGE_BYTES", "FsckOptions", "FsckReport", "PageVerifier", "deep_check_page", "run_fsck"]
 CATEGORIES = (BAD_PAGE, STALE_TEMP, ORPHAN, FOREIGN, NFS_LEFTOVER, SYMLINK, MANIFEST, UNREADABLE)
 READS_IN_FLIGHT = 64  # default ``jobs``: on a 10 ms mount, reads in flight set the pace
+SLOW_ROOT_S = 0.001  # a root answering slower than this starts fsck's gate at READS_IN_FLIGHT
 # Root entries tierstore itself creates under its reserved prefix (single source: tiers/gc.py
 # TRASH_DIR, tiers/lease.py LEASE_NAME, tiers/local_index.py INDEX_DIR; tests check they agree;
 # not imported: the tiers package imports torch, fsck must stay light) -> whether a directory.
@@ -445,6 +449,19 @@ def _repair(report: FsckReport, root: Path, quarantine_bad: bool) -> None:
         safe.close()
 
 
+def root_latency_s(root: str | os.PathLike[str]) -> float:
+    """Median seconds of three ``stat`` + ``scandir`` round trips on ``root``: about 10 us on
+    a local disk, one or two server round trips on NFS (unless its attribute cache answers)."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        os.stat(root)
+        with os.scandir(root) as it:
+            next(it, None)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
+
+
 def run_fsck(options: FsckOptions) -> FsckReport:
     """Check (and with ``repair``, fix) a root; never raises for problems in the tree."""
     start = time.monotonic()
@@ -454,11 +471,16 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     verifier: PageVerifier | None = None
     try:
         root = check_root(options.root)
+        # Default: as many pages at once as pay off, up to READS_IN_FLIGHT (adaptive_gate.py):
+        # from all of them on a slow mount, from 1 elsewhere (a cached tree settles at 1-4,
+        # where 64 threads only fight for the GIL). An explicit --jobs is kept as given.
+        first_limit = jobs if root_latency_s(root) > SLOW_ROOT_S else 1
+        gate = AdaptiveGate(jobs, adaptive=options.jobs is None, start=first_limit)
         verifier = PageVerifier(root, deep=options.deep, budget_bytes=options.budget_bytes,
                                 group_access=options.group_access)
         inv: Inventory = walk_root(
             root, visitor=verifier, namespace=options.namespace, jobs=jobs,
-            tmp_age=options.tmp_age, progress=progress,
+            tmp_age=options.tmp_age, progress=progress, gate=gate,
         )
         reserved = reserved_root_findings(inv.root) if options.namespace is None else []
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
@@ -483,7 +505,8 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     report.bytes_ok = sum(t.bytes for t in inv.tallies.values())
     report.stats = stats_from_inventory(inv)
     report.reads = {"threads": jobs, "max_in_flight": verifier.max_reads_in_flight,
-                    "peak_buffer_bytes": verifier.pool.peak}
+                    "peak_buffer_bytes": verifier.pool.peak, "adaptive": gate.adaptive,
+                    "limit_final": gate.limit, "limit_max": max(gate.limits_seen)}
     if options.repair and report.problems and not inv.namespaces and any(p.category == FOREIGN for p in report.problems):
         # `tierstore fsck --repair /home` must not move a home directory into a quarantine.
         report.error = (f"{inv.root} holds no tierstore namespace, only other files; refusing to repair. "

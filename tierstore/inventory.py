@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tierstore import safefs
+from tierstore.adaptive_gate import AdaptiveGate
 from tierstore.display import escape
 from tierstore.errors import GONE_ERRNOS, ConfigError, PageError, PageIOError, PageMissing
 from tierstore.format import (
@@ -104,6 +105,26 @@ QUARANTINE_DIR = ".quarantine"
 MANIFEST_MAX_BYTES = 4 << 20
 # Linux's PID_MAX_LIMIT: a temp name with a larger pid was not written by tierstore.
 PID_LIMIT = 1 << 22
+
+
+class _OpenGate:
+    """The gate of a walk without an ``AdaptiveGate``: every thread at once."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def acquire(self) -> None:
+        return None
+
+    def release(self, done: int = 1) -> None:
+        return None
+
+
+_NO_GATE = _OpenGate()
+GATE_BATCH = 32  # entries of a fan-out directory handled per pass through the walk's gate
 
 _PAGE_NAME_RE = re.compile(r"^(?:[0-9a-f]{2}){1,96}\.kvp$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -487,8 +508,9 @@ class _Seen:
 
 class _Walker:
     def __init__(self, root: Path, visitor: PageVisitor | None, classifier: _Classifier, progress: Progress | None,
-                 listing: bool = False):
+                 listing: bool = False, gate: AdaptiveGate | None = None):
         self._local = threading.local()
+        self.gate: AdaptiveGate | _OpenGate = gate if gate is not None else _NO_GATE
         self.root = root
         self.visitor = visitor
         self.listing = listing and visitor is None
@@ -651,12 +673,21 @@ class _Walker:
         if self.listing and not orphan:
             return self._fan_dir_listed(inv, nsd, aa, g, r, group)
         fan = aa.name
-        for e in self._scandir(aa, inv):
+        gate = self.gate
+        with gate:
+            entries = self._scandir(aa, inv)
+        for at in range(0, len(entries), GATE_BATCH):
             if self.stop.is_set():
                 break
-            if _skipped(e.name):
-                continue
-            self._entry_guarded(e, inv, nsd, g, r, orphan, group, fan)
+            done = 0
+            gate.acquire()  # a batch per pass: each pass through the gate may be a thread switch
+            try:
+                for e in entries[at:at + GATE_BATCH]:
+                    if not _skipped(e.name):
+                        self._entry_guarded(e, inv, nsd, g, r, orphan, group, fan)
+                        done += 1
+            finally:
+                gate.release(done)
         if self.progress and self._seen.count:  # once per directory: the lock is not taken per page
             self.progress.advance(files=self._seen.count, nbytes=self._seen.nbytes)
             self._seen.count = self._seen.nbytes = 0
@@ -816,13 +847,15 @@ def walk_root(
     now: float | None = None,
     progress: Progress | None = None,
     listing: bool = False,
+    gate: AdaptiveGate | None = None,
 ) -> Inventory:
     """Classify everything under ``root``; see the module docstring (``listing``: count page
-    names without a stat per page; only without a visitor)."""
+    names without a stat per page; only without a visitor; ``gate``: how many of the ``jobs``
+    threads list a fan-out directory or handle one of its entries at once)."""
     root_path = check_root(root)
     only = resolve_namespace_filter(root_path, namespace)
     walker = _Walker(root_path, visitor, _Classifier(time.time() if now is None else now, tmp_age), progress,
-                     listing=listing)
+                     listing=listing, gate=gate)
     inv = Inventory(root_path)
     inv.namespaces = walker.namespaces(inv, only)
     units = [(nsd, *fan) for nsd in inv.namespaces if nsd.walk for fan in walker.fan_dirs(nsd, inv)]

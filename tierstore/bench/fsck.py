@@ -7,7 +7,8 @@ printing pages/s, the most reads in flight and the peak of page-buffer bytes. Wi
 (every operation delayed by D ms: a stand-in for a slow NFS mount); use a smaller
 ``--pages`` there (each page costs several delayed operations).
 
-Run: ``python -m tierstore.bench.fsck --work DIR [--pages N] [--jobs 1,8,64] [--latency-ms 10] [--json]``.
+Run: ``python -m tierstore.bench.fsck --work DIR [--pages N] [--jobs 1,8,64,auto] [--latency-ms 10] [--json]``
+(``auto``: fsck's default, 64 threads behind ``adaptive_gate.AdaptiveGate``).
 Threading: the benchmark drives its own threads and processes; nothing here is used by the
 library.
 """
@@ -64,20 +65,22 @@ def latency_mount(export: Path, mnt: Path, delay_ms: float) -> Iterator[Path]:
         proc.wait(timeout=30)
 
 
-def measure(root: Path, jobs: int) -> dict[str, Any]:
+def measure(root: Path, jobs: int | None) -> dict[str, Any]:
+    """One fsck of ``root`` with ``jobs`` threads (None: fsck's default, the adaptive gate)."""
     start = time.perf_counter()
     rep = run_fsck(FsckOptions(root, jobs=jobs, progress=False))
     seconds = time.perf_counter() - start
     if rep.error or rep.problems:
         raise RuntimeError(f"fsck found problems in the bench tree: {rep.error or rep.problems[:3]}")
-    return {"jobs": jobs, "pages": rep.pages_ok, "seconds": round(seconds, 3),
+    return {"jobs": "auto" if jobs is None else jobs, "pages": rep.pages_ok, "seconds": round(seconds, 3),
             "pages_per_s": round(rep.pages_ok / seconds), **rep.reads}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", type=Path, required=True, help="directory for the page tree (reused)")
     p.add_argument("--pages", type=int, default=100_000)
-    p.add_argument("--jobs", default="1,8,64", help="comma-separated thread counts")
+    p.add_argument("--jobs", default="1,8,64,auto",
+                   help="comma-separated thread counts; auto: fsck's default (64 threads behind an adaptive gate)")
     p.add_argument("--latency-ms", type=float, default=0.0, help="reach the root through latency_fs.py")
     p.add_argument("--json", action="store_true")
 
@@ -91,17 +94,18 @@ def run(args: argparse.Namespace) -> int:
         root = export
         if args.latency_ms:
             root = stack.enter_context(latency_mount(export, args.work / "mnt", args.latency_ms))
-        rows = [measure(root, int(j)) for j in args.jobs.split(",")]
+        rows = [measure(root, None if j == "auto" else int(j)) for j in args.jobs.split(",")]
     out = {"target": f"latency {args.latency_ms:g} ms" if args.latency_ms else "local", "tree_seconds": round(made, 1),
            "cpus": os.cpu_count(), "rows": rows}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"fsck on {out['target']}, {args.pages} pages of 4 KiB, {out['cpus']} CPUs")
-        print(f"{'jobs':>5} {'seconds':>8} {'pages/s':>8} {'max reads in flight':>20} {'peak buffer bytes':>18}")
+        print(f"{'jobs':>5} {'seconds':>8} {'pages/s':>8} {'max reads in flight':>20} {'peak buffer bytes':>18} "
+              f"{'gate limit final/max':>21}")
         for r in rows:
             print(f"{r['jobs']:>5} {r['seconds']:>8} {r['pages_per_s']:>8} {r['max_in_flight']:>20} "
-                  f"{r['peak_buffer_bytes']:>18}")
+                  f"{r['peak_buffer_bytes']:>18} {r['limit_final']:>10}/{r['limit_max']}")
     return 0
 
 
