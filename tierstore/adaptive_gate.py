@@ -8,12 +8,13 @@ right number depends on the mount and the machine, so the gate measures it.
 
 Contract:
 - ``acquire()`` blocks while ``limit`` holders are inside; ``release(done)`` lets the next one
-  in, counting ``done`` units of work finished inside (``with gate:`` counts one). Waiting
-  threads sleep on a condition (they do not compete for the GIL). Every release that wakes a
-  waiter is a thread switch: hold the gate for a batch of work, not a tiny step (fsck's walk
-  holds it for up to 32 entries of a directory).
+  in, counting ``done`` units of work finished inside (``with gate:`` counts one);
+  ``progress(done)`` counts units while staying in. Waiting threads sleep on a condition (they
+  do not compete for the GIL). Every pass through the gate may be a thread switch: hold it for
+  a large piece of work and report progress on the way (fsck's walk holds it for a fan-out
+  directory and reports every 32 entries). A lower limit takes effect as holders leave.
 - With ``adaptive=True`` the limit moves between 1 and ``most`` by hill climbing on the rate
-  of units done: after each window (at least ``window_s`` and ``max(8, 2 x limit)`` releases) it
+  of units done: after each window (at least ``window_s`` and ``max(8, 2 x limit)`` reports) it
   doubles or halves in the current direction (at 1 it turns upwards; at ``most`` it stays).
   A window more than 5% slower than the one before turns the direction around; one within 5%
   keeps the limit; a window in which no thread had to wait says nothing about the limit (a
@@ -40,7 +41,7 @@ _NOISE = 0.05  # rate changes within this fraction count as "the same"
 
 
 class AdaptiveGate:
-    def __init__(self, most: int, *, adaptive: bool = True, start: int = 4, window_s: float = 0.2,
+    def __init__(self, most: int, *, adaptive: bool = True, start: int = 4, window_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if most < 1:
             raise ValueError(f"the gate needs at least one holder, got {most}")
@@ -54,7 +55,7 @@ class AdaptiveGate:
         self._cond = threading.Condition()
         self._inside = 0
         self._done = 0  # units of work finished in this window
-        self._releases = 0
+        self._reports = 0
         self._contended = False  # some acquire waited in this window (the limit was binding)
         self._since = clock()
         self._last_rate: float | None = None
@@ -76,31 +77,38 @@ class AdaptiveGate:
             self._inside += 1
             self.peak = max(self.peak, self._inside)
 
+    def progress(self, done: int) -> None:
+        """A holder finished ``done`` more units of work (the rate counts units) and stays in."""
+        with self._cond:
+            self._count(done)
+
     def release(self, done: int = 1) -> None:
-        """Leave the gate, having finished ``done`` units of work (the rate counts units)."""
+        """Leave the gate, having finished ``done`` units of work since the last ``progress``."""
         with self._cond:
             self._inside -= 1
-            self._done += done
-            self._releases += 1
-            before = self.limit
-            if self.adaptive:
-                self._maybe_adapt()
-            if self.limit > before:
-                self._cond.notify_all()
-            else:
-                self._cond.notify()
+            self._count(done)
+            self._cond.notify()
+
+    def _count(self, done: int) -> None:
+        self._done += done
+        self._reports += 1
+        before = self.limit
+        if self.adaptive:
+            self._maybe_adapt()
+        if self.limit > before:
+            self._cond.notify_all()
 
     def _maybe_adapt(self) -> None:
         now = self._clock()
         elapsed = now - self._since
-        if elapsed < self._window_s or self._releases < max(8, 2 * self.limit):
+        if elapsed < self._window_s or self._reports < max(8, 2 * self.limit):
             return
         rate = self._done / elapsed
         if not self._contended:  # nobody waited: the limit did not set this rate (a walk's tail)
-            self._done, self._releases, self._since = 0, 0, now
+            self._done, self._reports, self._since = 0, 0, now
             return
         last = self._last_rate
-        self._done, self._releases, self._since, self._last_rate = 0, 0, now, rate
+        self._done, self._reports, self._since, self._last_rate = 0, 0, now, rate
         self._contended = False
         if last is not None:
             if rate < last * (1 - _NOISE):

@@ -119,12 +119,15 @@ class _OpenGate:
     def acquire(self) -> None:
         return None
 
+    def progress(self, done: int) -> None:
+        return None
+
     def release(self, done: int = 1) -> None:
         return None
 
 
 _NO_GATE = _OpenGate()
-GATE_BATCH = 32  # entries of a fan-out directory handled per pass through the walk's gate
+GATE_BATCH = 32  # entries of a fan-out directory between two progress reports to the walk's gate
 
 _PAGE_NAME_RE = re.compile(r"^(?:[0-9a-f]{2}){1,96}\.kvp$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -674,20 +677,20 @@ class _Walker:
             return self._fan_dir_listed(inv, nsd, aa, g, r, group)
         fan = aa.name
         gate = self.gate
-        with gate:
+        gate.acquire()  # one pass per directory: a pass through the gate may be a thread switch
+        try:
             entries = self._scandir(aa, inv)
-        for at in range(0, len(entries), GATE_BATCH):
-            if self.stop.is_set():
-                break
-            done = 0
-            gate.acquire()  # a batch per pass: each pass through the gate may be a thread switch
-            try:
+            for at in range(0, len(entries), GATE_BATCH):
+                if self.stop.is_set():
+                    break
+                done = 0
                 for e in entries[at:at + GATE_BATCH]:
                     if not _skipped(e.name):
                         self._entry_guarded(e, inv, nsd, g, r, orphan, group, fan)
                         done += 1
-            finally:
-                gate.release(done)
+                gate.progress(done)
+        finally:
+            gate.release(0)
         if self.progress and self._seen.count:  # once per directory: the lock is not taken per page
             self.progress.advance(files=self._seen.count, nbytes=self._seen.nbytes)
             self._seen.count = self._seen.nbytes = 0
