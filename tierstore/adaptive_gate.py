@@ -15,7 +15,7 @@ Contract:
   directory and reports every 32 entries). A lower limit takes effect as holders leave.
 - With ``adaptive=True`` the limit moves between 1 and ``most`` by hill climbing on the rate
   of units done: after each window (at least ``window_s`` and ``max(8, 2 x limit)`` reports) it
-  doubles or halves in the current direction (at 1 it turns upwards; at ``most`` it stays).
+  doubles or halves in the current direction (at 1 or ``most`` it stays).
   A window more than 5% slower than the one before turns the direction around; one within 5%
   keeps the limit; a window in which no thread had to wait says nothing about the limit (a
   walk's tail, with fewer directories left than the limit) and is skipped. It starts at
@@ -118,10 +118,8 @@ class AdaptiveGate:
         self._step()
 
     def _step(self) -> None:
-        if self._growing and self.limit == self.most:
-            return  # at the top and still gaining: stay
-        if not self._growing and self.limit == 1:
-            self._growing = True  # at the bottom: probe upwards
+        if (self.limit == self.most) if self._growing else (self.limit == 1):
+            return  # at an end and no worse for it: stay (a worse window turns it around)
         new = min(self.most, self.limit * 2) if self._growing else max(1, self.limit // 2)
         if new != self.limit:
             self.limit = new
