@@ -45,8 +45,8 @@ def _add_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("root", metavar="ROOT", help="the cache directory (a tier root)")
     p.add_argument("--namespace", metavar="N", help="only this namespace (its digest or a unique prefix)")
     p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
-                   help="threads listing and reading files (default: fsck 64 reads in flight, stats/ls 8; "
-                        "on NFS more threads hide latency)")
+                   help="threads listing and reading files (default: fsck up to 64, as many at once as pay "
+                        "off, measured as it goes; stats/ls 8; on NFS more threads hide latency)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON report on stdout")
 
 
