@@ -207,7 +207,7 @@ def test_fingerprints_of_offload_keys_leave_the_suffix_out(compiled: bool, monke
     rng = random.Random(3)
     keys = [rng.randbytes(32) + b"\x00\x00\x00\x01" for _ in range(500)]
     assert page_index.fingerprints(keys, 4).tolist() == [fingerprint(k[:32]) for k in keys]
-    assert compiled_calls == [1]  # asked once; answered only when compiled
+    assert compiled_calls == ([1] if compiled else [])  # one compiled call, or none at all
     mixed = keys[:10] + [rng.randbytes(20) + b"\x00\x00\x00\x02"]
     assert page_index.fingerprints(mixed, 4).tolist() == [fingerprint(k[:-4]) for k in mixed]
     assert page_index.fingerprints(keys[:3]).tolist() == [fingerprint(k) for k in keys[:3]]

@@ -110,12 +110,6 @@ PID_LIMIT = 1 << 22
 class _OpenGate:
     """The gate of a walk without an ``AdaptiveGate``: every thread at once."""
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
     def acquire(self) -> None:
         return None
 

@@ -225,8 +225,9 @@ class TierStoreManager(OffloadingManager):
         return len(keys)
 
     def _known_prefix(self, keys: Sequence[OffloadKey]) -> int:
-        """How many leading ``keys`` (none answered yet from ``_hits``) are index hits that
-        ``_lookup_index`` would answer HIT; records them as it would."""
+        """How many leading ``keys`` are index hits that ``_lookup_index`` would answer HIT;
+        records them as it would (a key that is also in ``_hits`` counts as an index lookup
+        rather than a cached one: ``counters`` only report the sums, which match)."""
         if self._probing and not self.pages.results.empty():
             self._apply_results()
         removals = self.pages.removals
