@@ -61,6 +61,19 @@ _ready = threading.Event()
 _failure: str | None = None
 
 
+# Longest a fork waits for a compile in progress (a fork from inside an import could
+# otherwise wait forever on the compile thread's own imports).
+FORK_WAITS_FOR_COMPILE_S = 60.0
+
+
+def _finish_compile_before_fork() -> None:
+    # A child forked while the compile thread is inside LLVM inherits LLVM's half-updated
+    # state, and its own compile can then abort the child ("List invariant broken", seen in
+    # tests/test_crash_safety.py): let a compile in progress finish first (1-3 s, at most once).
+    if _started and not _ready.is_set():
+        _ready.wait(FORK_WAITS_FOR_COMPILE_S)
+
+
 def _forget_in_child() -> None:
     # A fork while the compile thread ran: that thread is not in the child; compile again there.
     global _started, _ready
@@ -68,7 +81,7 @@ def _forget_in_child() -> None:
         _started, _ready = False, threading.Event()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=_finish_compile_before_fork, after_in_child=_forget_in_child)
 
 
 def enabled_by_env() -> bool:
