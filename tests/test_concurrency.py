@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
     import json, os, random, sys, time
     sys.path.insert(0, {tests!r})
     from test_crash_safety import crash_namespace, pattern
+    from tierstore import native
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.testing.pages import page_key
@@ -86,6 +87,9 @@ SCRIPT = textwrap.dedent(
         return counts
 
     IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=1), staging_slots=1).close()
+    # A fork waits for a native compile in progress (native.py): finish it before the clock
+    # starts, or the writers can wake after their window has passed (seen in CI: 0 submitted).
+    native.start(wait=True)
     start = time.monotonic() + 0.5
     pids = {{}}
     for role in ("writer_a", "writer_b", "reader"):

@@ -48,6 +48,7 @@ WRITER = textwrap.dedent(
     import json, os, random, signal, sys, time
     sys.path.insert(0, {tests!r})
     from test_crash_safety import GROUPS, crash_namespace, pattern
+    from tierstore import native
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.testing.pages import page_key
@@ -57,6 +58,7 @@ WRITER = textwrap.dedent(
     rng = random.Random(seed)
     # Warm up everything the children use once here (forked children inherit it).
     IOEngine(root, ns, GROUPS[0], config=TierStoreConfig(root=root, io_threads=1), staging_slots=1).close()
+    native.start(wait=True)  # the compile too: forks then neither wait for it nor race it
 
     def child(k):
         cfg = TierStoreConfig(root=root, io_threads=2)
