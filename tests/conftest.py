@@ -35,3 +35,21 @@ def _cuda_errors_stay_with_their_test():  # noqa: ANN202 - generator fixture
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+@pytest.fixture(params=["python", "native"])
+def fsck_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on each of fsck's page paths: the per-page Python verifier, and the batched
+    native one (fsck_batch) that engine-written pages take once it is compiled. Each must
+    report exactly the same."""
+    from tierstore import native
+    from tierstore.fsck_batch import NativeBatch
+
+    if request.param == "native":
+        native.start(wait=True)
+        if not NativeBatch.ready():
+            pytest.skip(f"the native path is not available here: {native.failure() or 'not x86-64 Linux'}")
+    else:
+        monkeypatch.setattr(NativeBatch, "ready", staticmethod(lambda: False))
+    return request.param
+

@@ -115,3 +115,11 @@ def swap_for_link(d: Path, target: Path, aside: str = "moved") -> Path:
     os.rename(d, moved)
     d.symlink_to(target)
     return moved
+
+
+def fsck_per_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep fsck on its per-page path, for a test that instruments its per-page steps
+    (``open_page``, ``PageVerifier._verify_fd``) which the batched native path does not take."""
+    from tierstore.fsck_batch import NativeBatch
+
+    monkeypatch.setattr(NativeBatch, "ready", staticmethod(lambda: False))

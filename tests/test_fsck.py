@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hostile_helpers import fsck_per_page
 
 from tierstore.cli import main
 from tierstore.errors import (
@@ -60,7 +61,7 @@ def _problems(report: dict) -> dict[str, tuple[str, str]]:
     return {p["path"]: (p["category"], p["kind"]) for p in report["problems"]}
 
 
-def test_clean_tree(root: Path, filled: list[StoredPage]) -> None:
+def test_clean_tree(root: Path, filled: list[StoredPage], fsck_path: str) -> None:
     rc, rep = fsck(root)
     assert rc == 0, rep["problems"]
     assert rep["counts"]["pages_ok"] == len(filled)
@@ -177,7 +178,7 @@ DAMAGE: dict[str, Callable[[list[StoredPage], Path], list[tuple[StoredPage, type
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damage_is_detected_on_read_and_by_fsck_and_repaired(
-    root: Path, hybrid_ns: Namespace, filled: list[StoredPage], damage: str
+    root: Path, hybrid_ns: Namespace, filled: list[StoredPage], damage: str, fsck_path: str
 ) -> None:
     damaged = DAMAGE[damage](filled, root)
     damaged_paths = {str(p.path) for p, _, _ in damaged}
@@ -215,7 +216,7 @@ def test_quarantine_bad_keeps_bad_pages_for_inspection(root: Path, filled: list[
     assert fsck(root)[0] == 0  # the quarantine is not walked
 
 
-def test_misplaced_page(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
+def test_misplaced_page(root: Path, hybrid_ns: Namespace, filled: list[StoredPage], fsck_path: str) -> None:
     p = filled[0]
     wrong = p.path.parent.parent / f"{(int(fanout(p.key), 16) + 1) % 256:02x}"
     wrong.mkdir(exist_ok=True)
@@ -271,7 +272,7 @@ def test_temp_files(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) 
     assert fsck(root)[0] == 0
 
 
-def test_orphans(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
+def test_orphans(root: Path, hybrid_ns: Namespace, filled: list[StoredPage], fsck_path: str) -> None:
     # Group 5 does not exist in the manifest; rank 1 is outside a tp=1 layout.
     bad_group = FileMapper(root, hybrid_ns.digest, 5).path_for(page_key(1))
     bad_group.parent.mkdir(parents=True)
@@ -383,7 +384,7 @@ def test_namespace_of_another_format_is_reported_and_left_alone(root: Path, hybr
 
 # -- symlink safety ---------------------------------------------------------------------------
 
-def test_symlinks_are_never_followed(tmp_path: Path, root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
+def test_symlinks_are_never_followed(tmp_path: Path, root: Path, hybrid_ns: Namespace, filled: list[StoredPage], fsck_path: str) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     victim_file = outside / "precious.kvp"
@@ -642,6 +643,7 @@ def test_io_errors_are_reported_but_never_repaired_by_deletion(root: Path, fille
         return real(name, *args, **kw)
 
     monkeypatch.setattr(fsck_mod, "open_page", flaky)
+    fsck_per_page(monkeypatch)
     rc, rep = fsck(root, "--repair")
     assert rc == 4 and _problems(rep) == {target: ("unreadable", "io")}
     assert filled[0].path.exists()
@@ -661,7 +663,7 @@ def _golden_gdn_tree(root: Path) -> tuple[Path, object]:
     return path, gp
 
 
-def test_non_zero_gap_bytes_make_a_bad_page(root: Path) -> None:
+def test_non_zero_gap_bytes_make_a_bad_page(root: Path, fsck_path: str) -> None:
     path, gp = _golden_gdn_tree(root)
     assert fsck(root)[0] == 0 and fsck(root, "--deep")[0] == 0
     data = bytearray(path.read_bytes())
@@ -774,6 +776,7 @@ def test_fsck_gates_its_threads_by_what_pays_off(root: Path, monkeypatch: pytest
         return real(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PageVerifier, "_verify_fd", slow)
+    fsck_per_page(monkeypatch)
     rep = run_fsck(FsckOptions(root, progress=False))
     assert rep.pages_ok == 4000 and not rep.problems
     assert rep.reads["adaptive"] and rep.reads["threads"] == 64
@@ -782,6 +785,7 @@ def test_fsck_gates_its_threads_by_what_pays_off(root: Path, monkeypatch: pytest
     slow_root = run_fsck(FsckOptions(root, progress=False))
     assert slow_root.reads["limit_final"] == 64 and slow_root.reads["max_in_flight"] >= 48
     monkeypatch.undo()
+    fsck_per_page(monkeypatch)
     assert fsck_module.root_latency_s(root) < fsck_module.SLOW_ROOT_S  # this disk starts low
     fixed = run_fsck(FsckOptions(root, jobs=3, progress=False))
     assert fixed.pages_ok == 4000

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hostile_helpers import snapshot, swap_for_link, traced_peak, within
+from hostile_helpers import fsck_per_page, snapshot, swap_for_link, traced_peak, within
 
 from tierstore import fsck as fsck_mod
 from tierstore import fsck_read, pagefile
@@ -113,12 +113,13 @@ def test_page_swapped_for_a_fifo_after_the_listing_does_not_hang(root: Path, mon
         return real(name, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fsck_read, "open_page", swap_then_open)
+    fsck_per_page(monkeypatch)
     rep = fsck(root)
     assert kinds(rep) == {victim: ("foreign", "unsafe")} and rep.pages_ok == len(paths) - 1
 
 
 def test_fanout_dir_swapped_for_a_symlink_during_the_scan(root: Path, sentinel: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch, fsck_path: str) -> None:
     paths = fill(root)
     fan = paths[0].parent
     inside = [p for p in paths if p.parent == fan]
@@ -230,6 +231,7 @@ def test_an_unexpected_exception_on_one_page_is_a_finding(root: Path, monkeypatc
         return real(self, ref, fd, st)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fsck_read.PageVerifier, "_verify_fd", boom)
+    fsck_per_page(monkeypatch)
     rep = fsck(root)
     assert kinds(rep) == {str(paths[0]): ("unreadable", "error")} and rep.pages_ok == len(paths) - 1
 

@@ -506,7 +506,8 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     report.stats = stats_from_inventory(inv)
     report.reads = {"threads": jobs, "max_in_flight": verifier.max_reads_in_flight,
                     "peak_buffer_bytes": verifier.pool.peak, "adaptive": gate.adaptive,
-                    "limit_final": gate.limit, "limit_max": max(gate.limits_seen)}
+                    "limit_final": gate.limit, "limit_max": max(gate.limits_seen),
+                    "native_pages": verifier.native_pages}
     if options.repair and report.problems and not inv.namespaces and any(p.category == FOREIGN for p in report.problems):
         # `tierstore fsck --repair /home` must not move a home directory into a quarantine.
         report.error = (f"{inv.root} holds no tierstore namespace, only other files; refusing to repair. "

@@ -21,6 +21,11 @@ Contract:
   recorded in ``mode_findings`` (the page itself still counts as verified).
 - ``reads_in_flight`` / ``max_reads_in_flight``: files open for reading now / at most so far
   (the walk's ``jobs`` threads each read one page at a time).
+- Two paths, one verdict: ``visit_batch`` takes a fan-out directory's page names 32 at a time
+  to ``fsck_batch`` (the engine's own pages, checked in one GIL-free call, same flags and
+  checks as here) once the native kernels are compiled (started after COMPILE_AFTER_PAGES
+  pages of a large root); every page it does not find good comes back to ``__call__``, which
+  reads it again and names the problem. ``native_pages`` counts the batch's pages.
 
 Threading: the verifier is called from the walk's pool threads; each thread keeps its current
 fan-out directory fd (closed by ``close``); the pool and counters are locked.
@@ -33,7 +38,7 @@ import stat
 import threading
 from dataclasses import dataclass, field
 
-from tierstore import safefs
+from tierstore import native, native_page, safefs
 from tierstore.errors import PageError, PageIOError, PageMissing, PageUnsafe
 from tierstore.format import (
     HEADER_ALIGN,
@@ -52,6 +57,7 @@ from tierstore.format import (
     header_len_of,
     max_file_size,
 )
+from tierstore.fsck_batch import NativeBatch
 from tierstore.identity import GroupSpec
 from tierstore.inventory import (
     BAD_PAGE,
@@ -62,6 +68,7 @@ from tierstore.inventory import (
     PageRef,
     PageVerdict,
 )
+from tierstore.mapper import parse_slice_dir
 from tierstore.pagefile import open_page, read_error, read_page_fd, readinto_exact
 
 MODE = "mode"  # finding category: a page readable or writable by more users than configured
@@ -69,6 +76,13 @@ MODE_PRIVATE, MODE_GROUP_SHARED = "private", "group_shared"  # its kinds: the mo
 DEFAULT_BUDGET_BYTES = 1 << 30  # page buffers of all fsck threads together
 MAX_UNMANIFESTED_PAGE_BYTES = 4 << 30  # a page with no usable manifest declaring more is not read
 _TOKEN_OFF = PREAMBLE_OFFSETS["token_count"]
+# Pages verified on the Python path before the batched fast path is compiled. The compile
+# (numba, once per process) takes ~4 s on 2 cores and holds the GIL much of that time, so
+# the walk slows meanwhile: started after 20k pages, a cached 10^5-page root took 7.3-7.8 s
+# instead of 3.5 s (2 cores). The batch then runs 2.2-3.6x the Python path's pages/s, which
+# repays the compile from a few 10^5 pages on. A process that compiled already (an engine, a
+# bench) uses it at once. docs/measurements/fsck.md, "Session 6".
+COMPILE_AFTER_PAGES = 200_000
 
 
 class BufferPool:
@@ -155,10 +169,13 @@ class PageVerifier:
         self.mode_findings: list[Finding] = []
         self.reads_in_flight = 0
         self.max_reads_in_flight = 0
+        self.native_pages = 0  # pages found good by the batched fast path (fsck_batch)
+        self._python_pages = 0
         self._root_fd = safefs.open_root(self.root)
         self._local = threading.local()
         self._dirs: list[_ThreadDir] = []
         self._templates = _Templates()
+        self._batch = NativeBatch(self.pool)
         self._ns_group_bits: dict[str, bool] = {}
         self._lock = threading.Lock()
 
@@ -174,6 +191,9 @@ class PageVerifier:
 
     # ------------------------------------------------------------------ the visitor
     def __call__(self, ref: PageRef) -> PageVerdict:
+        self._python_pages += 1  # unlocked: a lost count only moves the compile a little
+        if self._python_pages == COMPILE_AFTER_PAGES:
+            native.start()  # a large root: the batched fast path pays for its compile (fsck_batch)
         try:
             return self._verify(ref)
         except PageMissing:
@@ -194,6 +214,57 @@ class PageVerifier:
             return PageVerdict(problem=Finding(ref.path, UNREADABLE, "error",
                                                f"verifying failed: {type(exc).__name__}: {exc}", size=ref.size))
 
+    def visit_batch(self, nsd: NamespaceDir, group_index: int, rank: int, group: GroupSpec, directory: str,
+                    pages: list[tuple[str, bytes]]) -> list[tuple[PageRef, PageVerdict] | None]:
+        """Verify pages of one fan-out directory (``(name, key)``, each at its proper place) on
+        the native fast path (``fsck_batch``): per page its ref and verdict, or None where the
+        walk must take the per-page path (``__call__``): a page the fast path did not find
+        good, or every page when it is not available (deep checks, no usable manifest, the
+        kernels not compiled)."""
+        ns_bytes = nsd.digest_bytes
+        skip: list[tuple[PageRef, PageVerdict] | None] = [None] * len(pages)
+        if self.deep or ns_bytes is None or not pages or not self._batch.ready():
+            return skip
+        key_len, name_len = len(pages[0][1]), len(pages[0][0])
+        if any(len(k) != key_len or len(n) != name_len for n, k in pages):
+            return skip  # not the engine's names (it writes one key length per namespace)
+        try:
+            parts, _ = self._split(os.path.join(directory, pages[0][0]))
+            dir_fd = self._dir_fd(parts)
+        except OSError:
+            return skip  # the per-page path reports the directory
+        heads = parse_slice_dir(os.path.basename(os.path.dirname(directory)))
+        tmpl = self._template_for(nsd, group_index, rank, group, key_len, ns_bytes, heads)
+        self._reading(+1)
+        try:
+            got = self._batch.verify(dir_fd, tmpl, group.layout, [n for n, _ in pages], [k for _, k in pages])
+        finally:
+            self._reading(-1)
+        if got is None:
+            return skip
+        codes, stats = got
+        out, good = skip, 0
+        for i, (name, key) in enumerate(pages):
+            if codes[i] != 0:
+                continue
+            st = stats[i]
+            size = int(st[native_page.ST_SIZE])
+            mtime_ns = int(st[native_page.ST_MTIME]) * 1_000_000_000 + int(st[native_page.ST_MTIME_NS])
+            ctime_ns = int(st[native_page.ST_CTIME]) * 1_000_000_000 + int(st[native_page.ST_CTIME_NS])
+            ref = PageRef(os.path.join(directory, name), nsd, group_index, rank, key, size, mtime_ns / 1e9,
+                          (int(st[native_page.ST_DEV]), int(st[native_page.ST_INO]), size, mtime_ns, ctime_ns), group)
+            self._check_mode(ref, int(st[native_page.ST_MODE]) & 0xFFFFFFFF)
+            out[i] = (ref, PageVerdict(token_count=int(st[native_page.VERIFY_TOKENS])))
+            good += 1
+        with self._lock:
+            self.native_pages += good
+        return out
+
+    def _reading(self, delta: int) -> None:
+        with self._lock:
+            self.reads_in_flight += delta
+            self.max_reads_in_flight = max(self.max_reads_in_flight, self.reads_in_flight)
+
     @staticmethod
     def _finding(ref: PageRef, category: str, kind: str, message: str) -> Finding:
         return Finding(ref.path, category, kind, message, size=ref.size, mtime=ref.mtime, fingerprint=ref.fingerprint)
@@ -202,19 +273,16 @@ class PageVerifier:
         parts, name = self._split(ref.path)
         dir_fd = self._dir_fd(parts)
         fd, st = open_page(name, ref.key, dir_fd=dir_fd, where=ref.path)
-        with self._lock:
-            self.reads_in_flight += 1
-            self.max_reads_in_flight = max(self.max_reads_in_flight, self.reads_in_flight)
+        self._reading(+1)
         try:
-            self._check_mode(ref, st)
+            self._check_mode(ref, st.st_mode)
             try:
                 return self._verify_fd(ref, fd, st)
             except OSError as exc:
                 raise read_error(exc, "read", ref.path, ref.key) from exc
         finally:
             os.close(fd)
-            with self._lock:
-                self.reads_in_flight -= 1
+            self._reading(-1)
 
     def _split(self, path: str) -> tuple[tuple[str, ...], str]:
         directory, _, name = path.rpartition(os.sep)
@@ -247,12 +315,12 @@ class PageVerifier:
             raise d.error
         return d.fd
 
-    def _check_mode(self, ref: PageRef, st: os.stat_result) -> None:
+    def _check_mode(self, ref: PageRef, st_mode: int) -> None:
         shared = self._group_access(ref.ns)
         allowed = (safefs.GROUP_SHARED if shared else safefs.PRIVATE).file_mode
-        extra = stat.S_IMODE(st.st_mode) & 0o077 & ~allowed
+        extra = stat.S_IMODE(st_mode) & 0o077 & ~allowed
         if extra:
-            f = self._finding(ref, MODE, MODE_GROUP_SHARED if shared else MODE_PRIVATE, f"mode {stat.S_IMODE(st.st_mode):04o}: group/other bits {extra:03o} "
+            f = self._finding(ref, MODE, MODE_GROUP_SHARED if shared else MODE_PRIVATE, f"mode {stat.S_IMODE(st_mode):04o}: group/other bits {extra:03o} "
                                                  f"beyond the configured {allowed:04o} (others can read the KV cache)")
             with self._lock:
                 self.mode_findings.append(f)
@@ -300,17 +368,21 @@ class PageVerifier:
         if (memo is not None and memo[0] is ref.group and memo[1] == ref.ns.name and memo[2] == ref.rank
                 and memo[3] == len(ref.key)):
             return memo[4]
-        tmpl = self._template_of(ref, ns_bytes)
+        assert ref.group is not None
+        heads = parse_slice_dir(ref.path.split(os.sep)[-3])
+        tmpl = self._template_for(ref.ns, ref.group_index, ref.rank, ref.group, len(ref.key), ns_bytes, heads)
         self._local.tmpl = (ref.group, ref.ns.name, ref.rank, len(ref.key), tmpl)
         return tmpl
 
-    def _template_of(self, ref: PageRef, ns_bytes: bytes) -> HeaderTemplate:
-        k = (ref.ns.name, ref.group_index, ref.rank, len(ref.key), ref.group.layout if ref.group else None)
+    def _template_for(self, nsd: NamespaceDir, group_index: int, rank: int, group: GroupSpec, key_len: int,
+                      ns_bytes: bytes, heads: tuple[int, int] | None) -> HeaderTemplate:
+        """The exact header the engine writes for these pages (``heads``: the (start, count) of a
+        head-slice directory's pages, which their headers carry)."""
+        k = (nsd.name, group_index, rank, key_len, group.layout, heads)
         tmpl = self._templates.by_key.get(k)
         if tmpl is None:
-            assert ref.group is not None
-            proto = PageMeta(ns_bytes, b"\0" * len(ref.key), ref.group_index, ref.group.kind, 0, ref.rank)
-            tmpl = HeaderTemplate(proto, ref.group.layout)
+            proto = PageMeta(ns_bytes, b"\0" * key_len, group_index, group.kind, 0, rank, *(heads or (0, 0)))
+            tmpl = HeaderTemplate(proto, group.layout)
             with self._templates.lock:
                 self._templates.by_key[k] = tmpl
         return tmpl

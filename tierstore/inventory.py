@@ -225,6 +225,11 @@ class PageVerdict:
 
 
 PageVisitor = Callable[[PageRef], PageVerdict]
+# A visitor's optional ``visit_batch(nsd, group_index, rank, group, directory, [(name, key)])``:
+# pages of one fan-out directory at once, each answered with (ref, verdict) or None for the
+# per-page path (fsck_read.PageVerifier.visit_batch).
+BatchVisitor = Callable[[NamespaceDir, int, int, GroupSpec, str, list[tuple[str, bytes]]],
+                        list[tuple[PageRef, PageVerdict] | None]]
 
 
 @dataclass
@@ -670,6 +675,7 @@ class _Walker:
         if self.listing and not orphan:
             return self._fan_dir_listed(inv, nsd, aa, g, r, group)
         fan = aa.name
+        batch = getattr(self.visitor, "visit_batch", None) if group is not None and not orphan else None
         gate = self.gate
         gate.acquire()  # one pass per directory: a pass through the gate may be a thread switch
         try:
@@ -677,12 +683,11 @@ class _Walker:
             for at in range(0, len(entries), GATE_BATCH):
                 if self.stop.is_set():
                     break
-                done = 0
-                for e in entries[at:at + GATE_BATCH]:
-                    if not _skipped(e.name):
-                        self._entry_guarded(e, inv, nsd, g, r, orphan, group, fan)
-                        done += 1
-                gate.progress(done)
+                chunk = [e for e in entries[at:at + GATE_BATCH] if not _skipped(e.name)]
+                rest = chunk if batch is None else self._visit_batch(batch, chunk, inv, nsd, g, r, group, str(aa))
+                for e in rest:
+                    self._entry_guarded(e, inv, nsd, g, r, orphan, group, fan)
+                gate.progress(len(chunk))
         finally:
             gate.release(0)
         if self.progress and self._seen.count:  # once per directory: the lock is not taken per page
@@ -709,6 +714,37 @@ class _Walker:
             return
         if ref is not None:
             self._visit(ref, inv)  # a visitor's own failure is a bug: it stops the walk
+
+    def _visit_batch(self, batch: BatchVisitor, chunk: list[os.DirEntry[str]], inv: Inventory, nsd: NamespaceDir,
+                     g: int, r: int, group: GroupSpec, directory: str) -> list[os.DirEntry[str]]:
+        """Hand the chunk's page names at their proper place to the visitor's batch (no stat
+        here: the batch's own open and fstat tell size and identity); the entries it leaves
+        (and every other entry) go back for the per-entry path."""
+        fan = os.path.basename(directory)
+        pages: list[tuple[os.DirEntry[str], bytes]] = []
+        rest: list[os.DirEntry[str]] = []
+        for e in chunk:
+            name = e.name
+            key = parse_page_name(name) if name.endswith(PAGE_SUFFIX) else None
+            if key is not None and fanout(key) == fan and e.is_file(follow_symlinks=False):
+                pages.append((e, key))
+            else:
+                rest.append(e)
+        if not pages:
+            return rest
+        results = batch(nsd, g, r, group, directory, [(e.name, key) for e, key in pages])
+        seen = self._seen if self.progress else None
+        for (e, _), got in zip(pages, results, strict=True):
+            if got is None:
+                rest.append(e)
+                continue
+            ref, verdict = got
+            inv.pages_seen += 1
+            if seen is not None:
+                seen.count += 1
+                seen.nbytes += ref.size
+            self._record(ref, verdict, inv)
+        return rest
 
     def _fan_dir_listed(self, inv: Inventory, nsd: NamespaceDir, aa: Path, g: int, r: int,
                         group: GroupSpec | None) -> Inventory:
@@ -789,7 +825,9 @@ class _Walker:
         return PageRef(e.path, nsd, g, r, key, st.st_size, st.st_mtime, fp, group)
 
     def _visit(self, ref: PageRef, inv: Inventory) -> None:
-        verdict = self.visitor(ref) if self.visitor else PageVerdict()
+        self._record(ref, self.visitor(ref) if self.visitor else PageVerdict(), inv)
+
+    def _record(self, ref: PageRef, verdict: PageVerdict, inv: Inventory) -> None:
         if verdict.vanished:
             inv.vanished += 1
             return

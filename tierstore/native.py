@@ -10,7 +10,9 @@ loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use
 - ``native_page.load_page`` / ``store_page`` (compiled here, with the others): a warm load or a
   store of one page file, header checks and header fill included, in one call each;
 - ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file;
-- ``record_sums``: xxh3 of many equal-length records at once (the scheduler's key fingerprints).
+- ``record_sums``: xxh3 of many equal-length records at once (the scheduler's key fingerprints);
+- ``native_page.verify_pages``: fsck's batch, up to 32 pages of one directory verified per call
+  (``fsck_batch``).
 
 Contract: every function returns None whenever the native path is not ready (numba missing,
 not compiled yet, ``TIERSTORE_NATIVE=0``, a probe mismatch; the open/stat ones also off
@@ -246,7 +248,8 @@ def _build() -> Any:
     fcntl.restype, fcntl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc_fns = {"openat": openat, "close": close, "fstat": fstat, "fstatat": fstatat, "syscall": syscall,
                 "fcntl": fcntl, "pread": pread}
-    load_page, store_page = native_page.build(numba, xxh3, libc_fns, hash_spans, read_pieces, write_file)
+    load_page, store_page, verify_pages = native_page.build(numba, xxh3, libc_fns, hash_spans, read_pieces,
+                                                            write_file)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
@@ -259,7 +262,7 @@ def _build() -> Any:
     want_strided = [xxhash.xxh3_64_intdigest(probe[i * 36:i * 36 + 32].tobytes()) for i in range(3)]
     if [int(v) for v in out] != want or [int(v) for v in strided] != want_strided:
         raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
-    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided)
+    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided, verify_pages)
 
 
 @lru_cache(maxsize=256)
@@ -326,9 +329,9 @@ def numpy() -> Any:
     return _kernels[2]
 
 
-def page_kernels() -> tuple[Any, Any] | None:
-    """The compiled (load_page, store_page) of ``native_page``, or None when the native path is
-    not ready or off x86-64 Linux (they read ``struct stat`` by offset)."""
+def page_kernels() -> tuple[Any, Any, Any] | None:
+    """The compiled (load_page, store_page, verify_pages) of ``native_page``, or None when the
+    native path is not ready or off x86-64 Linux (they read ``struct stat`` by offset)."""
     if _kernels is None or not _STAT_LAYOUT_KNOWN:
         return None
-    return _kernels[3], _kernels[4]
+    return _kernels[3], _kernels[4], _kernels[6]

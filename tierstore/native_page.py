@@ -12,6 +12,9 @@ this module holds what is specific to one page file:
   byte for byte against the template (``HeaderTemplate.parse``'s rules: header checksum, key,
   every constant byte), extract the header's section sums, compare them with the computed
   ones and check the alignment gaps are zero;
+- ``verify_pages``: ``load_page`` for each of a batch of files of one directory into one
+  buffer, with each good page's ``struct stat`` and token count kept (fsck's fast path,
+  ``fsck_batch``);
 - ``store_page``: if the final name exists, nothing else (names are content addresses);
   otherwise zero the gaps, hash the sections (or take the caller's sums), write the header
   (``HeaderTemplate.fill``'s bytes) right before the page, create the temp (O_EXCL), write, cut
@@ -47,6 +50,9 @@ from tierstore.format import HeaderTemplate, PageLayout
 # load_page's outcomes besides native.LOAD_* and "read this many bytes".
 LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP = -6, -7, -8
 _BAD_SECTION = 25  # scratch slot holding the first section whose checksum differs
+VERIFY_TOKENS = 27  # verify_pages: scratch slot holding a good page's token count
+# Scratch slots of ``struct stat`` (x86-64 Linux) that verify_pages' callers read.
+ST_DEV, ST_INO, ST_NLINK, ST_MODE, ST_SIZE, ST_MTIME, ST_MTIME_NS, ST_CTIME, ST_CTIME_NS = 0, 1, 2, 3, 6, 11, 12, 13, 14
 
 
 class PageShape:
@@ -139,8 +145,37 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
                           np.empty(32, dtype=np.int64)))
 
 
-def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, write_file: Any) -> tuple[Any, Any]:
-    """Compile ``load_page`` and ``store_page`` (called by ``native._build``). ``libc``: the
+def verify_pages(shape: PageShape, dir_fd: int, file_names: Sequence[str], keys: Sequence[bytes],
+                 flags: tuple[int, int], frame: Any) -> tuple[Any, Any] | None:
+    """Open, read and check each page ``file_names[i]`` (key ``keys[i]``, all of one length) in
+    the directory ``dir_fd`` against ``shape`` (``load_page``'s checks, ``hashed`` shape), one
+    after another through ``frame`` (at least ``shape.size`` bytes): one GIL release for all.
+
+    Returns (codes, stats) or None when the native path is not ready: ``codes[i]`` 0 when the
+    page is good (then ``stats[i]`` holds its ``struct stat`` at the ST_* slots and its token
+    count at VERIFY_TOKENS), else a negative load_page code (the caller redoes that page on
+    its Python path, which names what is wrong)."""
+    kernels = native.page_kernels()
+    if kernels is None or not file_names:
+        return None
+    np = native.numpy()
+    n = len(file_names)
+    rows = b"".join(b".\0" + name.encode() + b"\0" + key for name, key in zip(file_names, keys, strict=True))
+    names = np.frombuffer(rows, dtype=np.uint8).reshape(n, len(rows) // n)
+    file_at = 2
+    key_at = file_at + len(file_names[0]) + 1
+    codes = np.empty(n, dtype=np.int64)
+    stats = np.zeros((n, 32), dtype=np.int64)
+    kernels[2](dir_fd, names, file_at, key_at, flags[0], flags[1], shape.size, frame, shape.plan, shape.load_spans,
+               shape.gaps, shape.blank, shape.const_ranges, shape.sum_offsets, shape.key_off, shape.sum_off,
+               shape.token_off, np.empty(shape.load_spans.shape[0], dtype=np.uint64),
+               np.empty(shape.sections, dtype=np.uint64), stats, codes)
+    return codes, stats
+
+
+def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, write_file: Any,
+          ) -> tuple[Any, Any, Any]:
+    """Compile ``load_page``, ``store_page`` and ``verify_pages`` (called by ``native._build``). ``libc``: the
     ctypes bindings (openat, close, fstat, fstatat, syscall, fcntl, pread); ``hash_spans`` /
     ``read_pieces`` / ``write_file``: ``native``'s compiled hashing, read and publish steps."""
     t = numba.types
@@ -159,6 +194,7 @@ def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, w
         native.LOAD_OPEN_FAILED, native.LOAD_NOT_PLAIN, native.LOAD_COLD, native.LOAD_READ_FAILED)
     store_exists, store_no_dir = native.STORE_EXISTS, native.STORE_NO_DIR
     bad_header, bad_sum, bad_gap, bad_section = LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP, _BAD_SECTION
+    verify_tokens = VERIFY_TOKENS
 
     @numba.njit(inline="always")
     def get_u64(a: Any, at: int) -> Any:  # little-endian, as format.py's structs
@@ -286,4 +322,33 @@ def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, w
         close(d)
         return code
 
-    return load_page, store_page
+    pages_t = t.Array(u8, 2, "C", readonly=True)
+    stats_t = t.Array(i64, 2, "C")
+    codes_t = t.Array(i64, 1, "C")
+
+    @numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, frame_t, rows, rows, rows, bytes_ro, rows, vec, i64, i64,
+                    i64, sums_t, sums_t, stats_t, codes_t), nogil=True, cache=False)
+    def verify_pages(dir_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
+                     frame: Any, pieces: Any, spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any,
+                     key_off: int, sum_off: int, token_off: int, out: Any, header_sums: Any, stats: Any,
+                     codes: Any) -> int:
+        # One load_page per row of ``names`` into the same frame; a good page's token count
+        # goes to stats[i, VERIFY_TOKENS] (the frame is overwritten by the next page).
+        good = 0
+        end = pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
+        for i in range(names.shape[0]):
+            got = load_page(dir_fd, names[i], file_at, key_at, dir_flags, file_flags, size, 0, 0, frame, 0, pieces,
+                            spans, gaps, blank, const_ranges, sum_offsets, key_off, sum_off, out, header_sums,
+                            stats[i])
+            if got == end:
+                v = 0
+                for b in range(4):
+                    v |= numba.int64(frame[token_off + b]) << (8 * b)
+                stats[i, verify_tokens] = v
+                codes[i] = 0
+                good += 1
+            else:
+                codes[i] = got if got < 0 else load_read_failed
+        return good
+
+    return load_page, store_page, verify_pages

@@ -67,15 +67,12 @@ from tierstore.format import (
 from tierstore.identity import Namespace
 from tierstore.mac import PageMac
 from tierstore.mapper import MAX_KEY_BYTES, FileMapper, fanout
-from tierstore.pagefile import FileIdentity
+from tierstore.pagefile import WARM_PIECE_BYTES, FileIdentity
 from tierstore.staging import StagingSlot
 
 __all__ = ["WARM_PIECE_BYTES", "PageFiles"]
 
 logger = logging.getLogger("tierstore.engine")  # the engine's log: what operators filter on
-
-# The CPU-cache-sized piece of a warm load (pagefile.read_plan; docs/DESIGN.md §5, "Load path").
-WARM_PIECE_BYTES = 1 << 20
 
 ReadPlan = list[tuple[int, int, int, int]]
 _NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, pagefile.READ_FLAGS)  # the Python path's own open flags

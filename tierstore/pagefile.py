@@ -406,6 +406,10 @@ def file_identity(st: os.stat_result) -> FileIdentity:
     return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
+# The CPU-cache-sized piece of a warm load (read_plan; docs/DESIGN.md §5, "Load path").
+WARM_PIECE_BYTES = 1 << 20
+
+
 def read_plan(layout: PageLayout, header_len: int, piece_bytes: int) -> list[tuple[int, int, int, int]]:
     """File pieces (start, end, first section, end section) of a page with an ``header_len``-byte
     header: whole sections, about ``piece_bytes`` each (the CPU cache that still holds a piece
