@@ -369,7 +369,8 @@ def pid_alive(pid: int) -> bool:
 
 
 class _Classifier:
-    """Rules that do not depend on where in the tree an entry is."""
+    """What an entry that is not a page at its proper place is: rules that do not depend on
+    where in the tree the entry is."""
 
     def __init__(self, now: float, tmp_age: float):
         self.now = now
@@ -387,6 +388,65 @@ class _Classifier:
         when the name does not say; then by age against ``--tmp-age``)."""
         return writer_gone(TempWriter(host or None, pid), mtime, grace_s=self.tmp_age, now=self.now,
                            this_host=self.host, stuck_after_s=self.tmp_age)
+
+    def other(self, entry: os.DirEntry[str], inv: Inventory, expected: str) -> None:
+        """Record what an entry that is not what its level holds is (symlink, probe, NFS
+        leftover, foreign)."""
+        st = _lstat_entry(entry, inv)
+        if st is None:
+            return
+        f = Finding(entry.path, FOREIGN, "", "", size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
+        if _stat.S_ISLNK(st.st_mode):
+            f.category, f.kind = SYMLINK, "symlink"
+            try:
+                target = os.readlink(entry.path)
+            except OSError:
+                target = "?"
+            f.message = f"symbolic link to {target!r} (never followed)"
+        elif _PROBE_RE.match(entry.name) and _stat.S_ISREG(st.st_mode):
+            stale, why = self.temp_is_stale("", 0, st.st_mtime)
+            if not stale:
+                inv.temps_active += 1
+                return
+            f.category, f.kind, f.message = STALE_TEMP, "temp", f"O_DIRECT probe file of an engine; {why}"
+        elif entry.name.startswith(_SILLY_PREFIXES):
+            stale, why = self.temp_is_stale("", 0, st.st_mtime)
+            if not stale:
+                inv.temps_active += 1
+                return
+            f.category, f.kind = NFS_LEFTOVER, "silly_rename"
+            f.message = f"NFS/FUSE silly-rename leftover of a deleted open file; {why}"
+        else:
+            f.is_dir = _stat.S_ISDIR(st.st_mode)
+            f.kind = "dir" if f.is_dir else ("file" if _stat.S_ISREG(st.st_mode) else "special")
+            f.message = f"not written by tierstore (expected {expected})"
+        inv.findings.append(f)
+
+    def temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int) -> None:
+        """Record a temp file of a writer: active, or stale once the writer is provably gone."""
+        if not self.pid_possible(pid):
+            self.other(e, inv, f"temp files named with a pid of at most {PID_LIMIT}")
+            return
+        st = _lstat_entry(e, inv)
+        if st is None:
+            return
+        stale, why = self.temp_is_stale(host, pid, st.st_mtime)
+        if stale:
+            inv.findings.append(Finding(e.path, STALE_TEMP, "temp", why, size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st)))
+        else:
+            inv.temps_active += 1
+
+
+def _scandir(path: Path, inv: Inventory) -> list[os.DirEntry[str]]:
+    """The entries of ``path`` sorted by name; [] if it is gone, a finding if unreadable."""
+    try:
+        with os.scandir(path) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        if exc.errno in GONE_ERRNOS:
+            return []
+        inv.findings.append(Finding(str(path), UNREADABLE, "io", f"cannot list directory: {exc.strerror}", is_dir=True))
+        return []
 
 
 def _lstat_entry(entry: os.DirEntry[str], inv: Inventory) -> os.stat_result | None:
@@ -520,50 +580,6 @@ class _Walker:
         self.progress = progress
         self.stop = threading.Event()
 
-    # -- helpers -------------------------------------------------------------------------
-
-    def _scandir(self, path: Path, inv: Inventory) -> list[os.DirEntry[str]]:
-        try:
-            with os.scandir(path) as it:
-                return sorted(it, key=lambda e: e.name)
-        except OSError as exc:
-            if exc.errno in GONE_ERRNOS:
-                return []
-            inv.findings.append(Finding(str(path), UNREADABLE, "io", f"cannot list directory: {exc.strerror}", is_dir=True))
-            return []
-
-    def _other(self, entry: os.DirEntry[str], inv: Inventory, expected: str) -> None:
-        """Classify an entry that is not what this level holds."""
-        st = _lstat_entry(entry, inv)
-        if st is None:
-            return
-        f = Finding(entry.path, FOREIGN, "", "", size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st))
-        if _stat.S_ISLNK(st.st_mode):
-            f.category, f.kind = SYMLINK, "symlink"
-            try:
-                target = os.readlink(entry.path)
-            except OSError:
-                target = "?"
-            f.message = f"symbolic link to {target!r} (never followed)"
-        elif _PROBE_RE.match(entry.name) and _stat.S_ISREG(st.st_mode):
-            stale, why = self.cls.temp_is_stale("", 0, st.st_mtime)
-            if not stale:
-                inv.temps_active += 1
-                return
-            f.category, f.kind, f.message = STALE_TEMP, "temp", f"O_DIRECT probe file of an engine; {why}"
-        elif entry.name.startswith(_SILLY_PREFIXES):
-            stale, why = self.cls.temp_is_stale("", 0, st.st_mtime)
-            if not stale:
-                inv.temps_active += 1
-                return
-            f.category, f.kind = NFS_LEFTOVER, "silly_rename"
-            f.message = f"NFS/FUSE silly-rename leftover of a deleted open file; {why}"
-        else:
-            f.is_dir = _stat.S_ISDIR(st.st_mode)
-            f.kind = "dir" if f.is_dir else ("file" if _stat.S_ISREG(st.st_mode) else "special")
-            f.message = f"not written by tierstore (expected {expected})"
-        inv.findings.append(f)
-
     # -- levels --------------------------------------------------------------------------
 
     def namespaces(self, inv: Inventory, only: str | None) -> list[NamespaceDir]:
@@ -575,21 +591,21 @@ class _Walker:
 
     def _namespaces(self, inv: Inventory, only: str | None, root_fd: int) -> list[NamespaceDir]:
         out = []
-        for e in self._scandir(self.root, inv):
+        for e in _scandir(self.root, inv):
             if _skipped(e.name) or e.name in SKIP_AT_ROOT:
                 continue
             if only is not None and not e.name.startswith(only):
                 continue
             if not e.is_dir(follow_symlinks=False):
                 if only is None:
-                    self._other(e, inv, "namespace directories")
+                    self.cls.other(e, inv, "namespace directories")
                 continue
             path = Path(e.path)
             mpath = path / MANIFEST_NAME
             has_manifest = _has_entry(root_fd, e.name, MANIFEST_NAME)
             if not has_manifest and not _DIGEST_RE.match(e.name):
                 if only is None:
-                    self._other(e, inv, "namespace directories")
+                    self.cls.other(e, inv, "namespace directories")
                 continue
             nsd = NamespaceDir(e.name, path, None)
             if not has_manifest:
@@ -604,26 +620,26 @@ class _Walker:
     def fan_dirs(self, nsd: NamespaceDir, inv: Inventory) -> list[tuple[Path, int, int, bool]]:
         """(aa dir, group, rank, orphan) for every fan-out directory of a namespace."""
         out = []
-        for e in self._scandir(nsd.path, inv):
+        for e in _scandir(nsd.path, inv):
             if _skipped(e.name):
                 continue
             if e.name == MANIFEST_NAME and e.is_file(follow_symlinks=False):
                 continue
             m = _MANIFEST_TEMP_RE.match(e.name)
             if m and e.is_file(follow_symlinks=False):
-                self._temp(e, inv, m.group(1), int(m.group(2)))
+                self.cls.temp(e, inv, m.group(1), int(m.group(2)))
                 continue
             g = parse_index_dir(e.name, "g")
             if g is None or not e.is_dir(follow_symlinks=False):
-                self._other(e, inv, "g<group> directories and manifest.json")
+                self.cls.other(e, inv, "g<group> directories and manifest.json")
                 continue
             group_known = nsd.namespace is None or g < len(nsd.namespace.groups)
-            for r_entry in self._scandir(Path(e.path), inv):
+            for r_entry in _scandir(Path(e.path), inv):
                 if _skipped(r_entry.name):
                     continue
                 r = parse_rank_dir(r_entry.name)
                 if r is None or not r_entry.is_dir(follow_symlinks=False):
-                    self._other(r_entry, inv, "r<rank> or h<start>-<count> directories")
+                    self.cls.other(r_entry, inv, "r<rank> or h<start>-<count> directories")
                     continue
                 heads = parse_slice_dir(r_entry.name)
                 world = nsd.world_size
@@ -632,27 +648,14 @@ class _Walker:
                 else:  # a head slice: any TP may have written it; its heads must be the group's
                     orphan = not group_known or (nsd.namespace is not None
                                                  and slice_group(nsd.namespace.groups[g], heads) is None)
-                for a_entry in self._scandir(Path(r_entry.path), inv):
+                for a_entry in _scandir(Path(r_entry.path), inv):
                     if _skipped(a_entry.name):
                         continue
                     if not is_fanout_name(a_entry.name) or not a_entry.is_dir(follow_symlinks=False):
-                        self._other(a_entry, inv, "two-hex-digit fan-out directories")
+                        self.cls.other(a_entry, inv, "two-hex-digit fan-out directories")
                         continue
                     out.append((Path(a_entry.path), g, r, orphan))
         return out
-
-    def _temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int) -> None:
-        if not self.cls.pid_possible(pid):
-            self._other(e, inv, f"temp files named with a pid of at most {PID_LIMIT}")
-            return
-        st = _lstat_entry(e, inv)
-        if st is None:
-            return
-        stale, why = self.cls.temp_is_stale(host, pid, st.st_mtime)
-        if stale:
-            inv.findings.append(Finding(e.path, STALE_TEMP, "temp", why, size=st.st_size, mtime=st.st_mtime, fingerprint=fingerprint(st)))
-        else:
-            inv.temps_active += 1
 
     def fan_dir(self, nsd: NamespaceDir, aa: Path, g: int, r: int, orphan: bool) -> Inventory:
         """Walk one ``<aa>`` directory (runs on a pool thread)."""
@@ -679,7 +682,7 @@ class _Walker:
         gate = self.gate
         gate.acquire()  # one pass per directory: a pass through the gate may be a thread switch
         try:
-            entries = self._scandir(aa, inv)
+            entries = _scandir(aa, inv)
             for at in range(0, len(entries), GATE_BATCH):
                 if self.stop.is_set():
                     break
@@ -790,16 +793,16 @@ class _Walker:
         and rank directories, so a page's place is checked by its fan-out name alone (what
         ``mapper.locate`` would re-derive from the whole path)."""
         if not e.is_file(follow_symlinks=False):
-            self._other(e, inv, "page files")
+            self.cls.other(e, inv, "page files")
             return None
         name = e.name
         key = parse_page_name(name) if name.endswith(PAGE_SUFFIX) else None  # a page is never a temp name
         if key is None:
             tmp = parse_temp_name(name)
             if tmp is not None:
-                self._temp(e, inv, tmp.host, tmp.pid)
+                self.cls.temp(e, inv, tmp.host, tmp.pid)
             else:
-                self._other(e, inv, "page files")
+                self.cls.other(e, inv, "page files")
             return None
         st = _lstat_entry(e, inv)
         if st is None:
