@@ -160,10 +160,10 @@ def verify_pages(shape: PageShape, dir_fd: int, file_names: Sequence[str], keys:
         return None
     np = native.numpy()
     n = len(file_names)
-    rows = b"".join(b".\0" + name.encode() + b"\0" + key for name, key in zip(file_names, keys, strict=True))
+    rows = b"".join(name.encode() + b"\0" + key for name, key in zip(file_names, keys, strict=True))
     names = np.frombuffer(rows, dtype=np.uint8).reshape(n, len(rows) // n)
-    file_at = 2
-    key_at = file_at + len(file_names[0]) + 1
+    file_at = 0  # each row: the file name, NUL, the key; opened relative to dir_fd itself
+    key_at = len(file_names[0]) + 1
     codes = np.empty(n, dtype=np.int64)
     stats = np.zeros((n, 32), dtype=np.int64)
     kernels[2](dir_fd, names, file_at, key_at, flags[0], flags[1], shape.size, frame, shape.plan, shape.load_spans,
@@ -216,11 +216,13 @@ def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, w
                   header_sums: Any, scratch: Any) -> int:
         # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out,
         # [26] 1 when the file was read with O_DIRECT.
-        d = openat(rank_fd, names.ctypes.data, dir_flags)
+        # file_at 0: ``rank_fd`` is the page's directory itself (fsck's checked fd), no open.
+        d = openat(rank_fd, names.ctypes.data, dir_flags) if file_at > 0 else rank_fd
         if d < 0:
             return load_open_failed
         f = openat(d, names.ctypes.data + file_at, file_flags)
-        close(d)
+        if file_at > 0:
+            close(d)
         if f < 0:
             return load_open_failed
         stat_at = scratch.ctypes.data
