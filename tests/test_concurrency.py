@@ -19,7 +19,7 @@ from tierstore.pagefile import inspect_page
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, random, sys, time
+    import json, os, random, select, sys, time
     sys.path.insert(0, {tests!r})
     from test_crash_safety import crash_namespace, pattern
     from tierstore import native
@@ -31,14 +31,15 @@ SCRIPT = textwrap.dedent(
     ns = crash_namespace()
     GROUP = 2  # Mamba page: payload not a multiple of 4096 (padded O_DIRECT write + truncate)
     N_KEYS = 4000
+    MIN_KEYS = 120  # each writer stores at least this many, however late it starts
 
-    def writer(name, start):
+    def writer(name, ready, go):
         eng = IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=2), staging_slots=6)
         counts = {{"stored": 0, "existing": 0, "failed": {{}}}}
-        while time.monotonic() < start:
-            time.sleep(0.001)
+        start = barrier(ready, go)
         i = 0
-        while time.monotonic() < start + seconds and i < N_KEYS:
+        # The window bounds the run; the floor keeps the check meaningful on a loaded machine.
+        while (time.monotonic() < start + seconds or i < MIN_KEYS) and i < N_KEYS:
             key = page_key(i)
             slot = eng.acquire_slot(timeout=10)
             slot.view[:] = pattern(key, GROUP, len(slot.view))
@@ -59,14 +60,15 @@ SCRIPT = textwrap.dedent(
         counts["submitted"] = i
         return counts
 
-    def reader(start):
+    def reader(ready, go):
         eng = IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=2), staging_slots=8)
         rng = random.Random(3)
         counts = {{"hit": 0, "missing": 0, "wrong_bytes": 0, "other": {{}}}}
-        while time.monotonic() < start:
-            time.sleep(0.001)
+        start = barrier(ready, go)
         hi = 8
-        while time.monotonic() < start + seconds + 0.3:
+        rounds = 0
+        while time.monotonic() < start + seconds + 0.3 or rounds < MIN_KEYS // 6:
+            rounds += 1
             ids = []
             for _ in range(6):
                 key = page_key(rng.randrange(hi))
@@ -86,24 +88,44 @@ SCRIPT = textwrap.dedent(
         eng.close()
         return counts
 
+    def barrier(ready, go):
+        # Say this child is ready, then wait for the common start time the parent sends.
+        os.write(ready, b"r")
+        data = b""
+        while not data.endswith(b"\\n"):  # one byte at a time: each child takes exactly its line
+            chunk = os.read(go, 1)
+            if not chunk:
+                raise SystemExit("the parent closed the start pipe")
+            data += chunk
+        return float(data)
+
     IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=1), staging_slots=1).close()
-    # A fork waits for a native compile in progress (native.py): finish it before the clock
-    # starts, or the writers can wake after their window has passed (seen in CI: 0 submitted).
+    # A fork waits for a native compile in progress (native.py): finish it before forking.
     native.start(wait=True)
-    start = time.monotonic() + 0.5
+    # The clock starts once every child has its engine (a barrier, not a fixed delay: in CI a
+    # child once started after a fixed window had passed and submitted nothing).
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
     pids = {{}}
-    for role in ("writer_a", "writer_b", "reader"):
+    roles = ("writer_a", "writer_b", "reader")
+    for role in roles:
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                res = reader(start) if role == "reader" else writer(role, start)
+                res = reader(ready_w, go_r) if role == "reader" else writer(role, ready_w, go_r)
                 with open(os.path.join(out_dir, role + ".json"), "w") as f:
                     json.dump(res, f)
                 code = 0
             finally:
                 os._exit(code)
         pids[role] = pid
+    got, deadline = b"", time.monotonic() + 60
+    while len(got) < len(roles) and time.monotonic() < deadline:
+        if select.select([ready_r], [], [], 1.0)[0]:
+            got += os.read(ready_r, 8)
+    start = time.monotonic() + 0.05
+    os.write(go_w, (repr(start) + "\\n").encode() * len(roles))
     status = {{role: os.waitpid(pid, 0)[1] for role, pid in pids.items()}}
     print(json.dumps(status))
     sys.exit(0 if all(s == 0 for s in status.values()) else 1)
