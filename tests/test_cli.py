@@ -142,6 +142,23 @@ def test_python_m_tierstore_and_no_heavy_imports(root: Path, hybrid_ns: Namespac
     assert out.returncode == 1, out.stdout + out.stderr
 
 
+def test_gc_command_imports_no_torch(root: Path, hybrid_ns: Namespace) -> None:
+    """An operator's gc (cron, a sidecar) starts without torch: it only lists and unlinks."""
+    fill_pages(root, hybrid_ns, 2)
+    code = textwrap.dedent(f"""
+        import sys, runpy
+        sys.argv = ["tierstore", "gc", {str(root)!r}, "--max-bytes", "1"]
+        try:
+            runpy.run_module("tierstore", run_name="__main__")
+        except SystemExit as e:
+            heavy = sorted(m for m in ("torch", "vllm", "triton") if m in sys.modules)
+            print("HEAVY", heavy, "RC", e.code, file=sys.stderr)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "HEAVY [] RC 0" in out.stderr, out.stderr
+    assert not list(root.rglob("*.kvp"))  # a cap of one byte: every page evicted
+
+
 def test_other_namespaces_do_not_disturb(root: Path, capsys) -> None:
     # Two models side by side: stats keeps them apart.
     a, b = hybrid_namespace(model="a/a"), hybrid_namespace(model="b/b")

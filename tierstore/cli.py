@@ -2,7 +2,7 @@
 
 Contract: ``main(argv) -> int`` (the exit status; the console script passes it to
 ``sys.exit``). ``fsck``, ``stats`` and ``ls`` live in this package's light modules and import
-neither torch nor vLLM. ``gc``, ``bench io``, ``bench kernels`` and ``demo`` are implemented
+neither torch nor vLLM; neither does ``gc``. ``gc``, ``bench io``, ``bench kernels`` and ``demo`` are implemented
 elsewhere: each module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is
 imported only when its command runs, so a missing or broken one fails with a clear message
 and never slows down the others.

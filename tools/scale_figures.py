@@ -58,7 +58,8 @@ print(dt, cur, len(idx))
 """
 
 # RUSAGE_CHILDREN's peak is the largest child so far: the gc child reports its own peak, and
-# its peak after importing gc (the tiers package loads torch: about 225 MiB before any page).
+# its peak after importing gc (before 2026-11-26 the tiers package loaded torch: about 225 MiB
+# before any page; now it imports neither torch nor the engine).
 _CHILD_OWN_RSS = """
 import resource, sys
 import tierstore.tiers.gc

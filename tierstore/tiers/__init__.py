@@ -15,24 +15,43 @@ Every chain of one process shares one ``HostTier`` (so ``host_bytes`` caps the w
 and one ``LocalIndex`` per local root. With ``max_bytes`` and ``gc_interval_s`` set, one
 background gc thread per process keeps ``root`` under the cap (``tierstore.tiers.gc``).
 Threading: the factory is thread-safe.
+
+Importing this package is light: the engine and the chain (and with them torch, for staging
+memory) load at the first ``open_group_store`` or attribute access, so ``tierstore gc``
+(``tierstore.tiers.gc``) starts without torch.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
 from tierstore.errors import ConfigError
-from tierstore.identity import Namespace
 from tierstore.metrics import MetricsRegistry, default_registry
-from tierstore.tiers.chain import TierChain
-from tierstore.tiers.host import HostTier
-from tierstore.tiers.local_index import LocalIndex
+
+if TYPE_CHECKING:
+    from tierstore.config import TierStoreConfig
+    from tierstore.engine import IOEngine
+    from tierstore.identity import Namespace
+    from tierstore.tiers.chain import TierChain
+    from tierstore.tiers.host import HostTier
+    from tierstore.tiers.local_index import LocalIndex
 
 __all__ = ["TierChain", "HostTier", "LocalIndex", "open_group_store", "close_shared_state"]
+
+_LAZY = {"TierChain": "tierstore.tiers.chain", "HostTier": "tierstore.tiers.host",
+         "LocalIndex": "tierstore.tiers.local_index"}
+
+
+def __getattr__(name: str) -> Any:
+    """``TierChain``, ``HostTier``, ``LocalIndex``: imported at first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 _guard = threading.Lock()
 _hosts: dict[tuple[int, str], HostTier] = {}
@@ -42,6 +61,8 @@ _indexes: dict[str, LocalIndex] = {}
 def _host_tier(config: TierStoreConfig, metrics: MetricsRegistry) -> HostTier | None:
     if config.host_bytes <= 0:
         return None
+    from tierstore.tiers.host import HostTier
+
     with _guard:
         key = (id(metrics), config.root)
         h = _hosts.get(key)
@@ -53,6 +74,8 @@ def _host_tier(config: TierStoreConfig, metrics: MetricsRegistry) -> HostTier | 
 def _local_index(config: TierStoreConfig) -> LocalIndex | None:
     if not config.local_root:
         return None
+    from tierstore.tiers.local_index import LocalIndex
+
     with _guard:
         idx = _indexes.get(config.local_root)
         if idx is None or idx.cap_bytes != config.local_max_bytes:
@@ -74,6 +97,9 @@ def open_group_store(
     **engine_kwargs: Any,
 ) -> IOEngine | TierChain:
     """The page store of one (namespace, group, rank): an IOEngine or a TierChain."""
+    from tierstore.engine import IOEngine
+    from tierstore.tiers.chain import TierChain
+
     if not config.local_root and config.host_bytes <= 0:
         if config.gc_interval_s and config.max_bytes:
             from tierstore.tiers.gc import GcDaemon
