@@ -73,6 +73,29 @@ def test_failed_recving_recompute_path() -> None:
     assert init.index("create_connector") < init.index("kv_load_failure_policy")
 
 
+def test_store_progress_moves_past_a_load_and_failed_loads_reach_the_connector() -> None:
+    """What TierStoreConnectorScheduler.restart_stores builds on: per-request offload state in
+    ``_req_status`` with a ``next_stored_chunk_idx`` per group, moved past the loaded chunks by
+    ``update_state_after_alloc`` (chunk-level policy) and reset by ``reset_cache``; the failed
+    requests reach ``update_connector_output`` in ``KVConnectorOutput.failed_recving``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        RequestGroupState,
+        RequestOffloadState,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    assert "next_stored_chunk_idx" in {f.name for f in dataclasses.fields(RequestGroupState)}
+    assert "group_states" in RequestOffloadState.__slots__ or "group_states" in {
+        f.name for f in dataclasses.fields(RequestOffloadState)}
+    assert "failed_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    assert "_req_status" in assigned_attrs(OffloadingConnectorScheduler.__init__)
+    alloc = inspect.getsource(OffloadingConnectorScheduler.update_state_after_alloc)
+    assert "group_state.next_stored_chunk_idx = num_chunks" in alloc
+    reset = inspect.getsource(OffloadingConnectorScheduler.reset_cache)
+    assert "group_state.next_stored_chunk_idx = 0" in reset
+
+
 def test_offloading_config_and_keys() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
         build_offloading_config,

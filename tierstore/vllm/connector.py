@@ -253,6 +253,8 @@ class TierStoreConnector(OffloadingConnector):
         return manager
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.failed_recving and isinstance(self.connector_scheduler, TierStoreConnectorScheduler):
+            self.connector_scheduler.restart_stores(connector_output.failed_recving)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, TierStoreWorkerMetadata) and meta.failed_keys:
             for key, kind in meta.failed_keys:

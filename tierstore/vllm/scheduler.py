@@ -11,6 +11,12 @@ Mamba boundary, stores) is vLLM's.
 With KV-cache events on (``kv_events_config``), vLLM records each HIT key as it is found; the
 loop is then vLLM's own, unchanged.
 
+A request whose load failed stores its recomputed pages again (``restart_stores``): vLLM 0.32
+moves a request's store progress past the chunks it plans to load, and nothing moves it back
+when the load fails and the request is recomputed, so the pages a failed load was meant to
+bring (deleted, damaged or timed out) were not written again until a later request missed
+them entirely (found by the live two-node test, tests/vllm/test_nfs_vllm_live.py).
+
 Threading: vLLM calls it from the scheduler thread only.
 """
 
@@ -34,3 +40,15 @@ class TierStoreConnectorScheduler(OffloadingConnectorScheduler):
             return OffloadingConnectorScheduler._maximal_prefix_lookup(
                 self, keys, req_context, req, group_config, start_chunk_idx)
         return lookup_prefix(keys if isinstance(keys, Sequence) else list(keys), req_context)
+
+    def restart_stores(self, failed_req_ids: Iterable[str]) -> None:
+        """Requests whose load failed store from their first chunk again, as vLLM's own
+        ``reset_cache`` makes active requests do: they are recomputed from token 0 (policy
+        "recompute"), and ``update_state_after_alloc`` had moved ``next_stored_chunk_idx``
+        past the chunks of the failed load. ``TierStoreManager.prepare_store`` skips the keys
+        its indexes still hold, so only what is missing is written."""
+        for req_id in failed_req_ids:
+            status = self._req_status.get(req_id)
+            if status is not None:
+                for group_state in status.group_states:
+                    group_state.next_stored_chunk_idx = 0
