@@ -429,9 +429,11 @@ def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any
                             "max_tokens": args.max_tokens, "extra": extra,
                             "max_model_len": n_tokens + args.max_tokens + 64, "llm": {}}
     if args.kind == "qwen3next" and not args.model:
-        # vLLM gives tiny Qwen3-Next 1152-token blocks; align mode wants a step budget of 2N-1
-        # (tierstore.vllm.validation says why) and the pool must hold the prompt.
-        spec["llm"] = {"max_num_batched_tokens": 2 * 1152 - 1, "num_gpu_blocks_override": 16}
+        # vLLM gives tiny Qwen3-Next 1152-token blocks with float32 GDN states (pinned: vLLM-CPU
+        # keeps bf16 states, 640-token blocks, on CPUs without AVX-512 BF16); align mode wants a
+        # step budget of 2N-1 (tierstore.vllm.validation says why); the pool must hold the prompt.
+        spec["llm"] = {"max_num_batched_tokens": 2 * 1152 - 1, "num_gpu_blocks_override": 16,
+                       "mamba_ssm_cache_dtype": "float32"}
     if args.size == "small" or args.model:
         # vLLM-CPU reserves this share of a NUMA node's memory; the weights and the profile
         # run must fit in it (0.1 is enough for tiny models only).

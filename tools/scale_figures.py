@@ -18,8 +18,8 @@ squares through the measured points), and says so in the table. Usage:
     python tools/scale_figures.py --existing ROOT --pages N   # a root written before (see
         --write-only); it is consumed: gc evicts half of it, the LocalIndex runs in place
     python tools/scale_figures.py --write-only ROOT --pages N
-    python tools/scale_figures.py --standin --pages N [--dir D]   # the sshfs stand-in for NFS:
-        N pages written into an export locally, then every figure measured through a mount of it
+    python tools/scale_figures.py --standin --pages N1 N2 [--dir D]   # the sshfs stand-in for NFS:
+        for each N, N pages written into an export locally, then every figure measured through a mount of it
         (tests/nfs_standin.py, profile "nfs"; needs sshfs and /dev/fuse)
 
 Writing 10^6 pages takes about 7 minutes on this machine (2 shared cores), so a root of that
@@ -152,9 +152,9 @@ def measure(root: Path, n: int, jobs: int | None, copy_for_local_index: bool = T
     return out
 
 
-def measure_on_standin(n: int, jobs: int | None, procs: int, where: Path | None) -> int:
-    """Write N pages into a fresh export (local writes: the figures are of reading and
-    maintaining a shared root, not of filling it), mount it through the sshfs stand-in and
+def measure_on_standin(ns: list[int], jobs: int | None, procs: int, where: Path | None) -> int:
+    """For each N: write N pages into a fresh export (local writes: the figures are of reading
+    and maintaining a shared root, not of filling it), mount it through the sshfs stand-in and
     measure every figure through the mount."""
     sys.path.insert(0, str(REPO / "tests"))
     from nfs_standin import TwoNodeMount, unavailable_reason
@@ -163,16 +163,18 @@ def measure_on_standin(n: int, jobs: int | None, procs: int, where: Path | None)
     if reason:
         print(f"the NFS stand-in is unavailable here: {reason}", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="tierstore-scale-nfs-", dir=where))
-    try:
-        with TwoNodeMount(work, "nfs", "nfs") as fs:
-            t0 = time.perf_counter()
-            nbytes = write_root(fs.export / "root", n, procs)
-            print(f"wrote {n} pages ({nbytes / n:.0f} B each) into the export in {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr)
-            rows = {n: measure(fs.a / "root", n, jobs, copy_for_local_index=False)}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    rows = {}
+    for n in ns:
+        work = Path(tempfile.mkdtemp(prefix="tierstore-scale-nfs-", dir=where))
+        try:
+            with TwoNodeMount(work, "nfs", "nfs") as fs:
+                t0 = time.perf_counter()
+                nbytes = write_root(fs.export / "root", n, procs)
+                print(f"wrote {n} pages ({nbytes / n:.0f} B each) into the export in {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr)
+                rows[n] = measure(fs.a / "root", n, jobs, copy_for_local_index=False)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     print_table(rows)
     return 0
 
@@ -199,7 +201,7 @@ def main() -> int:
                     help="measure through the sshfs stand-in for NFS (pages written into its export locally)")
     args = ap.parse_args()
     if args.standin:
-        return measure_on_standin(args.pages[0], args.jobs, args.procs, args.dir)
+        return measure_on_standin(sorted(args.pages), args.jobs, args.procs, args.dir)
     if args.write_only is not None:
         t0 = time.perf_counter()
         nbytes = write_root(args.write_only, args.pages[0], args.procs)

