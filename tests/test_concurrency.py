@@ -19,7 +19,7 @@ from tierstore.pagefile import inspect_page
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, random, select, sys, time
+    import json, os, random, select, sys, time, traceback
     sys.path.insert(0, {tests!r})
     from test_crash_safety import crash_namespace, pattern
     from tierstore import native
@@ -89,15 +89,13 @@ SCRIPT = textwrap.dedent(
         return counts
 
     def barrier(ready, go):
-        # Say this child is ready, then wait for the common start time the parent sends.
+        # Say this child is ready, then wait for the parent's go: one byte per child (a read of
+        # one byte from a pipe is atomic, so each child takes exactly one), and the window
+        # starts when it arrives.
         os.write(ready, b"r")
-        data = b""
-        while not data.endswith(b"\\n"):  # one byte at a time: each child takes exactly its line
-            chunk = os.read(go, 1)
-            if not chunk:
-                raise SystemExit("the parent closed the start pipe")
-            data += chunk
-        return float(data)
+        if os.read(go, 1) != b"g":
+            raise SystemExit("the parent closed the start pipe")
+        return time.monotonic()
 
     IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=1), staging_slots=1).close()
     # A fork waits for a native compile in progress (native.py): finish it before forking.
@@ -117,6 +115,8 @@ SCRIPT = textwrap.dedent(
                 with open(os.path.join(out_dir, role + ".json"), "w") as f:
                     json.dump(res, f)
                 code = 0
+            except BaseException:
+                traceback.print_exc()  # os._exit below would swallow it
             finally:
                 os._exit(code)
         pids[role] = pid
@@ -124,8 +124,7 @@ SCRIPT = textwrap.dedent(
     while len(got) < len(roles) and time.monotonic() < deadline:
         if select.select([ready_r], [], [], 1.0)[0]:
             got += os.read(ready_r, 8)
-    start = time.monotonic() + 0.05
-    os.write(go_w, (repr(start) + "\\n").encode() * len(roles))
+    os.write(go_w, b"g" * len(roles))
     status = {{role: os.waitpid(pid, 0)[1] for role, pid in pids.items()}}
     print(json.dumps(status))
     sys.exit(0 if all(s == 0 for s in status.values()) else 1)
@@ -139,7 +138,7 @@ def test_two_writers_one_reader(tmp_path: Path) -> None:
     script = tmp_path / "concurrency.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
     proc = subprocess.run([sys.executable, str(script), str(root), str(tmp_path), "1.5"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)  # a loaded 2-core machine: the compile alone can take a minute
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     a, b, r = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("writer_a", "writer_b", "reader"))
     for w in (a, b):

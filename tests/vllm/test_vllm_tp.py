@@ -3,8 +3,8 @@
 The engines run in a subprocess (``tp_engine.py``, an ``if __name__ == "__main__"`` script:
 vLLM's workers re-import it). Checked: each rank writes its own page files (``r0``/``r1``,
 same keys), a fresh engine restores the prefix with identical tokens, damaging rank 1's files
-only makes that request recompute with identical tokens and rank 1 store its pages again when
-the next engine misses them (then a full hit: issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and
+only makes that request recompute with identical tokens and rank 1 store its pages again (the
+next engine: a full hit, issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and
 fsck/stats report both ranks. 5 engine starts with 2 worker processes each, in one subprocess.
 Reuse across a TP change (docs/DESIGN.md §9): ``test_vllm_tp_sliding.py`` (with a local tier in
 front of the shared root), ``test_vllm_tp_gdn.py``, ``test_vllm_tp_mamba.py`` (TP=4).
@@ -96,14 +96,15 @@ def test_tp2_fsck_and_stats_report_ranks(tp_run, tmp_path: Path) -> None:
 def test_tp2_a_page_one_rank_lost_is_stored_again_and_hits(tp_run) -> None:
     _, res, _ = tp_run
     assert res["damaged_rank1"]["files_before"] == {"0": 2, "1": 2}  # damaged, still there
-    # Rank 1's engine removed its damaged files; rank 0's remain. The scheduler looks at every
-    # rank's files: a miss (not a hit that fails on rank 1), recomputed and stored again ...
-    assert res["after_damage"]["files_before"] == {"0": 2, "1": 0}
-    assert res["after_damage"]["tokens"] == res["store"]["tokens"]
-    # ... so the next engine finds both ranks' files and hits.
+    # Rank 1's engine removed its damaged files (rank 0's stay), and the request that recomputed
+    # stored them again at once (TierStoreConnectorScheduler.restart_stores; before it, they came
+    # back only when a later engine missed the prefix) ...
+    assert res["after_damage"]["files_before"] == {"0": 2, "1": 2}
+    # ... so the next engines find both ranks' files and hit.
+    for phase in ("after_damage", "restored_again"):
+        assert res[phase]["cached"] == 256, (phase, res[phase])
+        assert res[phase]["tokens"] == res["store"]["tokens"]
     assert res["restored_again"]["files_before"] == {"0": 2, "1": 2}
-    assert res["restored_again"]["cached"] == 256
-    assert res["restored_again"]["tokens"] == res["store"]["tokens"]
 
 
 def slice_lines(out: str, phase: str) -> list[dict[str, int | str]]:
