@@ -357,3 +357,33 @@ def test_module_scans_see_plain_dicts_after_numba_is_loaded() -> None:
         for value in list(getattr(module, "__dict__", {}).values()):
             if hasattr(value, "__dict__"):
                 assert isinstance(vars(value), dict) or hasattr(vars(value), "get"), (module, value)
+
+
+_CACHE_PROBE = """
+import json, time
+from tierstore import native
+t = time.perf_counter()
+assert native.start(wait=True), native.failure()
+from tierstore import native_kernels as k
+kernels = (k.hash_spans, k.hash_strided, k.read_pieces, k.write_file, k.load_page, k.store_page, k.verify_pages,
+           k.load_pages)
+print(json.dumps({"hits": sum(sum(f.stats.cache_hits.values()) for f in kernels),
+                  "misses": sum(sum(f.stats.cache_misses.values()) for f in kernels),
+                  "seconds": round(time.perf_counter() - t, 2)}))
+"""
+
+
+def test_a_second_process_loads_the_kernels_from_the_cache(tmp_path: Path) -> None:
+    """Compiling costs seconds of CPU in every process that loads a page (each vLLM worker):
+    the first process compiles and caches, the next loads every kernel from numba's cache."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))
+    env.pop("TIERSTORE_NATIVE", None)
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _CACHE_PROBE], capture_output=True, text=True, env=env,
+                              timeout=300, cwd=Path(__file__).parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(__import__("json").loads(proc.stdout.strip().splitlines()[-1]))
+    print("first and second process:", runs)
+    assert runs[0]["misses"] == 8 and runs[0]["hits"] == 0, runs  # compiled (an empty cache)
+    assert runs[1]["hits"] == 8 and runs[1]["misses"] == 0, runs  # every kernel from the cache

@@ -30,7 +30,6 @@ any number of threads at once (they touch only the buffers they are given).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import platform
@@ -145,111 +144,21 @@ def _shield_llvmlite_from_module_scans() -> None:
 
 
 def _build() -> Any:
-    """Compile the kernels and check them against xxhash; raise if anything differs."""
+    """Compile the kernels (``native_kernels``; loaded from numba's on-disk cache after the
+    first process) and check them against xxhash; raise if anything differs."""
     _shield_llvmlite_from_module_scans()  # before numba's import: no window for a scan
-    import numba
     import numpy as np
     import xxhash
     import xxhash._xxhash as ext
+    from llvmlite import binding
 
-    xxh3 = ctypes.CDLL(ext.__file__).XXH3_64bits
-    xxh3.restype, xxh3.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
-    libc = ctypes.CDLL(None, use_errno=True)
-    pread = libc.pread
-    pread.restype = ctypes.c_ssize_t
-    pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
-    openat, fstat, close, syscall = libc.openat, libc.fstat, libc.close, libc.syscall
-    openat.restype, openat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    # A second binding of openat with its mode argument (creating a temp file).
-    create_at = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)(
-        ctypes.cast(libc.openat, ctypes.c_void_p).value)
-    fstatat, pwrite, fsync, ftruncate = libc.fstatat, libc.pwrite, libc.fsync, libc.ftruncate
-    fstatat.restype = ctypes.c_int
-    fstatat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    pwrite.restype = ctypes.c_ssize_t
-    pwrite.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
-    fsync.restype, fsync.argtypes = ctypes.c_int, [ctypes.c_int]
-    ftruncate.restype, ftruncate.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int64]
-    renameat, unlinkat = libc.renameat, libc.unlinkat
-    renameat.restype = ctypes.c_int
-    renameat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    unlinkat.restype, unlinkat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    fstat.restype, fstat.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]
-    close.restype, close.argtypes = ctypes.c_int, [ctypes.c_int]
-    syscall.restype = ctypes.c_long
-    syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    # The kernels call XXH3_64bits by symbol: make the loaded extension's symbols visible to
+    # LLVM (at compile and at cache load) before the kernels' module is imported.
+    binding.load_library_permanently(ext.__file__)
+    from tierstore import native_kernels as k
 
-    # Explicit signatures: compiled here, once, for exactly the types callers pass (read-only
-    # cached index arrays); a lazily specialised dispatcher compiled again at the first real
-    # call, with every I/O thread queued on numba's compiler lock (seen in the profile).
-    rows = numba.types.Array(numba.types.int64, 2, "C", readonly=True)
-    sums = numba.types.Array(numba.types.uint64, 1, "C")
-    i64 = numba.types.int64
-
-    @numba.njit(numba.types.void(i64, rows, i64, i64, sums), nogil=True, cache=False)
-    def hash_spans(base: int, spans: Any, first: int, end: int, out: Any) -> None:
-        for i in range(first, end):
-            out[i - first] = xxh3(base + spans[i, 0], spans[i, 1] - spans[i, 0])
-
-    @numba.njit(numba.types.void(i64, i64, i64, i64, sums), nogil=True, cache=False)
-    def hash_strided(base: int, n: int, stride: int, length: int, out: Any) -> None:
-        # n records of ``stride`` bytes back to back: xxh3 of each one's first ``length``.
-        for i in range(n):
-            out[i] = xxh3(base + i * stride, length)
-
-    @numba.njit(i64(i64, i64, i64, rows, rows, sums), nogil=True, cache=False)
-    def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any) -> int:
-        # pieces: (file start, file end, first section, end section); the page starts at
-        # file offset page_off. Each piece is hashed right after it lands (still in cache).
-        for p in range(pieces.shape[0]):
-            off = pieces[p, 0]
-            end = pieces[p, 1]
-            while off < end:
-                n = pread(fd, file_base + off, end - off, off)
-                if n <= 0:
-                    return off if n == 0 else -1
-                off += n
-            for i in range(pieces[p, 2], pieces[p, 3]):
-                out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
-        return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
-
-    @numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=False)
-    def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
-                   do_fsync: int) -> int:
-        # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
-        # fsync if asked, close, rename over the final name; on any failure the temp is removed
-        # and the final name untouched. ``tmp``/``final``: addresses of NUL-terminated names.
-        f = create_at(d, tmp, file_flags, mode)
-        if f < 0:
-            return STORE_FAILED
-        off = 0
-        ok = True
-        while ok and off < length:
-            n = pwrite(f, buf + off, length - off, off)
-            if n <= 0:
-                ok = False
-            else:
-                off += n
-        if ok and exact_len < length and ftruncate(f, exact_len) != 0:
-            ok = False
-        if ok and do_fsync != 0 and fsync(f) != 0:
-            ok = False
-        if close(f) != 0:
-            ok = False
-        if ok and renameat(d, tmp, d, final) != 0:
-            ok = False
-        if not ok:
-            unlinkat(d, tmp, 0)
-        return 0 if ok else STORE_FAILED
-
-    from tierstore import native_page
-
-    fcntl = libc.fcntl
-    fcntl.restype, fcntl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc_fns = {"openat": openat, "close": close, "fstat": fstat, "fstatat": fstatat, "syscall": syscall,
-                "fcntl": fcntl, "pread": pread}
-    load_page, store_page, verify_pages = native_page.build(numba, xxh3, libc_fns, hash_spans, read_pieces,
-                                                            write_file)
+    hash_spans, hash_strided, read_pieces = k.hash_spans, k.hash_strided, k.read_pieces
+    load_page, store_page, verify_pages, load_pages = k.load_page, k.store_page, k.verify_pages, k.load_pages
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
@@ -262,7 +171,7 @@ def _build() -> Any:
     want_strided = [xxhash.xxh3_64_intdigest(probe[i * 36:i * 36 + 32].tobytes()) for i in range(3)]
     if [int(v) for v in out] != want or [int(v) for v in strided] != want_strided:
         raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
-    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided, verify_pages)
+    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided, verify_pages, load_pages)
 
 
 @lru_cache(maxsize=256)
@@ -329,9 +238,9 @@ def numpy() -> Any:
     return _kernels[2]
 
 
-def page_kernels() -> tuple[Any, Any, Any] | None:
-    """The compiled (load_page, store_page, verify_pages) of ``native_page``, or None when the
+def page_kernels() -> tuple[Any, Any, Any, Any] | None:
+    """The compiled (load_page, store_page, verify_pages, load_pages) of ``native_page``, or None when the
     native path is not ready or off x86-64 Linux (they read ``struct stat`` by offset)."""
     if _kernels is None or not _STAT_LAYOUT_KNOWN:
         return None
-    return _kernels[3], _kernels[4], _kernels[6]
+    return _kernels[3], _kernels[4], _kernels[6], _kernels[7]

@@ -12,6 +12,9 @@ this module holds what is specific to one page file:
   byte for byte against the template (``HeaderTemplate.parse``'s rules: header checksum, key,
   every constant byte), extract the header's section sums, compare them with the computed
   ones and check the alignment gaps are zero;
+- ``load_pages``: ``load_page`` for each of a batch of files of one writer into the frames of
+  one staging slab (an I/O thread's batch of loads, ``PageFiles.load_many``), one GIL release
+  for all, an outcome per file;
 - ``verify_pages``: ``load_page`` for each of a batch of files of one directory into one
   buffer, with each good page's ``struct stat`` and token count kept (fsck's fast path,
   ``fsck_batch``);
@@ -40,7 +43,6 @@ after construction. Safe from any number of threads at once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,6 +124,51 @@ def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, 
     return code, ident, out.tolist(), header_sums.tolist(), bool(scratch[26])
 
 
+LoadOutcome = tuple[int, "tuple[int, int, int] | None", list[int], list[int], bool]
+
+
+def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, bytes]], flags: tuple[int, int],
+               check_cache: bool, slab: Any, file_offs: Sequence[int], direct_len: int = 0,
+               ) -> list[LoadOutcome] | None:
+    """``load_page`` of each (fan-out name, file name, key) of ``files`` into ``slab`` at
+    ``file_offs[i]``, one after another in ONE GIL release; ``load_page``'s outcome per file.
+    None when the native path is not ready or the names differ in length (the caller then
+    loads one by one)."""
+    kernels = native.page_kernels()
+    if kernels is None or not files:
+        return None
+    np = native.numpy()
+    rows = [f"{fan}\0{name}\0".encode() + key for fan, name, key in files]
+    if any(len(r) != len(rows[0]) for r in rows):
+        return None
+    n = len(rows)
+    names = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(n, len(rows[0]))
+    fan, name, _ = files[0]
+    key_at = len(fan) + len(name) + 2
+    offs = np.array(file_offs, dtype=np.int64)
+    offs.setflags(write=False)
+    outs = np.empty((n, shape.load_spans.shape[0]), dtype=np.uint64)
+    header_sums = np.empty((n, shape.sections), dtype=np.uint64)
+    scratch = np.zeros((n, 32), dtype=np.int64)
+    codes = np.empty(n, dtype=np.int64)
+    kernels[3](rank_fd, names, len(fan) + 1, key_at, flags[0], flags[1], shape.size, int(check_cache), direct_len,
+               slab, offs, shape.plan, shape.load_spans, shape.gaps, shape.blank, shape.const_ranges,
+               shape.sum_offsets, shape.key_off, shape.sum_off, outs, header_sums, scratch, codes)
+    result: list[LoadOutcome] = []
+    for i, got in enumerate(codes.tolist()):
+        if got == shape.plan_end:
+            code = 0
+        elif got in (LOAD_BAD_SUM, LOAD_BAD_GAP):
+            code = got
+        else:
+            result.append((got if got < 0 else native.LOAD_READ_FAILED, None, [], [], False))
+            continue
+        s = scratch[i]
+        ident = (int(s[0]), int(s[1]), int(s[13]) * 1_000_000_000 + int(s[14]))
+        result.append((code, ident, outs[i].tolist(), header_sums[i].tolist(), bool(s[26])))
+    return result
+
+
 def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, key: bytes,
                flags: tuple[int, int], mode: int, frame: Any, file_off: int, length: int, fsync: bool,
                token_count: int, sums: Sequence[int] | None) -> int | None:
@@ -171,186 +218,3 @@ def verify_pages(shape: PageShape, dir_fd: int, file_names: Sequence[str], keys:
                shape.token_off, np.empty(shape.load_spans.shape[0], dtype=np.uint64),
                np.empty(shape.sections, dtype=np.uint64), stats, codes)
     return codes, stats
-
-
-def build(numba: Any, xxh3: Any, libc: Any, hash_spans: Any, read_pieces: Any, write_file: Any,
-          ) -> tuple[Any, Any, Any]:
-    """Compile ``load_page``, ``store_page`` and ``verify_pages`` (called by ``native._build``). ``libc``: the
-    ctypes bindings (openat, close, fstat, fstatat, syscall, fcntl, pread); ``hash_spans`` /
-    ``read_pieces`` / ``write_file``: ``native``'s compiled hashing, read and publish steps."""
-    t = numba.types
-    i64, u8 = t.int64, t.uint8
-    rows = t.Array(i64, 2, "C", readonly=True)
-    vec = t.Array(i64, 1, "C", readonly=True)
-    bytes_ro = t.Array(u8, 1, "C", readonly=True)
-    frame_t = t.Array(u8, 1, "C")
-    sums_t = t.Array(t.uint64, 1, "C")
-    sums_ro = t.Array(t.uint64, 1, "C", readonly=True)
-    scratch_t = t.Array(i64, 1, "C")
-    openat, close, fstat, fstatat, syscall = libc["openat"], libc["close"], libc["fstat"], libc["fstatat"], libc["syscall"]
-    fcntl, pread = libc["fcntl"], libc["pread"]
-    f_getfl, f_setfl, o_direct = 3, 4, getattr(os, "O_DIRECT", 0)
-    load_open_failed, load_not_plain, load_cold, load_read_failed = (
-        native.LOAD_OPEN_FAILED, native.LOAD_NOT_PLAIN, native.LOAD_COLD, native.LOAD_READ_FAILED)
-    store_exists, store_no_dir = native.STORE_EXISTS, native.STORE_NO_DIR
-    bad_header, bad_sum, bad_gap, bad_section = LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP, _BAD_SECTION
-    verify_tokens = VERIFY_TOKENS
-
-    @numba.njit(inline="always")
-    def get_u64(a: Any, at: int) -> Any:  # little-endian, as format.py's structs
-        v = numba.uint64(0)
-        for b in range(8):
-            v |= numba.uint64(a[at + b]) << numba.uint64(8 * b)
-        return v
-
-    @numba.njit(inline="always")
-    def put_u64(a: Any, at: int, v: Any) -> None:
-        for b in range(8):
-            a[at + b] = numba.uint8((v >> numba.uint64(8 * b)) & numba.uint64(0xFF))
-
-    @numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, i64, frame_t, i64, rows, rows, rows, bytes_ro,
-                    rows, vec, i64, i64, sums_t, sums_t, scratch_t), nogil=True, cache=False)
-    def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
-                  check_cache: int, direct_len: int, frame: Any, file_off: int, pieces: Any, spans: Any, gaps: Any,
-                  blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, out: Any,
-                  header_sums: Any, scratch: Any) -> int:
-        # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out,
-        # [26] 1 when the file was read with O_DIRECT.
-        # file_at 0: ``rank_fd`` is the page's directory itself (fsck's checked fd), no open.
-        d = openat(rank_fd, names.ctypes.data, dir_flags) if file_at > 0 else rank_fd
-        if d < 0:
-            return load_open_failed
-        f = openat(d, names.ctypes.data + file_at, file_flags)
-        if file_at > 0:
-            close(d)
-        if f < 0:
-            return load_open_failed
-        stat_at = scratch.ctypes.data
-        if fstat(f, stat_at) != 0 or (scratch[3] & 0o170000) != 0o100000 or scratch[2] > 1 or scratch[6] != size:
-            close(f)
-            return load_not_plain
-        cold = False
-        if check_cache != 0:
-            scratch[18] = 0
-            scratch[19] = 4096
-            if syscall(451, f, stat_at + 18 * 8, stat_at + 20 * 8, 0) != 0 or scratch[20] == 0:
-                # Not cached: read it with O_DIRECT in one request (pread_pieces' pieces would
-                # each wait for the disk), or hand it back when that is not possible here.
-                flags = fcntl(f, f_getfl, 0)
-                if direct_len <= 0 or flags < 0 or fcntl(f, f_setfl, flags | o_direct) != 0:
-                    close(f)
-                    return load_cold
-                cold = True
-        hl = blank.shape[0]
-        base = frame.ctypes.data + file_off
-        if cold:
-            got = 0
-            while got < direct_len:
-                n = pread(f, base + got, direct_len - got, got)
-                if n <= 0:
-                    break
-                got += n
-            close(f)
-            if got < size:  # EINVAL (refused here), an error or a short file: the Python path
-                return load_cold if got == 0 else load_read_failed
-            hash_spans(base + hl, spans, 0, spans.shape[0], out)
-            scratch[26] = 1
-            got = pieces[pieces.shape[0] - 1, 1]
-        else:
-            got = read_pieces(f, base, hl, pieces, spans, out)
-            close(f)
-        if got < 0:
-            return load_read_failed
-        if pieces.shape[0] and got != pieces[pieces.shape[0] - 1, 1]:
-            return got  # the file ended early: the Python path names it
-        # The header, byte for byte the template's (HeaderTemplate.parse).
-        if xxh3(base, sum_off) != get_u64(frame, file_off + sum_off):
-            return bad_header
-        for i in range(names.shape[0] - key_at):
-            if frame[file_off + key_off + i] != names[key_at + i]:
-                return bad_header
-        for r in range(const_ranges.shape[0]):
-            for j in range(const_ranges[r, 0], const_ranges[r, 1]):
-                if frame[file_off + j] != blank[j]:
-                    return bad_header
-        for i in range(sum_offsets.shape[0]):
-            header_sums[i] = get_u64(frame, file_off + sum_offsets[i])
-        for i in range(spans.shape[0]):
-            if out[i] != header_sums[i]:
-                scratch[bad_section] = i
-                return bad_sum
-        page = file_off + hl
-        for g in range(gaps.shape[0]):
-            for j in range(gaps[g, 0], gaps[g, 1]):
-                if frame[page + j] != 0:
-                    return bad_gap
-        return got
-
-    @numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, rows, rows,
-                    bytes_ro, vec, i64, i64, i64, i64, sums_ro, sums_t, scratch_t), nogil=True, cache=False)
-    def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int,
-                   file_flags: int, mode: int, frame: Any, file_off: int, length: int, exact_len: int, do_fsync: int,
-                   spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
-                   token_count: int, given: Any, sums: Any, scratch: Any) -> int:
-        # names: fan-out dir, temp name, final name (NUL-terminated), then the key bytes.
-        d = openat(rank_fd, names.ctypes.data, dir_flags)
-        if d < 0:
-            return store_no_dir
-        found = fstatat(d, names.ctypes.data + final_at, scratch.ctypes.data, 0x100)  # AT_SYMLINK_NOFOLLOW
-        if found == 0:
-            close(d)
-            return store_exists
-        hl = blank.shape[0]
-        page = file_off + hl
-        for g in range(gaps.shape[0]):  # canonical bytes whoever filled the slot
-            for j in range(gaps[g, 0], gaps[g, 1]):
-                frame[page + j] = 0
-        base = frame.ctypes.data + file_off
-        if given.shape[0]:
-            sums[:] = given
-        else:
-            hash_spans(base + hl, spans, 0, spans.shape[0], sums)
-        for j in range(hl):
-            frame[file_off + j] = blank[j]
-        for i in range(names.shape[0] - key_at):
-            frame[file_off + key_off + i] = names[key_at + i]
-        for b in range(4):
-            frame[file_off + token_off + b] = numba.uint8((token_count >> (8 * b)) & 0xFF)
-        for i in range(sum_offsets.shape[0]):
-            put_u64(frame, file_off + sum_offsets[i], sums[i])
-        put_u64(frame, file_off + sum_off, xxh3(base, sum_off))
-        code = write_file(d, names.ctypes.data + tmp_at, names.ctypes.data + final_at, file_flags, mode, base,
-                          length, exact_len, do_fsync)
-        close(d)
-        return code
-
-    pages_t = t.Array(u8, 2, "C", readonly=True)
-    stats_t = t.Array(i64, 2, "C")
-    codes_t = t.Array(i64, 1, "C")
-
-    @numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, frame_t, rows, rows, rows, bytes_ro, rows, vec, i64, i64,
-                    i64, sums_t, sums_t, stats_t, codes_t), nogil=True, cache=False)
-    def verify_pages(dir_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
-                     frame: Any, pieces: Any, spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any,
-                     key_off: int, sum_off: int, token_off: int, out: Any, header_sums: Any, stats: Any,
-                     codes: Any) -> int:
-        # One load_page per row of ``names`` into the same frame; a good page's token count
-        # goes to stats[i, VERIFY_TOKENS] (the frame is overwritten by the next page).
-        good = 0
-        end = pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
-        for i in range(names.shape[0]):
-            got = load_page(dir_fd, names[i], file_at, key_at, dir_flags, file_flags, size, 0, 0, frame, 0, pieces,
-                            spans, gaps, blank, const_ranges, sum_offsets, key_off, sum_off, out, header_sums,
-                            stats[i])
-            if got == end:
-                v = 0
-                for b in range(4):
-                    v |= numba.int64(frame[token_off + b]) << (8 * b)
-                stats[i, verify_tokens] = v
-                codes[i] = 0
-                good += 1
-            else:
-                codes[i] = got if got < 0 else load_read_failed
-        return good
-
-    return load_page, store_page, verify_pages

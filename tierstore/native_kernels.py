@@ -1,0 +1,360 @@
+"""The compiled kernels of ``native`` and ``native_page``, cached on disk (numba ``cache=True``).
+
+Imported only by ``native._build`` (it imports numba; the package works without it). Every
+function is compiled for an explicit signature at import, or loaded from numba's cache: the
+``__pycache__`` beside this file when it is writable, else numba's per-user cache directory
+(``NUMBA_CACHE_DIR`` overrides). Why cached: compiling took ~6 s of CPU in every process that
+loads a page (each vLLM worker), mostly holding the GIL while the worker's first steps ran; at
+TP=2 on the 2-core machine an engine's first step waited ~9 s, and an engine start took 37.7 s
+against 26.6 s with the native path off (docs/DESIGN.md, "Native kernels"). Loading the cache
+takes a fraction of a second.
+
+What makes caching possible: C functions are called by symbol through ``_c_function``'s
+intrinsics (resolved by LLVM when the code is loaded), not through ctypes pointers, which numba
+cannot cache. ``XXH3_64bits`` is the loaded xxhash extension's own (``native._build`` makes its
+symbols visible with ``llvmlite.binding.load_library_permanently`` first, and checks the
+compiled hash against ``xxhash.xxh3_64_intdigest`` before any use). The declarations match the
+ctypes prototypes used before: ``openat`` always gets its mode argument (0 unless creating).
+
+numba's cache is keyed on this file (its path, size and time stamp) and the CPU: the codes this
+module takes from ``native`` and ``native_page`` are baked in, so a change to them must touch
+this file too.
+
+Threading: the kernels hold no GIL (``nogil=True``) and touch only the buffers they are given.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from tierstore.native import (
+    LOAD_COLD,
+    LOAD_NOT_PLAIN,
+    LOAD_OPEN_FAILED,
+    LOAD_READ_FAILED,
+    STORE_EXISTS,
+    STORE_FAILED,
+    STORE_NO_DIR,
+)
+from tierstore.native_page import (
+    _BAD_SECTION,
+    LOAD_BAD_GAP,
+    LOAD_BAD_HEADER,
+    LOAD_BAD_SUM,
+    VERIFY_TOKENS,
+)
+
+_LL = {"i32": ir.IntType(32), "i64": ir.IntType(64)}
+
+
+def _fit(builder: Any, value: Any, to: Any, signed: bool) -> Any:
+    """``value`` (an LLVM integer) as the integer type ``to`` (truncated or extended)."""
+    if value.type.width > to.width:
+        return builder.trunc(value, to)
+    if value.type.width < to.width:
+        return builder.sext(value, to) if signed else builder.zext(value, to)
+    return value
+
+
+def _c_function(name: str, ret: str, params: tuple[str, ...], unsigned: bool = False) -> Any:
+    """An intrinsic that calls the C function ``name`` (params and result: "i32" C int, "i64"
+    long/ssize_t/size_t/off_t/pointer) with any integer arguments; the result is an int64
+    (uint64 with ``unsigned``)."""
+    result = types.uint64 if unsigned else types.int64
+
+    def typer(typingctx: Any, *args: Any) -> Any:
+        if len(args) != len(params) or not all(isinstance(a, types.Integer) for a in args):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, llargs: Any) -> Any:
+            fnty = ir.FunctionType(_LL[ret], [_LL[p] for p in params])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            vals = [_fit(builder, v, _LL[p], a.signed) for v, p, a in zip(llargs, params, signature.args, strict=True)]
+            return _fit(builder, builder.call(fn, vals), _LL["i64"], not unsigned)
+
+        return result(*args), codegen
+
+    # numba reads an intrinsic's arity from its typer's signature: one named parameter each.
+    names = ", ".join(f"a{i}" for i in range(len(params)))
+    scope: dict[str, Any] = {"typer": typer}
+    exec(f"def {name}(typingctx{', ' if names else ''}{names}):\n    return typer(typingctx{', ' if names else ''}{names})",
+         scope)
+    return intrinsic(scope[name])
+
+
+xxh3 = _c_function("XXH3_64bits", "i64", ("i64", "i64"), unsigned=True)
+openat = _c_function("openat", "i32", ("i32", "i64", "i32", "i32"))  # with its mode, as creating
+close = _c_function("close", "i32", ("i32",))
+fstat = _c_function("fstat", "i32", ("i32", "i64"))
+fstatat = _c_function("fstatat", "i32", ("i32", "i64", "i64", "i32"))
+pread = _c_function("pread", "i64", ("i32", "i64", "i64", "i64"))
+pwrite = _c_function("pwrite", "i64", ("i32", "i64", "i64", "i64"))
+fsync = _c_function("fsync", "i32", ("i32",))
+ftruncate = _c_function("ftruncate", "i32", ("i32", "i64"))
+renameat = _c_function("renameat", "i32", ("i32", "i64", "i32", "i64"))
+unlinkat = _c_function("unlinkat", "i32", ("i32", "i64", "i32"))
+fcntl = _c_function("fcntl", "i32", ("i32", "i32", "i64"))
+syscall = _c_function("syscall", "i64", ("i64", "i64", "i64", "i64", "i64"))
+
+
+# Explicit signatures: compiled (or loaded from the cache) at import, once, for exactly the
+# types callers pass (read-only cached index arrays); a lazily specialised dispatcher compiled
+# again at the first real call, with every I/O thread queued on numba's compiler lock (seen in
+# the profile).
+rows = numba.types.Array(numba.types.int64, 2, "C", readonly=True)
+sums = numba.types.Array(numba.types.uint64, 1, "C")
+i64 = numba.types.int64
+
+@numba.njit(numba.types.void(i64, rows, i64, i64, sums), nogil=True, cache=True)
+def hash_spans(base: int, spans: Any, first: int, end: int, out: Any) -> None:
+    for i in range(first, end):
+        out[i - first] = xxh3(base + spans[i, 0], spans[i, 1] - spans[i, 0])
+
+@numba.njit(numba.types.void(i64, i64, i64, i64, sums), nogil=True, cache=True)
+def hash_strided(base: int, n: int, stride: int, length: int, out: Any) -> None:
+    # n records of ``stride`` bytes back to back: xxh3 of each one's first ``length``.
+    for i in range(n):
+        out[i] = xxh3(base + i * stride, length)
+
+@numba.njit(i64(i64, i64, i64, rows, rows, sums), nogil=True, cache=True)
+def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any) -> int:
+    # pieces: (file start, file end, first section, end section); the page starts at
+    # file offset page_off. Each piece is hashed right after it lands (still in cache).
+    for p in range(pieces.shape[0]):
+        off = pieces[p, 0]
+        end = pieces[p, 1]
+        while off < end:
+            n = pread(fd, file_base + off, end - off, off)
+            if n <= 0:
+                return off if n == 0 else -1
+            off += n
+        for i in range(pieces[p, 2], pieces[p, 3]):
+            out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
+    return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
+
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=True)
+def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
+               do_fsync: int) -> int:
+    # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
+    # fsync if asked, close, rename over the final name; on any failure the temp is removed
+    # and the final name untouched. ``tmp``/``final``: addresses of NUL-terminated names.
+    f = openat(d, tmp, file_flags, mode)
+    if f < 0:
+        return STORE_FAILED
+    off = 0
+    ok = True
+    while ok and off < length:
+        n = pwrite(f, buf + off, length - off, off)
+        if n <= 0:
+            ok = False
+        else:
+            off += n
+    if ok and exact_len < length and ftruncate(f, exact_len) != 0:
+        ok = False
+    if ok and do_fsync != 0 and fsync(f) != 0:
+        ok = False
+    if close(f) != 0:
+        ok = False
+    if ok and renameat(d, tmp, d, final) != 0:
+        ok = False
+    if not ok:
+        unlinkat(d, tmp, 0)
+    return 0 if ok else STORE_FAILED
+
+
+t = numba.types
+i64, u8 = t.int64, t.uint8
+rows = t.Array(i64, 2, "C", readonly=True)
+vec = t.Array(i64, 1, "C", readonly=True)
+bytes_ro = t.Array(u8, 1, "C", readonly=True)
+frame_t = t.Array(u8, 1, "C")
+sums_t = t.Array(t.uint64, 1, "C")
+sums_ro = t.Array(t.uint64, 1, "C", readonly=True)
+scratch_t = t.Array(i64, 1, "C")
+f_getfl, f_setfl, o_direct = 3, 4, getattr(os, "O_DIRECT", 0)
+load_open_failed, load_not_plain, load_cold, load_read_failed = LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED
+store_exists, store_no_dir = STORE_EXISTS, STORE_NO_DIR
+bad_header, bad_sum, bad_gap, bad_section = LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP, _BAD_SECTION
+verify_tokens = VERIFY_TOKENS
+
+@numba.njit(inline="always")
+def get_u64(a: Any, at: int) -> Any:  # little-endian, as format.py's structs
+    v = numba.uint64(0)
+    for b in range(8):
+        v |= numba.uint64(a[at + b]) << numba.uint64(8 * b)
+    return v
+
+@numba.njit(inline="always")
+def put_u64(a: Any, at: int, v: Any) -> None:
+    for b in range(8):
+        a[at + b] = numba.uint8((v >> numba.uint64(8 * b)) & numba.uint64(0xFF))
+
+@numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, i64, frame_t, i64, rows, rows, rows, bytes_ro,
+                rows, vec, i64, i64, sums_t, sums_t, scratch_t), nogil=True, cache=True)
+def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
+              check_cache: int, direct_len: int, frame: Any, file_off: int, pieces: Any, spans: Any, gaps: Any,
+              blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, out: Any,
+              header_sums: Any, scratch: Any) -> int:
+    # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out,
+    # [26] 1 when the file was read with O_DIRECT.
+    # file_at 0: ``rank_fd`` is the page's directory itself (fsck's checked fd), no open.
+    d = openat(rank_fd, names.ctypes.data, dir_flags, 0) if file_at > 0 else rank_fd
+    if d < 0:
+        return load_open_failed
+    f = openat(d, names.ctypes.data + file_at, file_flags, 0)
+    if file_at > 0:
+        close(d)
+    if f < 0:
+        return load_open_failed
+    stat_at = scratch.ctypes.data
+    if fstat(f, stat_at) != 0 or (scratch[3] & 0o170000) != 0o100000 or scratch[2] > 1 or scratch[6] != size:
+        close(f)
+        return load_not_plain
+    cold = False
+    if check_cache != 0:
+        scratch[18] = 0
+        scratch[19] = 4096
+        if syscall(451, f, stat_at + 18 * 8, stat_at + 20 * 8, 0) != 0 or scratch[20] == 0:
+            # Not cached: read it with O_DIRECT in one request (pread_pieces' pieces would
+            # each wait for the disk), or hand it back when that is not possible here.
+            flags = fcntl(f, f_getfl, 0)
+            if direct_len <= 0 or flags < 0 or fcntl(f, f_setfl, flags | o_direct) != 0:
+                close(f)
+                return load_cold
+            cold = True
+    hl = blank.shape[0]
+    base = frame.ctypes.data + file_off
+    if cold:
+        got = 0
+        while got < direct_len:
+            n = pread(f, base + got, direct_len - got, got)
+            if n <= 0:
+                break
+            got += n
+        close(f)
+        if got < size:  # EINVAL (refused here), an error or a short file: the Python path
+            return load_cold if got == 0 else load_read_failed
+        hash_spans(base + hl, spans, 0, spans.shape[0], out)
+        scratch[26] = 1
+        got = pieces[pieces.shape[0] - 1, 1]
+    else:
+        got = read_pieces(f, base, hl, pieces, spans, out)
+        close(f)
+    if got < 0:
+        return load_read_failed
+    if pieces.shape[0] and got != pieces[pieces.shape[0] - 1, 1]:
+        return got  # the file ended early: the Python path names it
+    # The header, byte for byte the template's (HeaderTemplate.parse).
+    if xxh3(base, sum_off) != get_u64(frame, file_off + sum_off):
+        return bad_header
+    for i in range(names.shape[0] - key_at):
+        if frame[file_off + key_off + i] != names[key_at + i]:
+            return bad_header
+    for r in range(const_ranges.shape[0]):
+        for j in range(const_ranges[r, 0], const_ranges[r, 1]):
+            if frame[file_off + j] != blank[j]:
+                return bad_header
+    for i in range(sum_offsets.shape[0]):
+        header_sums[i] = get_u64(frame, file_off + sum_offsets[i])
+    for i in range(spans.shape[0]):
+        if out[i] != header_sums[i]:
+            scratch[bad_section] = i
+            return bad_sum
+    page = file_off + hl
+    for g in range(gaps.shape[0]):
+        for j in range(gaps[g, 0], gaps[g, 1]):
+            if frame[page + j] != 0:
+                return bad_gap
+    return got
+
+@numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, rows, rows,
+                bytes_ro, vec, i64, i64, i64, i64, sums_ro, sums_t, scratch_t), nogil=True, cache=True)
+def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int,
+               file_flags: int, mode: int, frame: Any, file_off: int, length: int, exact_len: int, do_fsync: int,
+               spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
+               token_count: int, given: Any, sums: Any, scratch: Any) -> int:
+    # names: fan-out dir, temp name, final name (NUL-terminated), then the key bytes.
+    d = openat(rank_fd, names.ctypes.data, dir_flags, 0)
+    if d < 0:
+        return store_no_dir
+    found = fstatat(d, names.ctypes.data + final_at, scratch.ctypes.data, 0x100)  # AT_SYMLINK_NOFOLLOW
+    if found == 0:
+        close(d)
+        return store_exists
+    hl = blank.shape[0]
+    page = file_off + hl
+    for g in range(gaps.shape[0]):  # canonical bytes whoever filled the slot
+        for j in range(gaps[g, 0], gaps[g, 1]):
+            frame[page + j] = 0
+    base = frame.ctypes.data + file_off
+    if given.shape[0]:
+        sums[:] = given
+    else:
+        hash_spans(base + hl, spans, 0, spans.shape[0], sums)
+    for j in range(hl):
+        frame[file_off + j] = blank[j]
+    for i in range(names.shape[0] - key_at):
+        frame[file_off + key_off + i] = names[key_at + i]
+    for b in range(4):
+        frame[file_off + token_off + b] = numba.uint8((token_count >> (8 * b)) & 0xFF)
+    for i in range(sum_offsets.shape[0]):
+        put_u64(frame, file_off + sum_offsets[i], sums[i])
+    put_u64(frame, file_off + sum_off, xxh3(base, sum_off))
+    code = write_file(d, names.ctypes.data + tmp_at, names.ctypes.data + final_at, file_flags, mode, base,
+                      length, exact_len, do_fsync)
+    close(d)
+    return code
+
+pages_t = t.Array(u8, 2, "C", readonly=True)
+stats_t = t.Array(i64, 2, "C")
+codes_t = t.Array(i64, 1, "C")
+
+@numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, frame_t, rows, rows, rows, bytes_ro, rows, vec, i64, i64,
+                i64, sums_t, sums_t, stats_t, codes_t), nogil=True, cache=True)
+def verify_pages(dir_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
+                 frame: Any, pieces: Any, spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any,
+                 key_off: int, sum_off: int, token_off: int, out: Any, header_sums: Any, stats: Any,
+                 codes: Any) -> int:
+    # One load_page per row of ``names`` into the same frame; a good page's token count
+    # goes to stats[i, VERIFY_TOKENS] (the frame is overwritten by the next page).
+    good = 0
+    end = pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
+    for i in range(names.shape[0]):
+        got = load_page(dir_fd, names[i], file_at, key_at, dir_flags, file_flags, size, 0, 0, frame, 0, pieces,
+                        spans, gaps, blank, const_ranges, sum_offsets, key_off, sum_off, out, header_sums,
+                        stats[i])
+        if got == end:
+            v = 0
+            for b in range(4):
+                v |= numba.int64(frame[token_off + b]) << (8 * b)
+            stats[i, verify_tokens] = v
+            codes[i] = 0
+            good += 1
+        else:
+            codes[i] = got if got < 0 else load_read_failed
+    return good
+
+offs_t = t.Array(i64, 1, "C", readonly=True)
+outs_t = t.Array(t.uint64, 2, "C")
+
+@numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, i64, i64, frame_t, offs_t, rows, rows, rows, bytes_ro,
+                rows, vec, i64, i64, outs_t, outs_t, stats_t, codes_t), nogil=True, cache=True)
+def load_pages(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
+               check_cache: int, direct_len: int, slab: Any, file_offs: Any, pieces: Any, spans: Any, gaps: Any,
+               blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, outs: Any,
+               header_sums: Any, scratch: Any, codes: Any) -> int:
+    # One load_page per row of ``names``, each into the slab at its own offset; the raw
+    # return value of each goes to codes[i] (the wrapper reads it as load_page's).
+    for i in range(names.shape[0]):
+        codes[i] = load_page(rank_fd, names[i], file_at, key_at, dir_flags, file_flags, size, check_cache,
+                             direct_len, slab, file_offs[i], pieces, spans, gaps, blank, const_ranges,
+                             sum_offsets, key_off, sum_off, outs[i], header_sums[i], scratch[i])
+    return names.shape[0]
+
