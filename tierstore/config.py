@@ -61,6 +61,9 @@ class TierStoreConfig:
     # I/O engine.
     io_threads: int = field(default_factory=default_io_threads)  # see default_io_threads
     queue_depth: int = 256  # bounded depth of each of the load and store queues
+    # Most queued pages one I/O thread takes at once (a share of the queue: queued / io_threads),
+    # loads read in one GIL-free call; 1 = one page per wake-up (docs/measurements/scaling.md).
+    io_batch_pages: int = 8
     fsync: bool = False  # fsync each page before publishing it
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
     deadline_ms: int = 10_000  # per operation on a lone root (local or NFS) and on the local tier
@@ -104,7 +107,7 @@ class TierStoreConfig:
             raise ConfigError(f'setting "codec" must be one of {_CODECS}, got {self.codec!r}')
         if self.odirect not in _ODIRECT:
             raise ConfigError(f'setting "odirect" must be one of {_ODIRECT}, got {self.odirect!r}')
-        for name in ("io_threads", "queue_depth", "deadline_ms", "shared_deadline_ms"):
+        for name in ("io_threads", "queue_depth", "io_batch_pages", "deadline_ms", "shared_deadline_ms"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigError(f'setting "{name}" must be a positive integer, got {v!r}')

@@ -157,7 +157,8 @@ class IOEngine:
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
                                finish=self._finish, after_run=self._after_run,
-                               where=lambda key: self.mapper.final_path(key))
+                               where=lambda key: self.mapper.final_path(key), run_batch=self._run_batch,
+                               max_batch=self.config.io_batch_pages)
 
     @property
     def direct_loads(self) -> bool:
@@ -295,6 +296,34 @@ class IOEngine:
             raise
         return False, nbytes
 
+    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool, int] | PageError]:
+        """In an I/O thread: a batch of jobs of one class (``JobQueue``). Loads are read by
+        ``PageFiles.load_many`` (one GIL-free call for the common case); stores run one by one."""
+        if jobs[0].op == "store":
+            out: list[tuple[bool, int] | PageError] = []
+            for job in jobs:
+                try:
+                    out.append(self._run(job))
+                except PageError as exc:
+                    out.append(exc)
+                except Exception as exc:  # a bug fails its own job, not the batch's stored ones
+                    logger.exception("unexpected error in store of key %s", job.key.hex()[:16])
+                    out.append(PageError(f"internal error: {exc!r}", key=job.key))
+            return out
+        for job in jobs:
+            job.slot._source = None
+        got = self._do_loads([(job.key, job.slot, job.verify) for job in jobs])
+        results: list[tuple[bool, int] | PageError] = []
+        for job, r in zip(jobs, got, strict=True):
+            if isinstance(r, PageError):
+                if r.kind in BAD_CONTENT_KINDS:
+                    self._remove_damaged(job.key, job.slot._source, r)
+                results.append(r)
+            else:
+                nbytes, job.sums = r
+                results.append((False, nbytes))
+        return results
+
     def _finish(self, job: Job, error: PageError | None, stored: bool, nbytes: int, seconds: float) -> IOResult:
         """Under the queue's lock, once per job: the slot's next owner, the stats, the result."""
         ok = error is None
@@ -360,12 +389,16 @@ class IOEngine:
             self._stats[counter] += 1
 
     # ----------------------------------------------------------------- file operations (PageFiles)
-    # The I/O threads reach the files through these three, so a test can wrap one of them.
+    # The I/O threads reach the files through these four, so a test can wrap one of them (a
+    # test that must see every load wraps ``_do_load`` and sets ``io_batch_pages`` to 1).
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
         return self.files.store(key, slot, token_count, sums)
 
     def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
         return self.files.load(key, slot, verify)
+
+    def _do_loads(self, items: list[tuple[bytes, StagingSlot, bool]]) -> list[tuple[int, tuple[int, ...] | None] | PageError]:
+        return self.files.load_many(items)
 
     def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
         self.files.remove_damaged(key, source, error)

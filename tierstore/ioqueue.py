@@ -14,10 +14,19 @@ Contract:
   failure (its key filled in); any other exception is logged and becomes a ``PageError`` (a bug
   still completes its job). ``after_run(job, accepted, error)`` then runs in the same thread,
   outside the lock (the owner releases the job's resources there).
+- Batches (``max_batch`` > 1 and a ``run_batch`` hook): a thread that wakes takes its share of
+  the queued jobs of the chosen class, ceil(queued / threads) up to ``max_batch``, by the same
+  policy, and hands them to ``run_batch`` in one call (one result or ``PageError`` per job);
+  their completions go in under one lock. Why: with many I/O threads each GIL hand-off (a
+  wake-up, a contended lock, a native call) costs a scheduler wake-up while the GIL sits idle,
+  and a batch pays them once for several pages (docs/measurements/scaling.md). A queue no
+  deeper than the threads still runs one job per thread.
 
 Threading: every public method may be called from any thread. One lock guards the queues,
 pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Each submit
-puts one token in a C-level queue that idle I/O threads block on (one wakes per job);
+puts one token in a C-level queue that idle I/O threads block on (one wakes per job; a thread
+that takes a batch takes up to that many tokens with it, under the lock, so fewer threads wake
+for nothing);
 conditions on the lock wake a ``wait`` call only when its last job is done, and ``flush`` only
 when no job of the flushed class is left.
 """
@@ -80,6 +89,8 @@ class _Waiter:
 
 
 Finish = Callable[[Job, "PageError | None", bool, int, float], Any]
+Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
+RunBatch = Callable[[list[Job]], list["tuple[bool, int] | PageError"]]
 
 
 class JobQueue:
@@ -87,8 +98,11 @@ class JobQueue:
 
     def __init__(self, *, policy: QueuePolicy, queue_depth: int, deadline_s: float, threads: int, name: str,
                  run: Callable[[Job], tuple[bool, int]], finish: Finish,
-                 after_run: Callable[[Job, bool, PageError | None], None], where: Callable[[bytes], str]) -> None:
+                 after_run: Callable[[Job, bool, PageError | None], None], where: Callable[[bytes], str],
+                 run_batch: RunBatch | None = None, max_batch: int = 1) -> None:
         self.policy = policy
+        self.max_batch = max_batch if run_batch is not None else 1
+        self._run_batch = run_batch
         self.queue_depth = queue_depth
         self.deadline_s = deadline_s
         self._run, self._finish, self._after_run, self._where = run, finish, after_run, where
@@ -110,6 +124,8 @@ class JobQueue:
         self._closed = False
         self._stop = False
         self.late_results_dropped = 0
+        self.batches = 0  # batches of more than one job taken by a thread (a counter for benches)
+        self.batched_jobs = 0
         self._threads = [threading.Thread(target=self._thread, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -265,14 +281,17 @@ class JobQueue:
         self._results[job.id] = self._finish(job, error, stored, nbytes, time.monotonic() - job.submitted)
         return True
 
-    def _pick_locked(self) -> Job | None:
-        """The next job by the policy (None: nothing queued). Skipped done jobs are dropped."""
+    def _pick_locked(self, only: str | None = None) -> Job | None:
+        """The next job by the policy (None: nothing queued, or, with ``only``, the policy's
+        next job is of another class). Skipped done jobs are dropped."""
         while True:
             ready = [op for op in self.policy.order if self._queues[op]]
             if not ready:
                 return None
             starved = [op for op in ready if self._bypassed[op] >= self.policy.max_bypass]
             op = starved[0] if starved else ready[0]
+            if only is not None and op != only:
+                return None
             job = self._queues[op].popleft()
             if job.done:  # expired or cancelled while queued; its resources are already back
                 continue
@@ -280,29 +299,77 @@ class JobQueue:
                 self._bypassed[other] = 0 if other == op else self._bypassed[other] + 1
             return job
 
+    def _take_locked(self) -> list[Job]:
+        """The jobs a woken thread runs: the policy's next one and, with batches, more of its
+        class up to ceil(queued / threads) and ``max_batch``. Jobs past their deadline are
+        completed (timeout) instead; the rest are marked started (the thread owns them)."""
+        jobs: list[Job] = []
+        want = 1
+        now = time.monotonic()
+        while len(jobs) < want:
+            job = self._pick_locked(jobs[0].op if jobs else None)
+            if job is None:
+                break
+            if not jobs and self.max_batch > 1:
+                share = -(-self._waiting[job.op] // len(self._threads))  # queued before this pick
+                want = max(1, min(self.max_batch, share))
+            job.queued = False
+            self._waiting[job.op] -= 1
+            if now >= job.deadline:
+                self._complete_locked(job, PageTimeout(
+                    f"{job.op} waited in the queue past its {self.deadline_s:.3f} s deadline "
+                    "(deadline_ms setting)", key=job.key))
+                continue
+            job.started = True
+            jobs.append(job)
+        # The tokens of the extra jobs: fewer threads wake to find nothing. Taken under the lock
+        # and only while not stopping, so a stop token (put after _stop is set) is never taken.
+        for _ in range(len(jobs) - 1):
+            try:
+                self._wake.get_nowait()
+            except queue.Empty:
+                break
+        return jobs
+
     def _thread(self) -> None:
         while True:
             self._wake.get()
             with self._lock:
                 if self._stop:
                     return
-                job = self._pick_locked()
-                if job is None:
-                    continue  # the token of a job completed while queued
-                job.queued = False
-                self._waiting[job.op] -= 1
-                if time.monotonic() >= job.deadline:
-                    self._complete_locked(job, PageTimeout(
-                        f"{job.op} waited in the queue past its {self.deadline_s:.3f} s deadline "
-                        "(deadline_ms setting)", key=job.key))
-                    continue
-                job.started = True
-            error, stored, nbytes = self._execute(job)
+                jobs = self._take_locked()
+            if not jobs:
+                continue  # the token of a job completed while queued
+            outcomes = self._execute_batch(jobs) if len(jobs) > 1 else [self._execute(jobs[0])]
             with self._lock:
-                accepted = self._complete_locked(job, error, stored, nbytes)
-            self._after_run(job, accepted, error)
+                accepted = [self._complete_locked(job, *outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
+                if len(jobs) > 1:
+                    self.batches += 1
+                    self.batched_jobs += len(jobs)
+            for job, ok, outcome in zip(jobs, accepted, outcomes, strict=True):
+                self._after_run(job, ok, outcome[0])
 
-    def _execute(self, job: Job) -> tuple[PageError | None, bool, int]:
+    def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
+        """``run_batch`` on ``jobs``: one outcome per job, as ``_execute`` makes them."""
+        assert self._run_batch is not None
+        try:
+            results = self._run_batch(jobs)
+            if len(results) != len(jobs):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} jobs")
+        except Exception as exc:  # a bug must still come back as a per-key failure
+            logger.exception("unexpected error in a batch of %d %ss", len(jobs), jobs[0].op)
+            return [(PageError(f"internal error: {exc!r}", key=job.key), False, 0) for job in jobs]
+        outcomes: list[Outcome] = []
+        for job, got in zip(jobs, results, strict=True):
+            if isinstance(got, PageError):
+                if got.key is None:
+                    got.key = job.key
+                outcomes.append((got, False, 0))
+            else:
+                outcomes.append((None, got[0], got[1]))
+        return outcomes
+
+    def _execute(self, job: Job) -> Outcome:
         try:
             stored, nbytes = self._run(job)
             return None, stored, nbytes

@@ -112,6 +112,8 @@ class PageFiles:
         self._plans: dict[tuple[int, int], ReadPlan] = {}
         self._shapes: dict[tuple[int, bool, int], native_page.PageShape] = {}
         self._frames: dict[int, tuple[memoryview, Any]] = {}  # id(slot frame) -> (frame, its array)
+        self._slabs: dict[int, tuple[memoryview, Any, int]] = {}  # id(slot frame) -> (frame, slab array, offset)
+        self._slab_arrays: dict[int, tuple[Any, Any]] = {}  # id(buffer owner) -> (owner, its uint8 array)
         self._local = _ThreadState()
         self._dirs = pagefile.RankDir(mapper.root, (namespace.digest, f"g{group_index}", mapper.rank_dir), perms)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
@@ -206,12 +208,35 @@ class PageFiles:
     def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
         """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""
         path = self.mapper.final_path(key)
-        tmpl = self._template(len(key))
-        hl = tmpl.header_len
         if self.mac is None and self.codec == Codec.NONE:
             done = self._load_native(key, slot, path, verify)
             if done is not None:
                 return done
+        return self._load_python(key, slot, path, verify)
+
+    def load_many(self, items: list[tuple[bytes, StagingSlot, bool]]) -> list[tuple[int, tuple[int, ...] | None] | PageError]:
+        """``load`` of each (key, slot, verify), the result or the ``PageError`` of each: the
+        common case of every page in ONE GIL-free call (``native_page.load_pages``), where the
+        keys have one length, ``verify`` one value and the slots one staging slab; the rest,
+        and each page the native call hands back, one by one (``load``'s paths)."""
+        out: list[tuple[int, tuple[int, ...] | None] | PageError | None] = [None] * len(items)
+        native_done = self._load_native_many(items, out) if len(items) > 1 else False
+        for i, (key, slot, verify) in enumerate(items):
+            if out[i] is not None:
+                continue
+            try:
+                out[i] = (self._load_python(key, slot, self.mapper.final_path(key), verify) if native_done
+                          else self.load(key, slot, verify))
+            except PageError as exc:
+                out[i] = exc
+            except OSError as exc:  # the Python path names I/O errors; this is a guard
+                out[i] = pagefile.read_error(exc, "read", self.mapper.final_path(key), key)
+        return out  # type: ignore[return-value]
+
+    def _load_python(self, key: bytes, slot: StagingSlot, path: str, verify: bool) -> tuple[int, tuple[int, ...] | None]:
+        """``load`` without the native call: names every error."""
+        tmpl = self._template(len(key))
+        hl = tmpl.header_len
         dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
         try:
             fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
@@ -274,6 +299,68 @@ class PageFiles:
         if code != 0:  # damage the Python checks did not name (cannot happen), or not the common case
             return None
         return self._nbytes, (None if verify else tuple(header_sums))
+
+    def _load_native_many(self, items: list[tuple[bytes, StagingSlot, bool]],
+                          out: list[tuple[int, tuple[int, ...] | None] | PageError | None]) -> bool:
+        """``_load_native`` of every item in one call, results into ``out`` (None where the
+        Python path must redo the load). False: not applicable (the caller loads one by one)."""
+        if self.mac is not None or self.codec != Codec.NONE or native.page_kernels() is None:
+            return False
+        key_len, verify = len(items[0][0]), items[0][2]
+        if any(len(k) != key_len or v != verify for k, _, v in items):
+            return False
+        frames = [self._frame_in_slab(slot) for _, slot, _ in items]
+        slab = frames[0][0]
+        if any(f[0] is not slab for f in frames):
+            return False
+        try:
+            rank_fd = self._dirs.rank_fd()
+        except (PageError, OSError):
+            return False
+        shape = self._shape(key_len, verify)
+        file_off = self.geometry.header_room - shape.header_len
+        direct_len = shape.header_len + self.geometry.padded_nbytes if self.direct_loads else 0
+        paths = [self.mapper.final_path(key) for key, _, _ in items]
+        got = native_page.load_pages(shape, rank_fd, [(fanout(key), os.path.basename(p), key)
+                                                      for (key, _, _), p in zip(items, paths, strict=True)],
+                                     _NATIVE_OPEN_FLAGS, self.direct_loads, slab, [f[1] + file_off for f in frames],
+                                     direct_len)
+        if got is None:
+            return False
+        for i, (code, ident, sums, header_sums, direct) in enumerate(got):
+            key, slot, _ = items[i]
+            if code not in (0, native_page.LOAD_BAD_SUM, native_page.LOAD_BAD_GAP):
+                continue  # not the common case: the Python path redoes it
+            slot._source = ident
+            if direct:
+                self._count("loads_odirect")
+            try:
+                if code == native_page.LOAD_BAD_SUM:
+                    pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=paths[i], key=key)
+                if code == native_page.LOAD_BAD_GAP:
+                    check_gaps(self.layout, slot.view, path=paths[i], key=key)
+            except PageError as exc:
+                out[i] = exc
+                continue
+            if code == 0:
+                out[i] = self._nbytes, (None if verify else tuple(header_sums))
+        return True
+
+    def _frame_in_slab(self, slot: StagingSlot) -> tuple[Any, int]:
+        """(the uint8 array over ``slot``'s whole staging slab, the frame's offset in it): one
+        native call can then read a batch of slots of one pool (cached per slot)."""
+        got = self._slabs.get(id(slot._frame))
+        if got is None or got[0] is not slot._frame:
+            frame = self._frame_array(slot)
+            owner = slot._frame.obj
+            slab = self._slab_arrays.get(id(owner))
+            if slab is None or slab[0] is not owner:
+                slab = self._slab_arrays[id(owner)] = (owner, native_page.frame_array(memoryview(owner).cast("B")))
+            offset = frame.ctypes.data - slab[1].ctypes.data
+            if not 0 <= offset <= slab[1].shape[0] - frame.shape[0]:
+                offset, slab = 0, (slot._frame, frame)  # not inside its owner's buffer: alone
+            got = self._slabs[id(slot._frame)] = (slot._frame, slab[1], offset)
+        return got[1], got[2]
 
     def _shape(self, key_len: int, verify: bool) -> native_page.PageShape:
         """The native arrays of this writer's pages for a key length (cached; a race builds the

@@ -1,0 +1,112 @@
+"""An I/O thread takes a batch of queued jobs (``io_batch_pages``): loads of good, missing,
+damaged and odd-sized pages in one batch each come back with their own result, exactly once;
+the batch is really taken (the queue's counters), on the native path (one GIL-free call for the
+batch) and on the Python path; with ``io_batch_pages`` 1 no batch is taken."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from test_crash_safety import crash_namespace, pattern
+
+from tierstore import native
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine
+from tierstore.testing.pages import page_key
+
+GROUP = 0
+
+
+def _store_all(eng: IOEngine, keys: list[bytes]) -> None:
+    ids = []
+    for key in keys:
+        slot = eng.acquire_slot(timeout=5)
+        assert slot is not None
+        slot.view[:] = pattern(key, GROUP, eng.layout.nbytes)
+        ids.append(eng.submit_store(key, slot, 128))
+    results = eng.wait(ids, timeout=60)
+    assert len(results) == len(keys) and all(r.ok for r in results), [r.error for r in results if not r.ok]
+
+
+def _hold_threads(eng: IOEngine, threads: int) -> threading.Event:
+    """Occupy every I/O thread with a store that waits for the returned event, so the loads
+    submitted next queue up and each thread then takes a batch of them."""
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+    real = eng._do_store
+
+    def held(*args: object) -> tuple[bool, int]:
+        started.release()
+        assert gate.wait(30)
+        return real(*args)  # type: ignore[arg-type]
+
+    eng._do_store = held  # type: ignore[method-assign]
+    for i in range(threads):
+        slot = eng.acquire_slot(timeout=5)
+        assert slot is not None
+        key = page_key(10_000 + i)
+        slot.view[:] = pattern(key, GROUP, eng.layout.nbytes)
+        eng.submit_store(key, slot, 128)
+    for _ in range(threads):
+        assert started.acquire(timeout=30)
+    eng._do_store = real  # type: ignore[method-assign]
+    return gate
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("batch", [8, 1])
+def test_a_batch_of_loads_gives_each_page_its_own_result(tmp_path: Path, path: str, batch: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "native" and not native.start(wait=True):
+        pytest.skip(f"native path unavailable: {native.failure()}")
+    if path == "python":
+        monkeypatch.setattr(native, "_kernels", None)
+    root = str(tmp_path / "root")
+    threads = 2
+    eng = IOEngine(root, crash_namespace(), GROUP, staging_slots=40,
+                   config=TierStoreConfig(root=root, io_threads=threads, io_batch_pages=batch))
+    try:
+        good = [page_key(i) for i in range(20)]
+        _store_all(eng, good)
+        damaged, short = good[3], good[11]  # a flipped payload byte; a file cut short
+        p = Path(eng.mapper.final_path(damaged))
+        data = bytearray(p.read_bytes())
+        data[-100] ^= 0xFF
+        p.write_bytes(bytes(data))
+        q = Path(eng.mapper.final_path(short))
+        with open(q, "r+b") as f:
+            f.truncate(os.path.getsize(q) - 64)
+        missing = [page_key(500 + i) for i in range(4)]
+        order = good[:10] + missing[:2] + good[10:] + missing[2:]
+
+        gate = _hold_threads(eng, threads)
+        ids = {eng.submit_load(key): key for key in order}
+        gate.set()
+        results = eng.wait(list(ids), timeout=60)
+        assert sorted(r.job_id for r in results) == sorted(ids), "a job was lost or came back twice"
+        assert eng.flush(30)
+        for r in results:
+            key = ids[r.job_id]
+            if key in missing:
+                assert not r.ok and r.error.kind == "missing", (key.hex(), r.error)  # type: ignore[union-attr]
+            elif key == damaged:
+                assert not r.ok and r.error.kind == "checksum", r.error  # type: ignore[union-attr]
+            elif key == short:
+                assert not r.ok and r.error.kind in ("truncated", "corrupt"), r.error  # type: ignore[union-attr]
+            else:
+                assert r.ok, (key.hex(), r.error)
+                assert bytes(r.slot.view) == pattern(key, GROUP, eng.layout.nbytes)  # type: ignore[union-attr]
+            if r.slot is not None:
+                eng.release_slot(r.slot)
+        assert not p.exists(), "the damaged page is removed (so it can be stored again)"
+        q_ = eng._queue
+        if batch > 1:
+            assert q_.batches >= 2 and q_.batched_jobs >= 16, (q_.batches, q_.batched_jobs)
+        else:
+            assert q_.batches == 0
+        assert eng.free_slots == 40, "a staging slot was lost"
+    finally:
+        eng.close()
