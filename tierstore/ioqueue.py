@@ -124,7 +124,8 @@ class JobQueue:
         self._closed = False
         self._stop = False
         self.late_results_dropped = 0
-        self.batches = 0  # batches of more than one job taken by a thread (a counter for benches)
+        self.jobs_run = 0  # jobs a thread ran (counters for benches)
+        self.batches = 0  # of them: batches of more than one job, and the jobs in those
         self.batched_jobs = 0
         self._threads = [threading.Thread(target=self._thread, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
@@ -343,6 +344,7 @@ class JobQueue:
             outcomes = self._execute_batch(jobs) if len(jobs) > 1 else [self._execute(jobs[0])]
             with self._lock:
                 accepted = [self._complete_locked(job, *outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
+                self.jobs_run += len(jobs)
                 if len(jobs) > 1:
                     self.batches += 1
                     self.batched_jobs += len(jobs)

@@ -352,7 +352,9 @@ def _engine_info(impl: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     st = engine.stats
     return {"io_mode": st["io_mode"], "odirect_reason": st["odirect_reason"], "codec": st["codec"],
             "threads": args.threads, "odirect_cold_loads": engine.direct_loads,
-            "loads_read_with_odirect_last_run": st["loads_odirect"], "header_bytes": engine._header_len(32)}
+            "loads_read_with_odirect_last_run": st["loads_odirect"], "header_bytes": engine._header_len(32),
+            "io_batch_pages": engine.config.io_batch_pages,
+            "batched_job_share_last_run": round(engine._queue.batched_jobs / max(1, engine._queue.jobs_run), 3)}
 
 
 def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: CacheDropper,
@@ -366,7 +368,8 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     src_t = torch.randint(0, 256, (n_src, page_bytes), dtype=torch.uint8, generator=g)
     sources = [memoryview(src_t[i].numpy()).cast("B") for i in range(n_src)]
     cfg = TierStoreConfig(root=str(root), io_threads=args.threads, odirect=args.odirect,
-                          codec=args.codec, fsync=False, deadline_ms=600_000)
+                          codec=args.codec, fsync=False, deadline_ms=600_000,
+                          **({} if args.io_batch_pages is None else {"io_batch_pages": args.io_batch_pages}))
     systems = [s for s in SYSTEMS if s != "vllm_fs" or vio is not None]
     rates: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
     cpu: dict[str, dict[str, list[float]]] = {s: {} for s in systems}  # CPU seconds per GB
@@ -374,7 +377,8 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     engine_info: dict[str, Any] = {}
     vllm_info: dict[str, Any] = {}
     loadavgs: list[float] = []
-    slots = 2 * args.threads + 2  # the engine's staging slots (its default for this thread count)
+    # the engine's staging slots: its default for this thread count, or the vLLM worker's floor
+    slots = 2 * args.threads + 2 if args.slots == "engine" else 4 * args.threads + 8
     for run in range(args.repeat):
         work = root / f"{tag}-run{run}"
         order = systems[run % len(systems):] + systems[: run % len(systems)]
@@ -490,6 +494,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-drop", default="auto", choices=("auto", "fadvise"),
                         help="auto: drop_caches when root, else posix_fadvise per file; fadvise: always per file")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier even if importable")
+    parser.add_argument("--io-batch-pages", type=int, default=None,
+                        help="tierstore io_batch_pages (default: the setting's default; 1 = no batches)")
+    parser.add_argument("--slots", default="engine", choices=("engine", "worker"),
+                        help="tierstore staging slots: the engine's default (2 x threads + 2) or the vLLM "
+                             "worker's floor (4 x threads + 8)")
 
 
 def run(args: argparse.Namespace) -> int:

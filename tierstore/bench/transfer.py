@@ -254,7 +254,8 @@ def default_slots(batch: int, threads: int) -> int:
     return max(3 * batch, 4 * threads + 8)
 
 
-def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0) -> dict[str, Any]:
+def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0,
+                      io_batch_pages: int | None = None) -> dict[str, Any]:
     """Store then load every page of ``case`` through the worker's pipelines (see the module
     docstring); the engine alone after them. ``slots``: staging slots (default ``default_slots``)."""
     from tierstore.config import TierStoreConfig
@@ -271,7 +272,8 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     kind = GroupKind.MAMBA if case.layout_name == "mamba" else GroupKind.ATTENTION
     ns = layout_namespace(lay, tokens, kind=kind, model=f"bench/{case.label}")
     shutil.rmtree(root / "ts", ignore_errors=True)
-    config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off")
+    config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off",
+                             **({} if io_batch_pages is None else {"io_batch_pages": io_batch_pages}))
     n_slots = slots or default_slots(batch, threads)
     transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=2 * batch)
     transfer.warm_up()
@@ -293,6 +295,9 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         out["store_copies_per_transfer"] = round((c1 - c0) / max(1, b1 - b0), 2)
         out["load_copies_per_transfer"] = round((c2 - c1) / max(1, b2 - b1), 2)
         out["engine_io_mode"] = engine.stats["io_mode"]
+        out["io_batch_pages"] = engine.config.io_batch_pages
+        # of the jobs the I/O threads ran (pipeline and engine alone), those taken in batches
+        out["batched_job_share"] = round(engine._queue.batched_jobs / max(1, engine._queue.jobs_run), 3)
         # the same engine without the GPU: how much of the gap to raw files is the engine's own
         out.update(engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold,
                                hash_on_cpu=not transfer.checksums_on_gpu))

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 16's device runs (the lent H100/H200: torch, triton, numba there; carry .whl with the
+# cp312 wheels of zstandard, xxhash, aiofiles and py-spy). Writes its logs under $OUT.
+#   bash tools/device_scaling.sh tests   # the GPU test set, then the CPU path, batches 8/1 alternated
+#   bash tools/device_scaling.sh gpu     # the GPU path at 16 threads, batches 8/1 alternated
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD
+python - <<'PY'
+import os, platform, torch, triton
+try:
+    import numba
+    nb = numba.__version__
+except ImportError as e:
+    nb = f"missing ({e})"
+print("python", platform.python_version(), "cores", os.cpu_count(), "torch", torch.__version__, "triton", triton.__version__,
+      "numba", nb, "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, flush=True)
+from tierstore import native
+print("native path:", native.start(wait=True), native.failure(), flush=True)
+PY
+case "${1:-tests}" in
+tests)
+    timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
+        tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
+        tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
+        tests/bench/test_bench_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+    tail -4 "$OUT/gpu_tests.txt"
+    python -m tierstore.testing.golden --check 2>&1 | tail -2
+    i=0
+    for b in 8 1 8 1; do
+        i=$((i + 1))
+        timeout 45 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 512 --repeat 2 --cold-rounds 1 \
+            --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker --io-batch-pages $b \
+            > "$OUT/cpu_b${b}_$i.txt" 2>&1
+        echo "cpu io_batch_pages=$b run $i rc=$?"; grep -A5 "^| MiB" "$OUT/cpu_b${b}_$i.txt"
+    done
+    ;;
+gpu)
+    i=0
+    for b in 8 1 8 1; do
+        i=$((i + 1))
+        timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 2048 \
+            --io-threads 16 --root /dev/shm/tsk --io-batch-pages $b > "$OUT/gpu_b${b}_$i.txt" 2>&1
+        echo "gpu io_batch_pages=$b run $i rc=$?"; grep -A6 "^| case" "$OUT/gpu_b${b}_$i.txt"
+    done
+    ;;
+esac
