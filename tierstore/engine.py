@@ -15,6 +15,9 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
 - Store (``PageFiles.store``): an existing final file counts as stored (``stored=False``)
   before anything is hashed; the caller's section sums, or ours, go into the header. The
   engine takes the slot at submit and gives it back to the pool when the job is done.
+- Batches (``io_batch_pages``): an I/O thread may take several queued jobs of one class at
+  once (``JobQueue``); a batch of loads goes to ``PageFiles.load_many`` (one GIL-free call for
+  the common case), stores run one by one; every job keeps its own result and failure.
 - Load (``PageFiles.load``): a file of exactly our size is read into the slot's frame, a warm
   one piece by piece (about ``warm_piece_bytes``, each piece hashed while in the CPU cache), a
   cold one with O_DIRECT in one request; any other file goes through the general reader, which
@@ -390,7 +393,7 @@ class IOEngine:
 
     # ----------------------------------------------------------------- file operations (PageFiles)
     # The I/O threads reach the files through these four, so a test can wrap one of them (a
-    # test that must see every load wraps ``_do_load`` and sets ``io_batch_pages`` to 1).
+    # test that must see every load wraps ``_do_load`` and ``_do_loads``, the batch one).
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
         return self.files.store(key, slot, token_count, sums)
 

@@ -7,8 +7,9 @@ threads (docs/measurements/scaling.md). Here the steps run in compiled calls tha
 (numba ``nogil=True``), calling the same functions as the Python path: ``XXH3_64bits`` of the
 loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's
 ``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
-- ``native_page.load_page`` / ``store_page`` (compiled here, with the others): a warm load or a
-  store of one page file, header checks and header fill included, in one call each;
+- ``native_page.load_page`` / ``store_page`` / ``load_pages`` (compiled in ``native_kernels``,
+  with the others, and cached on disk): a warm load or a store of one page file, header checks
+  and header fill included, in one call each, or a batch of loads in one call;
 - ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file;
 - ``record_sums``: xxh3 of many equal-length records at once (the scheduler's key fingerprints);
 - ``native_page.verify_pages``: fsck's batch, up to 32 pages of one directory verified per call
@@ -22,9 +23,10 @@ failed step returns a code, leaves no temp file behind, and the caller redoes th
 on the Python path, which names the error. Buffers are passed by address: the caller keeps
 them alive and C-contiguous for the call.
 
-Threading: ``start()`` compiles on one daemon thread (numba's import and compile take ~1 s,
-kept off the engine's start-up path and out of processes that never load a page, such as the
-CLI); until it finishes ``ready()`` is False. After that the compiled functions are safe from
+Threading: ``start()`` compiles on one daemon thread (numba's import and compile take ~6 s of
+CPU on the 2-core machine, loading ``native_kernels`` from numba's on-disk cache ~0.6 s; kept
+off the engine's start-up path and out of processes that never load a page, such as the CLI);
+until it finishes ``ready()`` is False. After that the compiled functions are safe from
 any number of threads at once (they touch only the buffers they are given).
 """
 

@@ -23,6 +23,9 @@ runs and what its result means (queue, slots, stats, settle); this module only d
   per page instead of ~8), header, checksum and gap checks included; anything else falls back
   to the path above. The identity of the file read is left in ``slot._source`` (for
   ``remove_damaged``); errors are ``PageError``s, never served bytes.
+- ``load_many``: ``load`` of an I/O thread's batch, the result or the ``PageError`` of each;
+  the common case of every page in one GIL-free call (``native_page.load_pages``, keys of one
+  length, one ``verify``, slots of one staging slab), the rest one by one as ``load`` does.
 - ``remove_damaged``: removes the file a load read, and only that one
   (``pagefile.remove_damaged_at`` compares file identity): a file republished under the name
   meanwhile stays, and so does one that was never identified.

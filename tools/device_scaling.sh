@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+python -m pip install -q --no-deps --root-user-action=ignore .whl/*.whl 2>&1 | tail -3
 export PYTHONPATH=$PWD
 python - <<'PY'
 import os, platform, torch, triton
@@ -45,6 +45,15 @@ gpu)
         timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 2048 \
             --io-threads 16 --root /dev/shm/tsk --io-batch-pages $b > "$OUT/gpu_b${b}_$i.txt" 2>&1
         echo "gpu io_batch_pages=$b run $i rc=$?"; grep -A6 "^| case" "$OUT/gpu_b${b}_$i.txt"
+    done
+    ;;
+profile)
+    # py-spy (carried wheel): every thread with idle samples, then only the thread holding the GIL
+    for mode in idle gil; do
+        timeout 200 "$(python -c "import sysconfig; print(sysconfig.get_path('scripts'))")/py-spy" record --threads --$mode --rate 200 --format raw -o "$OUT/prof_$mode.txt" -- \
+            python -m tierstore bench kernels --skip-kernels --no-cold --repeats 1 --transfer-mib 2048 \
+            --io-threads 16 --root /dev/shm/tsp > "$OUT/prof_${mode}_bench.txt" 2>&1
+        echo "profile $mode rc=$?"; grep -A6 "^| case" "$OUT/prof_${mode}_bench.txt"
     done
     ;;
 esac

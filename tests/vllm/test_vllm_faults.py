@@ -87,13 +87,18 @@ def test_timed_out_loads_are_recomputed(stored, tmp_path: Path, monkeypatch: pyt
     from tierstore.engine import IOEngine
 
     root, ids, cold, _ = stored("gemma3")
-    slow_load = IOEngine._do_load
+    slow_load, slow_loads = IOEngine._do_load, IOEngine._do_loads
 
     def stalled(self, *a):  # a file system that hangs longer than the deadline
         time.sleep(0.3)
         return slow_load(self, *a)
 
+    def stalled_batch(self, items):  # the same, for a batch an I/O thread took
+        time.sleep(0.3)
+        return slow_loads(self, items)
+
     monkeypatch.setattr(IOEngine, "_do_load", stalled)
+    monkeypatch.setattr(IOEngine, "_do_loads", stalled_batch)
     run = run_engine("gemma3", copy_root(root, tmp_path / "r"), [{"prompt_token_ids": ids}],
                      extra={"deadline_ms": 50}, **DENSE_RETENTION)
     assert run.outputs[0].tokens == cold

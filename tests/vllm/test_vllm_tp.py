@@ -5,7 +5,7 @@ vLLM's workers re-import it). Checked: each rank writes its own page files (``r0
 same keys), a fresh engine restores the prefix with identical tokens, damaging rank 1's files
 only makes that request recompute with identical tokens and rank 1 store its pages again (the
 next engine: a full hit, issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and
-fsck/stats report both ranks. 5 engine starts with 2 worker processes each, in one subprocess.
+fsck/stats report both ranks. 4 engine starts with 2 worker processes each, in one subprocess.
 Reuse across a TP change (docs/DESIGN.md §9): ``test_vllm_tp_sliding.py`` (with a local tier in
 front of the shared root), ``test_vllm_tp_gdn.py``, ``test_vllm_tp_mamba.py`` (TP=4).
 """
@@ -31,7 +31,7 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     root = tmp_path_factory.mktemp("tp2")
-    results, out = run_engine_script("tp_engine.py", [str(root)], 5)
+    results, out = run_engine_script("tp_engine.py", [str(root)], 4)
     return root, results, out
 
 
@@ -100,11 +100,9 @@ def test_tp2_a_page_one_rank_lost_is_stored_again_and_hits(tp_run) -> None:
     # stored them again at once (TierStoreConnectorScheduler.restart_stores; before it, they came
     # back only when a later engine missed the prefix) ...
     assert res["after_damage"]["files_before"] == {"0": 2, "1": 2}
-    # ... so the next engines find both ranks' files and hit.
-    for phase in ("after_damage", "restored_again"):
-        assert res[phase]["cached"] == 256, (phase, res[phase])
-        assert res[phase]["tokens"] == res["store"]["tokens"]
-    assert res["restored_again"]["files_before"] == {"0": 2, "1": 2}
+    # ... so the next engine finds both ranks' files and hits.
+    assert res["after_damage"]["cached"] == 256, res["after_damage"]
+    assert res["after_damage"]["tokens"] == res["store"]["tokens"]
 
 
 def slice_lines(out: str, phase: str) -> list[dict[str, int | str]]:
