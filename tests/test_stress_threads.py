@@ -55,11 +55,12 @@ def _caller(eng: IOEngine, seed: int, rounds: int, errors: list[str], seen: Coun
 
 
 @pytest.mark.parametrize("path", ["native", "python"])
-@pytest.mark.parametrize("io_threads,slots,callers", [(8, 4, 12), (3, 2, 6)])
+@pytest.mark.parametrize("io_threads,slots,callers", [(8, 4, 12), (3, 2, 6), (2, 12, 16)])
 def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, slots: int, callers: int, path: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Both page paths: the GIL-free calls of native.py (racing temp + rename in C) and the
-    Python path."""
+    Python path. (2, 12, 16): more slots than threads and 8 callers per thread, so the queue
+    runs deeper than the threads and the threads take batches (``io_batch_pages``)."""
     if path == "native" and not native.start(wait=True):
         pytest.skip(f"native path unavailable: {native.failure()}")
     if path == "python":
@@ -80,6 +81,8 @@ def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, 
         assert errors == [], errors[:5]
         assert eng.free_slots == slots, "a staging slot was lost"
         assert seen["load:ok"] > 0 and seen["store:ok"] > 0, seen
+        if slots > 2 * io_threads:  # the case that exists to run batches
+            assert eng._queue.batched_jobs > 0, (eng._queue.jobs_run, seen)
         # After the storm every key that was stored loads with exactly its bytes.
         stored = eng.stats["stores_ok"]
         assert stored >= 1
