@@ -387,3 +387,23 @@ def test_a_second_process_loads_the_kernels_from_the_cache(tmp_path: Path) -> No
     print("first and second process:", runs)
     assert runs[0]["misses"] == 8 and runs[0]["hits"] == 0, runs  # compiled (an empty cache)
     assert runs[1]["hits"] == 8 and runs[1]["misses"] == 0, runs  # every kernel from the cache
+
+
+def test_no_writable_cache_directory_still_compiles(tmp_path: Path) -> None:
+    """A read-only install and no writable home: numba has no cache locator; the kernels are
+    compiled for the process (as before the cache), not given up for the Python path."""
+    probe = (
+        "import numba.core.caching as c\n"
+        "impl = getattr(c, 'CacheImpl', None) or c._CacheImpl  # its name in numba 0.59-0.68\n"
+        "impl._locator_classes = []  # no directory numba could write\n"
+        "from tierstore import native\n"
+        "ok = native.start(wait=True)\n"
+        "from tierstore import native_kernels as k\n"
+        "print(ok, native.failure(), native.cache_kernels, k.load_page.stats.cache_path)\n"
+    )
+    env = dict(os.environ)
+    env.pop("TIERSTORE_NATIVE", None)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "None", "False", "None"], (proc.stdout, proc.stderr[-1000:])

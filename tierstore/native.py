@@ -57,6 +57,9 @@ STORE_EXISTS, STORE_NO_DIR, STORE_FAILED = 1, -2, -3
 # Python open and fstat, and still read and hash in one call).
 _STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
+# native_kernels compiles with numba's on-disk cache unless this is False (set when numba
+# finds no writable cache directory).
+cache_kernels = True
 _lock = threading.Lock()
 _started = False
 _kernels: Any = None  # the compiled functions, set once by the compile thread
@@ -157,7 +160,18 @@ def _build() -> Any:
     # The kernels call XXH3_64bits by symbol: make the loaded extension's symbols visible to
     # LLVM (at compile and at cache load) before the kernels' module is imported.
     binding.load_library_permanently(ext.__file__)
-    from tierstore import native_kernels as k
+    global cache_kernels
+    try:
+        from tierstore import native_kernels as k
+    except RuntimeError as exc:
+        # numba found no writable cache directory (a read-only install and no writable home):
+        # compile for this process only, as before the cache (the import left no module).
+        if "cannot cache" not in str(exc):
+            raise
+        logger.info("tierstore: no writable numba cache directory (%s); compiling the native kernels for this "
+                    "process only (set NUMBA_CACHE_DIR to a writable directory to cache them)", exc)
+        cache_kernels = False
+        from tierstore import native_kernels as k
 
     hash_spans, hash_strided, read_pieces = k.hash_spans, k.hash_strided, k.read_pieces
     load_page, store_page, verify_pages, load_pages = k.load_page, k.store_page, k.verify_pages, k.load_pages

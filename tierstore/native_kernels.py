@@ -1,9 +1,10 @@
-"""The compiled kernels of ``native`` and ``native_page``, cached on disk (numba ``cache=True``).
+"""The compiled kernels of ``native`` and ``native_page``, cached on disk (numba ``cache=_CACHE``).
 
 Imported only by ``native._build`` (it imports numba; the package works without it). Every
 function is compiled for an explicit signature at import, or loaded from numba's cache: the
 ``__pycache__`` beside this file when it is writable, else numba's per-user cache directory
-(``NUMBA_CACHE_DIR`` overrides). Why cached: compiling took ~6 s of CPU in every process that
+(``NUMBA_CACHE_DIR`` overrides; where none is writable ``native._build`` imports this module
+again with caching off). Why cached: compiling took ~6 s of CPU in every process that
 loads a page (each vLLM worker), mostly holding the GIL while the worker's first steps ran; at
 TP=2 on the 2-core machine an engine's first step waited ~9 s, and an engine start took 37.7 s
 against 26.6 s with the native path off (docs/DESIGN.md, "Native kernels"). Loading the cache
@@ -34,6 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from tierstore import native
 from tierstore.native import (
     LOAD_COLD,
     LOAD_NOT_PLAIN,
@@ -51,6 +53,7 @@ from tierstore.native_page import (
     VERIFY_TOKENS,
 )
 
+_CACHE = native.cache_kernels  # False: no writable cache directory (native._build); compile only
 _LL = {"i32": ir.IntType(32), "i64": ir.IntType(64)}
 
 
@@ -112,18 +115,18 @@ rows = numba.types.Array(numba.types.int64, 2, "C", readonly=True)
 sums = numba.types.Array(numba.types.uint64, 1, "C")
 i64 = numba.types.int64
 
-@numba.njit(numba.types.void(i64, rows, i64, i64, sums), nogil=True, cache=True)
+@numba.njit(numba.types.void(i64, rows, i64, i64, sums), nogil=True, cache=_CACHE)
 def hash_spans(base: int, spans: Any, first: int, end: int, out: Any) -> None:
     for i in range(first, end):
         out[i - first] = xxh3(base + spans[i, 0], spans[i, 1] - spans[i, 0])
 
-@numba.njit(numba.types.void(i64, i64, i64, i64, sums), nogil=True, cache=True)
+@numba.njit(numba.types.void(i64, i64, i64, i64, sums), nogil=True, cache=_CACHE)
 def hash_strided(base: int, n: int, stride: int, length: int, out: Any) -> None:
     # n records of ``stride`` bytes back to back: xxh3 of each one's first ``length``.
     for i in range(n):
         out[i] = xxh3(base + i * stride, length)
 
-@numba.njit(i64(i64, i64, i64, rows, rows, sums), nogil=True, cache=True)
+@numba.njit(i64(i64, i64, i64, rows, rows, sums), nogil=True, cache=_CACHE)
 def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any, out: Any) -> int:
     # pieces: (file start, file end, first section, end section); the page starts at
     # file offset page_off. Each piece is hashed right after it lands (still in cache).
@@ -139,7 +142,7 @@ def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any,
             out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
     return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
 
-@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=True)
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=_CACHE)
 def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
                do_fsync: int) -> int:
     # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
@@ -197,7 +200,7 @@ def put_u64(a: Any, at: int, v: Any) -> None:
         a[at + b] = numba.uint8((v >> numba.uint64(8 * b)) & numba.uint64(0xFF))
 
 @numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, i64, frame_t, i64, rows, rows, rows, bytes_ro,
-                rows, vec, i64, i64, sums_t, sums_t, scratch_t), nogil=True, cache=True)
+                rows, vec, i64, i64, sums_t, sums_t, scratch_t), nogil=True, cache=_CACHE)
 def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
               check_cache: int, direct_len: int, frame: Any, file_off: int, pieces: Any, spans: Any, gaps: Any,
               blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, out: Any,
@@ -275,7 +278,7 @@ def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: in
     return got
 
 @numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, rows, rows,
-                bytes_ro, vec, i64, i64, i64, i64, sums_ro, sums_t, scratch_t), nogil=True, cache=True)
+                bytes_ro, vec, i64, i64, i64, i64, sums_ro, sums_t, scratch_t), nogil=True, cache=_CACHE)
 def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int,
                file_flags: int, mode: int, frame: Any, file_off: int, length: int, exact_len: int, do_fsync: int,
                spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
@@ -317,7 +320,7 @@ stats_t = t.Array(i64, 2, "C")
 codes_t = t.Array(i64, 1, "C")
 
 @numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, frame_t, rows, rows, rows, bytes_ro, rows, vec, i64, i64,
-                i64, sums_t, sums_t, stats_t, codes_t), nogil=True, cache=True)
+                i64, sums_t, sums_t, stats_t, codes_t), nogil=True, cache=_CACHE)
 def verify_pages(dir_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
                  frame: Any, pieces: Any, spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any,
                  key_off: int, sum_off: int, token_off: int, out: Any, header_sums: Any, stats: Any,
@@ -345,7 +348,7 @@ offs_t = t.Array(i64, 1, "C", readonly=True)
 outs_t = t.Array(t.uint64, 2, "C")
 
 @numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, i64, i64, frame_t, offs_t, rows, rows, rows, bytes_ro,
-                rows, vec, i64, i64, outs_t, outs_t, stats_t, codes_t), nogil=True, cache=True)
+                rows, vec, i64, i64, outs_t, outs_t, stats_t, codes_t), nogil=True, cache=_CACHE)
 def load_pages(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: int, file_flags: int, size: int,
                check_cache: int, direct_len: int, slab: Any, file_offs: Any, pieces: Any, spans: Any, gaps: Any,
                blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, outs: Any,
