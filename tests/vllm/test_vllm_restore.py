@@ -137,14 +137,27 @@ def test_shutdown_right_after_a_one_token_request_keeps_its_pages(tmp_path: Path
     assert second.outputs[0].tokens == first.outputs[0].tokens
 
 
-def test_chunks_of_several_blocks(tmp_path: Path) -> None:
-    """chunk_tokens = 2 blocks: one page holds 256 tokens; restore is whole pages."""
+def test_chunks_of_several_blocks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """chunk_tokens = 2 blocks: one page holds 256 tokens; restore is whole pages. A namespace
+    of the same model with one-block pages (another node's setting) is named at start, with
+    what differs (``tierstore.siblings``)."""
+    import dataclasses
+    import logging
+
+    from tierstore.identity import read_manifest, write_manifest
+
     ids = prompt_ids("llama", offset=5)
     root = tmp_path / "r"
     extra = {"chunk_tokens": 256}
     first = run_engine("llama", root, [{"prompt_token_ids": ids}], extra=extra)
     assert len(pages(root)) == len(ids) // 256
-    second = run_engine("llama", root, [{"prompt_token_ids": ids}], extra=extra)
+    (mine,) = [read_manifest(d / "manifest.json") for d in root.iterdir() if d.is_dir()]
+    other = dataclasses.replace(mine, groups=(dataclasses.replace(mine.groups[0], tokens_per_chunk=128),))
+    write_manifest(root, other)
+    with caplog.at_level(logging.WARNING, logger="tierstore.vllm"):
+        second = run_engine("llama", root, [{"prompt_token_ids": ids}], extra=extra)
+    said = [r.getMessage() for r in caplog.records if other.digest in r.getMessage()]
+    assert len(said) == 1 and "group 0 (attention) tokens_per_chunk: 256 vs 128" in said[0], said
     assert second.outputs[0].tokens == first.outputs[0].tokens
     assert second.outputs[0].cached == len(ids) // 256 * 256
     assert not failures(second.worker)

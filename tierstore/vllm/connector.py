@@ -65,6 +65,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from tierstore.config import TierStoreConfig
 from tierstore.identity import write_manifest
 from tierstore.metrics import default_registry
+from tierstore.siblings import start_check
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.scheduler import TierStoreConnectorScheduler
@@ -206,6 +207,9 @@ class TierStoreConnector(OffloadingConnector):
             for warning in stop_warnings(vllm_config, self.ts_config.flush_timeout_s):
                 logger.warning(warning)
             sweep_at_start(self.ts_config.root, self.namespace.digest, self.ts_config.local_root)
+            # other namespaces of this model under the root (a fleet whose nodes differ in a
+            # setting shares no pages): said once, from a daemon thread (siblings.py)
+            start_check(self.ts_config.root, self.namespace)
             self.connector_scheduler = TierStoreConnectorScheduler(spec, vllm_config, kv_cache_config)
             self._reported_sched: Counter[str] = Counter()
         elif role == KVConnectorRole.WORKER:
