@@ -3,6 +3,8 @@
 # cp312 wheels of zstandard, xxhash, aiofiles and py-spy). Writes its logs under $OUT.
 #   bash tools/device_scaling.sh tests   # the GPU test set, then the CPU path, batches 8/1 alternated
 #   bash tools/device_scaling.sh gpu     # the GPU path at 16 threads, batches 8/1 alternated
+#   bash tools/device_scaling.sh gputests  # the GPU test set and the golden files only
+#   bash tools/device_scaling.sh profile   # py-spy of the GPU path at 16 threads
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -22,13 +24,14 @@ from tierstore import native
 print("native path:", native.start(wait=True), native.failure(), flush=True)
 PY
 case "${1:-tests}" in
-tests)
+tests|gputests)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
         tests/bench/test_bench_kernels.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
+    [ "$1" = gputests ] && exit 0
     i=0
     for b in 8 1 8 1; do
         i=$((i + 1))
