@@ -110,3 +110,32 @@ def test_a_batch_of_loads_gives_each_page_its_own_result(tmp_path: Path, path: s
         assert eng.free_slots == 40, "a staging slot was lost"
     finally:
         eng.close()
+
+
+def test_a_failing_batch_call_falls_back_to_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the batch path (here: the native batch call raising) costs speed, not pages."""
+    if not native.start(wait=True):
+        pytest.skip(f"native path unavailable: {native.failure()}")
+    from tierstore import native_page
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(native_page, "load_pages", broken)
+    root = str(tmp_path / "root")
+    eng = IOEngine(root, crash_namespace(), GROUP, staging_slots=24,
+                   config=TierStoreConfig(root=root, io_threads=2, io_batch_pages=8))
+    try:
+        keys = [page_key(i) for i in range(12)]
+        _store_all(eng, keys)
+        gate = _hold_threads(eng, 2)
+        ids = {eng.submit_load(key): key for key in keys}
+        gate.set()
+        results = eng.wait(list(ids), timeout=60)
+        assert len(results) == len(keys) and all(r.ok for r in results), [r.error for r in results if not r.ok]
+        for r in results:
+            assert bytes(r.slot.view) == pattern(ids[r.job_id], GROUP, eng.layout.nbytes)  # type: ignore[union-attr]
+            eng.release_slot(r.slot)  # type: ignore[arg-type]
+        assert eng._queue.batched_jobs >= 8
+    finally:
+        eng.close()

@@ -223,7 +223,11 @@ class PageFiles:
         keys have one length, ``verify`` one value and the slots one staging slab; the rest,
         and each page the native call hands back, one by one (``load``'s paths)."""
         out: list[tuple[int, tuple[int, ...] | None] | PageError | None] = [None] * len(items)
-        native_done = self._load_native_many(items, out) if len(items) > 1 else False
+        try:
+            native_done = self._load_native_many(items, out) if len(items) > 1 else False
+        except Exception:  # a bug in the batch path must not fail the batch: load one by one
+            logger.exception("tierstore: batch load of %d pages failed; loading them one by one", len(items))
+            native_done, out = False, [None] * len(items)
         for i, (key, slot, verify) in enumerate(items):
             if out[i] is not None:
                 continue
@@ -358,7 +362,11 @@ class PageFiles:
             owner = slot._frame.obj
             slab = self._slab_arrays.get(id(owner))
             if slab is None or slab[0] is not owner:
-                slab = self._slab_arrays[id(owner)] = (owner, native_page.frame_array(memoryview(owner).cast("B")))
+                try:
+                    whole = native_page.frame_array(memoryview(owner).cast("B"))
+                except (TypeError, ValueError):  # not one flat, contiguous buffer
+                    whole = frame
+                slab = self._slab_arrays[id(owner)] = (owner, whole)
             offset = frame.ctypes.data - slab[1].ctypes.data
             if not 0 <= offset <= slab[1].shape[0] - frame.shape[0]:
                 offset, slab = 0, (slot._frame, frame)  # not inside its owner's buffer: alone
