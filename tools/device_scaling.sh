@@ -5,6 +5,7 @@
 #   bash tools/device_scaling.sh gpu     # the GPU path at 16 threads, batches 8/1 alternated
 #   bash tools/device_scaling.sh gputests  # the GPU test set and the golden files only
 #   bash tools/device_scaling.sh profile   # py-spy of the GPU path at 16 threads
+#   bash tools/device_scaling.sh switch    # the GPU path at 16 threads under other GIL switch intervals
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -48,6 +49,16 @@ gpu)
         timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 2048 \
             --io-threads 16 --root /dev/shm/tsk --io-batch-pages $b > "$OUT/gpu_b${b}_$i.txt" 2>&1
         echo "gpu io_batch_pages=$b run $i rc=$?"; grep -A6 "^| case" "$OUT/gpu_b${b}_$i.txt"
+    done
+    ;;
+switch)
+    # the GPU path at 16 threads under other GIL switch intervals (sys.setswitchinterval; 5 ms is
+    # CPython's default): how much of the driver's GIL waiting is forced switches
+    i=0
+    for si in 0.005 0.05 0.0005 0.005; do
+        i=$((i + 1))
+        timeout 130 python -c "import sys, runpy; sys.setswitchinterval($si); sys.argv = ['tierstore', 'bench', 'kernels', '--skip-kernels', '--no-cold', '--repeats', '2', '--transfer-mib', '2048', '--io-threads', '16', '--root', '/dev/shm/tsk']; runpy.run_module('tierstore', run_name='__main__')" > "$OUT/switch_${i}_$si.txt" 2>&1
+        echo "switch interval $si s rc=$?"; grep -A6 "^| case" "$OUT/switch_${i}_$si.txt"
     done
     ;;
 profile)
