@@ -24,6 +24,17 @@ print("python", platform.python_version(), "cores", os.cpu_count(), "torch", tor
 from tierstore import native
 print("native path:", native.start(wait=True), native.failure(), flush=True)
 PY
+# alternate NAME TIMEOUT TABLE ROWS CMD...: CMD with io_batch_pages 8, 1, 8, 1 appended (paired
+# runs in one call), each log under $OUT, its table printed
+alternate() {
+    local name=$1 limit=$2 table=$3 rows=$4 i=0 b
+    shift 4
+    for b in 8 1 8 1; do
+        i=$((i + 1))
+        timeout "$limit" "$@" "$b" > "$OUT/${name}_b${b}_$i.txt" 2>&1
+        echo "$name io_batch_pages=$b run $i rc=$?"; grep -A"$rows" "$table" "$OUT/${name}_b${b}_$i.txt"
+    done
+}
 case "${1:-tests}" in
 tests|gputests)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
@@ -33,23 +44,12 @@ tests|gputests)
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
     [ "$1" = gputests ] && exit 0
-    i=0
-    for b in 8 1 8 1; do
-        i=$((i + 1))
-        timeout 45 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 512 --repeat 2 --cold-rounds 1 \
-            --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker --io-batch-pages $b \
-            > "$OUT/cpu_b${b}_$i.txt" 2>&1
-        echo "cpu io_batch_pages=$b run $i rc=$?"; grep -A5 "^| MiB" "$OUT/cpu_b${b}_$i.txt"
-    done
+    alternate cpu 45 "^| MiB" 5 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 512 --repeat 2 \
+        --cold-rounds 1 --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker --io-batch-pages
     ;;
 gpu)
-    i=0
-    for b in 8 1 8 1; do
-        i=$((i + 1))
-        timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 2048 \
-            --io-threads 16 --root /dev/shm/tsk --io-batch-pages $b > "$OUT/gpu_b${b}_$i.txt" 2>&1
-        echo "gpu io_batch_pages=$b run $i rc=$?"; grep -A6 "^| case" "$OUT/gpu_b${b}_$i.txt"
-    done
+    alternate gpu 130 "^| case" 6 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 \
+        --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk --io-batch-pages
     ;;
 switch)
     # the GPU path at 16 threads under other GIL switch intervals (sys.setswitchinterval; 5 ms is
