@@ -83,6 +83,10 @@ class PageShape:
         self.key_off, self.token_off, self.sum_off = tmpl.key_off, tmpl.token_off, tmpl.sum_off
 
 
+# (code, file identity or None, computed section sums, the header's sums, read with O_DIRECT)
+LoadOutcome = tuple[int, "tuple[int, int, int] | None", list[int], list[int], bool]
+
+
 def frame_array(frame: memoryview) -> Any:
     """A uint8 array over a staging frame (no copy; build once per slot, the kernels take it)."""
     np = native.numpy()
@@ -91,7 +95,7 @@ def frame_array(frame: memoryview) -> Any:
 
 def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, key: bytes,
               flags: tuple[int, int], check_cache: bool, frame: Any, file_off: int, direct_len: int = 0,
-              ) -> tuple[int, tuple[int, int, int] | None, list[int], list[int], bool] | None:
+              ) -> LoadOutcome | None:
     """Load the page file ``fanout_name/file_name`` into ``frame`` at ``file_off`` (the header
     first, the page right after it) and check it (module docstring): one GIL release.
     ``check_cache``: a file whose first block is not in the page cache is read with O_DIRECT
@@ -114,17 +118,19 @@ def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, 
     got = kernels[0](rank_fd, names, len(fanout_name) + 1, key_at, flags[0], flags[1], shape.size,
                      int(check_cache), direct_len, frame, file_off, shape.plan, shape.load_spans, shape.gaps, shape.blank,
                      shape.const_ranges, shape.sum_offsets, shape.key_off, shape.sum_off, out, header_sums, scratch)
+    return _outcome(shape, int(got), scratch, out, header_sums)
+
+
+def _outcome(shape: PageShape, got: int, scratch: Any, sums: Any, header_sums: Any) -> LoadOutcome:
+    """``load_page``'s outcome from the kernel's return value and the arrays it filled."""
     if got == shape.plan_end:
         code = 0
     elif got in (LOAD_BAD_SUM, LOAD_BAD_GAP):
-        code = int(got)
+        code = got
     else:
-        return int(got) if got < 0 else native.LOAD_READ_FAILED, None, [], [], False
+        return got if got < 0 else native.LOAD_READ_FAILED, None, [], [], False
     ident = (int(scratch[0]), int(scratch[1]), int(scratch[13]) * 1_000_000_000 + int(scratch[14]))
-    return code, ident, out.tolist(), header_sums.tolist(), bool(scratch[26])
-
-
-LoadOutcome = tuple[int, "tuple[int, int, int] | None", list[int], list[int], bool]
+    return code, ident, sums.tolist(), header_sums.tolist(), bool(scratch[26])
 
 
 def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, bytes]], flags: tuple[int, int],
@@ -154,19 +160,7 @@ def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, b
     kernels[3](rank_fd, names, len(fan) + 1, key_at, flags[0], flags[1], shape.size, int(check_cache), direct_len,
                slab, offs, shape.plan, shape.load_spans, shape.gaps, shape.blank, shape.const_ranges,
                shape.sum_offsets, shape.key_off, shape.sum_off, outs, header_sums, scratch, codes)
-    result: list[LoadOutcome] = []
-    for i, got in enumerate(codes.tolist()):
-        if got == shape.plan_end:
-            code = 0
-        elif got in (LOAD_BAD_SUM, LOAD_BAD_GAP):
-            code = got
-        else:
-            result.append((got if got < 0 else native.LOAD_READ_FAILED, None, [], [], False))
-            continue
-        s = scratch[i]
-        ident = (int(s[0]), int(s[1]), int(s[13]) * 1_000_000_000 + int(s[14]))
-        result.append((code, ident, outs[i].tolist(), header_sums[i].tolist(), bool(s[26])))
-    return result
+    return [_outcome(shape, got, scratch[i], outs[i], header_sums[i]) for i, got in enumerate(codes.tolist())]
 
 
 def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, key: bytes,
