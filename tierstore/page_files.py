@@ -296,14 +296,22 @@ class PageFiles:
                                     self.direct_loads, self._frame_array(slot), file_off, direct_len)
         if got is None:
             return None
-        code, slot._source, sums, header_sums, direct = got
+        return self._native_result(key, slot, path, verify, got)
+
+    def _native_result(self, key: bytes, slot: StagingSlot, path: str, verify: bool,
+                       outcome: native_page.LoadOutcome) -> tuple[int, tuple[int, ...] | None] | None:
+        """A native load's ``outcome`` as ``load``'s result; damage raises its ``PageError``
+        (named by the Python checks); None: not the common case (the Python path redoes it)."""
+        code, slot._source, sums, header_sums, direct = outcome
+        if code not in (0, native_page.LOAD_BAD_SUM, native_page.LOAD_BAD_GAP):
+            return None
         if direct:
             self._count("loads_odirect")
         if code == native_page.LOAD_BAD_SUM:
             pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=path, key=key)
         if code == native_page.LOAD_BAD_GAP:
             check_gaps(self.layout, slot.view, path=path, key=key)
-        if code != 0:  # damage the Python checks did not name (cannot happen), or not the common case
+        if code != 0:  # damage the Python checks did not name (cannot happen)
             return None
         return self._nbytes, (None if verify else tuple(header_sums))
 
@@ -334,23 +342,12 @@ class PageFiles:
                                      direct_len)
         if got is None:
             return False
-        for i, (code, ident, sums, header_sums, direct) in enumerate(got):
+        for i, outcome in enumerate(got):
             key, slot, _ = items[i]
-            if code not in (0, native_page.LOAD_BAD_SUM, native_page.LOAD_BAD_GAP):
-                continue  # not the common case: the Python path redoes it
-            slot._source = ident
-            if direct:
-                self._count("loads_odirect")
             try:
-                if code == native_page.LOAD_BAD_SUM:
-                    pagefile.check_section_sums(self.layout, sums, header_sums, 0, path=paths[i], key=key)
-                if code == native_page.LOAD_BAD_GAP:
-                    check_gaps(self.layout, slot.view, path=paths[i], key=key)
+                out[i] = self._native_result(key, slot, paths[i], verify, outcome)
             except PageError as exc:
                 out[i] = exc
-                continue
-            if code == 0:
-                out[i] = self._nbytes, (None if verify else tuple(header_sums))
         return True
 
     def _frame_in_slab(self, slot: StagingSlot) -> tuple[Any, int]:
