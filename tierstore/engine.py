@@ -299,20 +299,12 @@ class IOEngine:
             raise
         return False, nbytes
 
-    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool, int] | PageError]:
+    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool, int] | PageError] | None:
         """In an I/O thread: a batch of jobs of one class (``JobQueue``). Loads are read by
-        ``PageFiles.load_many`` (one GIL-free call for the common case); stores run one by one."""
-        if jobs[0].op == "store":
-            out: list[tuple[bool, int] | PageError] = []
-            for job in jobs:
-                try:
-                    out.append(self._run(job))
-                except PageError as exc:
-                    out.append(exc)
-                except Exception as exc:  # a bug fails its own job, not the batch's stored ones
-                    logger.exception("unexpected error in store of key %s", job.key.hex()[:16])
-                    out.append(PageError(f"internal error: {exc!r}", key=job.key))
-            return out
+        ``PageFiles.load_many`` (one GIL-free call for the common case); stores: None, the
+        queue runs them one by one (``_run``)."""
+        if jobs[0].op != "load":
+            return None
         for job in jobs:
             job.slot._source = None
         got = self._do_loads([(job.key, job.slot, job.verify) for job in jobs])

@@ -16,8 +16,8 @@ Contract:
   outside the lock (the owner releases the job's resources there).
 - Batches (``max_batch`` > 1 and a ``run_batch`` hook): a thread that wakes takes its share of
   the queued jobs of the chosen class, ceil(queued / threads) up to ``max_batch``, by the same
-  policy, and hands them to ``run_batch`` in one call (one result or ``PageError`` per job);
-  their completions go in under one lock. Why: with many I/O threads each GIL hand-off (a
+  policy, and hands them to ``run_batch`` in one call (one result or ``PageError`` per job,
+  or None: run them one by one with ``run``); their completions go in under one lock. Why: with many I/O threads each GIL hand-off (a
   wake-up, a contended lock, a native call) costs a scheduler wake-up while the GIL sits idle,
   and a batch pays them once for several pages (docs/measurements/scaling.md). A queue no
   deeper than the threads still runs one job per thread.
@@ -90,7 +90,7 @@ class _Waiter:
 
 Finish = Callable[[Job, "PageError | None", bool, int, float], Any]
 Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
-RunBatch = Callable[[list[Job]], list["tuple[bool, int] | PageError"]]
+RunBatch = Callable[[list[Job]], "list[tuple[bool, int] | PageError] | None"]
 
 
 class JobQueue:
@@ -352,10 +352,13 @@ class JobQueue:
                 self._after_run(job, ok, outcome[0])
 
     def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
-        """``run_batch`` on ``jobs``: one outcome per job, as ``_execute`` makes them."""
+        """``run_batch`` on ``jobs``: one outcome per job, as ``_execute`` makes them (each job
+        through ``_execute`` when the hook declines the batch)."""
         assert self._run_batch is not None
         try:
             results = self._run_batch(jobs)
+            if results is None:
+                return [self._execute(job) for job in jobs]
             if len(results) != len(jobs):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} jobs")
         except Exception as exc:  # a bug must still come back as a per-key failure
