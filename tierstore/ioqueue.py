@@ -235,11 +235,14 @@ class JobQueue:
             logger.warning("I/O threads still blocked in a system call at close: %s", stuck)
 
     def counts(self) -> dict[str, int]:
-        """A snapshot: ``queued_<op>s`` per class, ``pending`` and ``late_results_dropped``."""
+        """A snapshot: ``queued_<op>s`` per class, ``pending``, ``late_results_dropped``,
+        ``jobs_run`` and, of those, ``jobs_in_batches``."""
         with self._lock:
             out = {f"queued_{op}s": n for op, n in self._waiting.items()}
             out["pending"] = len(self._pending)
             out["late_results_dropped"] = self.late_results_dropped
+            out["jobs_run"] = self.jobs_run
+            out["jobs_in_batches"] = self.batched_jobs
             return out
 
     # ----------------------------------------------------------------- internals

@@ -354,7 +354,7 @@ def _engine_info(impl: dict[str, Any], args: argparse.Namespace) -> dict[str, An
             "threads": args.threads, "odirect_cold_loads": engine.direct_loads,
             "loads_read_with_odirect_last_run": st["loads_odirect"], "header_bytes": engine._header_len(32),
             "io_batch_pages": engine.config.io_batch_pages,
-            "batched_job_share_last_run": round(engine._queue.batched_jobs / max(1, engine._queue.jobs_run), 3)}
+            "batched_job_share_last_run": round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3)}
 
 
 def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: CacheDropper,

@@ -294,10 +294,11 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         # host<->device copies per transfer (adjacent staging slots move in one copy)
         out["store_copies_per_transfer"] = round((c1 - c0) / max(1, b1 - b0), 2)
         out["load_copies_per_transfer"] = round((c2 - c1) / max(1, b2 - b1), 2)
-        out["engine_io_mode"] = engine.stats["io_mode"]
+        st = engine.stats
+        out["engine_io_mode"] = st["io_mode"]
         out["io_batch_pages"] = engine.config.io_batch_pages
-        # of the jobs the I/O threads ran (pipeline and engine alone), those taken in batches
-        out["batched_job_share"] = round(engine._queue.batched_jobs / max(1, engine._queue.jobs_run), 3)
+        # of the jobs the I/O threads ran (the pipeline's), those taken in batches
+        out["batched_job_share"] = round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3)
         # the same engine without the GPU: how much of the gap to raw files is the engine's own
         out.update(engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold,
                                hash_on_cpu=not transfer.checksums_on_gpu))
