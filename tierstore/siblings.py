@@ -56,7 +56,10 @@ def _value(v: Any) -> str:
 
 def identity_differences(mine: Namespace, other: Namespace) -> list[str]:
     """What differs between two namespaces' identities, one line each (``mine`` first)."""
-    a, b = mine.identity_json(), other.identity_json()
+    return _differences(mine.identity_json(), other.identity_json())
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for key in a:
         if key != "groups" and a[key] != b.get(key):
@@ -80,11 +83,11 @@ def identity_differences(mine: Namespace, other: Namespace) -> list[str]:
     return out
 
 
-def _state_dtype_differs(mine: Namespace, other: Namespace) -> bool:
-    a, b = mine.identity_json()["groups"], other.identity_json()["groups"]
-    return len(a) == len(b) and any(
+def _state_dtype_differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ga, gb = a["groups"], b.get("groups") or []
+    return len(ga) == len(gb) and any(
         x.get("kind") == "mamba" and [s[1] for s in x.get("sections", [])] != [s[1] for s in y.get("sections", [])]
-        for x, y in zip(a, b, strict=True))
+        for x, y in zip(ga, gb, strict=True))
 
 
 def sibling_differences(root: str | os.PathLike[str], ns: Namespace,
@@ -97,6 +100,7 @@ def sibling_differences(root: str | os.PathLike[str], ns: Namespace,
                            and e.is_dir(follow_symlinks=False))
     except OSError:
         return []
+    mine = ns.identity_json()
     out = []
     for name in names[:max_scanned]:
         try:
@@ -105,9 +109,10 @@ def sibling_differences(root: str | os.PathLike[str], ns: Namespace,
             continue
         if other.model != ns.model or other.revision != ns.revision or other.digest == ns.digest:
             continue
-        diffs = identity_differences(ns, other)
+        theirs = other.identity_json()
+        diffs = _differences(mine, theirs)
         if diffs:
-            out.append((name, diffs, _state_dtype_differs(ns, other)))
+            out.append((name, diffs, _state_dtype_differs(mine, theirs)))
     return out
 
 
