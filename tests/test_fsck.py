@@ -783,7 +783,9 @@ def test_fsck_gates_its_threads_by_what_pays_off(root: Path, monkeypatch: pytest
     assert rep.reads["limit_max"] >= 32 and rep.reads["max_in_flight"] >= 16  # climbed from 4
     monkeypatch.setattr(fsck_module, "root_latency_s", lambda root: 0.01)  # a 10 ms mount
     slow_root = run_fsck(FsckOptions(root, progress=False))
-    assert slow_root.reads["limit_final"] == 64 and slow_root.reads["max_in_flight"] >= 48
+    # The gate's verdict is the limit; the in-flight peak only shows the threads really ran past
+    # the fast root's start of 4 (a loaded 2-core machine has reached 47 of 64, not always 48).
+    assert slow_root.reads["limit_final"] == 64 and slow_root.reads["max_in_flight"] > 32
     monkeypatch.undo()
     fsck_per_page(monkeypatch)
     assert fsck_module.root_latency_s(root) < fsck_module.SLOW_ROOT_S  # this disk starts low
