@@ -5,6 +5,8 @@
 #   bash tools/device_scaling.sh gpu     # the GPU path at 16 threads, batches 8/1 alternated
 #   bash tools/device_scaling.sh gputests  # the GPU test set and the golden files only
 #   bash tools/device_scaling.sh profile   # py-spy of the GPU path at 16 threads
+#   bash tools/device_scaling.sh launch [1 0 ...]  # the GPU path at 16 threads, Triton kernels launched
+#                                       # through libcuda (1) or Triton (0), alternated in that order
 #   bash tools/device_scaling.sh switch    # the GPU path at 16 threads under other GIL switch intervals
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,7 @@ alternate() {
     done
 }
 case "${1:-tests}" in
-tests|gputests)
+tests|gputests|gputests+launch)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
@@ -44,12 +46,23 @@ tests|gputests)
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
     [ "$1" = gputests ] && exit 0
+    [ "$1" = gputests+launch ] && exec bash "$0" launch "${2:-1 0}"
     alternate cpu 45 "^| MiB" 5 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 512 --repeat 2 \
         --cold-rounds 1 --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker --io-batch-pages
     ;;
 gpu)
     alternate gpu 130 "^| case" 6 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 \
         --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk --io-batch-pages
+    ;;
+launch)
+    # kernels.launch on (1: GIL kept) or off (0: Triton's launcher releases the GIL), paired
+    i=0
+    for v in ${2:-1 0 1 0}; do
+        i=$((i + 1))
+        TIERSTORE_TRITON_LAUNCH=$v timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold \
+            --repeats 2 --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk > "$OUT/launch_${v}_$i.txt" 2>&1
+        echo "TIERSTORE_TRITON_LAUNCH=$v run $i rc=$?"; grep -A6 "^| case" "$OUT/launch_${v}_$i.txt"
+    done
     ;;
 switch)
     # the GPU path at 16 threads under other GIL switch intervals (sys.setswitchinterval; 5 ms is

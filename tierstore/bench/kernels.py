@@ -296,14 +296,14 @@ def _print_sweep(rep: dict[str, Any]) -> None:
     parallel file I/O GB/s (same pages, same threads), PCIe GB/s, ratio to min(PCIe, raw)."""
     pcie = rep["raw_pcie"]
     print("\n| case | thr | store | raw write | PCIe d2h | ratio | load warm | raw read | PCIe h2d | ratio "
-          "| engine-only store | engine-only load | io batch | jobs in batches |")
-    print("|" + "---|" * 14)
+          "| engine-only store | engine-only load | io batch | jobs in batches | direct launches |")
+    print("|" + "---|" * 15)
     for t in rep["transfer"]:
         raw = t["raw_files"]
         print(f"| {t['case'][:48]} | {t['io_threads']} | {t['store_gbps']} | {raw['write_gbps']} | {pcie['d2h_gbps']} "
               f"| {t['store_ratio']} | {t['load_warm_gbps']} | {raw['read_warm_gbps']} | {pcie['h2d_gbps']} "
               f"| {t['load_warm_ratio']} | {t.get('engine_only_store_gbps')} | {t.get('engine_only_load_warm_gbps')} "
-              f"| {t.get('io_batch_pages')} | {t.get('batched_job_share')} |")
+              f"| {t.get('io_batch_pages')} | {t.get('batched_job_share')} | {t.get('direct_launch_share')} |")
 
 
 def _per_page(shape: AttnShape | MambaShape) -> int:

@@ -262,6 +262,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     from tierstore.engine import IOEngine
     from tierstore.format import GroupKind
     from tierstore.kernels import GroupCopier
+    from tierstore.kernels.launch import totals as launch_totals
     from tierstore.kernels.transfer import PageTransfer
     from tierstore.testing.pages import layout_namespace
 
@@ -287,6 +288,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         _warm_up(transfer, engine, ids_cpu, batch)
         pipes = WorkerPipelines(case, engine, transfer, batch, tokens)
         c0, b0 = transfer.host_copies, transfer.batches
+        l0 = launch_totals()
         out.update(_store_timed(pipes, keys, ids_cpu, total))
         c1, b1 = transfer.host_copies, transfer.batches
         out.update(_load_checked(case, pipes, keys, ids_cpu, total, cold))
@@ -294,6 +296,9 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         # host<->device copies per transfer (adjacent staging slots move in one copy)
         out["store_copies_per_transfer"] = round((c1 - c0) / max(1, b1 - b0), 2)
         out["load_copies_per_transfer"] = round((c2 - c1) / max(1, b2 - b1), 2)
+        l1 = launch_totals()  # Triton kernels launched through libcuda (kernels.launch), of all
+        direct, via = l1["direct"] - l0["direct"], l1["via_triton"] - l0["via_triton"]
+        out["direct_launch_share"] = round(direct / max(1, direct + via), 3)
         st = engine.stats
         out["engine_io_mode"] = st["io_mode"]
         out["io_batch_pages"] = engine.config.io_batch_pages

@@ -47,6 +47,7 @@ import os
 import torch
 
 from tierstore.format import PageLayout, checksum_as_int64
+from tierstore.kernels.launch import Launcher
 
 try:
     import triton
@@ -354,6 +355,10 @@ if HAVE_TRITON:
         tl.store(ids_out_ptr + page * bpp + b, tl.where(ok, ids, -1), mask=bm)
         tl.store(ok_ptr + page, ok.to(tl.uint8))
 
+    # Launched through kernels.launch (libcuda, GIL kept) where the compiled kernel allows.
+    _LAUNCH = {"hash_long": Launcher(_hash_long_kernel), "hash_short": Launcher(_hash_short_kernel),
+               "check_mask": Launcher(_check_mask_kernel)}
+
 
 def check_and_mask(sums: torch.Tensor, meta: torch.Tensor, want_col: int, ids: torch.Tensor,
                    ids_out: torch.Tensor, ok_out: torch.Tensor) -> None:
@@ -377,8 +382,9 @@ def check_and_mask(sums: torch.Tensor, meta: torch.Tensor, want_col: int, ids: t
         raise ValueError(f"meta {tuple(meta.shape)}, sums {tuple(sums.shape)}, ids {tuple(ids.shape)} do not match")
     if tuple(ids_out.shape) != (n, bpp) or not ids_out.is_contiguous() or ok_out.numel() < n:
         raise ValueError(f"ids_out must be contiguous [{n}, {bpp}] and ok_out hold {n} flags")
-    _check_mask_kernel[(n,)](sums, meta, ids, ids_out, ok_out, n_sec, bpp, meta.stride(0), want_col, ids.stride(0),
-                             SEC=triton.next_power_of_2(n_sec), BPP=triton.next_power_of_2(bpp), num_warps=1)
+    _LAUNCH["check_mask"].launch((n,), sums, meta, ids, ids_out, ok_out, n_sec, bpp, meta.stride(0), want_col,
+                                 ids.stride(0), SEC=triton.next_power_of_2(n_sec), BPP=triton.next_power_of_2(bpp),
+                                 num_warps=1)
 
 
 class SectionHasher:
@@ -436,15 +442,16 @@ class SectionHasher:
             tab, long_desc, short_desc = (t.to(pages.device) for t in (tab, long_desc, short_desc))
         if self.n_long:
             align = (pages.data_ptr() | stride) & 15
-            _hash_long_kernel[(n * self.n_long,)](
-                pages, tab, long_desc, out, n, stride, n_cols,
+            _LAUNCH["hash_long"].launch(
+                (n * self.n_long,), pages, tab, long_desc, out, n, stride, n_cols,
                 N_KEYS=N_KEYS, NB=LONG_NB, ALIGNED=align % 8 == 0, VEC2=align == 0,
                 num_warps=LONG_WARPS,
             )
         if self.n_short:
             items = n * self.n_short
-            _hash_short_kernel[(triton.cdiv(items, SHORT_BLOCK),)](
-                pages, tab, short_desc, out, items, n, stride, n_cols, BLOCK=SHORT_BLOCK, num_warps=2,
+            _LAUNCH["hash_short"].launch(
+                (triton.cdiv(items, SHORT_BLOCK),), pages, tab, short_desc, out, items, n, stride, n_cols,
+                BLOCK=SHORT_BLOCK, num_warps=2,
             )
         return out
 

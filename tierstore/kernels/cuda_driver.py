@@ -5,7 +5,8 @@ Why: torch's bindings (``Tensor.copy_``, ``Event.record``, ``Event.query``,
 every such call costs the driving thread a wait to get the GIL back, and that thread's rate
 caps the GPU path (docs/measurements/scaling.md, "Session 5"). The calls below take a few
 microseconds, so holding the GIL through them is cheaper than handing it over: they are
-bound through ``ctypes.PyDLL`` (which keeps the GIL) to ``libcuda``.
+bound through ``ctypes.PyDLL`` (which keeps the GIL) to ``libcuda``. ``kernels.launch`` uses
+``launch_kernel`` for Triton kernels on the same grounds.
 
 Contract: ``driver()`` returns a ``Driver`` or None (no libcuda, a symbol missing, or
 ``TIERSTORE_CUDA_DRIVER=0``: callers then use torch's calls, same effect). Pointers are unified virtual addresses (device memory
@@ -30,7 +31,8 @@ CUDA_ERROR_NOT_READY = 600
 
 
 class Driver:
-    """GIL-holding bindings of cuMemcpyAsync, cuEventRecord, cuEventQuery, cuStreamWaitEvent."""
+    """GIL-holding bindings of cuMemcpyAsync, cuEventRecord, cuEventQuery, cuStreamWaitEvent,
+    cuLaunchKernel."""
 
     def __init__(self, lib: ctypes.PyDLL) -> None:
         u64, vp, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
@@ -42,6 +44,10 @@ class Driver:
         self._query.argtypes, self._query.restype = [vp], ctypes.c_int
         self._wait = lib.cuStreamWaitEvent
         self._wait.argtypes, self._wait.restype = [vp, vp, ctypes.c_uint], ctypes.c_int
+        ui = ctypes.c_uint
+        self._launch = lib.cuLaunchKernel
+        self._launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp]
+        self._launch.restype = ctypes.c_int
 
     @staticmethod
     def _check(code: int, what: str) -> None:
@@ -66,6 +72,13 @@ class Driver:
     def wait_event(self, stream: int, event: int) -> None:
         """Make ``stream`` wait (on the GPU) for the event's last record."""
         self._check(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    def launch_kernel(self, function: int, gx: int, gy: int, gz: int, block_x: int, shared: int, stream: int,
+                      params: ctypes.Array[ctypes.c_void_p]) -> None:
+        """Queue ``function`` (a CUfunction) on ``stream``: grid (gx, gy, gz) of ``block_x``
+        threads, ``shared`` bytes of dynamic shared memory, ``params`` one pointer per kernel
+        parameter (``kernels.launch`` builds them as Triton's launcher does)."""
+        self._check(self._launch(function, gx, gy, gz, block_x, 1, 1, shared, stream, params, None), "cuLaunchKernel")
 
 
 @functools.cache

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from tierstore.format import PageLayout
 from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE, PagesArg, PlannedCopier, SectionCopy
+from tierstore.kernels.launch import Launcher
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,9 @@ def _page_copy_kernel(
     else:
         vals = tl.load(src_base + src_off, mask=mask)
         tl.store(page_base + dst_off, vals, mask=mask)
+
+
+_COPY_LAUNCH = Launcher(_page_copy_kernel)  # through libcuda, GIL kept, where the kernel allows
 
 
 @dataclass(frozen=True)
@@ -406,13 +410,13 @@ class TritonCopier(PlannedCopier):
                 meta = dict(NF=NF, ROWS=launch.rows, COLS=launch.cols, ROW_DIMS=launch.row_dims,
                             SCATTER=scatter, ZERO=launch.zero, STRIDED=table is None, num_warps=self.num_warps)
                 try:
-                    _page_copy_kernel[grid](*args, VEC=launch.vec, **meta)
+                    _COPY_LAUNCH.launch(grid, *args, VEC=launch.vec, **meta)
                 except Exception as exc:  # a Triton build that rejects the hints: run without them
                     if launch.vec == 1 or not _is_compile_error(exc):
                         raise
                     logger.warning("Triton rejected 16-byte alignment hints (%s); copying without them", exc)
                     launch.vec = 1
-                    _page_copy_kernel[grid](*args, VEC=1, **meta)
+                    _COPY_LAUNCH.launch(grid, *args, VEC=1, **meta)
 
     def gather(self, block_ids: torch.Tensor, pages: PagesArg) -> None:
         """Blocks -> pages: every byte of each page is written (sections, and zero gaps)."""
