@@ -4,9 +4,12 @@
 #   bash tools/device_scaling.sh tests   # the GPU test set, then the CPU path, batches 8/1 alternated
 #   bash tools/device_scaling.sh gpu     # the GPU path at 16 threads, batches 8/1 alternated
 #   bash tools/device_scaling.sh gputests  # the GPU test set and the golden files only
+#   bash tools/device_scaling.sh gputests+MODE [ARG]  # the GPU test set, then MODE
 #   bash tools/device_scaling.sh profile   # py-spy of the GPU path at 16 threads
 #   bash tools/device_scaling.sh launch [1 0 ...]  # the GPU path at 16 threads, Triton kernels launched
 #                                       # through libcuda (1) or Triton (0), alternated in that order
+#   bash tools/device_scaling.sh chunks    # CPU-path stores at 16 threads, 16 and 2 MiB pages, the native
+#                                       # store in 256 KiB chunks or in one piece, alternated
 #   bash tools/device_scaling.sh switch    # the GPU path at 16 threads under other GIL switch intervals
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,21 +41,28 @@ alternate() {
     done
 }
 case "${1:-tests}" in
-tests|gputests|gputests+launch)
-    timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
+tests|gputests|gputests+*)
+    timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_store_chunks.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
         tests/bench/test_bench_kernels.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
     [ "$1" = gputests ] && exit 0
-    [ "$1" = gputests+launch ] && exec bash "$0" launch "${2:-1 0}"
+    case "$1" in gputests+*) exec bash "$0" "${1#gputests+}" "${@:2}";; esac
     alternate cpu 45 "^| MiB" 5 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 512 --repeat 2 \
         --cold-rounds 1 --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker --io-batch-pages
     ;;
-gpu)
-    alternate gpu 130 "^| case" 6 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 \
-        --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk --io-batch-pages
+chunks)
+    # native_page.STORE_CHUNK_BYTES: 256 KiB (hash and write chunk by chunk) or 1 TiB (one piece)
+    i=0
+    for mib in ${2:-16 2}; do
+        for c in 262144 1099511627776 262144 1099511627776; do
+            i=$((i + 1))
+            timeout 100 python -c "import sys, runpy; import tierstore.native_page as n; n.STORE_CHUNK_BYTES = $c; sys.argv = ['tierstore', 'bench', 'io', '--no-vllm', '--page-mib', '$mib', '--total-mib', '4096', '--repeat', '3', '--cold-rounds', '1', '--warm-passes', '1', '--root', '/dev/shm/tsb', '--threads', '16', '--slots', 'worker']; runpy.run_module('tierstore', run_name='__main__')" > "$OUT/chunks_${mib}_${c}_$i.txt" 2>&1
+            echo "page MiB $mib chunk bytes $c run $i rc=$?"; grep "ratios\|tierstore st" "$OUT/chunks_${mib}_${c}_$i.txt"
+        done
+    done
     ;;
 launch)
     # kernels.launch on (1: GIL kept) or off (0: Triton's launcher releases the GIL), paired
@@ -63,6 +73,10 @@ launch)
             --repeats 2 --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk > "$OUT/launch_${v}_$i.txt" 2>&1
         echo "TIERSTORE_TRITON_LAUNCH=$v run $i rc=$?"; grep -A6 "^| case" "$OUT/launch_${v}_$i.txt"
     done
+    ;;
+gpu)
+    alternate gpu 130 "^| case" 6 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 \
+        --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk --io-batch-pages
     ;;
 switch)
     # the GPU path at 16 threads under other GIL switch intervals (sys.setswitchinterval; 5 ms is

@@ -55,7 +55,7 @@ def _kernel(signature: dict[str, Any], **md: Any) -> SimpleNamespace:
 def test_prepare_packs_by_the_compiled_signature() -> None:
     sig = {"a_ptr": "*u8", "n": "constexpr", "stride": "i64", "count": "i32", "B": "constexpr"}
     plan = prepare(_kernel(sig), ["a_ptr", "n", "stride", "count", "B"], 4)
-    assert plan is not None
+    assert not isinstance(plan, str)
     assert plan.function == 77 and plan.block_x == 128 and plan.shared == 512
     assert plan.positions == [0, 2, 3] and plan.is_pointer == [True, False, False]
     assert len(plan.holders) == 5  # three parameters, then the global and profile scratch (null)
@@ -76,22 +76,21 @@ def test_prepare_packs_by_the_compiled_signature() -> None:
 ])
 def test_prepare_leaves_what_it_cannot_launch_exactly_to_triton(sig: dict[str, Any], md: dict[str, Any],
                                                                    n_args: int) -> None:
-    assert prepare(_kernel(sig, **md), list(sig), n_args) is None
+    assert isinstance(prepare(_kernel(sig, **md), list(sig), n_args), str)  # the reason
 
 
 def test_prepare_refuses_a_triton_without_scratch_fields() -> None:
     k = _kernel({"a_ptr": "*u8"})
     del k.metadata.profile_scratch_size  # an older launch ABI
-    assert prepare(k, ["a_ptr"], 1) is None
+    assert prepare(k, ["a_ptr"], 1) == "profile_scratch_size=absent"
 
 
 def test_off_switch_and_cpu_go_through_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     launch.enabled.cache_clear()
-    monkeypatch.setenv("TIERSTORE_TRITON_LAUNCH", "0")
-    try:
+    with monkeypatch.context() as env:
+        env.setenv("TIERSTORE_TRITON_LAUNCH", "0")
         assert not launch.enabled()
-    finally:
-        launch.enabled.cache_clear()
+    launch.enabled.cache_clear()  # decided again without the switch
     calls: list[tuple[Any, ...]] = []
 
     class FakeJit:
@@ -105,6 +104,20 @@ def test_off_switch_and_cpu_go_through_triton(monkeypatch: pytest.MonkeyPatch) -
     launcher.launch((3,), torch.zeros(2), B=1)
     assert [(grid, kw) for grid, _, kw in calls] == [((3,), {"B": 1})] * 2
     assert launcher.counts() == {"direct": 0, "via_triton": 2}
+
+
+def test_launch_hooks_send_launches_through_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6 keeps its launch hooks as chains of calls (empty: none set), older ones as None."""
+    from triton import knobs
+
+    chain = SimpleNamespace(calls=[])
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain, raising=False)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None, raising=False)
+    assert not launch._hooks_set()
+    chain.calls.append(print)  # a profiler hooked in
+    assert launch._hooks_set()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print, raising=False)
+    assert launch._hooks_set()
 
 
 # --- on a CUDA device ---------------------------------------------------------------------------
@@ -127,6 +140,7 @@ def test_direct_launches_match_tritons_and_a_wrong_pointer_is_caught(monkeypatch
     from tierstore.kernels.checksum import SectionHasher, check_and_mask
 
     assert launch.enabled(), "libcuda and a known Triton launch ABI are expected on the device"
+    assert not launch._hooks_set()
     case = AttentionCase("bfloat16")
     views, ids = case.build("LBHNC", 8, "cuda")
     copier = GroupCopier(views, case.layout, 1, [1, 1], backend="triton")
@@ -158,6 +172,7 @@ def test_direct_launches_match_tritons_and_a_wrong_pointer_is_caught(monkeypatch
     after = {k: _direct(k) for k in before}
     assert after["copy"] > before["copy"] and after["check_mask"] > before["check_mask"]
     assert after["hash_long"] + after["hash_short"] > before["hash_long"] + before["hash_short"]
+    assert not launch.refusals(), launch.refusals()
 
     # The negative control: direct launches that get the next page's address where the pages
     # start hash pages 1-4 instead of 0-3, and the comparison says so.

@@ -262,6 +262,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     from tierstore.engine import IOEngine
     from tierstore.format import GroupKind
     from tierstore.kernels import GroupCopier
+    from tierstore.kernels.launch import refusals as launch_refusals
     from tierstore.kernels.launch import totals as launch_totals
     from tierstore.kernels.transfer import PageTransfer
     from tierstore.testing.pages import layout_namespace
@@ -299,6 +300,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         l1 = launch_totals()  # Triton kernels launched through libcuda (kernels.launch), of all
         direct, via = l1["direct"] - l0["direct"], l1["via_triton"] - l0["via_triton"]
         out["direct_launch_share"] = round(direct / max(1, direct + via), 3)
+        out["launch_refusals"] = launch_refusals()
         st = engine.stats
         out["engine_io_mode"] = st["io_mode"]
         out["io_batch_pages"] = engine.config.io_batch_pages

@@ -104,18 +104,19 @@ class _Prepared:
     params: Any  # void*[] pointing at the holders and the two (null) scratch pointers
 
 
-def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | None:
-    """The launch plan of a Triton CompiledKernel, or None when it must go through Triton."""
+def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | str:
+    """The launch plan of a Triton CompiledKernel, or why it must go through Triton."""
     md = kernel.metadata
-    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "launch_pdl", False) or getattr(md, "tensordesc_meta", None)
-            or getattr(md, "global_scratch_size", None) != 0 or getattr(md, "profile_scratch_size", None) != 0
-            or getattr(md, "instrumentation_mode", "") not in ("", None)):
-        return None
+    for field, ok in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
+                      ("global_scratch_size", 0), ("profile_scratch_size", 0)):
+        if getattr(md, field, None) != ok:
+            return f"{field}={getattr(md, field, 'absent')}"
+    if getattr(md, "tensordesc_meta", None) or getattr(md, "instrumentation_mode", "") not in ("", None):
+        return "tensor descriptors or instrumentation"
     signature = getattr(getattr(kernel, "src", None), "signature", None)
     function = getattr(kernel, "function", None)
     if not isinstance(signature, dict) or not function:
-        return None
+        return "no signature or function handle on the compiled kernel"
     positions: list[int] = []
     is_pointer: list[bool] = []
     holders: list[Any] = []
@@ -123,7 +124,7 @@ def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | None:
         if ty == "constexpr":
             continue
         if not isinstance(ty, str) or name not in arg_names or arg_names.index(name) >= n_args:
-            return None  # a tuple, a descriptor, or passed by keyword
+            return f"parameter {name} ({ty}): a tuple, a descriptor, or passed by keyword"
         if ty.startswith("*"):
             holders.append(ctypes.c_uint64())
             is_pointer.append(True)
@@ -131,7 +132,7 @@ def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | None:
             holders.append(_CTYPE[ty]())
             is_pointer.append(False)
         else:
-            return None
+            return f"parameter {name} of type {ty}"
         positions.append(arg_names.index(name))
     scratch = [ctypes.c_uint64(0), ctypes.c_uint64(0)]
     holders += scratch
@@ -145,6 +146,15 @@ def totals() -> dict[str, int]:
     return {k: sum(c[k] for c in counts) for k in ("direct", "via_triton")}
 
 
+def refusals() -> dict[str, int]:
+    """Why specializations of the process's Launchers go through Triton (reason: how many)."""
+    out: dict[str, int] = {}
+    for lw in list(_ALL):
+        for why, n in lw.refused.items():
+            out[why] = out.get(why, 0) + n
+    return out
+
+
 class Launcher:
     """Launches of one ``@triton.jit`` function, through libcuda where the compiled kernel allows."""
 
@@ -152,7 +162,8 @@ class Launcher:
         self.jit_fn = jit_fn
         self._arg_names: list[str] = list(getattr(jit_fn, "arg_names", []))
         self._lock = threading.Lock()
-        self._prepared: dict[tuple[Any, ...], _Prepared | None] = {}
+        self._prepared: dict[tuple[Any, ...], _Prepared | None] = {}  # None: Triton launches it
+        self.refused: dict[str, int] = {}  # why a specialization goes through Triton, and how many
         self._direct = 0
         self._via_triton = 0
         _ALL.append(self)
@@ -168,7 +179,7 @@ class Launcher:
             key = (torch.cuda.current_device(), *key)
             with self._lock:
                 plan = self._prepared.get(key)
-                if plan is not None:
+                if plan is not None and not _hooks_set():
                     self._launch_direct(drv, plan, grid, args)
                     self._direct += 1
                     return
@@ -178,7 +189,10 @@ class Launcher:
             if key is not None and key not in self._prepared:
                 if hasattr(kernel, "result"):
                     kernel = kernel.result()
-                self._prepared[key] = prepare(kernel, self._arg_names, len(args)) if _no_hooks() else None
+                plan = prepare(kernel, self._arg_names, len(args))
+                if isinstance(plan, str):
+                    self.refused[plan] = self.refused.get(plan, 0) + 1
+                self._prepared[key] = None if isinstance(plan, str) else plan
 
     @staticmethod
     def _launch_direct(drv: Driver, plan: _Prepared, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
@@ -192,11 +206,13 @@ class Launcher:
         drv.launch_kernel(plan.function, gx, gy, gz, plan.block_x, plan.shared, stream, plan.params)
 
 
-def _no_hooks() -> bool:
+def _hooks_set() -> bool:
+    """Whether Triton's launch hooks (a profiler's) are set: then Triton launches, to call them.
+    Triton 3.6 keeps them as HookChain objects (a list of calls), older ones as None or a callable."""
     try:
         from triton import knobs
 
-        return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     except (ImportError, AttributeError):
-        return False
-
+        return True
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
