@@ -69,8 +69,8 @@ launch)
     i=0
     for v in ${2:-1 0 1 0}; do
         i=$((i + 1))
-        TIERSTORE_TRITON_LAUNCH=$v timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold \
-            --repeats 2 --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk > "$OUT/launch_${v}_$i.txt" 2>&1
+        TIERSTORE_TRITON_LAUNCH=$v timeout 200 python -m tierstore bench kernels --skip-kernels --no-cold \
+            --repeats "${REPEATS:-2}" --transfer-mib "${TRANSFER_MIB:-2048}" --io-threads 16 --root /dev/shm/tsk > "$OUT/launch_${v}_$i.txt" 2>&1
         echo "TIERSTORE_TRITON_LAUNCH=$v run $i rc=$?"; grep -A6 "^| case" "$OUT/launch_${v}_$i.txt"
     done
     ;;

@@ -28,11 +28,12 @@ import os
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
+CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 
 
 class Driver:
     """GIL-holding bindings of cuMemcpyAsync, cuEventRecord, cuEventQuery, cuStreamWaitEvent,
-    cuLaunchKernel."""
+    cuLaunchKernel, cuPointerGetAttribute."""
 
     def __init__(self, lib: ctypes.PyDLL) -> None:
         u64, vp, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
@@ -44,6 +45,8 @@ class Driver:
         self._query.argtypes, self._query.restype = [vp], ctypes.c_int
         self._wait = lib.cuStreamWaitEvent
         self._wait.argtypes, self._wait.restype = [vp, vp, ctypes.c_uint], ctypes.c_int
+        self._attr = lib.cuPointerGetAttribute
+        self._attr.argtypes, self._attr.restype = [vp, ctypes.c_int, u64], ctypes.c_int
         ui = ctypes.c_uint
         self._launch = lib.cuLaunchKernel
         self._launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp]
@@ -72,6 +75,16 @@ class Driver:
     def wait_event(self, stream: int, event: int) -> None:
         """Make ``stream`` wait (on the GPU) for the event's last record."""
         self._check(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    def device_pointer(self, host_ptr: int) -> int:
+        """The device address of pinned host memory (under unified addressing the same number);
+        raises ValueError for memory the GPU cannot reach (pageable), as Triton's launcher does."""
+        out = ctypes.c_uint64()
+        code = self._attr(ctypes.byref(out), CU_POINTER_ATTRIBUTE_DEVICE_POINTER, host_ptr)
+        if code != CUDA_SUCCESS:
+            raise ValueError(f"host pointer {host_ptr:#x} cannot be accessed from the GPU (not pinned?): "
+                             f"CUDA error {code}")
+        return out.value
 
     def launch_kernel(self, function: int, gx: int, gy: int, gz: int, block_x: int, shared: int, stream: int,
                       params: ctypes.Array[ctypes.c_void_p]) -> None:

@@ -12,7 +12,9 @@ How: ``Launcher(jit_fn).launch(grid, *args, **constexprs)`` has the effect of
 Triton, which compiles (or loads) and launches it, and returns its compiled kernel. That kernel
 is kept under a key at least as fine as Triton's own specialization: per positional argument
 a tensor's dtype and whether its address is 16-byte aligned, an int's width class, whether it
-is 1, and whether it divides by 16; the keyword values; the device. Equal keys therefore mean
+is 1, and whether it divides by 16; the keyword values; the device. A host tensor (pinned
+memory the kernel writes over PCIe, as the hash and check results) gets its device address from
+``cuPointerGetAttribute`` at each launch, as Triton's launcher does (pageable memory: ValueError). Equal keys therefore mean
 the same compiled kernel. Later launches with that key pack the arguments by the compiled
 kernel's own signature (pointers and i32/i64/u64 ints; constexpr entries skipped, then Triton's
 two scratch pointers, null) into preallocated ctypes holders and call ``cuLaunchKernel``
@@ -79,9 +81,10 @@ def spec_key(args: tuple[Any, ...], constexprs: dict[str, Any]) -> tuple[Any, ..
     parts: list[Any] = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.device.type != "cuda":
+            dev = a.device.type
+            if dev not in ("cuda", "cpu"):
                 return None
-            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+            parts.append((a.dtype, a.data_ptr() % 16 == 0, dev))  # cpu: pinned memory, checked per launch
         elif isinstance(a, bool):
             parts.append(("b", a))
         elif isinstance(a, int):
@@ -100,11 +103,12 @@ class _Prepared:
     shared: int
     positions: list[int]  # for each kernel parameter, the positional argument it takes
     is_pointer: list[bool]
+    on_host: list[bool]  # a host tensor (pinned memory): its device address asked per launch
     holders: list[Any]  # ctypes values, refilled per launch (under the Launcher's lock)
     params: Any  # void*[] pointing at the holders and the two (null) scratch pointers
 
 
-def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | str:
+def prepare(kernel: Any, arg_names: list[str], args: tuple[Any, ...]) -> _Prepared | str:
     """The launch plan of a Triton CompiledKernel, or why it must go through Triton."""
     md = kernel.metadata
     for field, ok in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
@@ -123,7 +127,7 @@ def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | str:
     for name, ty in signature.items():
         if ty == "constexpr":
             continue
-        if not isinstance(ty, str) or name not in arg_names or arg_names.index(name) >= n_args:
+        if not isinstance(ty, str) or name not in arg_names or arg_names.index(name) >= len(args):
             return f"parameter {name} ({ty}): a tuple, a descriptor, or passed by keyword"
         if ty.startswith("*"):
             holders.append(ctypes.c_uint64())
@@ -137,7 +141,10 @@ def prepare(kernel: Any, arg_names: list[str], n_args: int) -> _Prepared | str:
     scratch = [ctypes.c_uint64(0), ctypes.c_uint64(0)]
     holders += scratch
     params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
-    return _Prepared(int(function), 32 * int(md.num_warps), int(md.shared), positions, is_pointer, holders, params)
+    on_host = [ptr and isinstance(args[pos], torch.Tensor) and args[pos].device.type == "cpu"
+               for pos, ptr in zip(positions, is_pointer, strict=True)]
+    return _Prepared(int(function), 32 * int(md.num_warps), int(md.shared), positions, is_pointer, on_host,
+                     holders, params)
 
 
 def totals() -> dict[str, int]:
@@ -189,16 +196,16 @@ class Launcher:
             if key is not None and key not in self._prepared:
                 if hasattr(kernel, "result"):
                     kernel = kernel.result()
-                plan = prepare(kernel, self._arg_names, len(args))
+                plan = prepare(kernel, self._arg_names, args)
                 if isinstance(plan, str):
                     self.refused[plan] = self.refused.get(plan, 0) + 1
                 self._prepared[key] = None if isinstance(plan, str) else plan
 
     @staticmethod
     def _launch_direct(drv: Driver, plan: _Prepared, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
-        for holder, pos, ptr in zip(plan.holders, plan.positions, plan.is_pointer, strict=False):
+        for holder, pos, ptr, host in zip(plan.holders, plan.positions, plan.is_pointer, plan.on_host, strict=False):
             a = args[pos]
-            holder.value = a.data_ptr() if ptr else a
+            holder.value = (drv.device_pointer(a.data_ptr()) if host else a.data_ptr()) if ptr else a
         gx = grid[0]
         gy = grid[1] if len(grid) > 1 else 1
         gz = grid[2] if len(grid) > 2 else 1
