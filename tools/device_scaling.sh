@@ -90,7 +90,7 @@ switch)
     ;;
 profile)
     # py-spy (carried wheel): every thread with idle samples, then only the thread holding the GIL
-    for mode in idle gil; do
+    for mode in ${2:-idle gil}; do
         timeout 200 "$(python -c "import sysconfig; print(sysconfig.get_path('scripts'))")/py-spy" record --threads --$mode --rate 200 --format raw -o "$OUT/prof_$mode.txt" -- \
             python -m tierstore bench kernels --skip-kernels --no-cold --repeats 1 --transfer-mib 2048 \
             --io-threads 16 --root /dev/shm/tsp > "$OUT/prof_${mode}_bench.txt" 2>&1
