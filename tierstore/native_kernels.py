@@ -14,20 +14,8 @@ What makes caching possible: C functions are called by symbol through ``_c_funct
 intrinsics (resolved by LLVM when the code is loaded), not through ctypes pointers, which numba
 cannot cache. ``XXH3_64bits`` is the loaded xxhash extension's own (``native._build`` makes its
 symbols visible with ``llvmlite.binding.load_library_permanently`` first, and checks the
-compiled hash against ``xxhash.xxh3_64_intdigest`` before any use); so are the streaming
-``XXH3_createState``/``XXH3_64bits_reset``/``_update``/``_digest``/``XXH3_freeState`` of
-``store_page``'s chunked path (the same digest as ``XXH3_64bits`` of the whole input). The
-declarations match the ctypes prototypes used before: ``openat`` always gets its mode argument
-(0 unless creating).
-
-``store_page`` hashes and writes a page in chunks (``native_page.STORE_CHUNK_BYTES``, 256 KiB, an
-argument) when it computes the sums itself and the temp is not opened with O_DIRECT: each chunk
-is hashed (one XXH3 stream per section; a chunk may cut through sections and gaps) and then
-written with ``pwrite`` at its file offset, so the write's copy into the page cache reads it from
-the CPU cache; the header (the sums now known) goes last, at offset 0. Hashing the whole page and
-then writing it read every byte from memory twice. Given sums, O_DIRECT (DMA) or a page of one
-chunk: the one-shot path (hash, fill the header, ``write_file``). Same bytes either way
-(``tests/test_native_store_chunks.py``); docs/DESIGN.md, "Native kernels".
+compiled hash against ``xxhash.xxh3_64_intdigest`` before any use). The declarations match the
+ctypes prototypes used before: ``openat`` always gets its mode argument (0 unless creating).
 
 numba's cache is keyed on this file (its path, size and time stamp) and the CPU: the codes this
 module takes from ``native`` and ``native_page`` are baked in, so a change to them must touch

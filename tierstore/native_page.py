@@ -21,10 +21,7 @@ this module holds what is specific to one page file:
 - ``store_page``: if the final name exists, nothing else (names are content addresses);
   otherwise zero the gaps, hash the sections (or take the caller's sums), write the header
   (``HeaderTemplate.fill``'s bytes) right before the page, create the temp (O_EXCL), write, cut
-  the O_DIRECT padding, fsync if asked, close and rename over the final name. When it hashes
-  the sections itself and the temp is not O_DIRECT, a page of more than ``STORE_CHUNK_BYTES``
-  (256 KiB) is hashed and written chunk by chunk (each chunk written right after it is hashed,
-  while in cache: one pass over the page's memory instead of two), the header last at offset 0.
+  the O_DIRECT padding, fsync if asked, close and rename over the final name.
 
 Why: per page, the Python around the I/O (numba dispatch of a dozen arguments, header parse
 and fill, the array wrappers) cost about as much GIL time as the rest of the engine; with 16
