@@ -50,7 +50,6 @@ from tierstore.native_page import (
     LOAD_BAD_GAP,
     LOAD_BAD_HEADER,
     LOAD_BAD_SUM,
-    STORE_CHUNKS,
     VERIFY_TOKENS,
 )
 
@@ -94,12 +93,6 @@ def _c_function(name: str, ret: str, params: tuple[str, ...], unsigned: bool = F
 
 
 xxh3 = _c_function("XXH3_64bits", "i64", ("i64", "i64"), unsigned=True)
-# Streaming XXH3 (store_page's chunked path): the same digest as XXH3_64bits of the whole input.
-xxh3_create_state = _c_function("XXH3_createState", "i64", ())  # 64-byte aligned (576 bytes); 0: no memory
-xxh3_free_state = _c_function("XXH3_freeState", "i32", ("i64",))
-xxh3_reset = _c_function("XXH3_64bits_reset", "i32", ("i64",))
-xxh3_update = _c_function("XXH3_64bits_update", "i32", ("i64", "i64", "i64"))
-xxh3_digest = _c_function("XXH3_64bits_digest", "i64", ("i64",), unsigned=True)
 openat = _c_function("openat", "i32", ("i32", "i64", "i32", "i32"))  # with its mode, as creating
 close = _c_function("close", "i32", ("i32",))
 fstat = _c_function("fstat", "i32", ("i32", "i64"))
@@ -149,21 +142,23 @@ def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any,
             out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
     return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
 
-@numba.njit(inline="always")
-def write_all(f: int, buf: int, start: int, end: int) -> bool:
-    # pwrite file bytes [start, end) from ``buf`` (the address of file offset 0).
-    off = start
-    while off < end:
-        n = pwrite(f, buf + off, end - off, off)
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=_CACHE)
+def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
+               do_fsync: int) -> int:
+    # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
+    # fsync if asked, close, rename over the final name; on any failure the temp is removed
+    # and the final name untouched. ``tmp``/``final``: addresses of NUL-terminated names.
+    f = openat(d, tmp, file_flags, mode)
+    if f < 0:
+        return STORE_FAILED
+    off = 0
+    ok = True
+    while ok and off < length:
+        n = pwrite(f, buf + off, length - off, off)
         if n <= 0:
-            return False
-        off += n
-    return True
-
-@numba.njit(inline="always")
-def finish_file(d: int, f: int, tmp: int, final: int, ok: bool, length: int, exact_len: int, do_fsync: int) -> int:
-    # After the writes (``ok``: all done): cut the O_DIRECT padding, fsync if asked, close,
-    # rename over the final name; on any failure the temp is removed and the final name untouched.
+            ok = False
+        else:
+            off += n
     if ok and exact_len < length and ftruncate(f, exact_len) != 0:
         ok = False
     if ok and do_fsync != 0 and fsync(f) != 0:
@@ -175,17 +170,6 @@ def finish_file(d: int, f: int, tmp: int, final: int, ok: bool, length: int, exa
     if not ok:
         unlinkat(d, tmp, 0)
     return 0 if ok else STORE_FAILED
-
-@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=_CACHE)
-def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
-               do_fsync: int) -> int:
-    # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
-    # fsync if asked, close, rename over the final name; on any failure the temp is removed
-    # and the final name untouched. ``tmp``/``final``: addresses of NUL-terminated names.
-    f = openat(d, tmp, file_flags, mode)
-    if f < 0:
-        return STORE_FAILED
-    return finish_file(d, f, tmp, final, write_all(f, buf, 0, length), length, exact_len, do_fsync)
 
 
 t = numba.types
@@ -201,7 +185,7 @@ f_getfl, f_setfl, o_direct = 3, 4, getattr(os, "O_DIRECT", 0)
 load_open_failed, load_not_plain, load_cold, load_read_failed = LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED
 store_exists, store_no_dir = STORE_EXISTS, STORE_NO_DIR
 bad_header, bad_sum, bad_gap, bad_section = LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP, _BAD_SECTION
-verify_tokens, store_chunks = VERIFY_TOKENS, STORE_CHUNKS
+verify_tokens = VERIFY_TOKENS
 
 @numba.njit(inline="always")
 def get_u64(a: Any, at: int) -> Any:  # little-endian, as format.py's structs
@@ -293,40 +277,13 @@ def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: in
                 return bad_gap
     return got
 
-@numba.njit(inline="always")
-def fill_header(frame: Any, file_off: int, blank: Any, names: Any, key_at: int, key_off: int, token_off: int,
-                token_count: int, sum_offsets: Any, sums: Any, sum_off: int) -> None:
-    # HeaderTemplate.fill's bytes at frame[file_off:]: the template, key, token count, the
-    # section sums and the header checksum.
-    for j in range(blank.shape[0]):
-        frame[file_off + j] = blank[j]
-    for i in range(names.shape[0] - key_at):
-        frame[file_off + key_off + i] = names[key_at + i]
-    for b in range(4):
-        frame[file_off + token_off + b] = numba.uint8((token_count >> (8 * b)) & 0xFF)
-    for i in range(sum_offsets.shape[0]):
-        put_u64(frame, file_off + sum_offsets[i], sums[i])
-    put_u64(frame, file_off + sum_off, xxh3(frame.ctypes.data + file_off, sum_off))
-
-@numba.njit(inline="always")
-def spans_in_order(spans: Any, end: int) -> bool:
-    # The sections one after another within [0, end) (what the chunked store walks through).
-    at = 0
-    for i in range(spans.shape[0]):
-        if spans[i, 0] < at or spans[i, 1] < spans[i, 0]:
-            return False
-        at = spans[i, 1]
-    return at <= end
-
-@numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, i64, rows, rows,
+@numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, rows, rows,
                 bytes_ro, vec, i64, i64, i64, i64, sums_ro, sums_t, scratch_t), nogil=True, cache=_CACHE)
 def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int,
                file_flags: int, mode: int, frame: Any, file_off: int, length: int, exact_len: int, do_fsync: int,
-               chunk: int, spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int,
-               sum_off: int, token_count: int, given: Any, sums: Any, scratch: Any) -> int:
+               spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
+               token_count: int, given: Any, sums: Any, scratch: Any) -> int:
     # names: fan-out dir, temp name, final name (NUL-terminated), then the key bytes.
-    # scratch: [0:18] struct stat, [STORE_CHUNKS] the page chunks the chunked path wrote (or tried).
-    scratch[store_chunks] = 0
     d = openat(rank_fd, names.ctypes.data, dir_flags, 0)
     if d < 0:
         return store_no_dir
@@ -340,65 +297,21 @@ def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int
         for j in range(gaps[g, 0], gaps[g, 1]):
             frame[page + j] = 0
     base = frame.ctypes.data + file_off
-    tmp = names.ctypes.data + tmp_at
-    final = names.ctypes.data + final_at
-    # Hash and write chunk by chunk when the sums are computed here and the write goes through
-    # the page cache: the write's copy then reads each chunk from the CPU cache, right after
-    # the hash pulled it from memory (one pass over the page's memory, not two). O_DIRECT
-    # writes are DMA (nothing to gain); a page of one chunk takes the one-shot path.
-    state = 0
-    if (given.shape[0] == 0 and chunk > 0 and (file_flags & o_direct) == 0 and length - hl > chunk
-            and spans_in_order(spans, length - hl)):
-        state = xxh3_create_state()  # 0 (no memory): the one-shot path
-    if state == 0:
-        if given.shape[0]:
-            sums[:] = given
-        else:
-            hash_spans(base + hl, spans, 0, spans.shape[0], sums)
-        fill_header(frame, file_off, blank, names, key_at, key_off, token_off, token_count, sum_offsets, sums,
-                    sum_off)
-        code = write_file(d, tmp, final, file_flags, mode, base, length, exact_len, do_fsync)
-        close(d)
-        return code
-    f = openat(d, tmp, file_flags, mode)
-    if f < 0:
-        xxh3_free_state(state)
-        close(d)
-        return STORE_FAILED
-    # The page body in chunks of file bytes [c0, c1); a chunk may cut through sections and
-    # gaps: each section's digest is taken once its last byte is hashed (sections in order,
-    # one stream open at a time). Then the header (the sums now known) at offset 0.
-    n_sec = spans.shape[0]
-    sec = 0
-    started = False
-    ok = True
-    c0 = hl
-    while ok and c0 < length:
-        c1 = min(c0 + chunk, length)
-        p0 = c0 - hl
-        p1 = c1 - hl
-        while sec < n_sec and (spans[sec, 0] < p1 or spans[sec, 1] <= p1):
-            if not started:
-                xxh3_reset(state)
-                started = True
-            a = max(spans[sec, 0], p0)
-            b = min(spans[sec, 1], p1)
-            if b > a:
-                xxh3_update(state, base + hl + a, b - a)
-            if spans[sec, 1] > p1:
-                break  # continues in the next chunk
-            sums[sec] = xxh3_digest(state)
-            started = False
-            sec += 1
-        scratch[store_chunks] += 1
-        ok = write_all(f, base, c0, c1)
-        c0 = c1
-    xxh3_free_state(state)
-    if ok:  # every section ended within the page (spans_in_order): every sum taken
-        fill_header(frame, file_off, blank, names, key_at, key_off, token_off, token_count, sum_offsets, sums,
-                    sum_off)
-        ok = write_all(f, base, 0, hl)
-    code = finish_file(d, f, tmp, final, ok, length, exact_len, do_fsync)
+    if given.shape[0]:
+        sums[:] = given
+    else:
+        hash_spans(base + hl, spans, 0, spans.shape[0], sums)
+    for j in range(hl):
+        frame[file_off + j] = blank[j]
+    for i in range(names.shape[0] - key_at):
+        frame[file_off + key_off + i] = names[key_at + i]
+    for b in range(4):
+        frame[file_off + token_off + b] = numba.uint8((token_count >> (8 * b)) & 0xFF)
+    for i in range(sum_offsets.shape[0]):
+        put_u64(frame, file_off + sum_offsets[i], sums[i])
+    put_u64(frame, file_off + sum_off, xxh3(base, sum_off))
+    code = write_file(d, names.ctypes.data + tmp_at, names.ctypes.data + final_at, file_flags, mode, base,
+                      length, exact_len, do_fsync)
     close(d)
     return code
 

@@ -53,10 +53,6 @@ from tierstore.format import HeaderTemplate, PageLayout
 LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP = -6, -7, -8
 _BAD_SECTION = 25  # scratch slot holding the first section whose checksum differs
 VERIFY_TOKENS = 27  # verify_pages: scratch slot holding a good page's token count
-STORE_CHUNKS = 28  # store_page: scratch slot counting the chunks its chunked path wrote (0: one-shot)
-# store_page hashes and writes a page in chunks of this many bytes (module docstring); read at
-# each call (tests make it small). A page of one chunk or less is written in one piece.
-STORE_CHUNK_BYTES = 256 << 10
 # Scratch slots of ``struct stat`` (x86-64 Linux) that verify_pages' callers read.
 ST_DEV, ST_INO, ST_NLINK, ST_MODE, ST_SIZE, ST_MTIME, ST_MTIME_NS, ST_CTIME, ST_CTIME_NS = 0, 1, 2, 3, 6, 11, 12, 13, 14
 
@@ -184,8 +180,8 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
     final_at = tmp_at + len(tmp_name) + 1
     given = np.array(sums if sums is not None else (), dtype=np.uint64)
     return int(kernels[1](rank_fd, names, tmp_at, final_at, final_at + len(final_name) + 1, flags[0], flags[1],
-                          mode, frame, file_off, length, shape.size, int(fsync), STORE_CHUNK_BYTES, shape.spans,
-                          shape.gaps, shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
+                          mode, frame, file_off, length, shape.size, int(fsync), shape.spans, shape.gaps,
+                          shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
                           token_count, given, np.empty(shape.sections, dtype=np.uint64),
                           np.empty(32, dtype=np.int64)))
 
