@@ -157,7 +157,7 @@ def _build() -> Any:
     import xxhash._xxhash as ext
     from llvmlite import binding
 
-    # The kernels call XXH3_64bits by symbol: make the loaded extension's symbols visible to
+    # The kernels call XXH3 by symbol (native_kernels._xxh3_symbol): make the loaded extension's symbols visible to
     # LLVM (at compile and at cache load) before the kernels' module is imported.
     binding.load_library_permanently(ext.__file__)
     global cache_kernels

@@ -12,9 +12,9 @@ takes a fraction of a second.
 
 What makes caching possible: C functions are called by symbol through ``_c_function``'s
 intrinsics (resolved by LLVM when the code is loaded), not through ctypes pointers, which numba
-cannot cache. ``XXH3_64bits`` is the loaded xxhash extension's own (``native._build`` makes its
-symbols visible with ``llvmlite.binding.load_library_permanently`` first, and checks the
-compiled hash against ``xxhash.xxh3_64_intdigest`` before any use). The declarations match the
+cannot cache. XXH3 is the loaded xxhash extension's own, ``XXH3_64bits_dispatch`` where it is
+exported, else ``XXH3_64bits`` (``_xxh3_symbol``). ``native._build`` makes its symbols visible with ``llvmlite.binding.load_library_permanently`` first, and checks the
+compiled hash against ``xxhash.xxh3_64_intdigest`` before any use. The declarations match the
 ctypes prototypes used before: ``openat`` always gets its mode argument (0 unless creating).
 
 numba's cache is keyed on this file (its path, size and time stamp) and the CPU: the codes this
@@ -92,7 +92,24 @@ def _c_function(name: str, ret: str, params: tuple[str, ...], unsigned: bool = F
     return intrinsic(scope[name])
 
 
-xxh3 = _c_function("XXH3_64bits", "i64", ("i64", "i64"), unsigned=True)
+def _xxh3_symbol() -> str:
+    """The XXH3-64 entry point the kernels call: xxhash's x86 builds export a dispatcher that
+    picks AVX2/AVX-512 code where the CPU has it (what ``xxhash.xxh3_64_intdigest`` calls),
+    while ``XXH3_64bits`` is the SSE2 build: 8.9 against 12.4 GB/s over 16 MiB on the 2-core
+    EPYC, 12.4 against 16.2 GB/s over 64 KiB (docs/DESIGN.md, "Native kernels"). Same digests.
+    ``TIERSTORE_XXH3_SYMBOL=XXH3_64bits`` takes the SSE2 one (paired measurements; numba's cache
+    keeps the symbol it compiled with, so give each choice its own ``NUMBA_CACHE_DIR``)."""
+    import ctypes
+
+    import xxhash._xxhash as ext
+
+    if os.environ.get("TIERSTORE_XXH3_SYMBOL") == "XXH3_64bits":
+        return "XXH3_64bits"
+    return "XXH3_64bits_dispatch" if hasattr(ctypes.CDLL(ext.__file__), "XXH3_64bits_dispatch") else "XXH3_64bits"
+
+
+XXH3_SYMBOL = _xxh3_symbol()
+xxh3 = _c_function(XXH3_SYMBOL, "i64", ("i64", "i64"), unsigned=True)
 openat = _c_function("openat", "i32", ("i32", "i64", "i32", "i32"))  # with its mode, as creating
 close = _c_function("close", "i32", ("i32",))
 fstat = _c_function("fstat", "i32", ("i32", "i64"))

@@ -8,8 +8,8 @@
 #   bash tools/device_scaling.sh profile   # py-spy of the GPU path at 16 threads
 #   bash tools/device_scaling.sh launch [1 0 ...]  # the GPU path at 16 threads, Triton kernels launched
 #                                       # through libcuda (1) or Triton (0), alternated in that order
-#   bash tools/device_scaling.sh chunks    # CPU-path stores at 16 threads, 16 and 2 MiB pages, the native
-#                                       # store in 256 KiB chunks or in one piece, alternated
+#   bash tools/device_scaling.sh xxh3      # the CPU path, the kernels' XXH3 through xxhash's dispatcher or
+#                                       # its SSE2 XXH3_64bits, alternated (2 MiB at 4-16 threads, 16 MiB at 16)
 #   bash tools/device_scaling.sh switch    # the GPU path at 16 threads under other GIL switch intervals
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,14 +53,18 @@ tests|gputests|gputests+*)
     alternate cpu 45 "^| MiB" 5 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 512 --repeat 2 \
         --cold-rounds 1 --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker --io-batch-pages
     ;;
-chunks)
-    # native_page.STORE_CHUNK_BYTES: 256 KiB (hash and write chunk by chunk) or 1 TiB (one piece)
+xxh3)
+    # the native kernels' XXH3: xxhash's dispatcher (AVX2/AVX-512) or its SSE2 XXH3_64bits,
+    # alternated; each with its own numba cache (the cache keeps the symbol it compiled with)
     i=0
-    for mib in ${2:-16 2}; do
-        for c in 262144 1099511627776 262144 1099511627776; do
+    for spec in "2 4,8,16 512" "16 16 4096"; do
+        set -- $spec
+        for sym in XXH3_64bits_dispatch XXH3_64bits XXH3_64bits_dispatch XXH3_64bits; do
             i=$((i + 1))
-            timeout 100 python -c "import sys, runpy; import tierstore.native_page as n; n.STORE_CHUNK_BYTES = $c; sys.argv = ['tierstore', 'bench', 'io', '--no-vllm', '--page-mib', '$mib', '--total-mib', '4096', '--repeat', '3', '--cold-rounds', '1', '--warm-passes', '1', '--root', '/dev/shm/tsb', '--threads', '16', '--slots', 'worker']; runpy.run_module('tierstore', run_name='__main__')" > "$OUT/chunks_${mib}_${c}_$i.txt" 2>&1
-            echo "page MiB $mib chunk bytes $c run $i rc=$?"; grep "ratios\|tierstore st" "$OUT/chunks_${mib}_${c}_$i.txt"
+            TIERSTORE_XXH3_SYMBOL=$sym NUMBA_CACHE_DIR=/tmp/numba-$sym timeout 100 python -m tierstore bench io \
+                --no-vllm --page-mib "$1" --total-mib "$3" --repeat 2 --cold-rounds 1 --warm-passes 2 \
+                --root /dev/shm/tsb --threads "$2" --slots worker > "$OUT/xxh3_$1_${sym}_$i.txt" 2>&1
+            echo "page MiB $1 $sym run $i rc=$?"; grep -A5 "^| MiB" "$OUT/xxh3_$1_${sym}_$i.txt" | grep -v "^|---"
         done
     done
     ;;
