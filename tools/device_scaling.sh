@@ -42,7 +42,7 @@ alternate() {
 }
 case "${1:-tests}" in
 tests|gputests|gputests+*)
-    timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_store_chunks.py tests/kernels tests/vllm/test_worker_gpu.py \
+    timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
         tests/bench/test_bench_kernels.py > "$OUT/gpu_tests.txt" 2>&1
