@@ -82,6 +82,20 @@ gpu)
     alternate gpu 130 "^| case" 6 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 \
         --transfer-mib 2048 --io-threads 16 --root /dev/shm/tsk --io-batch-pages
     ;;
+nice)
+    # the I/O threads at a lower CPU priority (os.setpriority on each thread: nice N), alternated:
+    # does the thread that drives the transfers wait for a core, not for the GIL?
+    i=0
+    for n in ${2:-5 0 5 0}; do
+        i=$((i + 1))
+        timeout 200 python -c "import os, sys, runpy; from tierstore import ioqueue as q; run = q.JobQueue._thread
+def niced(self, run=run):
+    import threading; os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), $n) if $n else None
+    run(self)
+q.JobQueue._thread = niced; sys.argv = ['tierstore', 'bench', 'kernels', '--skip-kernels', '--no-cold', '--repeats', '${REPEATS:-2}', '--transfer-mib', '${TRANSFER_MIB:-4096}', '--io-threads', '16', '--root', '/dev/shm/tsk']; runpy.run_module('tierstore', run_name='__main__')" > "$OUT/nice_${n}_$i.txt" 2>&1
+        echo "I/O threads nice $n run $i rc=$?"; grep -A6 "^| case" "$OUT/nice_${n}_$i.txt" | grep -v "^|---"
+    done
+    ;;
 switch)
     # the GPU path at 16 threads under other GIL switch intervals (sys.setswitchinterval; 5 ms is
     # CPython's default): how much of the driver's GIL waiting is forced switches
