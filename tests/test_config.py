@@ -15,11 +15,12 @@ ROOT = {"root": "/mnt/kvcache"}
 def test_defaults_and_a_full_valid_config() -> None:
     cfg = TierStoreConfig.from_dict(dict(ROOT))
     assert (cfg.codec, cfg.odirect, cfg.io_threads, cfg.max_bytes) == ("none", "auto", default_io_threads(), None)
+    assert cfg.transfer_scratch_mib is None  # automatic: kernels.scratch.transfer_scratch_pages
     full = TierStoreConfig.from_dict({
         **ROOT, "local_root": "/nvme/kv", "local_max_bytes": 1 << 30, "host_bytes": 0, "max_bytes": 1 << 40,
         "gc_interval_s": 60, "codec": "zstd", "zstd_level": 3, "io_threads": 8, "fsync": True,
         "odirect": "off", "flush_timeout_s": 0, "chunk_tokens": 256, "namespace_tag": "prod",
-        "staging_slots": 32,
+        "staging_slots": 32, "transfer_scratch_mib": 128,
     })
     assert full.root_path.as_posix() == "/mnt/kvcache" and full.zstd_level == 3
 
@@ -39,6 +40,8 @@ def test_defaults_and_a_full_valid_config() -> None:
     ({"chunk_tokens": 0}, "chunk_tokens"),
     ({"staging_slots": 1}, "staging_slots"),
     ({"staging_slots": True}, "staging_slots"),
+    ({"transfer_scratch_mib": 0}, "transfer_scratch_mib"),
+    ({"transfer_scratch_mib": 1.5}, "transfer_scratch_mib"),
     ({"shared_touch_interval_s": -1.0}, "shared_touch_interval_s"),
     ({"flush_timeout_s": -1}, "flush_timeout_s"),
     ({"flush_timeout_s": "soon"}, "flush_timeout_s"),

@@ -139,3 +139,17 @@ def test_a_failing_batch_call_falls_back_to_one_by_one(tmp_path: Path, monkeypat
         assert eng._queue.batched_jobs >= 8
     finally:
         eng.close()
+
+
+def test_batches_hold_at_most_16_mib_of_pages(tmp_path: Path) -> None:
+    """io_batch_pages is cut to 16 MiB of pages (large pages go one by one: a thread holding
+    several while others idle cost 16 MiB loads ~12%), and the engine runs with the cut value."""
+    from tierstore.engine import io_batch_for
+
+    mib = 1 << 20
+    assert [io_batch_for(8, p * mib) for p in (1, 2, 4, 8, 16, 64)] == [8, 8, 4, 2, 1, 1]
+    assert io_batch_for(1, 2 * mib) == 1 and io_batch_for(32, 256 * 1024) == 32
+    cfg = TierStoreConfig(root=str(tmp_path), io_threads=2, io_batch_pages=8)
+    with IOEngine(tmp_path, crash_namespace(), 0, config=cfg) as engine:
+        page = engine.layout.nbytes
+        assert engine.stats["io_batch_pages"] == io_batch_for(8, page) == min(8, max(1, (16 * mib) // page))

@@ -79,7 +79,8 @@ class TierStoreConfig:
     staging_slots: int | None = None
     # Device memory per KV-cache group for pages between the KV cache and the staging slots
     # (CUDA only; outside vLLM's KV budget, so keep it small). At least one page is always kept.
-    transfer_scratch_mib: int = 64
+    # None: 64 MiB, raised to hold 2 x io_threads pages, at most 512 MiB (kernels.scratch.transfer_scratch_pages).
+    transfer_scratch_mib: int | None = None
     # A root others can write to (issue 17; docs/DESIGN.md, threat model).
     shared_group_access: bool = False  # create files 0660 and directories 2770 (a fleet's service group)
     trust_shared_root: bool = False  # accept a root that other users can write to (trust.py)
@@ -130,11 +131,13 @@ class TierStoreConfig:
                 f'setting "staging_slots" must be an integer >= 2 (page buffers per KV-cache group), '
                 f"got {self.staging_slots!r}; leave it unset to size the pool from max_num_batched_tokens"
             )
-        if not isinstance(self.transfer_scratch_mib, int) or isinstance(self.transfer_scratch_mib, bool) \
-                or self.transfer_scratch_mib < 1:
+        if self.transfer_scratch_mib is not None and (
+                not isinstance(self.transfer_scratch_mib, int) or isinstance(self.transfer_scratch_mib, bool)
+                or self.transfer_scratch_mib < 1):
             raise ConfigError(
                 f'setting "transfer_scratch_mib" must be an integer >= 1 (MiB of GPU memory per KV-cache group '
-                f"for pages in flight), got {self.transfer_scratch_mib!r}")
+                f"for pages in flight), got {self.transfer_scratch_mib!r}; leave it unset to size it from "
+                f"io_threads")
         for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s", "index_refresh_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:

@@ -15,8 +15,8 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
 - Store (``PageFiles.store``): an existing final file counts as stored (``stored=False``)
   before anything is hashed; the caller's section sums, or ours, go into the header. The
   engine takes the slot at submit and gives it back to the pool when the job is done.
-- Batches (``io_batch_pages``): an I/O thread may take several queued jobs of one class at
-  once (``JobQueue``); a batch of loads goes to ``PageFiles.load_many`` (one GIL-free call for
+- Batches (``io_batch_pages``, at most 16 MiB of pages: ``io_batch_for``): an I/O thread may
+  take several queued jobs of one class at once (``JobQueue``); a batch of loads goes to ``PageFiles.load_many`` (one GIL-free call for
   the common case), stores run one by one; every job keeps its own result and failure.
 - Load (``PageFiles.load``): a file of exactly our size is read into the slot's frame, a warm
   one piece by piece (about ``warm_piece_bytes``, each piece hashed while in the CPU cache), a
@@ -83,6 +83,20 @@ from tierstore.trust import check_root_trust
 __all__ = ["ALIGN", "WARM_PIECE_BYTES", "IOEngine", "IOResult", "StagingSlot", "probe_odirect"]
 
 logger = logging.getLogger("tierstore.engine")
+
+# A batch of an I/O thread (io_batch_pages) holds at most this many page bytes.
+IO_BATCH_BYTES = 16 << 20
+
+
+def io_batch_for(io_batch_pages: int, page_bytes: int) -> int:
+    """Pages one I/O thread takes at once: ``io_batch_pages``, but at most ``IO_BATCH_BYTES``
+    of pages, and at least one. A batch saves per-page hand-offs (wake-ups, the GIL), which
+    matter for small pages; a thread holding several large ones while others sit idle costs
+    more: 16 MiB loads at 16 threads were 0.79-0.82x raw with batches of up to 8 and 0.89-0.93x
+    one by one, the I/O threads busy 0.83-0.90 against 0.96-0.97 of the time (stores
+    unchanged; docs/measurements/scaling.md, Session 10). 2 MiB pages keep batches of 8."""
+    return max(1, min(io_batch_pages, IO_BATCH_BYTES // max(1, page_bytes)))
+
 
 _MAX_UNSETTLED = 4096  # unverified load results remembered for ``settle`` (oldest forgotten)
 
@@ -161,7 +175,7 @@ class IOEngine:
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
                                finish=self._finish, after_run=self._after_run,
                                where=lambda key: self.mapper.final_path(key), run_batch=self._run_batch,
-                               max_batch=self.config.io_batch_pages)
+                               max_batch=io_batch_for(self.config.io_batch_pages, self.layout.nbytes))
 
     @property
     def direct_loads(self) -> bool:
@@ -278,7 +292,7 @@ class IOEngine:
         s.update(self._queue.counts())
         s.update(io_mode="odirect" if self.odirect else "buffered", odirect_reason=self.odirect_reason,
                  codec=self.codec.name.lower(), free_slots=self._pool.free_count, staging_slots=len(self._pool),
-                 pinned=self.pinned, tier=self.tier_name)
+                 pinned=self.pinned, tier=self.tier_name, io_batch_pages=self._queue.max_batch)
         return s
 
     def expectation(self, key: bytes) -> PageExpectation:

@@ -127,6 +127,7 @@ class JobQueue:
         self.jobs_run = 0  # jobs a thread ran (counters for benches)
         self.batches = 0  # of them: batches of more than one job, and the jobs in those
         self.batched_jobs = 0
+        self.busy_s = 0.0  # the threads' time from taking jobs to completing them (benches: utilisation)
         self._threads = [threading.Thread(target=self._thread, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -234,15 +235,17 @@ class JobQueue:
         if stuck:
             logger.warning("I/O threads still blocked in a system call at close: %s", stuck)
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, int | float]:
         """A snapshot: ``queued_<op>s`` per class, ``pending``, ``late_results_dropped``,
-        ``jobs_run`` and, of those, ``jobs_in_batches``."""
+        ``jobs_run`` and, of those, ``jobs_in_batches``; ``io_busy_s``: the I/O threads' time
+        spent running jobs, summed over threads."""
         with self._lock:
             out = {f"queued_{op}s": n for op, n in self._waiting.items()}
             out["pending"] = len(self._pending)
             out["late_results_dropped"] = self.late_results_dropped
             out["jobs_run"] = self.jobs_run
             out["jobs_in_batches"] = self.batched_jobs
+            out["io_busy_s"] = self.busy_s
             return out
 
     # ----------------------------------------------------------------- internals
@@ -344,9 +347,11 @@ class JobQueue:
                 jobs = self._take_locked()
             if not jobs:
                 continue  # the token of a job completed while queued
+            started = time.perf_counter()
             outcomes = self._execute_batch(jobs) if len(jobs) > 1 else [self._execute(jobs[0])]
             with self._lock:
                 accepted = [self._complete_locked(job, *outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
+                self.busy_s += time.perf_counter() - started
                 self.jobs_run += len(jobs)
                 if len(jobs) > 1:
                     self.batches += 1

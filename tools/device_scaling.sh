@@ -11,6 +11,13 @@
 #   bash tools/device_scaling.sh xxh3      # the CPU path, the kernels' XXH3 through xxhash's dispatcher or
 #                                       # its SSE2 XXH3_64bits, alternated (2 MiB at 4-16 threads, 16 MiB at 16)
 #   bash tools/device_scaling.sh switch    # the GPU path at 16 threads under other GIL switch intervals
+#   bash tools/device_scaling.sh sources   # the CPU path, baseline stores from as many buffers as slots or from 4,
+#                                       # alternated (16 MiB at 16 threads), then 2 MiB at 4-16 threads
+#   bash tools/device_scaling.sh batchmib ["16 64x1 256"]  # the GPU path at 16 threads per transfer batch
+#                                       # size in MiB [x device scratch in batches, default 2]
+#   bash tools/device_scaling.sh iobatch16 # the CPU path, 16 MiB at 16 threads, io_batch_pages 8 and 1 alternated
+#   bash tools/device_scaling.sh ceiling   # tools/store_ceiling.py: memory bandwidth, a store's steps one by
+#                                       # one, raw file I/O and PCIe apart and together; then the benches
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -39,6 +46,11 @@ alternate() {
         timeout "$limit" "$@" "$b" > "$OUT/${name}_b${b}_$i.txt" 2>&1
         echo "$name io_batch_pages=$b run $i rc=$?"; grep -A"$rows" "$table" "$OUT/${name}_b${b}_$i.txt"
     done
+}
+# Touch 24 GiB of this fresh VM's memory once (a tmpfs file, then removed): memory the guest
+# has never touched is slow to fault in, and whichever system ran first paid for it.
+prewarm() {
+    dd if=/dev/zero of=/dev/shm/prewarm bs=16M count=1536 status=none; rm -f /dev/shm/prewarm
 }
 case "${1:-tests}" in
 tests|gputests|gputests+*)
@@ -105,6 +117,57 @@ switch)
         timeout 130 python -c "import sys, runpy; sys.setswitchinterval($si); sys.argv = ['tierstore', 'bench', 'kernels', '--skip-kernels', '--no-cold', '--repeats', '2', '--transfer-mib', '2048', '--io-threads', '16', '--root', '/dev/shm/tsk']; runpy.run_module('tierstore', run_name='__main__')" > "$OUT/switch_${i}_$si.txt" 2>&1
         echo "switch interval $si s rc=$?"; grep -A6 "^| case" "$OUT/switch_${i}_$si.txt"
     done
+    ;;
+sources)
+    prewarm
+    i=0
+    for src in 4 slots 4 slots; do
+        i=$((i + 1))
+        timeout 100 python -m tierstore bench io --no-vllm --page-mib 16 --total-mib 4096 --repeat 2 --cold-rounds 1 \
+            --warm-passes 2 --root /dev/shm/tsb --threads 16 --slots worker --store-sources "$src" > "$OUT/sources_${src}_$i.txt" 2>&1
+        echo "16 MiB, baseline stores from $src buffers, run $i rc=$?"; grep -A3 "^| MiB" "$OUT/sources_${src}_$i.txt" | grep -v "^|---"
+    done
+    timeout 100 python -m tierstore bench io --no-vllm --page-mib 2 --total-mib 1024 --repeat 2 --cold-rounds 1 \
+        --warm-passes 2 --root /dev/shm/tsb --threads 4,8,16 --slots worker > "$OUT/sources_2mib.txt" 2>&1
+    echo "2 MiB rc=$?"; grep -A5 "^| MiB" "$OUT/sources_2mib.txt" | grep -v "^|---"
+    ;;
+iobatch16)
+    # the CPU path, 16 MiB pages at 16 threads, io_batch_pages 8 and 1 alternated (I/O threads' busy share)
+    prewarm
+    i=0
+    for b in 8 1 8 1; do
+        i=$((i + 1))
+        timeout 100 python -m tierstore bench io --no-vllm --page-mib 16 --total-mib 4096 --repeat 2 --cold-rounds 1 \
+            --warm-passes 2 --root /dev/shm/tsb --threads 16 --slots worker --io-batch-pages "$b" > "$OUT/iobatch16_${b}_$i.txt" 2>&1
+        echo "16 MiB, io_batch_pages $b, run $i rc=$?"; grep "run [01]:\|ratios" "$OUT/iobatch16_${b}_$i.txt"
+    done
+    ;;
+batchmib)
+    # each item: transfer batch MiB[xSCRATCH_BATCHES] (default 2 batches of device scratch)
+    i=0
+    for spec in ${2:-16 64 256 64}; do
+        i=$((i + 1))
+        mib=${spec%x*}; sb=2; [ "$spec" != "$mib" ] && sb=${spec#*x}
+        # "auto": the worker's automatic scratch (kernels.scratch.transfer_scratch_pages); SLOTS=N: staging slots
+        timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
+            --io-threads 16 --root /dev/shm/tsk $([ "$mib" != auto ] && echo --batch-mib "$mib") \
+            --scratch-batches "$sb" --slots "${SLOTS:-0}" > "$OUT/batchmib_${spec}_$i.txt" 2>&1
+        echo "batch $mib MiB, scratch $sb batches, run $i rc=$?"; grep -A6 "^| case" "$OUT/batchmib_${spec}_$i.txt" | grep -v "^|---"
+        grep "slot census" "$OUT/batchmib_${spec}_$i.txt"
+    done
+    ;;
+ceiling)
+    python tools/store_ceiling.py membw --threads 1,4,16 2>&1 | tee "$OUT/ceiling_membw.txt"
+    timeout 150 python tools/store_ceiling.py store --root /dev/shm/tsc --threads 16 --page-mib 16,2 --total-mib 4096 \
+        --rounds 5 2>&1 | tee "$OUT/ceiling_store.txt"
+    timeout 150 python tools/store_ceiling.py composed --root /dev/shm/tsc --threads 4,8,16 --page-mib 2,16 \
+        --total-mib 2048 --rounds 3 2>&1 | tee "$OUT/ceiling_composed.txt"
+    timeout 100 python -m tierstore bench io --no-vllm --page-mib 16 --total-mib 4096 --repeat 2 --cold-rounds 1 \
+        --warm-passes 2 --root /dev/shm/tsb --threads 16 --slots worker > "$OUT/ceiling_io16.txt" 2>&1
+    echo "bench io 16 MiB rc=$?"; grep -A3 "^| MiB" "$OUT/ceiling_io16.txt"
+    timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 2048 \
+        --io-threads 16 --root /dev/shm/tsk > "$OUT/ceiling_kernels.txt" 2>&1
+    echo "bench kernels rc=$?"; grep -A6 "^| case" "$OUT/ceiling_kernels.txt"
     ;;
 profile)
     # py-spy (carried wheel): every thread with idle samples, then only the thread holding the GIL

@@ -122,3 +122,18 @@ def test_warm_up_on_cpu_is_a_no_op() -> None:
     before = [v.clone() for v in views]
     PageTransfer(GroupCopier(views, case.layout, 2, [1] * case.layers)).warm_up()
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(views, before, strict=True))
+
+
+def test_the_automatic_scratch_holds_two_pages_per_io_thread_within_64_to_512_mib() -> None:
+    """transfer_scratch_mib unset: 64 MiB, raised to 2 x io_threads pages, at most 512 MiB and
+    the staging slots, at least one page; a set value is used as given."""
+    from tierstore.kernels.scratch import transfer_scratch_pages
+
+    mib = 1 << 20
+    assert transfer_scratch_pages(72, 8 * mib, None, 4) == 8  # 64 MiB already holds 2 x 4
+    assert transfer_scratch_pages(72, 8 * mib, None, 16) == 32  # raised: 256 MiB
+    assert transfer_scratch_pages(72, 2 * mib, None, 16) == 32  # 64 MiB holds 32 small pages
+    assert transfer_scratch_pages(24, 8 * mib, None, 16) == 24  # never more than the slots
+    assert transfer_scratch_pages(200, 16 * mib, None, 64) == 32  # at most 512 MiB
+    assert transfer_scratch_pages(72, 1024 * mib, None, 16) == 1  # at least one page
+    assert transfer_scratch_pages(72, 8 * mib, 64 * mib, 16) == 8  # the setting, as given

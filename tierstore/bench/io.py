@@ -54,6 +54,7 @@ import xxhash
 
 from tierstore import native
 from tierstore.bench.page_cache import CacheDropper, prime
+from tierstore.bench.transfer import IoBusy
 from tierstore.config import TierStoreConfig
 from tierstore.engine import ALIGN, IOEngine
 from tierstore.identity import Namespace
@@ -200,9 +201,11 @@ class _Tierstore:
             s.view[:] = sources[s.index % len(sources)]
         self.tag = tag
         self.keys: list[bytes] = []
+        self.io_busy: dict[str, float] = {}  # the I/O threads' busy share of the last store and load
 
     def store(self, n: int, run: int) -> None:
         eng = self.engine
+        io = IoBusy(eng)
         self.keys = [_key(self.tag, run, i) for i in range(n)]
         ids = []
         for k in self.keys:
@@ -213,12 +216,14 @@ class _Tierstore:
         bad = [r.error for r in results if not r.ok]
         if bad or len(results) != n:
             raise RuntimeError(f"tierstore store failed: {bad[:3]} ({len(results)}/{n} finished)")
+        self.io_busy["store"] = io.done("store")["store_io_busy"]
 
     def paths(self) -> list[Path]:
         return [self.engine.mapper.path_for(k) for k in self.keys]
 
     def load(self) -> None:
         eng = self.engine
+        io = IoBusy(eng)
         window = len(eng._slots)
         inflight: list[int] = []
         it = iter(self.keys)
@@ -239,6 +244,7 @@ class _Tierstore:
                 eng.release_slot(r.slot)  # type: ignore[arg-type]
                 inflight.remove(r.job_id)
                 done += 1
+        self.io_busy["load"] = io.done("load")["load_io_busy"]
 
     def close(self) -> None:
         self.engine.close()
@@ -353,7 +359,7 @@ def _engine_info(impl: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     return {"io_mode": st["io_mode"], "odirect_reason": st["odirect_reason"], "codec": st["codec"],
             "threads": args.threads, "odirect_cold_loads": engine.direct_loads,
             "loads_read_with_odirect_last_run": st["loads_odirect"], "header_bytes": engine._header_len(32),
-            "io_batch_pages": engine.config.io_batch_pages,
+            "io_batch_pages": st["io_batch_pages"],
             "batched_job_share_last_run": round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3)}
 
 
@@ -364,8 +370,15 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     ns = bench_namespace(page_bytes)
     tag = f"{page_mib}m"
     g = torch.Generator().manual_seed(page_mib)
-    n_src = 4
-    src_t = torch.randint(0, 256, (n_src, page_bytes), dtype=torch.uint8, generator=g)
+    # the engine's staging slots: its default for this thread count, or the vLLM worker's floor
+    slots = 2 * args.threads + 2 if args.slots == "engine" else 4 * args.threads + 8
+    # Baseline stores read their pages from as many buffers as the engine has slots (4 random
+    # pages, repeated): the memory the engine's stores read. 4 reused 16 MiB sources (64 MiB)
+    # stayed in a 300 MiB L3 while the engine's 72 slots (1.2 GiB) came from DRAM, and made
+    # 16 MiB raw stores look 1.2-1.4x faster (docs/measurements/scaling.md, Session 10).
+    n_src = slots if args.store_sources == "slots" else 4
+    seed = torch.randint(0, 256, (4, page_bytes), dtype=torch.uint8, generator=g)
+    src_t = seed.repeat(-(-n_src // 4), 1)[:n_src].clone()
     sources = [memoryview(src_t[i].numpy()).cast("B") for i in range(n_src)]
     cfg = TierStoreConfig(root=str(root), io_threads=args.threads, odirect=args.odirect,
                           codec=args.codec, fsync=False, deadline_ms=600_000,
@@ -377,8 +390,6 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     engine_info: dict[str, Any] = {}
     vllm_info: dict[str, Any] = {}
     loadavgs: list[float] = []
-    # the engine's staging slots: its default for this thread count, or the vLLM worker's floor
-    slots = 2 * args.threads + 2 if args.slots == "engine" else 4 * args.threads + 8
     for run in range(args.repeat):
         work = root / f"{tag}-run{run}"
         order = systems[run % len(systems):] + systems[: run % len(systems)]
@@ -393,7 +404,8 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
             loadavgs.append(round(os.getloadavg()[0], 2))
             log(f"  {page_mib} MiB run {run}: " + ", ".join(
                 f"{s} st {rates[s]['store'][-1]:.2f}/{rates[s]['store_buffered'][-1]:.2f} "
-                f"ld {rates[s]['load'][-1]:.2f} warm {rates[s]['load_warm'][-1]:.2f}" for s in systems))
+                f"ld {rates[s]['load'][-1]:.2f} warm {rates[s]['load_warm'][-1]:.2f}" for s in systems)
+                + (f" (tierstore I/O threads busy: {impl['tierstore'].io_busy})" if "tierstore" in impl else ""))
         finally:
             if "tierstore" in impl:
                 impl["tierstore"].close()
@@ -487,6 +499,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-buffers", default="slots", choices=("slots", "per-thread"),
                         help="where baseline loads land: as many buffers as the engine has staging slots, "
                              "used in turn (default), or one reused buffer per thread")
+    parser.add_argument("--store-sources", default="slots", choices=("slots", "4"),
+                        help="where baseline stores read their pages: as many buffers as the engine has staging "
+                             "slots (default), or 4 reused buffers (what earlier sessions measured; they stay "
+                             "in the CPU cache)")
     parser.add_argument("--odirect", default="auto", choices=("auto", "on", "off"), help="tierstore odirect setting")
     parser.add_argument("--cold-loads", default="auto", choices=("auto", "buffered"),
                         help="tierstore cold loads: auto (O_DIRECT when it works) or buffered (experiment)")

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tierstore.bench.transfer import GB, median_run, raw_files, raw_pcie, transfer_pipeline
+from tierstore.kernels.scratch import transfer_scratch_pages
 
 
 def _log(msg: str) -> None:
@@ -245,11 +246,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-mib", type=int, default=1024, help="payload MiB per transfer measurement (default 1024)")
     parser.add_argument("--batch", type=int, default=None,
                         help="pages per transfer batch (default: --batch-mib worth of pages)")
-    parser.add_argument("--batch-mib", type=int, default=64,
-                        help="payload per transfer batch when --batch is not given (default 64 MiB, the "
-                             "vLLM worker's transfer_scratch_mib: it batches by bytes too)")
+    parser.add_argument("--batch-mib", type=int, default=None,
+                        help="payload per transfer batch when --batch is not given (default: the pages of the "
+                             "vLLM worker's automatic transfer scratch at this io-threads count, "
+                             "kernels.scratch.transfer_scratch_pages)")
     parser.add_argument("--io-threads", default="4",
                         help="IOEngine and raw-file threads; a comma list (1,4,8,16) sweeps them (default 4)")
+    parser.add_argument("--scratch-batches", type=int, default=2,
+                        help="transfer: device scratch in batches (transfers in flight at most; default 2)")
     parser.add_argument("--slots", type=int, default=0, help="IOEngine staging slots (default max(3 x batch, 4 x io-threads + 8), the vLLM "
                              "worker's floor)")
     parser.add_argument("--io-batch-pages", type=int, default=None,
@@ -288,6 +292,10 @@ def _print(rep: dict[str, Any]) -> None:
                   f"load warm {t['load_warm_gbps']} (x{t['load_warm_ratio']})"
                   + (f", cold {t['load_cold_gbps']} (x{t.get('load_cold_ratio')})" if "load_cold_gbps" in t else "")
                   + "; per-repeat ratio ranges " + ", ".join(f"{k} {a}-{b}" for k, (a, b) in spread.items()))
+            census = {ph: " ".join(f"{k[len(ph) + 7:]} {v}" for k, v in t.items() if k.startswith(f"{ph}_slots_"))
+                      for ph in ("store", "load_warm")}
+            print(f"  slot census (pages, time-weighted, of {t.get('staging_slots')}; scratch {t.get('scratch_pages')} "
+                  f"pages): store: {census['store']}; load: {census['load_warm']}")
         _print_sweep(rep)
 
 
@@ -296,14 +304,17 @@ def _print_sweep(rep: dict[str, Any]) -> None:
     parallel file I/O GB/s (same pages, same threads), PCIe GB/s, ratio to min(PCIe, raw)."""
     pcie = rep["raw_pcie"]
     print("\n| case | thr | store | raw write | PCIe d2h | ratio | load warm | raw read | PCIe h2d | ratio "
-          "| engine-only store | engine-only load | io batch | jobs in batches | direct launches |")
-    print("|" + "---|" * 15)
+          "| engine-only store | engine-only load | io batch | jobs in batches | direct launches "
+          "| I/O busy st/ld | engine-only I/O busy st/ld |")
+    print("|" + "---|" * 17)
     for t in rep["transfer"]:
         raw = t["raw_files"]
         print(f"| {t['case'][:48]} | {t['io_threads']} | {t['store_gbps']} | {raw['write_gbps']} | {pcie['d2h_gbps']} "
               f"| {t['store_ratio']} | {t['load_warm_gbps']} | {raw['read_warm_gbps']} | {pcie['h2d_gbps']} "
               f"| {t['load_warm_ratio']} | {t.get('engine_only_store_gbps')} | {t.get('engine_only_load_warm_gbps')} "
-              f"| {t.get('io_batch_pages')} | {t.get('batched_job_share')} | {t.get('direct_launch_share')} |")
+              f"| {t.get('io_batch_pages')} | {t.get('batched_job_share')} | {t.get('direct_launch_share')} "
+              f"| {t.get('store_io_busy')}/{t.get('load_warm_io_busy')} "
+              f"| {t.get('engine_only_store_io_busy')}/{t.get('engine_only_load_warm_io_busy')} |")
 
 
 def _per_page(shape: AttnShape | MambaShape) -> int:
@@ -367,9 +378,11 @@ def _transfer_repeat(args: argparse.Namespace, case: Case, tmp: Path, bufs: list
     _log(f"transfer: {case.label}: repeat {repeat + 1}/{args.repeats}: raw files")
     raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
     _log(f"raw files {raw}; pipeline")
-    batch = args.batch or max(1, (args.batch_mib << 20) // case.page_layout.nbytes)
+    page = case.page_layout.nbytes
+    batch = args.batch or (max(1, (args.batch_mib << 20) // page) if args.batch_mib
+                           else transfer_scratch_pages(1 << 30, page, None, args.io_threads))
     t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold, slots=args.slots,
-                          io_batch_pages=args.io_batch_pages)
+                          io_batch_pages=args.io_batch_pages, scratch_pages=args.scratch_batches * batch)
     t["raw_files"] = raw
     t["store_ratio"] = round(t["store_gbps"] / min(pcie["d2h_gbps"], raw["write_gbps"]), 3)
     t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pcie["h2d_gbps"], raw["read_warm_gbps"]), 3)

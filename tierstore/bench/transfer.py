@@ -146,6 +146,9 @@ class WorkerPipelines:
         self._job_ids = itertools.count(1)
         self.busy_s = 0.0  # time inside GroupPipelines.step (the driver thread's own work)
         self.wall_s = 0.0  # time inside run
+        # Where the staging slots were, time-weighted over the last run (pages): free, in the
+        # engine (queued or in an I/O thread), read and waiting for scratch, in a transfer.
+        self.slot_census: dict[str, float] = {}
 
     def run(self, op: str, keys: list[bytes], rows: torch.Tensor) -> None:
         """Store (``op="store"``) or load every page of ``keys`` to/from its ``rows`` (kernel
@@ -162,10 +165,21 @@ class WorkerPipelines:
         self.jobs.seal(job)
         last, state = time.perf_counter(), None
         t_run = last
+        pipes, engine = self.pipes, self.pipes.g.engine
+        side = pipes.loads if is_load else pipes.stores
+        census = dict.fromkeys(("free", "in_engine", "waiting_scratch", "in_transfer"), 0.0)
+        t_prev = t_run
         while True:
             t0 = time.perf_counter()
             self.pipes.step()
-            self.busy_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
+            dt, t_prev = t1 - t_prev, t1
+            census["free"] += dt * engine.free_slots
+            census["in_engine"] += dt * side.pending()
+            census["waiting_scratch"] += dt * (len(pipes.loads.ready) if is_load else 0)
+            census["in_transfer"] += dt * sum(len(x.slots) for x in pipes.poller.started(side)
+                                              if not x.slots_released)
             finished = self.jobs.take_finished()
             if finished:
                 break
@@ -178,7 +192,9 @@ class WorkerPipelines:
                                    f"engine {self.pipes.g.engine.stats}")
         if is_load and self.pipes.g.device.type == "cuda":
             torch.cuda.synchronize()
-        self.wall_s += time.perf_counter() - t_run
+        run_s = time.perf_counter() - t_run
+        self.wall_s += run_s
+        self.slot_census = {k: round(v / max(1e-9, run_s), 1) for k, v in census.items()}
         if not finished[0].success:
             raise RuntimeError(f"{op} job failed: {dict(self.counters)}")
 
@@ -197,15 +213,34 @@ def _warm_up(transfer: Any, engine: Any, ids_cpu: torch.Tensor, batch: int) -> N
             engine.release_slot(s)
 
 
+class IoBusy:
+    """The share of a phase's wall time the engine's I/O threads spent running jobs (1.0: every
+    thread busy throughout; lower: they waited for work), and the mean thread time per job."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        st = engine.stats
+        self.busy0, self.jobs0, self.t0 = st["io_busy_s"], st["jobs_run"], time.perf_counter()
+
+    def done(self, prefix: str) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        st = self.engine.stats
+        busy, jobs = st["io_busy_s"] - self.busy0, st["jobs_run"] - self.jobs0
+        return {f"{prefix}_io_busy": round(busy / max(1e-9, wall * self.engine.config.io_threads), 3),
+                f"{prefix}_ms_per_job": round(1000 * busy / max(1, jobs), 3)}
+
+
 def _store_timed(pipes: WorkerPipelines, keys: list[bytes], ids_cpu: torch.Tensor, total: int) -> dict[str, Any]:
     os.sync()
     torch.cuda.synchronize()
+    io = IoBusy(pipes.pipes.g.engine)
     t0 = time.perf_counter()
     busy0, wall0 = pipes.busy_s, pipes.wall_s
     pipes.run("store", keys, ids_cpu)
     store_s = time.perf_counter() - t0
     batches = max(1, pipes.counters["store_batches"])
-    return {"store_s": store_s, "store_gbps": round(total / store_s / GB, 2),
+    return {"store_s": store_s, "store_gbps": round(total / store_s / GB, 2), **io.done("store"),
+            **{f"store_slots_{k}": v for k, v in pipes.slot_census.items()},
             "store_driver_busy": round((pipes.busy_s - busy0) / max(1e-9, pipes.wall_s - wall0), 3),
             "store_failed": sum(v for k, v in pipes.counters.items() if k.startswith("store_failed:")),
             "store_pages_per_transfer": round(len(keys) / batches, 2)}
@@ -229,10 +264,13 @@ def _load_checked(case: Any, pipes: WorkerPipelines, keys: list[bytes], ids_cpu:
         for v in views:
             v[case.block_ids_flat] = 0  # poison
         torch.cuda.synchronize()
+        io = IoBusy(pipes.pipes.g.engine)
         t0 = time.perf_counter()
         busy0, wall0 = pipes.busy_s, pipes.wall_s
         pipes.run("load", keys, ids_cpu)
         out[f"load_{name}_gbps"] = round(total / (time.perf_counter() - t0) / GB, 2)
+        out.update(io.done(f"load_{name}"))
+        out.update({f"load_{name}_slots_{k}": v for k, v in pipes.slot_census.items()})
         # share of the load's wall time the driver thread spent inside step() (not sleeping idle)
         out[f"load_{name}_driver_busy"] = round((pipes.busy_s - busy0) / max(1e-9, pipes.wall_s - wall0), 3)
         got.zero_()
@@ -255,9 +293,10 @@ def default_slots(batch: int, threads: int) -> int:
 
 
 def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0,
-                      io_batch_pages: int | None = None) -> dict[str, Any]:
+                      io_batch_pages: int | None = None, scratch_pages: int = 0) -> dict[str, Any]:
     """Store then load every page of ``case`` through the worker's pipelines (see the module
-    docstring); the engine alone after them. ``slots``: staging slots (default ``default_slots``)."""
+    docstring); the engine alone after them. ``slots``: staging slots (default ``default_slots``);
+    ``scratch_pages``: the transfer's device scratch (default two batches)."""
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.format import GroupKind
@@ -277,12 +316,12 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off",
                              **({} if io_batch_pages is None else {"io_batch_pages": io_batch_pages}))
     n_slots = slots or default_slots(batch, threads)
-    transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=2 * batch)
+    transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=scratch_pages or 2 * batch)
     transfer.warm_up()
     keys = [i.to_bytes(4, "little") * 4 for i in range(n)]
     total = lay.nbytes * n
     out: dict[str, Any] = {"case": case.label, "pages": n, "page_bytes": lay.nbytes, "batch": batch,
-                           "io_threads": threads, "staging_slots": n_slots,
+                           "io_threads": threads, "staging_slots": n_slots, "scratch_pages": transfer.capacity,
                            "checksums_on_gpu": transfer.checksums_on_gpu}
     with IOEngine(root / "ts", ns, 0, config=config, staging_slots=n_slots, pin=True) as engine:
         out["slots_pinned"] = engine.pinned
@@ -303,7 +342,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         out["launch_refusals"] = launch_refusals()
         st = engine.stats
         out["engine_io_mode"] = st["io_mode"]
-        out["io_batch_pages"] = engine.config.io_batch_pages
+        out["io_batch_pages"] = st["io_batch_pages"]
         # of the jobs the I/O threads ran (the pipeline's), those taken in batches
         out["batched_job_share"] = round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3)
         # the same engine without the GPU: how much of the gap to raw files is the engine's own
@@ -322,6 +361,7 @@ def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on
     fake_sums = None if hash_on_cpu else [0] * len(engine.layout.sections)
     total = engine.layout.nbytes * n
     os.sync()
+    io = IoBusy(engine)
     t0 = time.perf_counter()
     submitted = done = 0
     while done < n:
@@ -334,8 +374,11 @@ def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on
         if not res:
             time.sleep(0.0005)
     store_s = time.perf_counter() - t0
+    busy = io.done("engine_only_store")
 
     def load() -> float:
+        nonlocal io
+        io = IoBusy(engine)
         t0 = time.perf_counter()
         submitted = done = 0
         while done < n:
@@ -352,7 +395,8 @@ def engine_only(engine: Any, keys: list[bytes], tokens: int, cold: bool, hash_on
                 time.sleep(0.0005)
         return time.perf_counter() - t0
 
-    out = {"engine_only_store_gbps": round(total / store_s / GB, 2), "engine_only_load_warm_gbps": round(total / load() / GB, 2)}
+    out = {"engine_only_store_gbps": round(total / store_s / GB, 2), **busy,
+           "engine_only_load_warm_gbps": round(total / load() / GB, 2), **io.done("engine_only_load_warm")}
     if cold and drop_page_cache():
         out["engine_only_load_cold_gbps"] = round(total / load() / GB, 2)
     return out

@@ -44,6 +44,7 @@ from tierstore.errors import ConfigError
 from tierstore.format import GroupKind, PageLayout
 from tierstore.identity import Namespace
 from tierstore.kernels import GroupCopier
+from tierstore.kernels.scratch import transfer_scratch_pages
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import attention_view, mamba_state_views
 from tierstore.mapper import FileMapper
@@ -80,13 +81,6 @@ KV_PLANE_BACKENDS = frozenset({"CPU_ATTN"})
 
 # Upper bound of one group's staging pool (pinned host memory on CUDA) when sized automatically.
 STAGING_BYTES_CAP = 1 << 30
-
-def transfer_scratch_pages(staging_slots: int, page_bytes: int, scratch_bytes: int) -> int:
-    """Scratch pages of one group's PageTransfer (device memory on CUDA, outside vLLM's KV
-    budget: setting ``transfer_scratch_mib``): never more than the staging slots (a page in
-    flight holds one), at most ``scratch_bytes``, at least one page."""
-    return max(1, min(staging_slots, scratch_bytes // max(page_bytes, 1)))
-
 
 def staging_slots_for(max_num_batched_tokens: int, tokens_per_chunk: int, page_bytes: int,
                       io_threads: int, override: int | None = None) -> int:
@@ -284,9 +278,11 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                               f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
         # The header records which KV heads (Mamba/GDN slice: units) this rank's file holds.
         engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
+        scratch_mib = self.ts_config.transfer_scratch_mib
         transfer = PageTransfer(copier, device,
                                 scratch_pages=transfer_scratch_pages(
-                                    slots, layout.nbytes, self.ts_config.transfer_scratch_mib << 20))
+                                    slots, layout.nbytes, scratch_mib << 20 if scratch_mib is not None else None,
+                                    self.ts_config.io_threads))
         transfer.warm_up()  # compile now: loading a kernel later could stall a forward pass
         logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
                     "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
