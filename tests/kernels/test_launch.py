@@ -188,10 +188,10 @@ def test_direct_launches_match_tritons_and_a_wrong_pointer_is_caught(monkeypatch
     assert hasher.hash(head).cpu().tolist() == expect[:4]  # this shape's kernel is prepared
     real = Launcher._launch_direct
 
-    def shifted(drv: Any, plan: Any, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+    def shifted(drv: Any, plan: Any, grid: tuple[int, ...], args: tuple[Any, ...], device: int) -> None:
         if isinstance(args[0], torch.Tensor) and args[0].data_ptr() == head.data_ptr():
             args = (pages[1:5], *args[1:])
-        real(drv, plan, grid, args)
+        real(drv, plan, grid, args, device)
 
     monkeypatch.setattr(Launcher, "_launch_direct", staticmethod(shifted))
     assert hasher.hash(head).cpu().tolist() == expect[1:5] != expect[:4]

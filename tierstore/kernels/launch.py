@@ -183,11 +183,12 @@ class Launcher:
         drv = driver() if enabled() else None
         key = spec_key(args, constexprs) if drv is not None else None
         if drv is not None and key is not None:
-            key = (torch.cuda.current_device(), *key)
+            device = torch.cuda.current_device()
+            key = (device, *key)
             with self._lock:
                 plan = self._prepared.get(key)
                 if plan is not None and not _hooks_set():
-                    self._launch_direct(drv, plan, grid, args)
+                    self._launch_direct(drv, plan, grid, args, device)
                     self._direct += 1
                     return
         kernel = self.jit_fn[grid](*args, **constexprs)
@@ -202,14 +203,15 @@ class Launcher:
                 self._prepared[key] = None if isinstance(plan, str) else plan
 
     @staticmethod
-    def _launch_direct(drv: Driver, plan: _Prepared, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+    def _launch_direct(drv: Driver, plan: _Prepared, grid: tuple[int, ...], args: tuple[Any, ...],
+                       device: int) -> None:
         for holder, pos, ptr, host in zip(plan.holders, plan.positions, plan.is_pointer, plan.on_host, strict=False):
             a = args[pos]
             holder.value = (drv.device_pointer(a.data_ptr()) if host else a.data_ptr()) if ptr else a
         gx = grid[0]
         gy = grid[1] if len(grid) > 1 else 1
         gz = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(device)
         drv.launch_kernel(plan.function, gx, gy, gz, plan.block_x, plan.shared, stream, plan.params)
 
 
