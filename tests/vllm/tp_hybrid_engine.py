@@ -40,7 +40,7 @@ def cpu_mamba2_without_prefill_checkpoints() -> None:
     return (``_mamba_chunk_scan_combined_fwd_cpu`` gives final states only), so any Mamba2
     hybrid with prefix caching fails with ``IndexError`` in ``conv_ssm_forward`` (with or
     without tierstore). Without checkpoints the scheduler splits prefills at block boundaries
-    instead. Applied in every process that imports this script (vLLM's workers re-import it)."""
+    instead. Applied at import: forked workers inherit it, spawned ones re-import this script."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 

@@ -6,8 +6,8 @@ connector's counters, and shuts the engine down (flushing its stores). A second 
 fresh engine with an empty KV pool, so any hit it gets comes from the files under ``root``.
 
 ``run_engine_script`` runs one of the multiprocess engine scripts (``tp_engine.py``,
-``tp_hybrid_engine.py``: TP=2 needs vLLM's multiprocess executor, whose workers re-import the
-script) and collects its ``RESULT`` lines.
+``tp_hybrid_engine.py``: TP=2 needs vLLM's multiprocess executor, whose engine core and workers
+are forked from the script, ``tp_engine.fork_engine_processes``) and collects its ``RESULT`` lines.
 
 Page helpers find, order (by vLLM's block hashes) and damage page files.
 """
@@ -37,17 +37,18 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_engine_script(script: str, args: list[str], phases: int) -> tuple[dict[str, dict[str, Any]], str]:
+def run_engine_script(script: str, args: list[str], phases: int,
+                      extra_env: dict[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
     """Run ``tests/vllm/<script> ARGS`` (TP=2 engines: one core per rank, skipped on a 1-core
-    machine) and return its results by phase and its stdout + stderr; fails unless it exits 0
-    with ``phases`` results."""
+    machine; ``extra_env`` added to its environment) and return its results by phase and its
+    stdout + stderr; fails unless it exits 0 with ``phases`` results."""
     import pytest
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=str(here.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60")
+               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60", **(extra_env or {}))
     proc = subprocess.run([sys.executable, str(here / script), *args], capture_output=True, text=True, env=env,
                           timeout=900)
     results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
