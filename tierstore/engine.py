@@ -16,8 +16,9 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   before anything is hashed; the caller's section sums, or ours, go into the header. The
   engine takes the slot at submit and gives it back to the pool when the job is done.
 - Batches (``io_batch_pages``, at most 16 MiB of pages: ``io_batch_for``): an I/O thread may
-  take several queued jobs of one class at once (``JobQueue``); a batch of loads goes to ``PageFiles.load_many`` (one GIL-free call for
-  the common case), stores run one by one; every job keeps its own result and failure.
+  take several queued jobs of one class at once (``JobQueue``); a batch of loads goes to
+  ``PageFiles.load_many`` (one GIL-free call for the common case), stores run one by one;
+  every job keeps its own result and failure.
 - Load (``PageFiles.load``): a file of exactly our size is read into the slot's frame, a warm
   one piece by piece (about ``warm_piece_bytes``, each piece hashed while in the CPU cache), a
   cold one with O_DIRECT in one request; any other file goes through the general reader, which

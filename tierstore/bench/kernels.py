@@ -379,6 +379,7 @@ def _transfer_repeat(args: argparse.Namespace, case: Case, tmp: Path, bufs: list
     raw = raw_files(tmp, bufs, args.io_threads, cold=not args.no_cold)
     _log(f"raw files {raw}; pipeline")
     page = case.page_layout.nbytes
+    # by default the worker's automatic scratch, with no slot cap (the bench sizes slots from it)
     batch = args.batch or (max(1, (args.batch_mib << 20) // page) if args.batch_mib
                            else transfer_scratch_pages(1 << 30, page, None, args.io_threads))
     t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold, slots=args.slots,

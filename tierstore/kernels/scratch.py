@@ -57,10 +57,10 @@ def transfer_scratch_pages(staging_slots: int, page_bytes: int, scratch_bytes: i
 
     ``scratch_bytes`` None (the default): 64 MiB, raised to 2 x ``io_threads`` pages, at most
     512 MiB. The scratch caps the pages of one transfer, and a transfer of fewer pages than
-    there are I/O threads leaves threads waiting: at 16 threads with 6.5-8 MiB pages, 64 MiB
-    (8 pages) kept them busy 0.75-0.89 of the time and 256 MiB (32 pages) 0.85-0.92, for
-    ~20% more GB/s both ways (docs/measurements/scaling.md, Session 10). Small pages or few
-    threads keep 64 MiB."""
+    there are I/O threads leaves threads waiting: at 16 threads with 4-8 MiB pages, 64 MiB
+    kept them busy 0.75-0.89 of the time and the automatic size 0.84-0.89; +8% stores and +4%
+    loads at the worker's 72 staging slots, 6-21% with 96 (docs/measurements/scaling.md,
+    Session 10). Small pages or few threads keep 64 MiB."""
     page = max(page_bytes, 1)
     if scratch_bytes is None:
         pages = max(AUTO_SCRATCH_MIN_BYTES // page, AUTO_SCRATCH_PAGES_PER_THREAD * io_threads)
