@@ -53,3 +53,28 @@ def fsck_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(NativeBatch, "ready", staticmethod(lambda: False))
     return request.param
 
+
+
+# The test files that start engine processes, slowest first (seconds in a serial CI run). Under
+# two workers (tools/test.sh: ``-n 2 --dist loadfile``) a file is a unit of work handed to the
+# next free worker in collection order: starting these first keeps a 5-minute file from being
+# the tail of the run. Within a file the order is unchanged.
+SLOW_FILES_FIRST = (
+    "test_vllm_tp_mamba.py",  # ~300 s
+    "test_vllm_serve.py",  # ~200 s
+    "test_vllm_serve_recipes.py",  # ~250 s
+    "test_nfs_vllm.py",
+    "test_vllm_tp_gdn.py",
+    "test_vllm_faults.py",
+    "test_vllm_tp_sliding.py",
+    "test_vllm_tp.py",
+    "test_demo.py",
+    "test_nfs_vllm_live.py",
+    "test_vllm_restore.py",
+    "test_vllm_families.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep their order

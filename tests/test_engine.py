@@ -350,7 +350,7 @@ def test_loads_are_served_before_stores(root: Path) -> None:
         assert store_data(eng, page_key(100 + i), page_bytes(layout, page_key(100 + i))).ok
     gate, started = threading.Event(), threading.Event()
     order: list[str] = []
-    real_load, real_loads, real_store = eng._do_load, eng._do_loads, eng._do_store
+    real_load, real_loads, real_store, real_stores = eng._do_load, eng._do_loads, eng._do_store, eng._do_stores
 
     def rec_load(*a: object) -> int:
         order.append("load")
@@ -367,7 +367,12 @@ def test_loads_are_served_before_stores(root: Path) -> None:
             gate.wait(30)
         return real_store(*a)  # type: ignore[arg-type]
 
+    def rec_stores(items: list) -> list:  # the three stores queued behind the loads: one batch
+        order.extend(["store"] * len(items))
+        return real_stores(items)
+
     eng._do_load, eng._do_loads, eng._do_store = rec_load, rec_loads, rec_store  # type: ignore[method-assign]
+    eng._do_stores = rec_stores  # type: ignore[method-assign]
     ids = _submit_stores_behind_a_blocked_first(eng, layout, 4, started)
     ids += [eng.submit_load(page_key(100 + i)) for i in range(3)]
     gate.set()

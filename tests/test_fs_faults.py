@@ -79,6 +79,7 @@ def _simulate(monkeypatch: pytest.MonkeyPatch, err: int) -> None:
     # The native store (native.py) creates its temp without os.open: it fails as it would on
     # that errno (temp removed, code < 0) and hands the store to the patched Python path.
     monkeypatch.setattr(native_page, "store_page", lambda *a: native.STORE_FAILED)
+    monkeypatch.setattr(native_page, "store_pages", lambda *a: None)  # batches: one by one, as above
 
 
 def _temps(root: Path) -> list[Path]:

@@ -347,6 +347,44 @@ def test_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: b
     assert files[0] == files[1]
 
 
+@pytest.mark.parametrize("with_sums", [False, True])
+def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PageFiles.store_many``: new pages in one native call, byte for byte the Python path's
+    files; an existing name counts as stored (nothing written)."""
+    ns = hybrid_namespace()
+    keys = [page_key(20 + i) for i in range(4)]
+    trees = []
+    for use_native in (True, False):
+        root = tmp_path / ("n" if use_native else "p")
+        calls: list[int] = []
+        real_many = native_page.store_pages
+        monkeypatch.setattr(native_page, "store_pages",
+                            (lambda *a, c=calls, r=real_many: c.append(len(a[2])) or r(*a)) if use_native else (lambda *a: None))
+        if not use_native:
+            monkeypatch.setattr(native_page, "store_page", lambda *a: None)
+        eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+        assert store_data(eng, keys[0], page_bytes(eng.layout, keys[0], 2)).ok  # exists before the batch
+        items = []
+        for key in keys:
+            data = page_bytes(eng.layout, key, 2)
+            slot = eng.acquire_slot(10)
+            assert slot is not None
+            slot.view[:] = data
+            sums = tuple(xxhash.xxh3_64_intdigest(data[a:b]) for a, b in eng.layout.spans) if with_sums else None
+            items.append((key, slot, 16, sums))
+        got = eng.files.store_many(items)
+        assert got == [(False, eng.layout.nbytes)] + [(True, eng.layout.nbytes)] * 3, got
+        if use_native:
+            assert calls == [4]
+        for _, slot, _, _ in items:
+            eng.release_slot(slot)
+        trees.append([eng.mapper.path_for(k).read_bytes() for k in keys])
+        assert not list(root.rglob("*.tmp"))
+        eng.close()
+    assert trees[0] == trees[1]
+
+
 def test_module_scans_see_plain_dicts_after_numba_is_loaded() -> None:
     """vLLM's kernel-override scan calls ``vars(v).get`` on every module attribute with a
     ``__dict__``; numba's import (llvmlite's lazy library wrapper) must not break it, or an

@@ -17,8 +17,8 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   engine takes the slot at submit and gives it back to the pool when the job is done.
 - Batches (``io_batch_pages``, at most 16 MiB of pages: ``io_batch_for``): an I/O thread may
   take several queued jobs of one class at once (``JobQueue``); a batch of loads goes to
-  ``PageFiles.load_many`` (one GIL-free call for the common case), stores run one by one;
-  every job keeps its own result and failure.
+  ``PageFiles.load_many``, a batch of stores to ``PageFiles.store_many`` (one GIL-free call
+  each for the common case); every job keeps its own result and failure.
 - Load (``PageFiles.load``): a file of exactly our size is read into the slot's frame, a warm
   one piece by piece (about ``warm_piece_bytes``, each piece hashed while in the CPU cache), a
   cold one with O_DIRECT in one request; any other file goes through the general reader, which
@@ -316,10 +316,10 @@ class IOEngine:
 
     def _run_batch(self, jobs: list[Job]) -> list[tuple[bool, int] | PageError] | None:
         """In an I/O thread: a batch of jobs of one class (``JobQueue``). Loads are read by
-        ``PageFiles.load_many`` (one GIL-free call for the common case); stores: None, the
-        queue runs them one by one (``_run``)."""
-        if jobs[0].op != "load":
-            return None
+        ``PageFiles.load_many`` and stores written by ``PageFiles.store_many`` (one GIL-free
+        call each for the common case)."""
+        if jobs[0].op == "store":
+            return self._do_stores([(job.key, job.slot, job.token_count, job.sums) for job in jobs])
         for job in jobs:
             job.slot._source = None
         got = self._do_loads([(job.key, job.slot, job.verify) for job in jobs])
@@ -399,10 +399,15 @@ class IOEngine:
             self._stats[counter] += 1
 
     # ----------------------------------------------------------------- file operations (PageFiles)
-    # The I/O threads reach the files through these four, so a test can wrap one of them (a
-    # test that must see every load wraps ``_do_load`` and ``_do_loads``, the batch one).
+    # The I/O threads reach the files through these five, so a test can wrap one of them (a
+    # test that must see every load wraps ``_do_load`` and ``_do_loads``, the batch one; every
+    # store, ``_do_store`` and ``_do_stores``).
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
         return self.files.store(key, slot, token_count, sums)
+
+    def _do_stores(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
+                   ) -> list[tuple[bool, int] | PageError]:
+        return self.files.store_many(items)
 
     def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
         return self.files.load(key, slot, verify)

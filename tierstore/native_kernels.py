@@ -378,3 +378,19 @@ def load_pages(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: i
                              sum_offsets, key_off, sum_off, outs[i], header_sums[i], scratch[i])
     return names.shape[0]
 
+
+given_t = t.Array(t.uint64, 2, "C", readonly=True)
+
+@numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, i64, frame_t, offs_t, i64, i64, i64, rows, rows, bytes_ro,
+                vec, i64, i64, i64, vec, given_t, outs_t, stats_t, codes_t), nogil=True, cache=_CACHE)
+def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int, file_flags: int,
+                mode: int, slab: Any, file_offs: Any, length: int, exact_len: int, do_fsync: int, spans: Any,
+                gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
+                token_counts: Any, given: Any, sums: Any, scratch: Any, codes: Any) -> int:
+    # One store_page per row of ``names``, each from the slab at its own offset (``given``:
+    # n x 0 when the kernel hashes); store_page's return value of each goes to codes[i].
+    for i in range(names.shape[0]):
+        codes[i] = store_page(rank_fd, names[i], tmp_at, final_at, key_at, dir_flags, file_flags, mode, slab,
+                              file_offs[i], length, exact_len, do_fsync, spans, gaps, blank, sum_offsets, key_off,
+                              token_off, sum_off, token_counts[i], given[i], sums[i], scratch[i])
+    return names.shape[0]

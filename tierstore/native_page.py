@@ -18,6 +18,9 @@ this module holds what is specific to one page file:
 - ``verify_pages``: ``load_page`` for each of a batch of files of one directory into one
   buffer, with each good page's ``struct stat`` and token count kept (fsck's fast path,
   ``fsck_batch``);
+- ``store_pages``: ``store_page`` for each of a batch of pages of one writer from the frames of
+  one staging slab (an I/O thread's batch of stores, ``PageFiles.store_many``), one GIL
+  release for all, a code per page;
 - ``store_page``: if the final name exists, nothing else (names are content addresses);
   otherwise zero the gaps, hash the sections (or take the caller's sums), write the header
   (``HeaderTemplate.fill``'s bytes) right before the page, create the temp (O_EXCL), write, cut
@@ -184,6 +187,42 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
                           shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
                           token_count, given, np.empty(shape.sections, dtype=np.uint64),
                           np.empty(32, dtype=np.int64)))
+
+
+def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, str, bytes]], flags: tuple[int, int],
+                mode: int, slab: Any, file_offs: Sequence[int], length: int, fsync: bool, token_counts: Sequence[int],
+                sums: Sequence[Sequence[int] | None]) -> list[int] | None:
+    """``store_page`` of each (fan-out name, temp name, final name, key) of ``files`` from
+    ``slab`` at ``file_offs[i]`` (the frame's file start), one after another in ONE GIL
+    release; ``store_page``'s code per file. ``sums``: the caller's section sums of every page,
+    or None for every page (the kernel hashes). None when the native path is not ready, or the
+    names differ in length, or some pages have sums and others not (the caller stores one by
+    one)."""
+    kernels = native.page_kernels()
+    if kernels is None or not files:
+        return None
+    np = native.numpy()
+    rows = [f"{fan}\0{tmp}\0{final}\0".encode() + key for fan, tmp, final, key in files]
+    hashed = sums[0] is None
+    if any(len(r) != len(rows[0]) for r in rows) or any((s is None) != hashed for s in sums):
+        return None
+    n = len(rows)
+    names = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(n, len(rows[0]))
+    fan, tmp, final, _ = files[0]
+    tmp_at = len(fan) + 1
+    final_at = tmp_at + len(tmp) + 1
+    given = np.empty((n, 0), dtype=np.uint64) if hashed else np.array(sums, dtype=np.uint64).reshape(n, shape.sections)
+    given.setflags(write=False)
+    offs = np.array(file_offs, dtype=np.int64)
+    offs.setflags(write=False)
+    tokens = np.array(token_counts, dtype=np.int64)
+    tokens.setflags(write=False)
+    codes = np.empty(n, dtype=np.int64)
+    kernels[4](rank_fd, names, tmp_at, final_at, final_at + len(final) + 1, flags[0], flags[1], mode, slab, offs,
+               length, shape.size, int(fsync), shape.spans, shape.gaps, shape.blank, shape.sum_offsets, shape.key_off,
+               shape.token_off, shape.sum_off, tokens, given, np.empty((n, shape.sections), dtype=np.uint64),
+               np.empty((n, 32), dtype=np.int64), codes)
+    return [int(c) for c in codes.tolist()]
 
 
 def verify_pages(shape: PageShape, dir_fd: int, file_names: Sequence[str], keys: Sequence[bytes],

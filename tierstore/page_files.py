@@ -207,6 +207,66 @@ class PageFiles:
             return False, self._nbytes
         return (True, self._nbytes) if code == 0 else None
 
+    def store_many(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
+                   ) -> list[tuple[bool, int] | PageError]:
+        """``store`` of each (key, slot, token count, sums), the result or the ``PageError`` of
+        each: the common case of every page in ONE GIL-free call (``native_page.store_pages``),
+        where the keys have one length, the slots one staging slab and the sums are all given
+        or all not; the rest, and each page the native call hands back, one by one (``store``).
+        Why: each GIL-free call returns to Python and waits for the GIL, and beside a busy
+        Python thread (vLLM's, or the GPU pipeline's driver) that wait is most of a page's
+        time (docs/measurements/scaling.md, Session 11)."""
+        out: list[tuple[bool, int] | PageError | None] = [None] * len(items)
+        try:
+            if len(items) > 1:
+                self._store_native_many(items, out)
+        except Exception:  # a bug in the batch path must not fail the batch: store one by one
+            logger.exception("tierstore: batch store of %d pages failed; storing them one by one", len(items))
+            out = [None] * len(items)
+        for i, (key, slot, token_count, sums) in enumerate(items):
+            if out[i] is None:
+                try:
+                    out[i] = self.store(key, slot, token_count, sums)
+                except PageError as exc:
+                    out[i] = exc
+        return out  # type: ignore[return-value]
+
+    def _store_native_many(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
+                           out: list[tuple[bool, int] | PageError | None]) -> None:
+        """``_store_native`` of every item in one call, results into ``out`` (None where the
+        Python path must redo the store); nothing when not applicable."""
+        if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
+            return
+        key_len = len(items[0][0])
+        if any(len(key) != key_len for key, _, _, _ in items):
+            return
+        frames = [self._frame_in_slab(slot) for _, slot, _, _ in items]
+        slab = frames[0][0]
+        if any(f[0] is not slab for f in frames):
+            return
+        try:
+            rank_fd = self._dirs.rank_fd()
+        except (PageError, OSError):
+            return
+        shape = self._shape(key_len, True)
+        hl = shape.header_len
+        file_off = self.geometry.header_room - hl
+        length = self.geometry.padded_nbytes + hl if self.odirect else hl + self._nbytes
+        files = []
+        for key, _, _, _ in items:
+            final = self.mapper.final_path(key)
+            files.append((fanout(key), os.path.basename(self.mapper.temp_path(key, final)), os.path.basename(final),
+                          key))
+        codes = native_page.store_pages(shape, rank_fd, files, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)),
+                                        self.perms.file_mode, slab, [f[1] + file_off for f in frames], length,
+                                        self.fsync, [t for _, _, t, _ in items], [s for _, _, _, s in items])
+        if codes is None:
+            return
+        for i, code in enumerate(codes):
+            if code in (0, native.STORE_EXISTS):
+                page_index.note_stored(self.mapper.base, items[i][0])
+                out[i] = (code == 0, self._nbytes)
+
     # ----------------------------------------------------------------- load
     def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
         """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""

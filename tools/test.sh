@@ -7,4 +7,9 @@ bash tools/setup-env.sh
 export TRITON_INTERPRET=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 .venv/bin/ruff check tierstore tests tools
-exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"
+# Two pytest workers, one test file each at a time (module fixtures start their engines once):
+# most of the suite's time is engine processes starting, one interpreter importing vLLM on one
+# core, so a second worker fills the other core (docs/TESTING.md, "Two workers").
+# TIERSTORE_TEST_WORKERS=0 runs in one process.
+WORKERS=${TIERSTORE_TEST_WORKERS:-2}
+exec .venv/bin/python -m pytest -q -rs --durations=25 -n "$WORKERS" --dist loadfile "$@"

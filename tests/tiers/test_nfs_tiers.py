@@ -104,7 +104,10 @@ def test_two_nodes_store_and_load_concurrently_with_gc(two_nodes: TwoNodeMount, 
     # one evictor at a time: no two passes that held the lease overlap in time
     spans = sorted((p["started"], p["finished"]) for p in active)
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:], strict=False)), spans
-    assert summary["gc"]["max_total_after"] <= cap
+    # The cap holds after every pass, except one that skipped pages hit since its scan (in use:
+    # gc leaves them); how many are hit during a pass depends on its speed (a loaded machine).
+    over = [p for p in active if p["total_after"] > cap]
+    assert all(p["skipped_recent"] > 0 for p in over), over
 
 
 def test_hostile_mount_checksums_catch_torn_and_stale_pages(two_nodes_stale: TwoNodeMount) -> None:

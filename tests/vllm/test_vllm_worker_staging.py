@@ -44,7 +44,14 @@ def _setup(root: Path, slots: int, store_delay_s: float, monkeypatch: pytest.Mon
             time.sleep(store_delay_s)
             return real(*a, **kw)
 
+        real_many = engine._do_stores
+
+        def slow_many(items):  # noqa: ANN001, ANN202 - a batch: each page takes store_delay_s
+            time.sleep(store_delay_s * len(items))
+            return real_many(items)
+
         monkeypatch.setattr(engine, "_do_store", slow)
+        monkeypatch.setattr(engine, "_do_stores", slow_many)
     group = WorkerGroup(index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=1,
                         kernel_ratio=1, device=torch.device("cpu"), tokens_per_page=N)
     return TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0), copier, engine, layout
