@@ -93,8 +93,12 @@ def test_mamba_pages_written_at_tp1_hit_at_tp4_with_the_tp4_tokens(mamba_run) ->
     for ln in states:  # a rank uses its quarter of x and of the ssm heads, and all of B and C
         assert ln["files"] == ln["loads"] == ln["stored_back"] == 1, ln
         assert 4 * int(ln["bytes_scattered"]) - 3 * BC_BYTES == ln["bytes_read"], ln
-    attention = [ln for ln in lines if str(ln["heads"]).endswith("-1")]  # 2 ranks per KV head
-    assert sorted(str(ln["heads"]) for ln in attention) == ["h0-1", "h0-1", "h1-1", "h1-1"], lines
+    # 2 ranks per KV head, one slice directory each: a rank that finds its sibling's store-back
+    # already there loads its own slice file directly (no slice line); which rank wins the race
+    # is timing (seen under two pytest workers), so each KV head is assembled by one or two ranks
+    attention = [ln for ln in lines if str(ln["heads"]).endswith("-1")]
+    heads = sorted(str(ln["heads"]) for ln in attention)
+    assert sorted(set(heads)) == ["h0-1", "h1-1"] and all(heads.count(h) in (1, 2) for h in set(heads)), lines
     assert all(2 * int(ln["bytes_scattered"]) == ln["bytes_read"] for ln in attention), lines
     print(f"Mamba2 TP 1->4: {lines}")
 
