@@ -21,6 +21,8 @@
 #   bash tools/device_scaling.sh gil ["16 128"]  # tools/gil_contention.py: the engine and raw files at 16
 #                                       # threads, alone and beside a busy Python thread or a DMA copy (GIL_BESIDE,
 #                                       # GIL_BATCHES); then the GPU path per I/O batch cap in MiB, alternated
+#   bash tools/device_scaling.sh storebatch  # the stores of an I/O batch in one native call (1) or one call each
+#                                       # (0, the code before session 11), alternated: CPU path 2 MiB, then the GPU path
 #   bash tools/device_scaling.sh ceiling   # tools/store_ceiling.py: memory bandwidth, a store's steps one by
 #                                       # one, raw file I/O and PCIe apart and together; then the benches
 set -uo pipefail
@@ -183,6 +185,27 @@ gil)
 from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()" bench kernels --skip-kernels --no-cold \
             --repeats 2 --transfer-mib 4096 --io-threads 16 --root /dev/shm/tsk > "$OUT/gil_kernels_${cap}_$i.txt" 2>&1
         echo "I/O batches capped at $cap MiB, run $i rc=$?"; grep -A6 "^| case" "$OUT/gil_kernels_${cap}_$i.txt" | grep -v "^|---"
+    done
+    ;;
+storebatch)
+    prewarm 24
+    # 0: PageFiles.store_many stores one page per native call, as before session 11
+    AS="import os, sys
+if os.environ['ONE'] == '0':
+    import tierstore.page_files as pf; pf.PageFiles._store_native_many = lambda self, items, out: None
+from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()"
+    i=0
+    for one in 1 0 1 0; do
+        i=$((i + 1))
+        ONE=$one timeout 100 python -c "$AS" bench io --no-vllm --page-mib 2 --total-mib 1024 --repeat 2 --cold-rounds 1 \
+            --warm-passes 2 --root /dev/shm/tsb --threads 16 --slots worker > "$OUT/storebatch_io_${one}_$i.txt" 2>&1
+        echo "CPU path, batch stores in one call=$one, run $i rc=$?"; grep "ratios\|I/O threads busy" "$OUT/storebatch_io_${one}_$i.txt"
+    done
+    for one in 1 0 1 0; do
+        i=$((i + 1))
+        ONE=$one timeout 130 python -c "$AS" bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
+            --io-threads 16 --root /dev/shm/tsk > "$OUT/storebatch_k_${one}_$i.txt" 2>&1
+        echo "GPU path, batch stores in one call=$one, run $i rc=$?"; grep -A6 "^| case" "$OUT/storebatch_k_${one}_$i.txt" | grep -v "^|---" | cut -d'|' -f2-6,12-13,17
     done
     ;;
 ceiling)
