@@ -175,7 +175,7 @@ window)
 gil)
     prewarm 48
     timeout 300 python tools/gil_contention.py --root /dev/shm/tsg --threads 16 --page-mib 8 --total-mib 4096 \
-        --rounds 3 --beside "${GIL_BESIDE:-alone,spin87,spin100,dma}" --batches "${GIL_BATCHES:-8:16}" 2>&1 \
+        --rounds 3 --beside "${GIL_BESIDE:-alone,spin87,spin100,dma}" --batches "${GIL_BATCHES:-8:16}" --direct "${GIL_DIRECT:-}" 2>&1 \
         | tee "$OUT/gil.txt" | grep -A20 "medians of"
     # then the GPU path with I/O batches capped at each CAP MiB (engine.IO_BATCH_BYTES), alternated
     i=0

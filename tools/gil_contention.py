@@ -17,7 +17,9 @@ without a stand-in for the driver, alternated in rounds:
         --beside alone,spin87 --batches 1:16,8:16,8:128
 
 ``--batches``: the engine's ``io_batch_pages`` and its cap in MiB (``engine.IO_BATCH_BYTES``),
-each run beside each stand-in.
+each run beside each stand-in. ``--direct 1,32``: also the stores without the job queue, from
+plain threads calling ``PageFiles.store_many`` with that many pages per call (what an I/O
+loop with no Python per page would reach).
 
 Threading: the engine's I/O threads, one stand-in thread, the main thread waiting. Not a
 test: prints a table, asserts nothing.
@@ -31,6 +33,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,6 +91,28 @@ def beside(kind: str) -> Iterator[None]:
         t.join()
 
 
+def direct_stores(eng: IOEngine, keys: list[bytes], per_call: int, threads: int) -> float:
+    """GB/s of ``keys`` stored by ``threads`` plain threads calling ``PageFiles.store_many``
+    with ``per_call`` pages at a time, from the engine's slots (reused; content does not
+    matter), sums handed in: the I/O without the job queue, one return to Python per call."""
+    slots = eng._slots
+    sums = tuple([0] * len(eng.layout.sections))
+    share = -(-len(keys) // threads)
+
+    def one(t: int) -> None:
+        mine = keys[t * share:(t + 1) * share]
+        for c in range(0, len(mine), per_call):
+            items = [(k, slots[(t * share + c + j) % len(slots)], 16, sums) for j, k in enumerate(mine[c:c + per_call])]
+            for got in eng.files.store_many(items):
+                if not isinstance(got, tuple):
+                    raise RuntimeError(f"direct store failed: {got}")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, range(threads)))
+    return round(len(keys) * eng.layout.nbytes / (time.perf_counter() - t0) / 1e9, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path("/dev/shm/tierstore-gil"))
@@ -98,6 +123,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--beside", default="alone,spin87,spin100,dma", help="the stand-ins, a comma list")
     ap.add_argument("--batches", default="8:16", help="io_batch_pages:cap MiB pairs, a comma list")
+    ap.add_argument("--direct", default="", help="also: pages per store_many call from plain threads, a comma list")
     a = ap.parse_args()
     page, n = a.page_mib * MIB, a.total_mib // a.page_mib
     kinds = [k for k in a.beside.split(",") if k != "dma" or torch.cuda.is_available()]
@@ -120,11 +146,14 @@ def main() -> None:
                     got = engine_only(eng, [f"{r}-{i}".encode().ljust(16, b".") for i in range(n)], 16, cold=False,
                                       hash_on_cpu=False)
                     raw = raw_files(a.root, bufs, a.threads, cold=False)
+                    direct = {f"direct {k}": direct_stores(eng, [f"d{k}-{r}-{i}".encode().ljust(16, b".") for i in range(n)],
+                                                           int(k), a.threads)
+                              for k in a.direct.split(",") if k}
             row = rows[f"{kind} batch {batch}/{cap} MiB"]
             for k, v in {"engine store": got["engine_only_store_gbps"], "ms/job": got["engine_only_store_ms_per_job"],
                          "busy": got["engine_only_store_io_busy"],
                          "engine load": got["engine_only_load_warm_gbps"],
-                         "raw write": raw["write_gbps"], "raw read": raw["read_warm_gbps"]}.items():
+                         "raw write": raw["write_gbps"], "raw read": raw["read_warm_gbps"], **direct}.items():
                 row.setdefault(k, []).append(v)
             print(f"round {r} {kind} batch {batch}/{cap} MiB: {got} raw {raw} io_batch_pages "
                   f"{eng.stats['io_batch_pages']}", flush=True)
