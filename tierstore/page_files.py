@@ -189,20 +189,34 @@ class PageFiles:
         exists? else zero the gaps, hash, fill the header, temp, write, rename). None: not
         applicable here (another codec, a MAC, group-shared modes, not compiled) or something
         failed; the caller's Python path redoes the store and names the error."""
+        target = self._native_store_target(len(key))
+        if target is None:
+            return None
+        rank_fd, shape, flags, file_off, length = target
+        tmp = os.path.basename(self.mapper.temp_path(key, final))
+        code = native_page.store_page(shape, rank_fd, fanout(key), tmp, name, key, flags, self.perms.file_mode,
+                                      self._frame_array(slot), file_off, length, self.fsync, token_count, sums)
+        return self._native_stored(code)
+
+    def _native_store_target(self, key_len: int) -> tuple[int, native_page.PageShape, tuple[int, int], int, int] | None:
+        """What a native store of a key of ``key_len`` bytes takes: (rank directory fd, page
+        shape, (directory, temp file) open flags, the file's start in the frame, bytes written).
+        None where the native store does not apply (another codec, a MAC, group-shared modes,
+        not compiled, no rank directory)."""
         if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
             return None
         try:
             rank_fd = self._dirs.rank_fd()
         except (PageError, OSError):
             return None
-        shape = self._shape(len(key), True)
+        shape = self._shape(key_len, True)
         hl = shape.header_len
-        tmp = os.path.basename(self.mapper.temp_path(key, final))
         length = self.geometry.padded_nbytes + hl if self.odirect else hl + self._nbytes
-        code = native_page.store_page(shape, rank_fd, fanout(key), tmp, name, key,
-                                      (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)), self.perms.file_mode,
-                                      self._frame_array(slot), self.geometry.header_room - hl, length, self.fsync,
-                                      token_count, sums)
+        return (rank_fd, shape, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)), self.geometry.header_room - hl,
+                length)
+
+    def _native_stored(self, code: int) -> tuple[bool, int] | None:
+        """A native store's code as ``store``'s result; None: the Python path redoes it."""
         if code == native.STORE_EXISTS:
             return False, self._nbytes
         return (True, self._nbytes) if code == 0 else None
@@ -235,37 +249,28 @@ class PageFiles:
                            out: list[tuple[bool, int] | PageError | None]) -> None:
         """``_store_native`` of every item in one call, results into ``out`` (None where the
         Python path must redo the store); nothing when not applicable."""
-        if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
-            return
         key_len = len(items[0][0])
-        if any(len(key) != key_len for key, _, _, _ in items):
+        target = self._native_store_target(key_len)
+        if target is None or any(len(key) != key_len for key, _, _, _ in items):
             return
         frames = [self._frame_in_slab(slot) for _, slot, _, _ in items]
         slab = frames[0][0]
         if any(f[0] is not slab for f in frames):
             return
-        try:
-            rank_fd = self._dirs.rank_fd()
-        except (PageError, OSError):
-            return
-        shape = self._shape(key_len, True)
-        hl = shape.header_len
-        file_off = self.geometry.header_room - hl
-        length = self.geometry.padded_nbytes + hl if self.odirect else hl + self._nbytes
+        rank_fd, shape, flags, file_off, length = target
         files = []
         for key, _, _, _ in items:
             final = self.mapper.final_path(key)
             files.append((fanout(key), os.path.basename(self.mapper.temp_path(key, final)), os.path.basename(final),
                           key))
-        codes = native_page.store_pages(shape, rank_fd, files, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)),
-                                        self.perms.file_mode, slab, [f[1] + file_off for f in frames], length,
-                                        self.fsync, [t for _, _, t, _ in items], [s for _, _, _, s in items])
-        if codes is None:
-            return
-        for i, code in enumerate(codes):
-            if code in (0, native.STORE_EXISTS):
+        codes = native_page.store_pages(shape, rank_fd, files, flags, self.perms.file_mode, slab,
+                                        [f[1] + file_off for f in frames], length, self.fsync,
+                                        [t for _, _, t, _ in items], [s for _, _, _, s in items])
+        for i, code in enumerate(codes or ()):
+            done = self._native_stored(code)
+            if done is not None:
                 page_index.note_stored(self.mapper.base, items[i][0])
-                out[i] = (code == 0, self._nbytes)
+                out[i] = done
 
     # ----------------------------------------------------------------- load
     def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:

@@ -54,11 +54,22 @@ alternate() {
         echo "$name io_batch_pages=$b run $i rc=$?"; grep -A"$rows" "$table" "$OUT/${name}_b${b}_$i.txt"
     done
 }
-# Touch 24 GiB of this fresh VM's memory once (a tmpfs file, then removed): memory the guest
-# has never touched is slow to fault in, and whichever system ran first paid for it.
-prewarm() {  # a fresh VM's first touch of its memory is slow: touch GIB GiB (default 24) once
+# Touch N GiB (default 24) of this fresh VM's memory once (a tmpfs file, then removed): memory
+# the guest has never touched is slow to fault in, and whichever system ran first paid for it.
+prewarm() {
     dd if=/dev/zero of=/dev/shm/prewarm bs=16M count=$(( ${1:-24} * 64 )) status=none; rm -f /dev/shm/prewarm
 }
+# `python -c "$PATCHED_CLI" bench ...`: the tierstore CLI with a setting no flag reaches, for paired
+# runs: IO_BATCH_MIB=N caps an I/O batch at N MiB (engine.IO_BATCH_BYTES); STORE_BATCH_CALL=0
+# writes a batch's stores one native call per page (the code before session 11).
+PATCHED_CLI="import os, sys
+import tierstore.engine as e
+import tierstore.page_files as pf
+if os.environ.get('IO_BATCH_MIB'):
+    e.IO_BATCH_BYTES = int(os.environ['IO_BATCH_MIB']) << 20
+if os.environ.get('STORE_BATCH_CALL') == '0':
+    pf.PageFiles._store_native_many = lambda self, items, out: None
+from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()"
 case "${1:-tests}" in
 tests|gputests|gputests+*)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
@@ -181,29 +192,23 @@ gil)
     i=0
     for cap in ${2:-}; do
         i=$((i + 1))
-        timeout 130 python -c "import sys; import tierstore.engine as e; e.IO_BATCH_BYTES = $cap << 20
-from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()" bench kernels --skip-kernels --no-cold \
+        IO_BATCH_MIB=$cap timeout 130 python -c "$PATCHED_CLI" bench kernels --skip-kernels --no-cold \
             --repeats 2 --transfer-mib 4096 --io-threads 16 --root /dev/shm/tsk > "$OUT/gil_kernels_${cap}_$i.txt" 2>&1
         echo "I/O batches capped at $cap MiB, run $i rc=$?"; grep -A6 "^| case" "$OUT/gil_kernels_${cap}_$i.txt" | grep -v "^|---"
     done
     ;;
 storebatch)
     prewarm 24
-    # 0: PageFiles.store_many stores one page per native call, as before session 11
-    AS="import os, sys
-if os.environ['ONE'] == '0':
-    import tierstore.page_files as pf; pf.PageFiles._store_native_many = lambda self, items, out: None
-from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()"
     i=0
     for one in 1 0 1 0; do
         i=$((i + 1))
-        ONE=$one timeout 100 python -c "$AS" bench io --no-vllm --page-mib 2 --total-mib 1024 --repeat 2 --cold-rounds 1 \
+        STORE_BATCH_CALL=$one timeout 100 python -c "$PATCHED_CLI" bench io --no-vllm --page-mib 2 --total-mib 1024 --repeat 2 --cold-rounds 1 \
             --warm-passes 2 --root /dev/shm/tsb --threads 16 --slots worker > "$OUT/storebatch_io_${one}_$i.txt" 2>&1
         echo "CPU path, batch stores in one call=$one, run $i rc=$?"; grep "ratios\|I/O threads busy" "$OUT/storebatch_io_${one}_$i.txt"
     done
     for one in 1 0 1 0; do
         i=$((i + 1))
-        ONE=$one timeout 130 python -c "$AS" bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
+        STORE_BATCH_CALL=$one timeout 130 python -c "$PATCHED_CLI" bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
             --io-threads 16 --root /dev/shm/tsk > "$OUT/storebatch_k_${one}_$i.txt" 2>&1
         echo "GPU path, batch stores in one call=$one, run $i rc=$?"; grep -A6 "^| case" "$OUT/storebatch_k_${one}_$i.txt" | grep -v "^|---" | cut -d'|' -f2-6,12-13,17
     done
