@@ -36,11 +36,7 @@ BC_BYTES = 2 * 16 * 3 * 2  # one layer's B and C conv channels (1 group x state 
 @pytest.fixture(scope="module")
 def mamba_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     root = tmp_path_factory.mktemp("mamba") / "root"
-    # spawned engine processes (vLLM-CPU's default), not forked as in the TP=2 scripts: with four
-    # ranks on two cores, 2 of 5 forked runs stalled ~60 s at a shutdown and one lost a closing
-    # log line (docs/TESTING.md, "Engine start-up in the multiprocess tests")
-    results, out = run_engine_script("tp_hybrid_engine.py", [str(root), "granitehybrid", "4"], 5,
-                                     extra_env={"TIERSTORE_TEST_SPAWN": "1"})
+    results, out = run_engine_script("tp_hybrid_engine.py", [str(root), "granitehybrid", "4"], 5)
     return root, results, out
 
 
