@@ -482,7 +482,7 @@ def test_odirect_fallback_is_visible(root: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_store_error_is_per_key_and_temp_removed(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ns = simple_namespace()
-    eng = _engine(root, ns)
+    eng = _engine(root, ns, io_loop="python")  # the Python path names the error
     layout = ns.groups[0].layout
     good = page_key(0)
     assert store_data(eng, good, page_bytes(layout, good)).ok
@@ -569,7 +569,7 @@ def test_bench_io_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ns = hybrid_namespace(conv_dim=37)  # unaligned payload: the padded O_DIRECT write is refused
-    eng = _engine(root, ns, 2, odirect="auto")
+    eng = _engine(root, ns, 2, odirect="auto", io_loop="python")
     if not eng.odirect:
         eng.close()
         pytest.skip("O_DIRECT does not work on this file system")

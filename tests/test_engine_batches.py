@@ -67,7 +67,7 @@ def _batch_engine(tmp_path: Path, path: str, batch: int, monkeypatch: pytest.Mon
         monkeypatch.setattr(native, "_kernels", None)
     root = str(tmp_path / "root")
     return IOEngine(root, crash_namespace(), GROUP, staging_slots=40,
-                    config=TierStoreConfig(root=root, io_threads=2, io_batch_pages=batch))
+                    config=TierStoreConfig(root=root, io_threads=2, io_batch_pages=batch, io_loop="python"))
 
 
 @pytest.mark.parametrize("path", ["native", "python"])
@@ -134,7 +134,7 @@ def test_a_failing_batch_call_falls_back_to_one_by_one(tmp_path: Path, op: str, 
     monkeypatch.setattr(native_page, f"{op}_pages", broken)
     root = str(tmp_path / "root")
     eng = IOEngine(root, crash_namespace(), GROUP, staging_slots=24,
-                   config=TierStoreConfig(root=root, io_threads=2, io_batch_pages=8))
+                   config=TierStoreConfig(root=root, io_threads=2, io_batch_pages=8, io_loop="python"))
     try:
         keys = [page_key(i) for i in range(12)]
         if op == "load":

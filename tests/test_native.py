@@ -154,7 +154,7 @@ def test_cold_loads_are_read_with_o_direct_in_the_same_call(root: Path, damaged:
     """A page not in the page cache is read with O_DIRECT inside the one native call (counted
     in ``loads_odirect``), hashed and checked like a warm one; damage is still caught."""
     calls = _count_calls(monkeypatch, "load_page")
-    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root)}))
+    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": "python"}))
     if not eng.direct_loads:
         pytest.skip(f"O_DIRECT or cachestat unavailable under {root} ({eng.odirect_reason})")
     key = page_key(16)
@@ -213,7 +213,7 @@ def test_engine_warm_loads_take_one_native_call_and_catch_damage(root: Path, dam
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_calls(monkeypatch, "load_page")
     ns = hybrid_namespace()
-    eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": "python", "odirect": "off"}))
     layout, key = eng.layout, page_key(3)
     data = page_bytes(layout, key, 2)
     assert store_data(eng, key, data).ok
@@ -246,7 +246,7 @@ def test_python_path_reads_and_hashes_in_one_call_and_handles_a_short_read(
 
     monkeypatch.setattr(native, "read_and_hash", short)
     ns = hybrid_namespace()
-    eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": "python", "odirect": "off"}))
     key = page_key(4)
     data = page_bytes(eng.layout, key, 2)
     assert store_data(eng, key, data).ok
@@ -268,7 +268,7 @@ def test_unverified_loads_take_the_native_open_and_return_the_header_sums(
     header's sums handed to the caller, and the file identity kept for a caller's rejection."""
     calls = _count_calls(monkeypatch, "load_page")
     ns = hybrid_namespace()
-    eng = IOEngine(root, ns, 1, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    eng = IOEngine(root, ns, 1, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": "python", "odirect": "off"}))
     key = page_key(5)
     data = page_bytes(eng.layout, key, 1)
     assert store_data(eng, key, data).ok
@@ -289,7 +289,7 @@ def test_store_page_publishes_atomically_or_leaves_nothing(root: Path, monkeypat
     """One call per store: an existing name counts as stored (nothing hashed or written); a
     missing fan-out directory and a failed rename hand over to the Python path, no temp left."""
     calls = _count_calls(monkeypatch, "store_page")
-    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
+    eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": "python", "odirect": "off"}))
     key = page_key(13)
     data = page_bytes(eng.layout, key, 2)
     res = store_data(eng, key, data)

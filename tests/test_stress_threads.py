@@ -54,14 +54,15 @@ def _caller(eng: IOEngine, seed: int, rounds: int, errors: list[str], seen: Coun
             errors.append(f"{r.op} of {key.hex()[:12]} failed: {r.error}")
 
 
-@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("path", ["lane", "native", "python"])
 @pytest.mark.parametrize("io_threads,slots,callers", [(8, 4, 12), (3, 2, 6), (2, 12, 16)])
 def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, slots: int, callers: int, path: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both page paths: the GIL-free calls of native.py (racing temp + rename in C) and the
-    Python path. (2, 12, 16): more slots than threads and 8 callers per thread, so the queue
+    """Every page path: the native lane (compiled I/O threads, ``native_lane``), the GIL-free
+    calls of native.py on the Python I/O threads (racing temp + rename in C) and the Python
+    path. (2, 12, 16): more slots than threads and 8 callers per thread, so the queue
     runs deeper than the threads and the threads take batches (``io_batch_pages``)."""
-    if path == "native" and not native.start(wait=True):
+    if path != "python" and not native.start(wait=True):
         pytest.skip(f"native path unavailable: {native.failure()}")
     if path == "python":
         monkeypatch.setattr(native, "_kernels", None)
@@ -69,7 +70,9 @@ def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, 
     ns = crash_namespace()
     errors: list[str] = []
     seen: Counter[str] = Counter()
-    eng = IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=io_threads), staging_slots=slots)
+    eng = IOEngine(root, ns, GROUP, config=TierStoreConfig(root=root, io_threads=io_threads,
+                                                           io_loop="native" if path == "lane" else "python"),
+                   staging_slots=slots)
     try:
         threads = [threading.Thread(target=_caller, args=(eng, i, 40, errors, seen)) for i in range(callers)]
         for t in threads:
@@ -81,8 +84,10 @@ def test_many_threads_same_keys_nothing_lost_or_torn(tmp_path, io_threads: int, 
         assert errors == [], errors[:5]
         assert eng.free_slots == slots, "a staging slot was lost"
         assert seen["load:ok"] > 0 and seen["store:ok"] > 0, seen
-        if slots > 2 * io_threads:  # the case that exists to run batches
+        if slots > 2 * io_threads and path != "lane":  # the case that exists to run batches
             assert eng._queue.batched_jobs > 0, (eng._queue.jobs_run, seen)
+        if path == "lane":
+            assert eng.stats["jobs_native_loop"] > 0, (eng._queue.jobs_run, seen)
         # After the storm every key that was stored loads with exactly its bytes.
         stored = eng.stats["stores_ok"]
         assert stored >= 1

@@ -42,6 +42,7 @@ def io_threads_advice(io_threads: int, cpus: int | None = None) -> str | None:
                 f"leave it unset for the default ({default_io_threads(cpus)})")
     return None
 _ODIRECT = ("auto", "on", "off")
+_IO_LOOPS = ("native", "python")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class TierStoreConfig:
     # Most queued pages one I/O thread takes at once (a share of the queue: queued / io_threads),
     # loads read in one GIL-free call; 1 = one page per wake-up (docs/measurements/scaling.md).
     io_batch_pages: int = 8
+    # "native": the common page loads and stores run on compiled threads that never return to
+    # Python (native_lane.py); "python": every job on the Python I/O threads.
+    io_loop: str = "native"
     fsync: bool = False  # fsync each page before publishing it
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
     deadline_ms: int = 10_000  # per operation on a lone root (local or NFS) and on the local tier
@@ -106,6 +110,8 @@ class TierStoreConfig:
     def validate(self) -> None:
         if self.codec not in _CODECS:
             raise ConfigError(f'setting "codec" must be one of {_CODECS}, got {self.codec!r}')
+        if self.io_loop not in _IO_LOOPS:
+            raise ConfigError(f'setting "io_loop" must be one of {_IO_LOOPS}, got {self.io_loop!r}')
         if self.odirect not in _ODIRECT:
             raise ConfigError(f'setting "odirect" must be one of {_ODIRECT}, got {self.odirect!r}')
         for name in ("io_threads", "queue_depth", "io_batch_pages", "deadline_ms", "shared_deadline_ms"):

@@ -75,6 +75,7 @@ from tierstore.identity import Namespace, namespace_dir, write_manifest
 from tierstore.ioqueue import Job, JobQueue, QueuePolicy
 from tierstore.mac import PageMac
 from tierstore.mapper import FileMapper, check_key
+from tierstore.native_lane import NativeLane
 from tierstore.page_files import WARM_PIECE_BYTES, PageFiles
 from tierstore.pagefile import FileIdentity, probe_odirect
 from tierstore.staging import StagingPool, StagingSlot
@@ -169,14 +170,20 @@ class IOEngine:
                                direct_loads=self.odirect and cachestat_available(), count=self._count,
                                layout=self.layout)
         self.geometry: FrameGeometry = self.files.geometry
+        with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
+            self.files._dirs.rank_fd()  # (a missing directory: the first store makes it)
         self._pool = StagingPool(self.geometry, n_slots, self.pinned)
         self._unsettled: dict[int, _Served] = {}  # job id -> unverified result, until settled
         self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
+        lane = None
+        if self.config.io_loop == "native" and native.enabled_by_env():
+            lane = NativeLane(self.files, self._pool, threads=self.config.io_threads, name=f"tierstore-io-g{group_index}",
+                              seams_intact=self._file_operations_intact)
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
                                finish=self._finish, after_run=self._after_run,
                                where=lambda key: self.mapper.final_path(key), run_batch=self._run_batch,
-                               max_batch=io_batch_for(self.config.io_batch_pages, self.layout.nbytes))
+                               max_batch=io_batch_for(self.config.io_batch_pages, self.layout.nbytes), lane=lane)
 
     @property
     def direct_loads(self) -> bool:
@@ -199,6 +206,11 @@ class IOEngine:
     # ----------------------------------------------------------------- PageStore
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
         """A free staging slot, or None if none frees up within ``timeout`` (None = forever)."""
+        if self._pool.free_count == 0:
+            self._queue.harvest()  # stores the native lane finished give their slots back
+            if timeout != 0:
+                with self._queue.hurried():  # the lane's harvest thread: at once, not after its delay
+                    return self._pool.acquire(timeout)
         return self._pool.acquire(timeout)
 
     def release_slot(self, slot: StagingSlot) -> None:
@@ -415,6 +427,11 @@ class IOEngine:
     def _do_loads(self, items: list[tuple[bytes, StagingSlot, bool]]) -> list[tuple[int, tuple[int, ...] | None] | PageError]:
         return self.files.load_many(items)
 
+    def _file_operations_intact(self) -> bool:
+        """None of the four page operations above is wrapped (a test's seam): only then may
+        the native lane (``native_lane``) run jobs, which bypasses them."""
+        return all(getattr(getattr(self, name), "__func__", None) is _FILE_OPERATIONS[name] for name in _FILE_OPERATIONS)
+
     def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
         self.files.remove_damaged(key, source, error)
 
@@ -426,6 +443,9 @@ class IOEngine:
     def _slots(self) -> list[StagingSlot]:
         """Every staging slot (bench/io.py walks them)."""
         return self._pool.slots
+
+
+_FILE_OPERATIONS = {name: IOEngine.__dict__[name] for name in ("_do_store", "_do_stores", "_do_load", "_do_loads")}
 
 
 # ----------------------------------------------------------------- setup (at construction)

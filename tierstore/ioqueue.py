@@ -21,6 +21,12 @@ Contract:
   wake-up, a contended lock, a native call) costs a scheduler wake-up while the GIL sits idle,
   and a batch pays them once for several pages (docs/measurements/scaling.md). A queue no
   deeper than the threads still runs one job per thread.
+- A native lane (``lane``, ``native_lane.NativeLane``): ``submit`` offers each job to it
+  first; a job it takes runs on its compiled threads, which never return to Python, and comes
+  back through ``harvest`` (called by ``poll`` and by the lane's harvest thread), completed
+  here like any other, or, for anything but the common case, queued for the Python threads,
+  which redo it and name the error. Deadlines, ``wait``, ``flush`` and ``close`` hold for
+  its jobs as for the others.
 
 Threading: every public method may be called from any thread. One lock guards the queues,
 pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Each submit
@@ -33,13 +39,14 @@ when no job of the flushed class is left.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +106,7 @@ class JobQueue:
     def __init__(self, *, policy: QueuePolicy, queue_depth: int, deadline_s: float, threads: int, name: str,
                  run: Callable[[Job], tuple[bool, int]], finish: Finish,
                  after_run: Callable[[Job, bool, PageError | None], None], where: Callable[[bytes], str],
-                 run_batch: RunBatch | None = None, max_batch: int = 1) -> None:
+                 run_batch: RunBatch | None = None, max_batch: int = 1, lane: Any = None) -> None:
         self.policy = policy
         self.max_batch = max_batch if run_batch is not None else 1
         self._run_batch = run_batch
@@ -127,7 +134,11 @@ class JobQueue:
         self.jobs_run = 0  # jobs a thread ran (counters for benches)
         self.batches = 0  # of them: batches of more than one job, and the jobs in those
         self.batched_jobs = 0
+        self.native_loop_jobs = 0  # of them: run by the native lane
         self.busy_s = 0.0  # the threads' time from taking jobs to completing them (benches: utilisation)
+        self._lane = lane
+        if lane is not None:
+            lane.attach(self.harvest)
         self._threads = [threading.Thread(target=self._thread, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -152,6 +163,9 @@ class JobQueue:
             if reject is not None:
                 self._complete_locked(job, reject)
                 return job.id
+            if self._lane is not None and self._lane.offer(job):
+                job.started = True  # the lane owns its resources until it is harvested
+                return job.id
             job.queued = True
             self._waiting[job.op] += 1
             self._queues[job.op].append(job)
@@ -162,6 +176,7 @@ class JobQueue:
     def poll(self) -> list[Any]:
         """Every result finished since the last poll/wait (never blocks)."""
         with self._lock:
+            self._harvest_locked()
             self._expire_locked(time.monotonic())
             out = list(self._results.values())
             self._results.clear()
@@ -174,7 +189,9 @@ class JobQueue:
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._expire_locked(time.monotonic())
+            self._harvest_locked()
             waiter = _Waiter(self._lock)
+            self._hurry_locked(1)
             for i in ids:
                 if i in self._pending:
                     self._watch.setdefault(i, []).append(waiter)
@@ -187,6 +204,7 @@ class JobQueue:
                     waiter.cond.wait(left)
                     self._expire_locked(time.monotonic())
             finally:
+                self._hurry_locked(-1)
                 for i in ids:
                     ws = self._watch.get(i)
                     if ws and waiter in ws:
@@ -200,15 +218,20 @@ class JobQueue:
         ``timeout`` passed first."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while True:
-                now = time.monotonic()
-                self._expire_locked(now)
-                if self._pending_ops[op] == 0:
-                    return True
-                left = self._next_wake(now, end)
-                if left is not None and left <= 0:
-                    return False
-                self._drained.wait(left)
+            self._hurry_locked(1)
+            try:
+                while True:
+                    now = time.monotonic()
+                    self._harvest_locked()
+                    self._expire_locked(now)
+                    if self._pending_ops[op] == 0:
+                        return True
+                    left = self._next_wake(now, end)
+                    if left is not None and left <= 0:
+                        return False
+                    self._drained.wait(left)
+            finally:
+                self._hurry_locked(-1)
 
     def close(self, timeout: float, drain_op: str = "store") -> None:
         """Cancel later submits, let queued ``drain_op`` jobs finish (up to ``timeout``), cancel
@@ -227,6 +250,13 @@ class JobQueue:
                     if not job.done:
                         self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
             self._stop = True
+        if self._lane is not None:
+            left = self._lane.stop(max(end - time.monotonic(), 0.05))
+            with self._lock:
+                self._harvest_locked()
+                for job in left:
+                    error = PageCancelled("the engine was closed before this job ran", key=job.key)
+                    self._after_run(job, self._complete_locked(job, error), error)
         for _ in self._threads:
             self._wake.put(None)
         for t in self._threads:
@@ -237,18 +267,61 @@ class JobQueue:
 
     def counts(self) -> dict[str, int | float]:
         """A snapshot: ``queued_<op>s`` per class, ``pending``, ``late_results_dropped``,
-        ``jobs_run`` and, of those, ``jobs_in_batches``; ``io_busy_s``: the I/O threads' time
+        ``jobs_run`` and, of those, ``jobs_in_batches`` and ``jobs_native_loop`` (the lane's); ``io_busy_s``: the I/O threads' time
         spent running jobs, summed over threads."""
         with self._lock:
-            out = {f"queued_{op}s": n for op, n in self._waiting.items()}
+            lane = self._lane.queued() if self._lane is not None else {}
+            out = {f"queued_{op}s": n + lane.get(op, 0) for op, n in self._waiting.items()}
             out["pending"] = len(self._pending)
             out["late_results_dropped"] = self.late_results_dropped
             out["jobs_run"] = self.jobs_run
             out["jobs_in_batches"] = self.batched_jobs
+            out["jobs_native_loop"] = self.native_loop_jobs
             out["io_busy_s"] = self.busy_s
             return out
 
+    def harvest(self) -> None:
+        """Complete the lane's finished jobs (its harvest thread calls this)."""
+        with self._lock:
+            self._harvest_locked()
+
+    @contextlib.contextmanager
+    def hurried(self) -> Iterator[None]:
+        """While the caller blocks on what a result frees (a staging slot): the lane's jobs
+        are harvested as soon as they finish."""
+        with self._lock:
+            self._hurry_locked(1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._hurry_locked(-1)
+
+    def _hurry_locked(self, by: int) -> None:
+        if self._lane is not None:
+            self._lane.hurry(by)
+
     # ----------------------------------------------------------------- internals
+    def _harvest_locked(self) -> None:
+        """The lane's finished jobs: completed, or queued for the Python threads to redo."""
+        if self._lane is None:
+            return
+        for job, outcome, seconds in self._lane.harvest():
+            self.busy_s += seconds
+            if outcome is None and not job.done and not self._stop:
+                job.started = False  # queued again: nobody owns its resources until taken
+                job.queued = True
+                self._waiting[job.op] += 1
+                self._queues[job.op].append(job)
+                self._wake.put(None)
+                continue
+            if outcome is None:
+                outcome = (PageCancelled("the engine was closed before this job ran", key=job.key), False, 0)
+            self.jobs_run += 1
+            self.native_loop_jobs += 1
+            accepted = self._complete_locked(job, *outcome)
+            self._after_run(job, accepted, outcome[0])
+
     def _next_wake(self, now: float, end: float | None) -> float | None:
         """Seconds until the caller's end or the earliest pending deadline, whichever is first."""
         first = next(iter(self._pending.values()), None)

@@ -176,6 +176,7 @@ def _build() -> Any:
     hash_spans, hash_strided, read_pieces = k.hash_spans, k.hash_strided, k.read_pieces
     load_page, store_page, verify_pages, load_pages = k.load_page, k.store_page, k.verify_pages, k.load_pages
     store_pages = k.store_pages
+    lane = (k.lane_serve, k.lane_publish, k.lane_await, k.lane_stop)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
@@ -188,7 +189,8 @@ def _build() -> Any:
     want_strided = [xxhash.xxh3_64_intdigest(probe[i * 36:i * 36 + 32].tobytes()) for i in range(3)]
     if [int(v) for v in out] != want or [int(v) for v in strided] != want_strided:
         raise RuntimeError("compiled XXH3_64bits differs from xxhash.xxh3_64_intdigest")
-    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided, verify_pages, load_pages, store_pages)
+    return (hash_spans, read_pieces, np, load_page, store_page, hash_strided, verify_pages, load_pages, store_pages,
+            lane)
 
 
 @lru_cache(maxsize=256)
@@ -261,3 +263,11 @@ def page_kernels() -> tuple[Any, Any, Any, Any, Any] | None:
     if _kernels is None or not _STAT_LAYOUT_KNOWN:
         return None
     return _kernels[3], _kernels[4], _kernels[6], _kernels[7], _kernels[8]
+
+
+def lane_kernels() -> tuple[Any, Any, Any, Any] | None:
+    """The compiled (serve, publish, await, stop) of ``native_lane``'s I/O loop, or None where
+    ``page_kernels`` is None."""
+    if page_kernels() is None:
+        return None
+    return _kernels[9]  # type: ignore[no-any-return]

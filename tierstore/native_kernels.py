@@ -45,6 +45,32 @@ from tierstore.native import (
     STORE_FAILED,
     STORE_NO_DIR,
 )
+from tierstore.native_lane import (
+    CTL_DONE_WAITER,
+    CTL_HEAD,
+    CTL_SLEEPERS,
+    CTL_STOP,
+    CTL_TAIL,
+    ENTRY_DONE,
+    ENTRY_READY,
+    ENTRY_RUNNING,
+    F_ARG,
+    F_CODE,
+    F_DEADLINE,
+    F_DIRECT_LEN,
+    F_FLAG,
+    F_GEN,
+    F_OFF,
+    F_OP,
+    F_RANK_FD,
+    F_T0,
+    F_T1,
+    LANE_EXPIRED,
+    MAX_BYPASS,
+    OP_STORE,
+    WORD_DONE,
+    WORD_JOBS,
+)
 from tierstore.native_page import (
     _BAD_SECTION,
     LOAD_BAD_GAP,
@@ -394,3 +420,216 @@ def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: in
                               file_offs[i], length, exact_len, do_fsync, spans, gaps, blank, sum_offsets, key_off,
                               token_off, sum_off, token_counts[i], given[i], sums[i], scratch[i])
     return names.shape[0]
+
+
+# ----------------------------------------------------------------- the native I/O loop (native_lane.py)
+# Atomics on one element of a 1-D integer array (sequentially consistent): the lane's rings,
+# states and futex words are shared by its threads and the Python side.
+def _element(context: Any, builder: Any, aryty: Any, ary: Any, idxty: Any, idx: Any) -> Any:
+    arr = context.make_array(aryty)(context, builder, ary)
+    i = context.cast(builder, idx, idxty, types.intp)
+    return cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
+
+
+def _atomic_typer(ary: Any, idx: Any) -> bool:
+    return isinstance(ary, types.Array) and ary.ndim == 1 and isinstance(ary.dtype, types.Integer) \
+        and isinstance(idx, types.Integer)
+
+
+@intrinsic
+def atomic_load(typingctx: Any, ary: Any, idx: Any) -> Any:
+    if not _atomic_typer(ary, idx):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        return builder.load_atomic(ptr, "seq_cst", sig.args[0].dtype.bitwidth // 8)
+
+    return ary.dtype(ary, idx), codegen
+
+
+@intrinsic
+def atomic_store(typingctx: Any, ary: Any, idx: Any, val: Any) -> Any:
+    if not _atomic_typer(ary, idx) or not isinstance(val, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+        builder.store_atomic(v, ptr, "seq_cst", sig.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.void(ary, idx, val), codegen
+
+
+@intrinsic
+def atomic_add(typingctx: Any, ary: Any, idx: Any, val: Any) -> Any:
+    """Add ``val``; the old value."""
+    if not _atomic_typer(ary, idx) or not isinstance(val, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+        return builder.atomic_rmw("add", ptr, v, "seq_cst")
+
+    return ary.dtype(ary, idx, val), codegen
+
+
+@intrinsic
+def atomic_cas(typingctx: Any, ary: Any, idx: Any, expected: Any, new: Any) -> Any:
+    """Compare and swap; the old value (== ``expected``: swapped)."""
+    if not _atomic_typer(ary, idx) or not isinstance(expected, types.Integer) or not isinstance(new, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        dt = sig.args[0].dtype
+        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        cmp = context.cast(builder, args[2], sig.args[2], dt)
+        v = context.cast(builder, args[3], sig.args[3], dt)
+        return builder.extract_value(builder.cmpxchg(ptr, cmp, v, "seq_cst", "seq_cst"), 0)
+
+    return ary.dtype(ary, idx, expected, new), codegen
+
+
+clock_gettime = _c_function("clock_gettime", "i32", ("i32", "i64"))
+nanosleep = _c_function("nanosleep", "i32", ("i64", "i64"))
+
+SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129
+
+ctl_t = t.Array(i64, 1, "C")
+words_t = t.Array(t.int32, 1, "C")
+ring_t = t.Array(i64, 2, "C")
+desc_t = t.Array(i64, 2, "C")
+names_t = t.Array(u8, 2, "C")
+u64_2d = t.Array(t.uint64, 2, "C")
+u64_1d = t.Array(t.uint64, 1, "C")
+timespec_t = t.Array(i64, 1, "C", readonly=True)
+
+
+@numba.njit(inline="always")
+def now_ns(clock: Any) -> int:
+    clock_gettime(1, clock.ctypes.data)  # CLOCK_MONOTONIC: time.monotonic()'s clock
+    return clock[0] * 1_000_000_000 + clock[1]
+
+
+@numba.njit(inline="always")
+def claim(ctl: Any, ring: Any, q: int) -> int:
+    # The next entry of queue q, or -1 when it is empty (a lost race retries).
+    while True:
+        h = atomic_load(ctl, CTL_HEAD + 2 * q)
+        if h >= atomic_load(ctl, CTL_TAIL + 2 * q):
+            return -1
+        if atomic_cas(ctl, CTL_HEAD + 2 * q, h, h + 1) == h:
+            return ring[q, h % ring.shape[1]]
+
+
+@numba.njit(inline="always")
+def queued(ctl: Any, q: int) -> bool:
+    return atomic_load(ctl, CTL_HEAD + 2 * q) < atomic_load(ctl, CTL_TAIL + 2 * q)
+
+
+@numba.njit(i64(ctl_t, words_t, ctl_t, ring_t, desc_t, names_t, names_t, frame_t,
+                i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                rows, rows, bytes_ro, rows, vec, i64, i64, i64, rows, rows, rows,
+                u64_2d, u64_2d, u64_2d, stats_t, u64_1d, timespec_t, ctl_t), nogil=True, cache=_CACHE)
+def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: Any, lnames: Any, slab: Any,
+               s_tmp_at: int, s_final_at: int, s_key_at: int, l_file_at: int, l_key_at: int, dir_flags: int,
+               store_flags: int, load_flags: int, mode: int, length: int, size: int, do_fsync: int,
+               spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int,
+               token_off: int, sum_off: int, plan_verify: Any, plan_raw: Any, no_spans: Any, given: Any, sums: Any,
+               header_sums: Any, scratch: Any, no_given: Any, timeout: Any, clock: Any) -> int:
+    # One I/O thread of a lane, until CTL_STOP: take an entry (loads first, a store after
+    # MAX_BYPASS loads taken past waiting stores), run store_page / load_page on it, mark it
+    # done; sleep on the jobs futex word when both queues are empty.
+    bypass = 0
+    while atomic_load(ctl, CTL_STOP) == 0:
+        first = 1 if bypass >= MAX_BYPASS else 0
+        e = claim(ctl, ring, first)
+        q = first
+        if e < 0:
+            q = 1 - first
+            e = claim(ctl, ring, q)
+        if e < 0:
+            seq = atomic_load(words, WORD_JOBS)
+            atomic_add(ctl, CTL_SLEEPERS, 1)
+            if not queued(ctl, 0) and not queued(ctl, 1) and atomic_load(ctl, CTL_STOP) == 0:
+                syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAIT_PRIVATE, seq, timeout.ctypes.data)
+            atomic_add(ctl, CTL_SLEEPERS, -1)
+            continue
+        if q == 0 and queued(ctl, 1):
+            bypass += 1
+        elif q == 1:
+            bypass = 0
+        atomic_store(states, e, ENTRY_RUNNING)
+        t0 = now_ns(clock)
+        desc[e, F_T0] = t0
+        if t0 > desc[e, F_DEADLINE]:
+            code = LANE_EXPIRED  # the queue completed it as timed out: do not start it late
+        elif desc[e, F_OP] == OP_STORE:
+            g = given[e] if desc[e, F_FLAG] != 0 else no_given
+            code = store_page(desc[e, F_RANK_FD], snames[e], s_tmp_at, s_final_at, s_key_at, dir_flags, store_flags,
+                              mode, slab, desc[e, F_OFF], length, size, do_fsync, spans, gaps, blank, sum_offsets,
+                              key_off, token_off, sum_off, desc[e, F_ARG], g, sums[e], scratch[e])
+        else:
+            plan = plan_verify if desc[e, F_ARG] != 0 else plan_raw
+            load_spans = spans if desc[e, F_ARG] != 0 else no_spans
+            code = load_page(desc[e, F_RANK_FD], lnames[e], l_file_at, l_key_at, dir_flags, load_flags, size,
+                             desc[e, F_FLAG], desc[e, F_DIRECT_LEN], slab, desc[e, F_OFF], plan, load_spans, gaps,
+                             blank, const_ranges, sum_offsets, key_off, sum_off, sums[e], header_sums[e], scratch[e])
+        desc[e, F_CODE] = code
+        desc[e, F_T1] = now_ns(clock)
+        atomic_store(states, e, ENTRY_DONE)
+        atomic_add(words, WORD_DONE, 1)
+        if atomic_load(ctl, CTL_DONE_WAITER) != 0:
+            syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_DONE, FUTEX_WAKE_PRIVATE, 1, 0)
+    return 0
+
+
+@numba.njit(t.void(ctl_t, words_t, ctl_t, ring_t, i64, i64), nogil=False, cache=_CACHE)
+def lane_publish(ctl: Any, words: Any, states: Any, ring: Any, q: int, e: int) -> None:
+    # Called with the queue's lock held (one producer at a time): entry e (its fields written)
+    # goes to the tail of queue q; a sleeping lane thread is woken.
+    atomic_store(states, e, ENTRY_READY)
+    tail = atomic_load(ctl, CTL_TAIL + 2 * q)
+    ring[q, tail % ring.shape[1]] = e
+    atomic_store(ctl, CTL_TAIL + 2 * q, tail + 1)
+    atomic_add(words, WORD_JOBS, 1)
+    if atomic_load(ctl, CTL_SLEEPERS) > 0:
+        syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAKE_PRIVATE, 1, 0)
+
+
+@numba.njit(i64(ctl_t, words_t, ctl_t, desc_t, ctl_t, timespec_t, timespec_t), nogil=True, cache=_CACHE)
+def lane_await(ctl: Any, words: Any, states: Any, desc: Any, seen: Any, delay: Any, timeout: Any) -> int:
+    # The lane's harvest thread, without the GIL: return 1 once some entry has been done and
+    # not harvested for at least ``delay`` (the driver's own polls usually harvest first, and
+    # then this thread never asks for the GIL), 0 at CTL_STOP.
+    n = states.shape[0]
+    while atomic_load(ctl, CTL_STOP) == 0:
+        seq = atomic_load(words, WORD_DONE)
+        found = 0
+        for e in range(n):
+            if atomic_load(states, e) == ENTRY_DONE:
+                seen[found] = e
+                seen[n + found] = desc[e, F_GEN]
+                found += 1
+        if found == 0:
+            atomic_store(ctl, CTL_DONE_WAITER, 1)
+            syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_DONE, FUTEX_WAIT_PRIVATE, seq, timeout.ctypes.data)
+            atomic_store(ctl, CTL_DONE_WAITER, 0)
+            continue
+        nanosleep(delay.ctypes.data, 0)
+        for j in range(found):
+            e = seen[j]
+            if atomic_load(states, e) == ENTRY_DONE and desc[e, F_GEN] == seen[n + j]:
+                return 1
+    return 0
+
+
+@numba.njit(t.void(ctl_t, words_t), nogil=False, cache=_CACHE)
+def lane_stop(ctl: Any, words: Any) -> None:
+    atomic_store(ctl, CTL_STOP, 1)
+    atomic_add(words, WORD_JOBS, 1)
+    atomic_add(words, WORD_DONE, 1)
+    syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAKE_PRIVATE, 1 << 30, 0)
+    syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_DONE, FUTEX_WAKE_PRIVATE, 1 << 30, 0)

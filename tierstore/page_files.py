@@ -78,7 +78,7 @@ __all__ = ["WARM_PIECE_BYTES", "PageFiles"]
 logger = logging.getLogger("tierstore.engine")  # the engine's log: what operators filter on
 
 ReadPlan = list[tuple[int, int, int, int]]
-_NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, pagefile.READ_FLAGS)  # the Python path's own open flags
+NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, pagefile.READ_FLAGS)  # the Python path's own open flags
 
 
 class _ThreadState(threading.local):
@@ -203,17 +203,28 @@ class PageFiles:
         shape, (directory, temp file) open flags, the file's start in the frame, bytes written).
         None where the native store does not apply (another codec, a MAC, group-shared modes,
         not compiled, no rank directory)."""
-        if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
+        plan = self.native_store_plan(key_len)
+        if plan is None:
             return None
         try:
             rank_fd = self._dirs.rank_fd()
         except (PageError, OSError):
             return None
+        return (rank_fd, *plan)
+
+    def native_store_plan(self, key_len: int) -> tuple[native_page.PageShape, tuple[int, int], int, int] | None:
+        """``_native_store_target`` without the rank directory (no file system call): (page
+        shape, open flags, the file's start in the frame, bytes written), or None."""
+        if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
+            return None
         shape = self._shape(key_len, True)
         hl = shape.header_len
         length = self.geometry.padded_nbytes + hl if self.odirect else hl + self._nbytes
-        return (rank_fd, shape, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)), self.geometry.header_room - hl,
-                length)
+        return shape, (safefs.DIR_FLAGS, pagefile.temp_flags(self.odirect)), self.geometry.header_room - hl, length
+
+    def held_rank_fd(self) -> int:
+        """The rank directory's fd if already open, else -1 (never waits on the file system)."""
+        return self._dirs.held_fd()
 
     def _native_stored(self, code: int) -> tuple[bool, int] | None:
         """A native store's code as ``store``'s result; None: the Python path redoes it."""
@@ -357,7 +368,7 @@ class PageFiles:
         shape = self._shape(len(key), verify)
         file_off = self.geometry.header_room - shape.header_len  # ALIGN-aligned (HEADER_ALIGN)
         direct_len = shape.header_len + self.geometry.padded_nbytes if self.direct_loads else 0
-        got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, _NATIVE_OPEN_FLAGS,
+        got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, NATIVE_OPEN_FLAGS,
                                     self.direct_loads, self._frame_array(slot), file_off, direct_len)
         if got is None:
             return None
@@ -403,7 +414,7 @@ class PageFiles:
         paths = [self.mapper.final_path(key) for key, _, _ in items]
         got = native_page.load_pages(shape, rank_fd, [(fanout(key), os.path.basename(p), key)
                                                       for (key, _, _), p in zip(items, paths, strict=True)],
-                                     _NATIVE_OPEN_FLAGS, self.direct_loads, slab, [f[1] + file_off for f in frames],
+                                     NATIVE_OPEN_FLAGS, self.direct_loads, slab, [f[1] + file_off for f in frames],
                                      direct_len)
         if got is None:
             return False

@@ -351,6 +351,11 @@ class RankDir:
         fd = self._fd
         return fd if fd >= 0 else self._reopen(create, fd)
 
+    def held_fd(self) -> int:
+        """The held fd of the rank directory, or -1 when it is not open yet; never opens
+        anything (callers that hold a lock must not wait on the file system)."""
+        return self._fd
+
     def fanout(self, name: str, *, create: bool = False, where: str = "", key: bytes | None = None) -> int:
         """An fd of the fan-out directory ``name`` (the caller closes it); ``create``: make it
         (and the chain above it) when missing. Raises ``PageUnsafe`` for a symlinked or

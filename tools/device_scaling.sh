@@ -23,6 +23,10 @@
 #                                       # GIL_BATCHES); then the GPU path per I/O batch cap in MiB, alternated
 #   bash tools/device_scaling.sh storebatch  # the stores of an I/O batch in one native call (1) or one call each
 #                                       # (0, the code before session 11), alternated: CPU path 2 MiB, then the GPU path
+#   bash tools/device_scaling.sh lane      # the native I/O lane (io_loop native/python alternated): the GPU path at
+#                                       # 16 threads (LANE_RUNS, default "native python native python"), then the
+#                                       # engine beside a busy Python thread (LANE_GIL=0: not)
+#   bash tools/device_scaling.sh lanecpu   # the same for the CPU path at 16 threads, 2 and 16 MiB pages
 #   bash tools/device_scaling.sh ceiling   # tools/store_ceiling.py: memory bandwidth, a store's steps one by
 #                                       # one, raw file I/O and PCIe apart and together; then the benches
 set -uo pipefail
@@ -75,7 +79,7 @@ tests|gputests|gputests+*)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
-        tests/bench/test_bench_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+        tests/bench/test_bench_kernels.py tests/test_native_lane.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
     [ "$1" = gputests ] && exit 0
@@ -195,6 +199,36 @@ gil)
         IO_BATCH_MIB=$cap timeout 130 python -c "$PATCHED_CLI" bench kernels --skip-kernels --no-cold \
             --repeats 2 --transfer-mib 4096 --io-threads 16 --root /dev/shm/tsk > "$OUT/gil_kernels_${cap}_$i.txt" 2>&1
         echo "I/O batches capped at $cap MiB, run $i rc=$?"; grep -A6 "^| case" "$OUT/gil_kernels_${cap}_$i.txt" | grep -v "^|---"
+    done
+    ;;
+lane)
+    # the native I/O lane (setting io_loop): native and python alternated in one call; the GPU
+    # path at 16 threads, then the engine beside a busy Python thread (tools/gil_contention.py)
+    prewarm 24
+    i=0
+    for loop in ${LANE_RUNS:-native python native python}; do
+        i=$((i + 1))
+        timeout 130 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
+            --io-threads 16 --io-loop $loop --root /dev/shm/tsk > "$OUT/lane_k_${loop}_$i.txt" 2>&1
+        echo "GPU path, io_loop=$loop, run $i rc=$?"; grep -A6 "^| case" "$OUT/lane_k_${loop}_$i.txt" | grep -v "^|---" | cut -d'|' -f2-6,8-11,16,18
+    done
+    [ "${LANE_GIL:-1}" = 1 ] && timeout 200 python tools/gil_contention.py --root /dev/shm/tsg --threads 16 --page-mib 8 \
+        --total-mib 4096 --rounds 2 --beside alone,spin87 --io-loops native,python 2>&1 | tee "$OUT/lane_gil.txt" \
+        | grep -A8 "medians of"
+    ;;
+lanecpu)
+    # the CPU path at 16 threads, io_loop native and python alternated: 2 MiB, then 16 MiB pages
+    prewarm 24
+    i=0
+    for spec in "2 1024" "16 4096"; do
+        set -- $spec
+        mib=$1
+        for loop in native python native python; do
+            i=$((i + 1))
+            timeout 100 python -m tierstore bench io --no-vllm --page-mib $mib --total-mib $2 --repeat 2 --cold-rounds 1 \
+                --warm-passes 2 --root /dev/shm/tsb --threads 16 --slots worker --io-loop $loop > "$OUT/lane_io_${mib}_${loop}_$i.txt" 2>&1
+            echo "CPU path, $mib MiB, io_loop=$loop, run $i rc=$?"; grep "ratios\|I/O threads busy" "$OUT/lane_io_${mib}_${loop}_$i.txt"
+        done
     done
     ;;
 storebatch)

@@ -123,21 +123,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--beside", default="alone,spin87,spin100,dma", help="the stand-ins, a comma list")
     ap.add_argument("--batches", default="8:16", help="io_batch_pages:cap MiB pairs, a comma list")
+    ap.add_argument("--io-loops", default="native", help="the engine's io_loop settings, a comma list")
     ap.add_argument("--direct", default="", help="also: pages per store_many call from plain threads, a comma list")
     a = ap.parse_args()
     page, n = a.page_mib * MIB, a.total_mib // a.page_mib
     kinds = [k for k in a.beside.split(",") if k != "dma" or torch.cuda.is_available()]
     batches = [tuple(int(x) for x in b.split(":")) for b in a.batches.split(",")]
-    runs = [(k, b) for k in kinds for b in batches]
+    runs = [(k, b, loop) for k in kinds for b in batches for loop in a.io_loops.split(",")]
     ns = bench_namespace(page)
     slab = torch.randint(0, 256, (n, page), dtype=torch.uint8)
     bufs = [memoryview(slab[i].numpy()) for i in range(n)]
-    rows: dict[str, dict[str, list[float]]] = {f"{k} batch {b[0]}/{b[1]} MiB": {} for k, b in runs}
+    rows: dict[str, dict[str, list[float]]] = {f"{k} batch {b[0]}/{b[1]} MiB {loop}": {} for k, b, loop in runs}
     for r in range(a.rounds):
-        for kind, (batch, cap) in runs if r % 2 == 0 else list(reversed(runs)):
+        for kind, (batch, cap), loop in runs if r % 2 == 0 else list(reversed(runs)):
             shutil.rmtree(a.root, ignore_errors=True)
             engine_mod.IO_BATCH_BYTES = cap * MIB
-            cfg = TierStoreConfig(root=str(a.root / "ts"), io_threads=a.threads, odirect="off", io_batch_pages=batch)
+            cfg = TierStoreConfig(root=str(a.root / "ts"), io_threads=a.threads, odirect="off", io_batch_pages=batch,
+                                  io_loop=loop)
             with IOEngine(a.root / "ts", ns, 0, config=cfg, staging_slots=a.slots,
                           pin=torch.cuda.is_available()) as eng:
                 for s in eng._slots:
@@ -149,13 +151,13 @@ def main() -> None:
                     direct = {f"direct {k}": direct_stores(eng, [f"d{k}-{r}-{i}".encode().ljust(16, b".") for i in range(n)],
                                                            int(k), a.threads)
                               for k in a.direct.split(",") if k}
-            row = rows[f"{kind} batch {batch}/{cap} MiB"]
+            row = rows[f"{kind} batch {batch}/{cap} MiB {loop}"]
             for k, v in {"engine store": got["engine_only_store_gbps"], "ms/job": got["engine_only_store_ms_per_job"],
                          "busy": got["engine_only_store_io_busy"],
                          "engine load": got["engine_only_load_warm_gbps"],
                          "raw write": raw["write_gbps"], "raw read": raw["read_warm_gbps"], **direct}.items():
                 row.setdefault(k, []).append(v)
-            print(f"round {r} {kind} batch {batch}/{cap} MiB: {got} raw {raw} io_batch_pages "
+            print(f"round {r} {kind} batch {batch}/{cap} MiB {loop}: {got} raw {raw} io_batch_pages "
                   f"{eng.stats['io_batch_pages']}", flush=True)
     shutil.rmtree(a.root, ignore_errors=True)
     cols = list(next(iter(rows.values())))

@@ -360,7 +360,8 @@ def _engine_info(impl: dict[str, Any], args: argparse.Namespace) -> dict[str, An
             "threads": args.threads, "odirect_cold_loads": engine.direct_loads,
             "loads_read_with_odirect_last_run": st["loads_odirect"], "header_bytes": engine._header_len(32),
             "io_batch_pages": st["io_batch_pages"],
-            "batched_job_share_last_run": round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3)}
+            "batched_job_share_last_run": round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3),
+            "native_loop_share_last_run": round(st["jobs_native_loop"] / max(1, st["jobs_run"]), 3)}
 
 
 def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: CacheDropper,
@@ -382,7 +383,8 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     sources = [memoryview(src_t[i].numpy()).cast("B") for i in range(n_src)]
     cfg = TierStoreConfig(root=str(root), io_threads=args.threads, odirect=args.odirect,
                           codec=args.codec, fsync=False, deadline_ms=600_000,
-                          **({} if args.io_batch_pages is None else {"io_batch_pages": args.io_batch_pages}))
+                          **({} if args.io_batch_pages is None else {"io_batch_pages": args.io_batch_pages}),
+                          **({} if args.io_loop is None else {"io_loop": args.io_loop}))
     systems = [s for s in SYSTEMS if s != "vllm_fs" or vio is not None]
     rates: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
     cpu: dict[str, dict[str, list[float]]] = {s: {} for s in systems}  # CPU seconds per GB
@@ -512,6 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier even if importable")
     parser.add_argument("--io-batch-pages", type=int, default=None,
                         help="tierstore io_batch_pages (default: the setting's default; 1 = no batches)")
+    parser.add_argument("--io-loop", default=None, choices=("native", "python"),
+                        help="tierstore io_loop (default: the setting's default, native)")
     parser.add_argument("--slots", default="engine", choices=("engine", "worker"),
                         help="tierstore staging slots: the engine's default (2 x threads + 2) or the vLLM "
                              "worker's floor (4 x threads + 8)")

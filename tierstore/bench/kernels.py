@@ -258,6 +258,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker's floor)")
     parser.add_argument("--io-batch-pages", type=int, default=None,
                         help="IOEngine io_batch_pages (default: the setting's default; 1 = no batches)")
+    parser.add_argument("--io-loop", default=None, choices=("native", "python"),
+                        help="IOEngine io_loop (default: the setting's default, native)")
     parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench repetition time in ms (default 100)")
     parser.add_argument("--sweep", action="store_true", help="also try other Triton tile sizes / warps (first case)")
@@ -304,15 +306,16 @@ def _print_sweep(rep: dict[str, Any]) -> None:
     parallel file I/O GB/s (same pages, same threads), PCIe GB/s, ratio to min(PCIe, raw)."""
     pcie = rep["raw_pcie"]
     print("\n| case | thr | store | raw write | PCIe d2h | ratio | load warm | raw read | PCIe h2d | ratio "
-          "| engine-only store | engine-only load | io batch | jobs in batches | direct launches "
+          "| engine-only store | engine-only load | io batch | jobs in batches | native loop | direct launches "
           "| I/O busy st/ld | engine-only I/O busy st/ld |")
-    print("|" + "---|" * 17)
+    print("|" + "---|" * 18)
     for t in rep["transfer"]:
         raw = t["raw_files"]
         print(f"| {t['case'][:48]} | {t['io_threads']} | {t['store_gbps']} | {raw['write_gbps']} | {pcie['d2h_gbps']} "
               f"| {t['store_ratio']} | {t['load_warm_gbps']} | {raw['read_warm_gbps']} | {pcie['h2d_gbps']} "
               f"| {t['load_warm_ratio']} | {t.get('engine_only_store_gbps')} | {t.get('engine_only_load_warm_gbps')} "
-              f"| {t.get('io_batch_pages')} | {t.get('batched_job_share')} | {t.get('direct_launch_share')} "
+              f"| {t.get('io_batch_pages')} | {t.get('batched_job_share')} | {t.get('native_loop_share')} "
+              f"| {t.get('direct_launch_share')} "
               f"| {t.get('store_io_busy')}/{t.get('load_warm_io_busy')} "
               f"| {t.get('engine_only_store_io_busy')}/{t.get('engine_only_load_warm_io_busy')} |")
 
@@ -383,7 +386,8 @@ def _transfer_repeat(args: argparse.Namespace, case: Case, tmp: Path, bufs: list
     batch = args.batch or (max(1, (args.batch_mib << 20) // page) if args.batch_mib
                            else transfer_scratch_pages(1 << 30, page, None, args.io_threads))
     t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold, slots=args.slots,
-                          io_batch_pages=args.io_batch_pages, scratch_pages=args.scratch_batches * batch)
+                          io_batch_pages=args.io_batch_pages, scratch_pages=args.scratch_batches * batch,
+                          io_loop=args.io_loop)
     t["raw_files"] = raw
     t["store_ratio"] = round(t["store_gbps"] / min(pcie["d2h_gbps"], raw["write_gbps"]), 3)
     t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pcie["h2d_gbps"], raw["read_warm_gbps"]), 3)

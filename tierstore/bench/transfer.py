@@ -293,10 +293,12 @@ def default_slots(batch: int, threads: int) -> int:
 
 
 def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0,
-                      io_batch_pages: int | None = None, scratch_pages: int = 0) -> dict[str, Any]:
+                      io_batch_pages: int | None = None, scratch_pages: int = 0,
+                      io_loop: str | None = None) -> dict[str, Any]:
     """Store then load every page of ``case`` through the worker's pipelines (see the module
     docstring); the engine alone after them. ``slots``: staging slots (default ``default_slots``);
-    ``scratch_pages``: the transfer's device scratch (default two batches)."""
+    ``scratch_pages``: the transfer's device scratch (default two batches); ``io_loop``: the
+    engine's setting (default the setting's default)."""
     from tierstore.config import TierStoreConfig
     from tierstore.engine import IOEngine
     from tierstore.format import GroupKind
@@ -314,7 +316,8 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     ns = layout_namespace(lay, tokens, kind=kind, model=f"bench/{case.label}")
     shutil.rmtree(root / "ts", ignore_errors=True)
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off",
-                             **({} if io_batch_pages is None else {"io_batch_pages": io_batch_pages}))
+                             **({} if io_batch_pages is None else {"io_batch_pages": io_batch_pages}),
+                             **({} if io_loop is None else {"io_loop": io_loop}))
     n_slots = slots or default_slots(batch, threads)
     transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=scratch_pages or 2 * batch)
     transfer.warm_up()
@@ -345,6 +348,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
         out["io_batch_pages"] = st["io_batch_pages"]
         # of the jobs the I/O threads ran (the pipeline's), those taken in batches
         out["batched_job_share"] = round(st["jobs_in_batches"] / max(1, st["jobs_run"]), 3)
+        out["native_loop_share"] = round(st["jobs_native_loop"] / max(1, st["jobs_run"]), 3)
         # the same engine without the GPU: how much of the gap to raw files is the engine's own
         out.update(engine_only(engine, [b"E" + k[1:] for k in keys], tokens, cold,
                                hash_on_cpu=not transfer.checksums_on_gpu))

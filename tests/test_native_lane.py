@@ -1,0 +1,161 @@
+"""The native I/O lane (``native_lane.NativeLane``, setting ``io_loop``): jobs run on compiled
+threads that never return to Python, and come back with the results, bytes and failures of
+the Python I/O threads (``io_loop`` "python", the reference here)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tiers_helpers import load_page, store_data
+
+from tierstore import native
+from tierstore.config import TierStoreConfig
+from tierstore.engine import IOEngine
+from tierstore.format import section_checksums
+from tierstore.testing.pages import corrupt_flip_bit, hybrid_namespace, page_bytes, page_key
+
+
+@pytest.fixture(autouse=True)
+def _compiled() -> None:
+    if not native.start(wait=True) or native.lane_kernels() is None:
+        pytest.skip(f"native path unavailable: {native.failure()}")
+
+
+def _engine(root: Path, group: int = 2, **cfg: object) -> IOEngine:
+    extra = {k: cfg.pop(k) for k in ("staging_slots", "deadline_s") if k in cfg}
+    config = TierStoreConfig.from_dict({"root": str(root), "odirect": "off", **cfg})
+    return IOEngine(root, hybrid_namespace(), group, config=config, **extra)  # type: ignore[arg-type]
+
+
+def _lane_jobs(eng: IOEngine) -> int:
+    return int(eng.stats["jobs_native_loop"])
+
+
+@pytest.mark.parametrize("odirect", ["off", "auto"])
+@pytest.mark.parametrize("group", [0, 2])
+def test_the_lane_writes_the_python_threads_bytes_and_reads_them_back(tmp_path: Path, group: int, odirect: str) -> None:
+    files = {}
+    for loop in ("native", "python"):
+        root = tmp_path / loop
+        eng = _engine(root, group, io_loop=loop, odirect=odirect)
+        pages = {page_key(i): page_bytes(eng.layout, page_key(i), group) for i in range(6)}
+        for key, data in pages.items():
+            res = store_data(eng, key, data)
+            assert res.ok and res.stored, res
+        again = store_data(eng, page_key(0), pages[page_key(0)])
+        assert again.ok and not again.stored  # the name exists: stored, nothing written
+        for key, data in pages.items():
+            res, got = load_page(eng, key)
+            assert res.ok and res.verified and got == data, res
+        assert _lane_jobs(eng) == (2 * len(pages) + 1 if loop == "native" else 0)
+        files[loop] = {k: eng.mapper.path_for(k).read_bytes() for k in pages}
+        eng.close()
+    assert files["native"] == files["python"]  # canonical bytes whichever loop wrote them
+
+
+def test_unverified_loads_hand_back_the_header_sums_and_given_sums_are_written(tmp_path: Path) -> None:
+    eng = _engine(tmp_path)
+    key = page_key(1)
+    data = page_bytes(eng.layout, key, 2)
+    sums = section_checksums(eng.layout, memoryview(data))
+    slot = eng.acquire_slot(5)
+    assert slot is not None
+    slot.view[:] = data
+    (res,) = eng.wait([eng.submit_store(key, slot, 16, sums=sums)], 10)
+    assert res.ok and res.stored
+    (res,) = eng.wait([eng.submit_load(key, verify=False)], 10)
+    assert res.ok and not res.verified and list(res.sums) == list(sums)
+    assert bytes(res.slot.view) == data
+    eng.settle(res, True)
+    eng.release_slot(res.slot)
+    assert _lane_jobs(eng) == 2 and eng.stats["loads_ok"] == 1
+    eng.close()
+
+
+def test_damage_and_misses_are_named_by_the_python_path_and_the_damaged_file_removed(tmp_path: Path) -> None:
+    eng = _engine(tmp_path)
+    key = page_key(2)
+    assert store_data(eng, key, page_bytes(eng.layout, key, 2)).ok
+    path = eng.mapper.path_for(key)
+    corrupt_flip_bit(path, path.stat().st_size - 100)
+    res, got = load_page(eng, key)
+    assert not res.ok and res.error.kind == "checksum" and got is None, res
+    assert not path.exists() and eng.stats["bad_pages_discarded"] == 1
+    res, _ = load_page(eng, page_key(3))
+    assert not res.ok and res.error.kind == "missing", res
+    assert _lane_jobs(eng) == 1  # the store; both loads were handed back and redone in Python
+    eng.close()
+
+
+def test_a_store_into_a_removed_fanout_directory_is_redone_and_lands(tmp_path: Path) -> None:
+    eng = _engine(tmp_path)
+    key = page_key(4)
+    fan = eng.mapper.path_for(key).parent
+    os.rmdir(fan)
+    res = store_data(eng, key, page_bytes(eng.layout, key, 2))
+    assert res.ok and res.stored, res
+    assert load_page(eng, key)[0].ok
+    eng.close()
+
+
+def test_a_job_past_its_deadline_is_not_started_late(tmp_path: Path) -> None:
+    eng = _engine(tmp_path, deadline_s=1e-6)
+    key = page_key(5)
+    slot = eng.acquire_slot(5)
+    assert slot is not None
+    slot.view[:] = page_bytes(eng.layout, key, 2)
+    job = eng.submit_store(key, slot, 16)
+    time.sleep(0.2)
+    (res,) = eng.wait([job], 5)
+    assert not res.ok and res.error.kind == "timeout", res
+    assert eng.flush(5)
+    time.sleep(0.1)
+    assert not eng.mapper.path_for(key).exists()
+    assert eng.free_slots == len(eng._slots)  # the lane gave the slot back
+    eng.close()
+
+
+def test_finished_stores_give_their_slots_back_without_a_poll(tmp_path: Path) -> None:
+    """The harvest thread completes the lane's jobs when nobody polls: a caller blocked on the
+    pool alone (no engine call) gets a slot back."""
+    eng = _engine(tmp_path, staging_slots=2)
+    for i in range(2):
+        slot = eng.acquire_slot(5)
+        assert slot is not None
+        slot.view[:] = page_bytes(eng.layout, page_key(10 + i), 2)
+        eng.submit_store(page_key(10 + i), slot, 16)
+    assert eng._pool.acquire(5) is not None
+    eng.close()
+
+
+def test_a_wrapped_file_operation_keeps_every_job_on_the_python_threads(tmp_path: Path) -> None:
+    eng = _engine(tmp_path)
+    seen = []
+    real = eng._do_store
+
+    def wrapped(*a: object) -> object:
+        seen.append(1)
+        return real(*a)  # type: ignore[arg-type]
+
+    eng._do_store = wrapped  # type: ignore[method-assign]
+    assert store_data(eng, page_key(6), page_bytes(eng.layout, page_key(6), 2)).ok
+    assert seen and _lane_jobs(eng) == 0
+    eng.close()
+
+
+def test_close_finishes_queued_stores_and_stops_the_lane_threads(tmp_path: Path) -> None:
+    eng = _engine(tmp_path, staging_slots=16, io_threads=2)
+    keys = [page_key(20 + i) for i in range(16)]
+    for key in keys:
+        slot = eng.acquire_slot(5)
+        assert slot is not None
+        slot.view[:] = page_bytes(eng.layout, key, 2)
+        eng.submit_store(key, slot, 16)
+    eng.close(30)
+    assert all(eng.mapper.path_for(k).exists() for k in keys)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-io-g2-n")]
+    assert eng.stats["stores_ok"] == len(keys)
