@@ -5,6 +5,8 @@ the Python I/O threads (``io_loop`` "python", the reference here)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -159,3 +161,32 @@ def test_close_finishes_queued_stores_and_stops_the_lane_threads(tmp_path: Path)
     assert all(eng.mapper.path_for(k).exists() for k in keys)
     assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-io-g2-n")]
     assert eng.stats["stores_ok"] == len(keys)
+
+
+def test_a_process_that_exits_with_pages_in_flight_exits_cleanly(tmp_path: Path) -> None:
+    """The lane's threads hold no GIL, so interpreter shutdown would not pause them: at an exit
+    with stores in flight and no close, ``_stop_at_exit`` stops the lane before shutdown (an
+    exit handler registered first runs last and sees it stopped), and the status is 0."""
+    script = (
+        "import atexit, sys\n"
+        "lanes = []\n"
+        "atexit.register(lambda: print('lane stopped at exit:', lanes[0].stopped, flush=True))\n"
+        "from tierstore import native\n"
+        "native.start(wait=True)\n"
+        "from tierstore.config import TierStoreConfig\n"
+        "from tierstore.engine import IOEngine\n"
+        "from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key\n"
+        f"root = {str(tmp_path / 'root')!r}\n"
+        "eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig(root=root, odirect='off'),"
+        " staging_slots=32)\n"
+        "for i in range(32):\n"
+        "    slot = eng.acquire_slot(5)\n"
+        "    slot.view[:] = page_bytes(eng.layout, page_key(i), 2)\n"
+        "    eng.submit_store(page_key(i), slot, 16)\n"
+        "assert eng._queue._lane.started\n"
+        "lanes.append(eng._queue._lane)\n"
+        "sys.exit(0)\n"
+    )
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "lane stopped at exit: True" in got.stdout, got.stdout[-2000:]

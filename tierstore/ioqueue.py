@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tierstore.errors import PageCancelled, PageError, PageQueueFull, PageTimeout
 
@@ -85,6 +85,9 @@ class Job:
         self.done = False
 
 
+Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
+
+
 class _Waiter:
     """One ``wait`` call: how many of its jobs are still pending, and how to wake it."""
 
@@ -95,8 +98,19 @@ class _Waiter:
         self.remaining = 0
 
 
+class Lane(Protocol):
+    """Compiled I/O threads that take jobs off the Python threads (``native_lane.NativeLane``);
+    ``offer``, ``harvest``, ``queued`` and ``hurry`` are called with the queue's lock held."""
+
+    def attach(self, on_ready: Callable[[], None]) -> None: ...
+    def offer(self, job: Job) -> bool: ...
+    def harvest(self) -> list[tuple[Job, Outcome | None, float]]: ...
+    def queued(self) -> dict[str, int]: ...
+    def hurry(self, by: int) -> None: ...
+    def stop(self, timeout: float) -> list[Job]: ...
+
+
 Finish = Callable[[Job, "PageError | None", bool, int, float], Any]
-Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
 RunBatch = Callable[[list[Job]], "list[tuple[bool, int] | PageError] | None"]
 
 
@@ -106,13 +120,13 @@ class JobQueue:
     def __init__(self, *, policy: QueuePolicy, queue_depth: int, deadline_s: float, threads: int, name: str,
                  run: Callable[[Job], tuple[bool, int]], finish: Finish,
                  after_run: Callable[[Job, bool, PageError | None], None], where: Callable[[bytes], str],
-                 run_batch: RunBatch | None = None, max_batch: int = 1, lane: Any = None) -> None:
+                 run_batch: RunBatch | None = None, max_batch: int = 1, lane: Lane | None = None) -> None:
         self.policy = policy
         self.max_batch = max_batch if run_batch is not None else 1
-        self._run_batch = run_batch
         self.queue_depth = queue_depth
         self.deadline_s = deadline_s
-        self._run, self._finish, self._after_run, self._where = run, finish, after_run, where
+        self._finish, self._after_run, self._where = finish, after_run, where
+        self._runner = _Runner(run, run_batch)
         self._lock = threading.Lock()
         # One token per queued job (and one per thread at stop): an idle I/O thread blocks in
         # C on this, not in a Condition (whose wait allocates a lock and runs Python per job).
@@ -421,7 +435,7 @@ class JobQueue:
             if not jobs:
                 continue  # the token of a job completed while queued
             started = time.perf_counter()
-            outcomes = self._execute_batch(jobs) if len(jobs) > 1 else [self._execute(jobs[0])]
+            outcomes = self._runner.batch(jobs) if len(jobs) > 1 else [self._runner.one(jobs[0])]
             with self._lock:
                 accepted = [self._complete_locked(job, *outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
                 self.busy_s += time.perf_counter() - started
@@ -432,14 +446,22 @@ class JobQueue:
             for job, ok, outcome in zip(jobs, accepted, outcomes, strict=True):
                 self._after_run(job, ok, outcome[0])
 
-    def _execute_batch(self, jobs: list[Job]) -> list[Outcome]:
-        """``run_batch`` on ``jobs``: one outcome per job, as ``_execute`` makes them (each job
-        through ``_execute`` when the hook declines the batch)."""
+
+class _Runner:
+    """Runs jobs through the owner's ``run`` / ``run_batch`` hooks on an I/O thread; every
+    exception becomes the job's ``PageError`` (a bug still completes its job)."""
+
+    def __init__(self, run: Callable[[Job], tuple[bool, int]], run_batch: RunBatch | None) -> None:
+        self._run, self._run_batch = run, run_batch
+
+    def batch(self, jobs: list[Job]) -> list[Outcome]:
+        """``run_batch`` on ``jobs``: one outcome per job, as ``one`` makes them (each job
+        through ``one`` when the hook declines the batch)."""
         assert self._run_batch is not None
         try:
             results = self._run_batch(jobs)
             if results is None:
-                return [self._execute(job) for job in jobs]
+                return [self.one(job) for job in jobs]
             if len(results) != len(jobs):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} jobs")
         except Exception as exc:  # a bug must still come back as a per-key failure
@@ -455,7 +477,7 @@ class JobQueue:
                 outcomes.append((None, got[0], got[1]))
         return outcomes
 
-    def _execute(self, job: Job) -> Outcome:
+    def one(self, job: Job) -> Outcome:
         try:
             stored, nbytes = self._run(job)
             return None, stored, nbytes

@@ -425,10 +425,13 @@ def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: in
 # ----------------------------------------------------------------- the native I/O loop (native_lane.py)
 # Atomics on one element of a 1-D integer array (sequentially consistent): the lane's rings,
 # states and futex words are shared by its threads and the Python side.
-def _element(context: Any, builder: Any, aryty: Any, ary: Any, idxty: Any, idx: Any) -> Any:
-    arr = context.make_array(aryty)(context, builder, ary)
-    i = context.cast(builder, idx, idxty, types.intp)
-    return cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
+def _operands(context: Any, builder: Any, sig: Any, args: Any) -> tuple[Any, list[Any]]:
+    """The pointer to ``args[0][args[1]]`` and the further arguments cast to its type."""
+    aryty, dt = sig.args[0], sig.args[0].dtype
+    arr = context.make_array(aryty)(context, builder, args[0])
+    i = context.cast(builder, args[1], sig.args[1], types.intp)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
+    return ptr, [context.cast(builder, v, t, dt) for v, t in zip(args[2:], sig.args[2:], strict=True)]
 
 
 def _atomic_typer(ary: Any, idx: Any) -> bool:
@@ -442,7 +445,7 @@ def atomic_load(typingctx: Any, ary: Any, idx: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        ptr, _ = _operands(context, builder, sig, args)
         return builder.load_atomic(ptr, "seq_cst", sig.args[0].dtype.bitwidth // 8)
 
     return ary.dtype(ary, idx), codegen
@@ -454,8 +457,7 @@ def atomic_store(typingctx: Any, ary: Any, idx: Any, val: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+        ptr, (v,) = _operands(context, builder, sig, args)
         builder.store_atomic(v, ptr, "seq_cst", sig.args[0].dtype.bitwidth // 8)
         return context.get_dummy_value()
 
@@ -469,8 +471,7 @@ def atomic_add(typingctx: Any, ary: Any, idx: Any, val: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+        ptr, (v,) = _operands(context, builder, sig, args)
         return builder.atomic_rmw("add", ptr, v, "seq_cst")
 
     return ary.dtype(ary, idx, val), codegen
@@ -483,10 +484,7 @@ def atomic_cas(typingctx: Any, ary: Any, idx: Any, expected: Any, new: Any) -> A
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        dt = sig.args[0].dtype
-        ptr = _element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        cmp = context.cast(builder, args[2], sig.args[2], dt)
-        v = context.cast(builder, args[3], sig.args[3], dt)
+        ptr, (cmp, v) = _operands(context, builder, sig, args)
         return builder.extract_value(builder.cmpxchg(ptr, cmp, v, "seq_cst", "seq_cst"), 0)
 
     return ary.dtype(ary, idx, expected, new), codegen

@@ -42,10 +42,12 @@ asks for the GIL.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +78,15 @@ _IDLE_WAIT_S = 0.5  # a sleeping thread looks at the stop flag at least this oft
 HARVEST_DELAY_S = 0.001  # how long a finished entry may wait for a caller's poll
 
 Outcome = tuple[Any, bool, int]  # (error or None, stored, bytes), as ioqueue's
+_RUNNING: weakref.WeakSet[NativeLane] = weakref.WeakSet()  # started and not stopped
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # A lane thread holds no GIL, so interpreter shutdown would not pause it: it could still be
+    # writing into arrays the shutdown frees. Stop every lane (each finishes its page) first.
+    for lane in list(_RUNNING):
+        lane.stop(1.0)
 
 
 def _timespec(np: Any, seconds: float) -> Any:
@@ -165,6 +176,7 @@ class NativeLane:
                          for i in range(self.threads)]
         self._threads.append(threading.Thread(target=self._harvest_thread, name=f"{self.name}-harvest", daemon=True))
         self.started = True
+        _RUNNING.add(self)
         for th in self._threads:
             th.start()
         return True
@@ -297,6 +309,7 @@ class NativeLane:
         if self.stopped:
             return []
         self.stopped = True
+        _RUNNING.discard(self)
         if not self.started:
             return []
         self._stop(self.ctl, self.words)

@@ -68,6 +68,8 @@ if _delay > 0:
         time.sleep(_delay)
         return _native_store(*args)
     _native_page.store_page = _slow_store_page
+    import tierstore.native_lane as _native_lane  # compiled threads cannot be slowed from Python:
+    _native_lane.NativeLane.offer = lambda self, job: False  # every store on the slowed paths
 """
 
 
