@@ -190,3 +190,27 @@ def test_a_process_that_exits_with_pages_in_flight_exits_cleanly(tmp_path: Path)
     got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr[-2000:]
     assert "lane stopped at exit: True" in got.stdout, got.stdout[-2000:]
+
+
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_a_load_goes_before_queued_stores(tmp_path: Path, loop: str) -> None:
+    """One I/O thread, 40 stores of 2 MiB queued, then a load: the load is taken next
+    (``QueuePolicy``, the lane's MAX_BYPASS rule), so most stores are still to do when it
+    returns."""
+    from tierstore.bench.io import bench_namespace
+
+    root = tmp_path / loop
+    eng = IOEngine(root, bench_namespace(2 << 20), 0, staging_slots=48,
+                   config=TierStoreConfig(root=str(root), io_threads=1, odirect="off", io_loop=loop))
+    slot = eng.acquire_slot(5)
+    assert slot is not None
+    (res,) = eng.wait([eng.submit_store(b"L" * 16, slot, 16)], 10)
+    assert res.ok
+    keys = [f"s{i:015d}".encode() for i in range(40)]
+    for key in keys:  # slot contents do not matter here
+        eng.submit_store(key, eng.acquire_slot(5), 16)  # type: ignore[arg-type]
+    (res,) = eng.wait([eng.submit_load(b"L" * 16)], 10)
+    done_before = sum(eng.mapper.path_for(k).exists() for k in keys)
+    assert res.ok and done_before <= 20, done_before
+    assert (_lane_jobs(eng) > 0) == (loop == "native")
+    eng.close()
