@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 from tierstore import native, native_page, page_index
 from tierstore.errors import PageTimeout
 from tierstore.mapper import fanout
-from tierstore.page_files import NATIVE_OPEN_FLAGS
 
 if TYPE_CHECKING:
     from tierstore.ioqueue import Job
@@ -121,6 +120,10 @@ class NativeLane:
     def _start(self, key_len: int) -> bool:
         """Build the arrays and start the threads for keys of ``key_len`` bytes; False when the
         native store does not apply to this engine (yet: the kernels may still compile)."""
+        # Imported here, not at the top: native_kernels imports this module for its layout, and
+        # page_files would bring torch into the kernels' compile thread (~2 s in a fresh process).
+        from tierstore.page_files import NATIVE_OPEN_FLAGS
+
         kernels = native.lane_kernels()
         plan = self.files.native_store_plan(key_len) if kernels is not None else None
         if plan is None or self.files.mac is not None or self._on_ready is None:
