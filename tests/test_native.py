@@ -385,6 +385,77 @@ def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with
     assert trees[0] == trees[1]
 
 
+@pytest.mark.parametrize("odirect", ["off", "auto"])
+@pytest.mark.parametrize("group", [0, 2])
+def test_stores_hashed_in_pieces_write_the_python_paths_bytes(tmp_path: Path, group: int, odirect: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store the kernel hashes goes in pieces (``pagefile.STORE_PIECE_BYTES``, here one
+    4 KiB block: group 0's two sections in two pieces, group 2's four sections all before its
+    first piece), the header written last: byte for byte the Python path's file, through the
+    lane, one store_page call and a batch, buffered and with O_DIRECT."""
+    monkeypatch.setattr(pagefile, "STORE_PIECE_BYTES", 4096)
+    ns = hybrid_namespace()
+    keys = [page_key(40 + i) for i in range(4)]
+    trees = []
+    for use_native in (True, False):
+        root = tmp_path / ("n" if use_native else "p")
+        if not use_native:
+            monkeypatch.setattr(native_page, "store_page", lambda *a: None)
+            monkeypatch.setattr(native_page, "store_pages", lambda *a: None)
+        for loop in ("native", "python"):  # the lane, then the Python threads' native calls
+            cfg = {"root": str(root), "odirect": odirect, "io_loop": loop}
+            eng = IOEngine(root, ns, group, config=TierStoreConfig.from_dict(cfg))
+            assert eng.files._shape(len(keys[0]), False).store_piece == 4096
+            if loop == "native":
+                assert store_data(eng, keys[0], page_bytes(eng.layout, keys[0], 2)).ok
+                continue
+            assert store_data(eng, keys[1], page_bytes(eng.layout, keys[1], 2)).ok
+            items = []
+            for key in keys[2:]:
+                slot = eng.acquire_slot(10)
+                assert slot is not None
+                slot.view[:] = page_bytes(eng.layout, key, 2)
+                items.append((key, slot, 16, None))
+            assert eng.files.store_many(items) == [(True, eng.layout.nbytes)] * 2
+            for _, slot, _, _ in items:
+                eng.release_slot(slot)
+            trees.append([eng.mapper.path_for(k).read_bytes() for k in keys])
+            assert not list(root.rglob("*.tmp"))
+            eng.close()
+    assert trees[0] == trees[1]
+
+
+def test_a_store_failing_between_pieces_leaves_no_temp(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails after the first piece (the file size limit, RLIMIT_FSIZE, set just
+    above one piece) removes the temp; the Python path redoes the store, fails the same way and
+    names it; nothing is published."""
+    import resource
+    import signal
+
+    monkeypatch.setattr(pagefile, "STORE_PIECE_BYTES", 4096)
+    pieces = []
+    real = native_page.store_page
+    monkeypatch.setattr(native_page, "store_page",
+                        lambda shape, *a: pieces.append(shape.store_piece) or real(shape, *a))
+    eng = IOEngine(root, hybrid_namespace(), 0, config=TierStoreConfig.from_dict(
+        {"root": str(root), "odirect": "off", "io_loop": "python"}))
+    key = page_key(50)
+    data = page_bytes(eng.layout, key, 2)
+    hl = eng.files._template(len(key)).header_len
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hl + 4096 + 100, old_limit[1]))
+        res = store_data(eng, key, data)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert pieces == [4096]  # the native call ran, in pieces
+    assert not res.ok and res.error is not None and "too large" in str(res.error).lower(), res
+    assert not eng.mapper.path_for(key).exists() and not list(root.rglob("*.tmp"))
+    eng.close()
+
+
 def test_module_scans_see_plain_dicts_after_numba_is_loaded() -> None:
     """vLLM's kernel-override scan calls ``vars(v).get`` on every module attribute with a
     ``__dict__``; numba's import (llvmlite's lazy library wrapper) must not break it, or an

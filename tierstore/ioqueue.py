@@ -84,6 +84,12 @@ class Job:
         self.started = False  # a thread owns the job's resources from here until it returns
         self.done = False
 
+    def expired_in_queue(self) -> PageTimeout:
+        """The error of a job found past its deadline before any thread started it (the queue's
+        Python threads and the native lane both report it so)."""
+        return PageTimeout(f"{self.op} waited in the queue past its {self.deadline - self.submitted:.3f} s deadline "
+                           "(deadline_ms setting)", key=self.key)
+
 
 Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
 
@@ -410,9 +416,7 @@ class JobQueue:
             job.queued = False
             self._waiting[job.op] -= 1
             if now >= job.deadline:
-                self._complete_locked(job, PageTimeout(
-                    f"{job.op} waited in the queue past its {self.deadline_s:.3f} s deadline "
-                    "(deadline_ms setting)", key=job.key))
+                self._complete_locked(job, job.expired_in_queue())
                 continue
             job.started = True
             jobs.append(job)

@@ -185,23 +185,21 @@ def read_pieces(fd: int, file_base: int, page_off: int, pieces: Any, spans: Any,
             out[i] = xxh3(file_base + page_off + spans[i, 0], spans[i, 1] - spans[i, 0])
     return pieces[pieces.shape[0] - 1, 1] if pieces.shape[0] else 0
 
-@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=_CACHE)
-def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
-               do_fsync: int) -> int:
-    # In the directory fd ``d``: create the temp (O_EXCL), write, cut the O_DIRECT padding,
-    # fsync if asked, close, rename over the final name; on any failure the temp is removed
-    # and the final name untouched. ``tmp``/``final``: addresses of NUL-terminated names.
-    f = openat(d, tmp, file_flags, mode)
-    if f < 0:
-        return STORE_FAILED
-    off = 0
-    ok = True
-    while ok and off < length:
-        n = pwrite(f, buf + off, length - off, off)
+@numba.njit(numba.types.boolean(i64, i64, i64, i64), nogil=True, cache=_CACHE)
+def write_range(f: int, buf: int, off: int, end: int) -> bool:
+    # bytes [off, end) of the file from buf + off; False on a failed write.
+    while off < end:
+        n = pwrite(f, buf + off, end - off, off)
         if n <= 0:
-            ok = False
-        else:
-            off += n
+            return False
+        off += n
+    return True
+
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, numba.types.boolean), nogil=True, cache=_CACHE)
+def publish_temp(d: int, f: int, tmp: int, final: int, length: int, exact_len: int, do_fsync: int,
+                 ok: bool) -> int:
+    # The written temp ``f``: cut the O_DIRECT padding, fsync if asked, close, rename over the
+    # final name; on any failure (or ``ok`` False) the temp is removed, the final name untouched.
     if ok and exact_len < length and ftruncate(f, exact_len) != 0:
         ok = False
     if ok and do_fsync != 0 and fsync(f) != 0:
@@ -213,6 +211,16 @@ def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: in
     if not ok:
         unlinkat(d, tmp, 0)
     return 0 if ok else STORE_FAILED
+
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=_CACHE)
+def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
+               do_fsync: int) -> int:
+    # In the directory fd ``d``: create the temp (O_EXCL), write, publish (publish_temp).
+    # ``tmp``/``final``: addresses of NUL-terminated names.
+    f = openat(d, tmp, file_flags, mode)
+    if f < 0:
+        return STORE_FAILED
+    return publish_temp(d, f, tmp, final, length, exact_len, do_fsync, write_range(f, buf, 0, length))
 
 
 t = numba.types
@@ -320,12 +328,27 @@ def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: in
                 return bad_gap
     return got
 
-@numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, rows, rows,
+@numba.njit(inline="always")
+def fill_header(frame: Any, file_off: int, names: Any, key_at: int, blank: Any, key_off: int, token_off: int,
+                sum_off: int, sum_offsets: Any, token_count: int, sums: Any) -> None:
+    # HeaderTemplate.fill's bytes at frame[file_off:]: the blank, the key, the token count,
+    # the section sums, then the header's own checksum.
+    for j in range(blank.shape[0]):
+        frame[file_off + j] = blank[j]
+    for i in range(names.shape[0] - key_at):
+        frame[file_off + key_off + i] = names[key_at + i]
+    for b in range(4):
+        frame[file_off + token_off + b] = numba.uint8((token_count >> (8 * b)) & 0xFF)
+    for i in range(sum_offsets.shape[0]):
+        put_u64(frame, file_off + sum_offsets[i], sums[i])
+    put_u64(frame, file_off + sum_off, xxh3(frame.ctypes.data + file_off, sum_off))
+
+@numba.njit(i64(i64, bytes_ro, i64, i64, i64, i64, i64, i64, frame_t, i64, i64, i64, i64, i64, rows, rows,
                 bytes_ro, vec, i64, i64, i64, i64, sums_ro, sums_t, scratch_t), nogil=True, cache=_CACHE)
 def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int,
                file_flags: int, mode: int, frame: Any, file_off: int, length: int, exact_len: int, do_fsync: int,
-               spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
-               token_count: int, given: Any, sums: Any, scratch: Any) -> int:
+               piece: int, spans: Any, gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int,
+               sum_off: int, token_count: int, given: Any, sums: Any, scratch: Any) -> int:
     # names: fan-out dir, temp name, final name (NUL-terminated), then the key bytes.
     d = openat(rank_fd, names.ctypes.data, dir_flags, 0)
     if d < 0:
@@ -340,21 +363,38 @@ def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int
         for j in range(gaps[g, 0], gaps[g, 1]):
             frame[page + j] = 0
     base = frame.ctypes.data + file_off
+    tmp = names.ctypes.data + tmp_at
+    final = names.ctypes.data + final_at
+    if given.shape[0] == 0 and 0 < piece < length - hl:
+        # Hashed here, in pieces: each piece's sections hashed right before the piece is
+        # written, while they are in the CPU cache, the header last (docs/DESIGN.md, "Store path").
+        f = openat(d, tmp, file_flags, mode)
+        if f < 0:
+            close(d)
+            return STORE_FAILED
+        ok = True
+        hashed = 0
+        at = hl
+        while ok and at < length:
+            end = min(at + piece, length)
+            while hashed < spans.shape[0] and hl + spans[hashed, 0] < end:
+                sums[hashed] = xxh3(base + hl + spans[hashed, 0], spans[hashed, 1] - spans[hashed, 0])
+                hashed += 1
+            ok = write_range(f, base, at, end)
+            at = end
+        if ok:
+            fill_header(frame, file_off, names, key_at, blank, key_off, token_off, sum_off, sum_offsets, token_count,
+                        sums)
+            ok = write_range(f, base, 0, hl)
+        code = publish_temp(d, f, tmp, final, length, exact_len, do_fsync, ok)
+        close(d)
+        return code
     if given.shape[0]:
         sums[:] = given
     else:
         hash_spans(base + hl, spans, 0, spans.shape[0], sums)
-    for j in range(hl):
-        frame[file_off + j] = blank[j]
-    for i in range(names.shape[0] - key_at):
-        frame[file_off + key_off + i] = names[key_at + i]
-    for b in range(4):
-        frame[file_off + token_off + b] = numba.uint8((token_count >> (8 * b)) & 0xFF)
-    for i in range(sum_offsets.shape[0]):
-        put_u64(frame, file_off + sum_offsets[i], sums[i])
-    put_u64(frame, file_off + sum_off, xxh3(base, sum_off))
-    code = write_file(d, names.ctypes.data + tmp_at, names.ctypes.data + final_at, file_flags, mode, base,
-                      length, exact_len, do_fsync)
+    fill_header(frame, file_off, names, key_at, blank, key_off, token_off, sum_off, sum_offsets, token_count, sums)
+    code = write_file(d, tmp, final, file_flags, mode, base, length, exact_len, do_fsync)
     close(d)
     return code
 
@@ -407,17 +447,17 @@ def load_pages(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: i
 
 given_t = t.Array(t.uint64, 2, "C", readonly=True)
 
-@numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, i64, frame_t, offs_t, i64, i64, i64, rows, rows, bytes_ro,
-                vec, i64, i64, i64, vec, given_t, outs_t, stats_t, codes_t), nogil=True, cache=_CACHE)
+@numba.njit(i64(i64, pages_t, i64, i64, i64, i64, i64, i64, frame_t, offs_t, i64, i64, i64, i64, rows, rows,
+                bytes_ro, vec, i64, i64, i64, vec, given_t, outs_t, stats_t, codes_t), nogil=True, cache=_CACHE)
 def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int, dir_flags: int, file_flags: int,
-                mode: int, slab: Any, file_offs: Any, length: int, exact_len: int, do_fsync: int, spans: Any,
+                mode: int, slab: Any, file_offs: Any, length: int, exact_len: int, do_fsync: int, piece: int, spans: Any,
                 gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
                 token_counts: Any, given: Any, sums: Any, scratch: Any, codes: Any) -> int:
     # One store_page per row of ``names``, each from the slab at its own offset (``given``:
     # n x 0 when the kernel hashes); store_page's return value of each goes to codes[i].
     for i in range(names.shape[0]):
         codes[i] = store_page(rank_fd, names[i], tmp_at, final_at, key_at, dir_flags, file_flags, mode, slab,
-                              file_offs[i], length, exact_len, do_fsync, spans, gaps, blank, sum_offsets, key_off,
+                              file_offs[i], length, exact_len, do_fsync, piece, spans, gaps, blank, sum_offsets, key_off,
                               token_off, sum_off, token_counts[i], given[i], sums[i], scratch[i])
     return names.shape[0]
 
@@ -528,12 +568,12 @@ def queued(ctl: Any, q: int) -> bool:
 
 
 @numba.njit(i64(ctl_t, words_t, ctl_t, ring_t, desc_t, names_t, names_t, frame_t,
-                i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
                 rows, rows, bytes_ro, rows, vec, i64, i64, i64, rows, rows, rows,
                 u64_2d, u64_2d, u64_2d, stats_t, u64_1d, timespec_t, ctl_t), nogil=True, cache=_CACHE)
 def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: Any, lnames: Any, slab: Any,
                s_tmp_at: int, s_final_at: int, s_key_at: int, l_file_at: int, l_key_at: int, dir_flags: int,
-               store_flags: int, load_flags: int, mode: int, length: int, size: int, do_fsync: int,
+               store_flags: int, load_flags: int, mode: int, length: int, size: int, do_fsync: int, piece: int,
                spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int,
                token_off: int, sum_off: int, plan_verify: Any, plan_raw: Any, no_spans: Any, given: Any, sums: Any,
                header_sums: Any, scratch: Any, no_given: Any, timeout: Any, clock: Any) -> int:
@@ -567,7 +607,7 @@ def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: 
         elif desc[e, F_OP] == OP_STORE:
             g = given[e] if desc[e, F_FLAG] != 0 else no_given
             code = store_page(desc[e, F_RANK_FD], snames[e], s_tmp_at, s_final_at, s_key_at, dir_flags, store_flags,
-                              mode, slab, desc[e, F_OFF], length, size, do_fsync, spans, gaps, blank, sum_offsets,
+                              mode, slab, desc[e, F_OFF], length, size, do_fsync, piece, spans, gaps, blank, sum_offsets,
                               key_off, token_off, sum_off, desc[e, F_ARG], g, sums[e], scratch[e])
         else:
             plan = plan_verify if desc[e, F_ARG] != 0 else plan_raw

@@ -52,7 +52,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tierstore import native, native_page, page_index
-from tierstore.errors import PageTimeout
 from tierstore.mapper import fanout
 
 if TYPE_CHECKING:
@@ -160,6 +159,10 @@ class NativeLane:
         self._slab = slab
         self._file_off = file_off
         self._load_shapes = load_shapes
+        self._direct_len = {v: sh.header_len + files.geometry.padded_nbytes for v, sh in load_shapes.items()}
+        self._desc_items = memoryview(self.desc).cast("B").cast("q")
+        self._snames_bytes = memoryview(self.snames).cast("B")
+        self._lnames_bytes = memoryview(self.lnames).cast("B")
         self.piece_bytes = files.warm_piece_bytes
         self._serve, self._publish, self._await, self._stop = kernels  # type: ignore[misc]
         idle = _timespec(np, _IDLE_WAIT_S)
@@ -167,7 +170,7 @@ class NativeLane:
             self.ctl, self.words, self.states, self.ring, self.desc, self.snames, self.lnames, slab,
             self._s_tmp_at, self._s_final_at, s_key_at, len(fan) + 1, self._l_key_at, dir_flags, store_flags,
             NATIVE_OPEN_FLAGS[1], files.perms.file_mode, length,
-            shape.size, int(files.fsync), shape.spans, shape.gaps, shape.blank, shape.const_ranges,
+            shape.size, int(files.fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank, shape.const_ranges,
             shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, load_shapes[True].plan,
             load_shapes[False].plan, load_shapes[False].load_spans, self.given, self.sums, self.header_sums,
             self.scratch, np.zeros(0, dtype=np.uint64), idle)
@@ -227,31 +230,36 @@ class NativeLane:
         name = os.path.basename(final)
         fan = fanout(key)
         e = self._free[-1]
-        row = self.desc[e]
+        # Fields and names go in through flat memoryviews of the arrays: a third of the time
+        # of numpy's per-item assignment, and offer runs on the submitting thread per page.
+        at = e * FIELDS
+        desc = self._desc_items
         if job.op == "store":
             names = f"{fan}\0{os.path.basename(files.mapper.temp_path(key, final))}\0{name}\0".encode() + key
-            if len(names) != self.snames.shape[1]:
+            width = self.snames.shape[1]
+            if len(names) != width:
                 return False
-            self.snames[e] = native.numpy().frombuffer(names, dtype=native.numpy().uint8)
+            self._snames_bytes[e * width:(e + 1) * width] = names
             if job.sums is not None:
                 self.given[e] = job.sums
-            row[F_OP], row[F_ARG], row[F_FLAG], row[F_DIRECT_LEN] = OP_STORE, job.token_count, job.sums is not None, 0
+            desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG] = OP_STORE, job.token_count, job.sums is not None
+            desc[at + F_DIRECT_LEN] = 0
             q = 1
         else:
             if files.warm_piece_bytes != self.piece_bytes:
                 return False
-            self.lnames[e] = native.numpy().frombuffer(f"{fan}\0{name}\0".encode() + key, dtype=native.numpy().uint8)
-            shape = self._load_shapes[job.verify]
+            width = self.lnames.shape[1]
+            self._lnames_bytes[e * width:(e + 1) * width] = f"{fan}\0{name}\0".encode() + key
             direct = files.direct_loads
-            row[F_OP], row[F_ARG], row[F_FLAG] = OP_LOAD, job.verify, direct
-            row[F_DIRECT_LEN] = shape.header_len + files.geometry.padded_nbytes if direct else 0
+            desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG] = OP_LOAD, job.verify, direct
+            desc[at + F_DIRECT_LEN] = self._direct_len[job.verify] if direct else 0
             job.slot._source = None
             q = 0
         self._free.pop()
         self._gen += 1
-        row[F_OFF], row[F_RANK_FD], row[F_GEN] = off + self._file_off, rank_fd, self._gen
-        row[F_DEADLINE] = int(job.deadline * 1e9)
-        row[F_CODE] = row[F_T0] = row[F_T1] = 0
+        desc[at + F_OFF], desc[at + F_RANK_FD], desc[at + F_GEN] = off + self._file_off, rank_fd, self._gen
+        desc[at + F_DEADLINE] = int(job.deadline * 1e9)
+        desc[at + F_CODE] = desc[at + F_T0] = desc[at + F_T1] = 0
         self._jobs[e] = job
         self._publish(self.ctl, self.words, self.states, self.ring, q, e)
         return True
@@ -279,8 +287,7 @@ class NativeLane:
     def _outcome(self, job: Job, e: int, code: int) -> Outcome | None:
         files = self.files
         if code == LANE_EXPIRED:
-            return PageTimeout(f"{job.op} waited in the queue past its deadline (deadline_ms setting)",
-                               key=job.key), False, 0
+            return job.expired_in_queue(), False, 0
         if job.op == "store":
             done = files._native_stored(code)
             if done is None:

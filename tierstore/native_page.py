@@ -22,9 +22,12 @@ this module holds what is specific to one page file:
   one staging slab (an I/O thread's batch of stores, ``PageFiles.store_many``), one GIL
   release for all, a code per page;
 - ``store_page``: if the final name exists, nothing else (names are content addresses);
-  otherwise zero the gaps, hash the sections (or take the caller's sums), write the header
-  (``HeaderTemplate.fill``'s bytes) right before the page, create the temp (O_EXCL), write, cut
-  the O_DIRECT padding, fsync if asked, close and rename over the final name.
+  otherwise zero the gaps, create the temp (O_EXCL), hash the sections (or take the caller's
+  sums) and write the page, then the header (``HeaderTemplate.fill``'s bytes, right before the
+  page in the frame), cut the O_DIRECT padding, fsync if asked, close and rename over the final
+  name. A page the kernel hashes is written in ``pagefile.STORE_PIECE_BYTES`` pieces, each
+  piece's sections hashed right before its write (still in the CPU cache), the header last;
+  with the caller's sums, header and page go in one write.
 
 Why: per page, the Python around the I/O (numba dispatch of a dozen arguments, header parse
 and fill, the array wrappers) cost about as much GIL time as the rest of the engine; with 16
@@ -49,7 +52,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tierstore import native
+from tierstore import native, pagefile
+from tierstore.directio import ALIGN
 from tierstore.format import HeaderTemplate, PageLayout
 
 # load_page's outcomes besides native.LOAD_* and "read this many bytes".
@@ -63,8 +67,8 @@ ST_DEV, ST_INO, ST_NLINK, ST_MODE, ST_SIZE, ST_MTIME, ST_MTIME_NS, ST_CTIME, ST_
 class PageShape:
     """The arrays every page of one writer (header template) and read plan shares."""
 
-    __slots__ = ("header_len", "size", "plan_end", "plan", "spans", "load_spans", "gaps", "blank", "const_ranges",
-                 "sum_offsets", "key_off", "token_off", "sum_off", "sections")
+    __slots__ = ("header_len", "size", "plan_end", "plan", "store_piece", "spans", "load_spans", "gaps", "blank",
+                 "const_ranges", "sum_offsets", "key_off", "token_off", "sum_off", "sections")
 
     def __init__(self, tmpl: HeaderTemplate, layout: PageLayout, plan: Sequence[tuple[int, int, int, int]],
                  hashed: bool) -> None:
@@ -75,6 +79,9 @@ class PageShape:
         self.size = tmpl.header_len + layout.nbytes
         self.plan_end = plan[-1][1] if plan else 0
         self.plan = native.rows_array(tuple(plan))
+        # a store the kernel hashes goes in pieces of this many bytes, each hashed right before
+        # its write (O_DIRECT: a multiple of ALIGN); 0: hashed whole, then one write
+        self.store_piece = pagefile.STORE_PIECE_BYTES // ALIGN * ALIGN
         self.spans = native.rows_array(tuple(layout.spans))  # a store hashes every section
         self.load_spans = self.spans if hashed else native.rows_array(())
         self.sections = len(layout.sections)
@@ -183,7 +190,8 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
     final_at = tmp_at + len(tmp_name) + 1
     given = np.array(sums if sums is not None else (), dtype=np.uint64)
     return int(kernels[1](rank_fd, names, tmp_at, final_at, final_at + len(final_name) + 1, flags[0], flags[1],
-                          mode, frame, file_off, length, shape.size, int(fsync), shape.spans, shape.gaps,
+                          mode, frame, file_off, length, shape.size, int(fsync), shape.store_piece, shape.spans,
+                          shape.gaps,
                           shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
                           token_count, given, np.empty(shape.sections, dtype=np.uint64),
                           np.empty(32, dtype=np.int64)))
@@ -219,7 +227,7 @@ def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, 
     tokens.setflags(write=False)
     codes = np.empty(n, dtype=np.int64)
     kernels[4](rank_fd, names, tmp_at, final_at, final_at + len(final) + 1, flags[0], flags[1], mode, slab, offs,
-               length, shape.size, int(fsync), shape.spans, shape.gaps, shape.blank, shape.sum_offsets, shape.key_off,
+               length, shape.size, int(fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank, shape.sum_offsets, shape.key_off,
                shape.token_off, shape.sum_off, tokens, given, np.empty((n, shape.sections), dtype=np.uint64),
                np.empty((n, 32), dtype=np.int64), codes)
     return [int(c) for c in codes.tolist()]

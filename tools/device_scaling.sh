@@ -27,6 +27,12 @@
 #                                       # 16 threads (LANE_RUNS, default "native python native python"), then the
 #                                       # engine beside a busy Python thread (LANE_GIL=0: not)
 #   bash tools/device_scaling.sh lanecpu   # the same for the CPU path at 16 threads, 2 and 16 MiB pages
+#   bash tools/device_scaling.sh sweep     # the thread sweep (SWEEP_THREADS, default 1,4,8,16,32): the GPU path,
+#                                       # then the CPU path with 2 and 16 MiB pages
+#   bash tools/device_scaling.sh chunks    # tools/store_ceiling.py store with --chunks 256,1024: 16 MiB stores
+#                                       # hashed piece by piece right before each write, at 1, 4 and 16 threads
+#   bash tools/device_scaling.sh storepiece  # the CPU path, stores hashed piece by piece (STORE_PIECE_KIB 1024)
+#                                       # or whole (0), alternated: 16 then 2 MiB pages at PIECE_THREADS (16)
 #   bash tools/device_scaling.sh ceiling   # tools/store_ceiling.py: memory bandwidth, a store's steps one by
 #                                       # one, raw file I/O and PCIe apart and together; then the benches
 set -uo pipefail
@@ -65,10 +71,15 @@ prewarm() {
 }
 # `python -c "$PATCHED_CLI" bench ...`: the tierstore CLI with a setting no flag reaches, for paired
 # runs: IO_BATCH_MIB=N caps an I/O batch at N MiB (engine.IO_BATCH_BYTES); STORE_BATCH_CALL=0
-# writes a batch's stores one native call per page (the code before session 11).
+# writes a batch's stores one native call per page (the code before session 11); STORE_PIECE_KIB=K
+# hashes and writes a store in K KiB pieces (pagefile.STORE_PIECE_BYTES; 0: whole, the code
+# before session 13).
 PATCHED_CLI="import os, sys
 import tierstore.engine as e
 import tierstore.page_files as pf
+import tierstore.pagefile as pagefile
+if os.environ.get('STORE_PIECE_KIB'):
+    pagefile.STORE_PIECE_BYTES = int(os.environ['STORE_PIECE_KIB']) << 10
 if os.environ.get('IO_BATCH_MIB'):
     e.IO_BATCH_BYTES = int(os.environ['IO_BATCH_MIB']) << 20
 if os.environ.get('STORE_BATCH_CALL') == '0':
@@ -245,6 +256,39 @@ storebatch)
         STORE_BATCH_CALL=$one timeout 130 python -c "$PATCHED_CLI" bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
             --io-threads 16 --root /dev/shm/tsk > "$OUT/storebatch_k_${one}_$i.txt" 2>&1
         echo "GPU path, batch stores in one call=$one, run $i rc=$?"; grep -A6 "^| case" "$OUT/storebatch_k_${one}_$i.txt" | grep -v "^|---" | cut -d'|' -f2-6,12-13,17
+    done
+    ;;
+sweep)
+    # issue 16's thread sweep with the default settings (io_loop native): every table in full
+    prewarm 24
+    threads=${SWEEP_THREADS:-1,4,8,16,32}
+    timeout 330 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 2048 \
+        --io-threads "$threads" --root /dev/shm/tsk > "$OUT/sweep_kernels.txt" 2>&1
+    echo "GPU path sweep rc=$?"; grep "^|" "$OUT/sweep_kernels.txt" | grep -v "^|---"
+    for spec in "2 1024" "16 4096"; do
+        set -- $spec
+        timeout 150 python -m tierstore bench io --no-vllm --page-mib $1 --total-mib $2 --repeat 2 --cold-rounds 1 \
+            --warm-passes 2 --root /dev/shm/tsb --threads "$threads" --slots worker > "$OUT/sweep_io_$1.txt" 2>&1
+        echo "CPU path sweep, $1 MiB rc=$?"; grep "^|\|ratios" "$OUT/sweep_io_$1.txt" | grep -v "^|---"
+    done
+    ;;
+chunks)
+    prewarm 24
+    timeout 300 python tools/store_ceiling.py store --root /dev/shm/tsc --threads ${CHUNK_THREADS:-1,4,16} --page-mib 16 \
+        --total-mib 2048 --rounds 3 --chunks 256,1024 2>&1 | tee "$OUT/chunks.txt"
+    ;;
+storepiece)
+    prewarm 24
+    i=0
+    for spec in "16 4096" "2 1024"; do
+        set -- $spec
+        for kib in ${PIECE_KIBS:-1024 0 1024 0}; do
+            i=$((i + 1))
+            STORE_PIECE_KIB=$kib timeout 100 python -c "$PATCHED_CLI" bench io --no-vllm --page-mib $1 --total-mib $2 \
+                --repeat 2 --cold-rounds 1 --warm-passes 2 --root /dev/shm/tsb --threads ${PIECE_THREADS:-16} --slots worker \
+                > "$OUT/piece_$1_${kib}_$i.txt" 2>&1
+            echo "CPU path, $1 MiB, store piece $kib KiB, run $i rc=$?"; grep "^| $1 " "$OUT/piece_$1_${kib}_$i.txt"
+        done
     done
     ;;
 ceiling)

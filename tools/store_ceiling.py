@@ -16,6 +16,10 @@ to ``raw_trunc``, the baseline of ``tierstore bench io``):
   native_overwrite   the same, renamed over the files of the round before (freed under the clock)
   native_hash_new    one XXH3 pass over the page, then native_new: tierstore's store minus headers
   hash_only          the XXH3 pass alone
+  sections_K         XXH3 of every K KiB piece (as a page's sections), then one write: hashed like
+                     a store whose sections are K KiB (with ``--chunks K,...``)
+  in_cache_K         each K KiB piece hashed right before it is written (pwrite per piece, in
+                     order): the page read from memory once, the write reading it from cache
 
 ``composed`` (CUDA): per thread and page, a device->pinned copy on the thread's own stream then a
 raw write of the pinned page (stores), or a raw read into a pinned page then the copy to the
@@ -97,6 +101,7 @@ class StoreVariants:
         self.names = [np.frombuffer(f"t{i}.tmp\0f{i}\0".encode(), dtype=np.uint8) for i in range(n)]
         self.final_at = [len(f"t{i}.tmp") + 1 for i in range(n)]
         self.sums = [np.empty(1, dtype=np.uint64) for _ in range(threads)]
+        self.chunk_sums = [np.empty(page // 4096 + 1, dtype=np.uint64) for _ in range(threads)]
         self.pool = ThreadPoolExecutor(threads)
 
     def _slot(self, i: int) -> int:
@@ -138,6 +143,20 @@ class StoreVariants:
                 raise OSError(f"write_file failed for page {i}")
         return self._map(one)
 
+    def chunked(self, chunk: int, in_cache: bool) -> float:
+        self._unlink_all()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        kernel = _chunked_writer()
+
+        def one(i: int) -> None:
+            names = self.names[i]
+            base = int(names.ctypes.data)
+            sums = self.chunk_sums[i % self.threads]
+            if kernel(self.dir_fd, base, base + self.final_at[i], flags, 0o644, self.addrs[self._slot(i)], self.page,
+                      chunk, sums, int(in_cache)) != 0:
+                raise OSError(f"the chunked writer failed for page {i}")
+        return self._map(one)
+
     def hash_only(self) -> float:
         def one(i: int) -> None:
             self.k.hash_strided(self.addrs[self._slot(i)], 1, self.page, self.page, self.sums[i % self.threads])
@@ -149,7 +168,49 @@ class StoreVariants:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def store(root: Path, threads: int, page_mib: int, total_mib: int, rounds: int) -> None:
+_CHUNKED: Any = None
+
+
+def _chunked_writer() -> Any:
+    """A numba kernel (nogil, compiled once): a new temp file written piece by piece, each piece's
+    XXH3 taken right before its write (in_cache=1) or all of them before the first write (0),
+    then renamed to its final name. Returns 0, or -1 with the temp removed."""
+    global _CHUNKED
+    if _CHUNKED is None:
+        import numba
+
+        from tierstore.native_kernels import close, openat, pwrite, renameat, unlinkat, xxh3
+
+        @numba.njit(nogil=True)
+        def write_chunked(d: int, tmp: int, final: int, flags: int, mode: int, buf: int, length: int, chunk: int,
+                          sums: Any, in_cache: int) -> int:
+            f = openat(d, tmp, flags, mode)
+            if f < 0:
+                return -1
+            pieces = (length + chunk - 1) // chunk
+            if in_cache == 0:
+                for c in range(pieces):
+                    sums[c] = xxh3(buf + c * chunk, min(chunk, length - c * chunk))
+            for c in range(pieces):
+                off = c * chunk
+                n = min(chunk, length - off)
+                if in_cache != 0:
+                    sums[c] = xxh3(buf + off, n)
+                done = 0
+                while done < n:
+                    w = pwrite(f, buf + off + done, n - done, off + done)
+                    if w <= 0:
+                        close(f)
+                        unlinkat(d, tmp, 0)
+                        return -1
+                    done += w
+            close(f)
+            return 0 if renameat(d, tmp, d, final) == 0 else -1
+        _CHUNKED = write_chunked
+    return _CHUNKED
+
+
+def store(root: Path, threads: int, page_mib: int, total_mib: int, rounds: int, chunks: tuple[int, ...] = ()) -> None:
     n = total_mib // page_mib
     v = StoreVariants(root, threads, page_mib * MIB, n)
     variants: dict[str, Callable[[], float]] = {
@@ -160,6 +221,9 @@ def store(root: Path, threads: int, page_mib: int, total_mib: int, rounds: int) 
         "native_hash_new": lambda: v.native(new=True, hashed=True),
         "hash_only": v.hash_only,
     }
+    for kib in chunks:
+        variants[f"sections_{kib}"] = lambda kib=kib: v.chunked(kib << 10, in_cache=False)
+        variants[f"in_cache_{kib}"] = lambda kib=kib: v.chunked(kib << 10, in_cache=True)
     v.raw(new=True)  # files for the first raw_trunc; warms the kernels and the page allocator
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
@@ -269,13 +333,18 @@ def main() -> None:
     ap.add_argument("--page-mib", default="16", help="a comma list sweeps")
     ap.add_argument("--total-mib", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--chunks", default="", help="store: also the sections_K and in_cache_K variants, K in KiB "
+                                                 "(a comma list, e.g. 256,1024)")
     a = ap.parse_args()
     for t in (int(x) for x in a.threads.split(",")):
         if a.what == "membw":
             membw(t)
             continue
         for p in (int(x) for x in a.page_mib.split(",")):
-            (store if a.what == "store" else composed)(a.root, t, p, a.total_mib, a.rounds)
+            if a.what == "store":
+                store(a.root, t, p, a.total_mib, a.rounds, tuple(int(k) for k in a.chunks.split(",") if k))
+            else:
+                composed(a.root, t, p, a.total_mib, a.rounds)
 
 
 if __name__ == "__main__":
