@@ -150,6 +150,7 @@ def test_a_wrapped_file_operation_keeps_every_job_on_the_python_threads(tmp_path
 
 
 def test_close_finishes_queued_stores_and_stops_the_lane_threads(tmp_path: Path) -> None:
+    before = set(threading.enumerate())  # other tests' engines in this process may still run
     eng = _engine(tmp_path, staging_slots=16, io_threads=2)
     keys = [page_key(20 + i) for i in range(16)]
     for key in keys:
@@ -159,7 +160,8 @@ def test_close_finishes_queued_stores_and_stops_the_lane_threads(tmp_path: Path)
         eng.submit_store(key, slot, 16)
     eng.close(30)
     assert all(eng.mapper.path_for(k).exists() for k in keys)
-    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-io-g2-n")]
+    assert eng._queue._lane.started
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("tierstore-io-g2-n")]
     assert eng.stats["stores_ok"] == len(keys)
 
 

@@ -280,8 +280,8 @@ chunks)
 storepiece)
     prewarm 24
     i=0
-    for spec in "16 4096" "2 1024"; do
-        set -- $spec
+    for spec in ${PIECE_SPECS:-"16:4096" "2:1024"}; do
+        set -- ${spec/:/ }
         for kib in ${PIECE_KIBS:-1024 0 1024 0}; do
             i=$((i + 1))
             STORE_PIECE_KIB=$kib timeout 100 python -c "$PATCHED_CLI" bench io --no-vllm --page-mib $1 --total-mib $2 \
