@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tierstore.config import TierStoreConfig, default_io_threads
+from tierstore.config import TierStoreConfig, default_io_threads, io_threads_advice
 from tierstore.errors import ConfigError
 
 ROOT = {"root": "/mnt/kvcache"}
@@ -23,6 +23,22 @@ def test_defaults_and_a_full_valid_config() -> None:
         "staging_slots": 32, "transfer_scratch_mib": 128,
     })
     assert full.root_path.as_posix() == "/mnt/kvcache" and full.zstd_level == 3
+
+
+@pytest.mark.parametrize(("cpus", "default"), [(1, 4), (2, 4), (8, 4), (12, 6), (16, 8), (128, 8)])
+def test_the_io_threads_default_follows_the_cores(cpus: int, default: int) -> None:
+    """Half the usable cores, at least 4 (a disk queue), at most 8 (one engine per KV-cache
+    group and tier: a hybrid model's worker multiplies it)."""
+    assert default_io_threads(cpus) == default
+    assert io_threads_advice(default, cpus) is None
+
+
+def test_io_threads_far_past_the_knee_are_warned_about() -> None:
+    """Warned past twice max(the measured knee, 16, or the cores), naming the setting."""
+    assert io_threads_advice(32, 2) is None and io_threads_advice(256, 128) is None
+    advice = io_threads_advice(33, 2)
+    assert advice is not None and '"io_threads" is 33' in advice and "default (4)" in advice
+    assert io_threads_advice(257, 128) is not None
 
 
 @pytest.mark.parametrize(("settings", "named"), [

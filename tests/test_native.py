@@ -347,6 +347,23 @@ def test_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: b
     assert files[0] == files[1]
 
 
+def _store_batch(eng: IOEngine, keys: list[bytes], with_sums: bool) -> list[tuple[bool, int]]:
+    """``PageFiles.store_many`` of the test pages of ``keys`` from slots of ``eng`` (released
+    after), with their section sums handed in or not."""
+    items = []
+    for key in keys:
+        data = page_bytes(eng.layout, key, 2)
+        slot = eng.acquire_slot(10)
+        assert slot is not None
+        slot.view[:] = data
+        sums = tuple(xxhash.xxh3_64_intdigest(data[a:b]) for a, b in eng.layout.spans) if with_sums else None
+        items.append((key, slot, 16, sums))
+    got = eng.files.store_many(items)
+    for _, slot, _, _ in items:
+        eng.release_slot(slot)
+    return got
+
+
 @pytest.mark.parametrize("with_sums", [False, True])
 def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with_sums: bool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -365,20 +382,10 @@ def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with
             monkeypatch.setattr(native_page, "store_page", lambda *a: None)
         eng = IOEngine(root, ns, 2, config=TierStoreConfig.from_dict({"root": str(root), "odirect": "off"}))
         assert store_data(eng, keys[0], page_bytes(eng.layout, keys[0], 2)).ok  # exists before the batch
-        items = []
-        for key in keys:
-            data = page_bytes(eng.layout, key, 2)
-            slot = eng.acquire_slot(10)
-            assert slot is not None
-            slot.view[:] = data
-            sums = tuple(xxhash.xxh3_64_intdigest(data[a:b]) for a, b in eng.layout.spans) if with_sums else None
-            items.append((key, slot, 16, sums))
-        got = eng.files.store_many(items)
+        got = _store_batch(eng, keys, with_sums)
         assert got == [(False, eng.layout.nbytes)] + [(True, eng.layout.nbytes)] * 3, got
         if use_native:
             assert calls == [4]
-        for _, slot, _, _ in items:
-            eng.release_slot(slot)
         trees.append([eng.mapper.path_for(k).read_bytes() for k in keys])
         assert not list(root.rglob("*.tmp"))
         eng.close()
@@ -408,17 +415,10 @@ def test_stores_hashed_in_pieces_write_the_python_paths_bytes(tmp_path: Path, gr
             assert eng.files._shape(len(keys[0]), False).store_piece == 4096
             if loop == "native":
                 assert store_data(eng, keys[0], page_bytes(eng.layout, keys[0], 2)).ok
+                eng.close()
                 continue
             assert store_data(eng, keys[1], page_bytes(eng.layout, keys[1], 2)).ok
-            items = []
-            for key in keys[2:]:
-                slot = eng.acquire_slot(10)
-                assert slot is not None
-                slot.view[:] = page_bytes(eng.layout, key, 2)
-                items.append((key, slot, 16, None))
-            assert eng.files.store_many(items) == [(True, eng.layout.nbytes)] * 2
-            for _, slot, _, _ in items:
-                eng.release_slot(slot)
+            assert _store_batch(eng, keys[2:], with_sums=False) == [(True, eng.layout.nbytes)] * 2
             trees.append([eng.mapper.path_for(k).read_bytes() for k in keys])
             assert not list(root.rglob("*.tmp"))
             eng.close()
