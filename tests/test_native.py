@@ -396,10 +396,11 @@ def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with
 @pytest.mark.parametrize("group", [0, 2])
 def test_stores_hashed_in_pieces_write_the_python_paths_bytes(tmp_path: Path, group: int, odirect: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A store the kernel hashes goes in pieces (``pagefile.STORE_PIECE_BYTES``, here one
-    4 KiB block: group 0's two sections in two pieces, group 2's four sections all before its
-    first piece), the header written last: byte for byte the Python path's file, through the
-    lane, one store_page call and a batch, buffered and with O_DIRECT."""
+    """A buffered store the kernel hashes goes in pieces (``pagefile.STORE_PIECE_BYTES``, here
+    one 4 KiB block: group 0's two sections in two pieces, group 2's four sections all before
+    its first piece), the header written last: byte for byte the Python path's file, through
+    the lane, one store_page call and a batch (with odirect auto, on this ext4, the page goes
+    whole with O_DIRECT: the same bytes)."""
     monkeypatch.setattr(pagefile, "STORE_PIECE_BYTES", 4096)
     ns = hybrid_namespace()
     keys = [page_key(40 + i) for i in range(4)]

@@ -365,9 +365,11 @@ def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int
     base = frame.ctypes.data + file_off
     tmp = names.ctypes.data + tmp_at
     final = names.ctypes.data + final_at
-    if given.shape[0] == 0 and 0 < piece < length - hl:
+    if given.shape[0] == 0 and 0 < piece < length - hl and (file_flags & o_direct) == 0:
         # Hashed here, in pieces: each piece's sections hashed right before the piece is
-        # written, while they are in the CPU cache, the header last (docs/DESIGN.md, "Store path").
+        # written, so the write's copy reads them from the CPU cache; the header last. Not
+        # with O_DIRECT: the device reads the page from memory itself (no copy to spare), and
+        # one large request keeps more of it in flight than a piece at a time.
         f = openat(d, tmp, file_flags, mode)
         if f < 0:
             close(d)

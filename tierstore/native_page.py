@@ -27,7 +27,7 @@ this module holds what is specific to one page file:
   page in the frame), cut the O_DIRECT padding, fsync if asked, close and rename over the final
   name. A page the kernel hashes is written in ``pagefile.STORE_PIECE_BYTES`` pieces, each
   piece's sections hashed right before its write (still in the CPU cache), the header last;
-  with the caller's sums, header and page go in one write.
+  with the caller's sums or O_DIRECT, header and page go in one write.
 
 Why: per page, the Python around the I/O (numba dispatch of a dozen arguments, header parse
 and fill, the array wrappers) cost about as much GIL time as the rest of the engine; with 16

@@ -413,9 +413,10 @@ def file_identity(st: os.stat_result) -> FileIdentity:
 
 # The CPU-cache-sized piece of a warm load (read_plan; docs/DESIGN.md §5, "Load path").
 WARM_PIECE_BYTES = 1 << 20
-# The piece of a native store that hashes its page: each piece's sections hashed right before
-# the piece is written, so the write reads them from the CPU cache (native_page.store_page;
-# docs/DESIGN.md §5, "Store path"). 0: hash the whole page, then write it.
+# The piece of a buffered native store that hashes its page: each piece's sections hashed
+# right before the piece is written, so the write's copy reads them from the CPU cache
+# (native_page.store_page; docs/DESIGN.md §6). 0, O_DIRECT, or the caller's sums: the page in
+# one write.
 STORE_PIECE_BYTES = 1 << 20
 
 
