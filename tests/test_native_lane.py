@@ -93,6 +93,31 @@ def test_damage_and_misses_are_named_by_the_python_path_and_the_damaged_file_rem
     eng.close()
 
 
+def test_the_python_threads_start_at_the_first_job_handed_to_them(tmp_path: Path) -> None:
+    """With a lane, the engine's Python I/O threads start only when a job needs them (here a
+    load of a missing page, which the lane hands back to be named), not with the engine; on
+    the Python loop they start with it."""
+    before = set(threading.enumerate())
+
+    def python_threads() -> list[str]:
+        return sorted(t.name for t in set(threading.enumerate()) - before
+                      if t.name.startswith("tierstore-io-g2-") and t.name[len("tierstore-io-g2-"):].isdigit())
+
+    eng = _engine(tmp_path / "lane", io_threads=2)
+    key = page_key(4)
+    assert store_data(eng, key, page_bytes(eng.layout, key, 2)).ok
+    res, _ = load_page(eng, key)
+    assert res.ok and _lane_jobs(eng) == 2 and python_threads() == []
+    res, _ = load_page(eng, page_key(5))
+    assert not res.ok and res.error.kind == "missing", res
+    assert python_threads() == ["tierstore-io-g2-0", "tierstore-io-g2-1"]
+    eng.close()
+    assert python_threads() == []
+    eng = _engine(tmp_path / "python", io_threads=2, io_loop="python")
+    assert python_threads() == ["tierstore-io-g2-0", "tierstore-io-g2-1"]
+    eng.close()
+
+
 def test_a_store_into_a_removed_fanout_directory_is_redone_and_lands(tmp_path: Path) -> None:
     eng = _engine(tmp_path)
     key = page_key(4)

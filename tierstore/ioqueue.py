@@ -25,8 +25,8 @@ Contract:
   first; a job it takes runs on its compiled threads, which never return to Python, and comes
   back through ``harvest`` (called by ``poll`` and by the lane's harvest thread), completed
   here like any other, or, for anything but the common case, queued for the Python threads,
-  which redo it and name the error. Deadlines, ``wait``, ``flush`` and ``close`` hold for
-  its jobs as for the others.
+  which redo it and name the error (those threads start at the first such job). Deadlines,
+  ``wait``, ``flush`` and ``close`` hold for its jobs as for the others.
 
 Threading: every public method may be called from any thread. One lock guards the queues,
 pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Each submit
@@ -159,9 +159,21 @@ class JobQueue:
         self._lane = lane
         if lane is not None:
             lane.attach(self.harvest)
-        self._threads = [threading.Thread(target=self._thread, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._name, self._thread_count = name, threads
+        self._threads: list[threading.Thread] = []
+        if lane is None:
+            self._start_threads_locked()
+
+    def _start_threads_locked(self) -> None:
+        """Start the Python I/O threads, once. With a lane they start at the first job queued
+        for them (a job the lane did not take, or one it hands back): most engines with a lane
+        never need them, and a hybrid model's worker has one engine per group and tier."""
+        if self._threads or self._stop:
+            return
+        self._threads = [threading.Thread(target=self._thread, name=f"{self._name}-{i}", daemon=True)
+                         for i in range(self._thread_count)]
         for t in self._threads:
-            t.start()
+            t.start()  # waits for the thread to boot, which takes no lock of ours
 
     # ----------------------------------------------------------------- submit
     def new_job(self, op: str, key: bytes, **fields: Any) -> Job:
@@ -189,6 +201,7 @@ class JobQueue:
             job.queued = True
             self._waiting[job.op] += 1
             self._queues[job.op].append(job)
+            self._start_threads_locked()
         self._wake.put(None)
         return job.id
 
@@ -333,6 +346,7 @@ class JobQueue:
                 job.queued = True
                 self._waiting[job.op] += 1
                 self._queues[job.op].append(job)
+                self._start_threads_locked()
                 self._wake.put(None)
                 continue
             if outcome is None:
