@@ -26,7 +26,7 @@ IO_THREADS_KNEE = 16
 # The default's cap, below the knee: the vLLM adapter runs one engine per KV-cache group and
 # tier, so a hybrid model's worker runs groups x tiers x io_threads I/O threads (4 groups and 2
 # tiers: 64 at 8). A dense model on a host of 32+ cores gains from io_threads 16 (8 -> 16
-# threads: +35-60% GB/s on the H100 host).
+# threads: +29-77% GB/s per case and direction in the final sweep, +2-50% in the first).
 IO_THREADS_DEFAULT_CAP = 8
 
 
