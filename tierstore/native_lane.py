@@ -159,7 +159,6 @@ class NativeLane:
         self._slab = slab
         self._file_off = file_off
         self._load_shapes = load_shapes
-        self._direct_len = {v: sh.header_len + files.geometry.padded_nbytes for v, sh in load_shapes.items()}
         self._desc_items = memoryview(self.desc).cast("B").cast("q")
         self._snames_bytes = memoryview(self.snames).cast("B")
         self._lnames_bytes = memoryview(self.lnames).cast("B")
@@ -250,9 +249,8 @@ class NativeLane:
                 return False
             width = self.lnames.shape[1]
             self._lnames_bytes[e * width:(e + 1) * width] = f"{fan}\0{name}\0".encode() + key
-            direct = files.direct_loads
-            desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG] = OP_LOAD, job.verify, direct
-            desc[at + F_DIRECT_LEN] = self._direct_len[job.verify] if direct else 0
+            desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG] = OP_LOAD, job.verify, files.direct_loads
+            desc[at + F_DIRECT_LEN] = files.direct_len(self._load_shapes[job.verify])
             job.slot._source = None
             q = 0
         self._free.pop()

@@ -191,8 +191,7 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
     given = np.array(sums if sums is not None else (), dtype=np.uint64)
     return int(kernels[1](rank_fd, names, tmp_at, final_at, final_at + len(final_name) + 1, flags[0], flags[1],
                           mode, frame, file_off, length, shape.size, int(fsync), shape.store_piece, shape.spans,
-                          shape.gaps,
-                          shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
+                          shape.gaps, shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
                           token_count, given, np.empty(shape.sections, dtype=np.uint64),
                           np.empty(32, dtype=np.int64)))
 
@@ -227,8 +226,8 @@ def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, 
     tokens.setflags(write=False)
     codes = np.empty(n, dtype=np.int64)
     kernels[4](rank_fd, names, tmp_at, final_at, final_at + len(final) + 1, flags[0], flags[1], mode, slab, offs,
-               length, shape.size, int(fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank, shape.sum_offsets, shape.key_off,
-               shape.token_off, shape.sum_off, tokens, given, np.empty((n, shape.sections), dtype=np.uint64),
+               length, shape.size, int(fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank,
+               shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, tokens, given, np.empty((n, shape.sections), dtype=np.uint64),
                np.empty((n, 32), dtype=np.int64), codes)
     return [int(c) for c in codes.tolist()]
 

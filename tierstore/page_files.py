@@ -367,7 +367,7 @@ class PageFiles:
             return None
         shape = self._shape(len(key), verify)
         file_off = self.geometry.header_room - shape.header_len  # ALIGN-aligned (HEADER_ALIGN)
-        direct_len = shape.header_len + self.geometry.padded_nbytes if self.direct_loads else 0
+        direct_len = self.direct_len(shape)
         got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, NATIVE_OPEN_FLAGS,
                                     self.direct_loads, self._frame_array(slot), file_off, direct_len)
         if got is None:
@@ -410,7 +410,7 @@ class PageFiles:
             return False
         shape = self._shape(key_len, verify)
         file_off = self.geometry.header_room - shape.header_len
-        direct_len = shape.header_len + self.geometry.padded_nbytes if self.direct_loads else 0
+        direct_len = self.direct_len(shape)
         paths = [self.mapper.final_path(key) for key, _, _ in items]
         got = native_page.load_pages(shape, rank_fd, [(fanout(key), os.path.basename(p), key)
                                                       for (key, _, _), p in zip(items, paths, strict=True)],
@@ -445,6 +445,11 @@ class PageFiles:
                 offset, slab = 0, (slot._frame, frame)  # not inside its owner's buffer: alone
             got = self._slabs[id(slot._frame)] = (slot._frame, slab[1], offset)
         return got[1], got[2]
+
+    def direct_len(self, shape: native_page.PageShape) -> int:
+        """The bytes of one O_DIRECT read of a cold page of ``shape`` (its header and the
+        ALIGN-padded page), or 0 while cold loads are not read with O_DIRECT."""
+        return shape.header_len + self.geometry.padded_nbytes if self.direct_loads else 0
 
     def _shape(self, key_len: int, verify: bool) -> native_page.PageShape:
         """The native arrays of this writer's pages for a key length (cached; a race builds the
