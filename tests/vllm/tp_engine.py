@@ -1,7 +1,7 @@
 """Entry point of the TP=2 test: vLLM-CPU engines with tensor_parallel_size=2 (multiprocess
 executor, one core per rank), run as a script: vLLM's engine core and workers are child
-processes, spawned by vLLM-CPU (they re-import this script and its patches; with
-``TIERSTORE_TEST_FORK=1`` forked from it instead: ``fork_engine_processes``).
+processes, forked from a forkserver that imported vLLM and this script (its patches) once
+(``engine_start.py``; ``TIERSTORE_TEST_START_METHOD=spawn`` is vLLM-CPU's own way).
 
     python tests/vllm/tp_engine.py ROOT
 
@@ -42,43 +42,17 @@ logging.getLogger("tierstore.slices").setLevel(logging.INFO)
 #   and every fresh worker traced and compiled them again on its first step: ~4 s per engine.
 #   Both are integer/compare ops: eager gives identical results (the tokens and logprobs of
 #   every phase were compared). TORCHDYNAMO_DISABLE runs them eagerly.
-# - spawn: kept (vLLM-CPU's own choice); TIERSTORE_TEST_FORK=1 forks instead (fork_engine_processes).
+# - spawn: vLLM-CPU spawns the engine core and TP workers; they are forked from a forkserver
+#   that imported vLLM once instead (engine_start.py; TIERSTORE_TEST_START_METHOD picks).
 VLLM_DEFAULTS = os.environ.get("TIERSTORE_TEST_VLLM_DEFAULTS") == "1"
 if not VLLM_DEFAULTS:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch is imported
 
+sys.path.insert(0, str(Path(__file__).parent))
+import engine_start  # noqa: E402
 
-def fork_engine_processes() -> None:
-    """Start the engine core and the TP workers with ``fork`` instead of ``spawn``.
-
-    vLLM-CPU 0.32 forces ``spawn`` (``CpuPlatform.check_and_update_config``), so every engine
-    start spawned 1 + TP fresh interpreters, each importing vLLM and torch (~15 s of CPU each)
-    and each running a full interpreter teardown at exit: ~35-50 s of an engine's ~50-65 s on
-    the 2-core machine. Forked processes inherit the imported modules and the patches this
-    script applies at import (which spawned workers got by re-importing it). What runs in them
-    is unchanged: the same ``EngineCoreProc`` / ``WorkerProc.worker_main`` with the same config,
-    thread binding and connector; the connector's shutdown (its flush) runs in vLLM's worker
-    shutdown as before (only its ``atexit`` backstop does not run in a forked child).
-
-    Opt-in (``TIERSTORE_TEST_FORK=1``), not the default: forked, a worker sometimes stalls at
-    its shutdown until vLLM's 60 s limit kills it, losing its closing log lines (Mamba TP=4: 2
-    of 5 runs; the TP=2 GDN fixture in one of four CI runs under two pytest workers; cause not
-    found; docs/TESTING.md). Spawned engines never did."""
-    if VLLM_DEFAULTS or os.environ.get("TIERSTORE_TEST_FORK") != "1":
-        return
-    from vllm.platforms.cpu import CpuPlatform
-
-    if getattr(CpuPlatform, "_tierstore_test_fork", False):
-        return
-    original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
-
-    def check_and_update_config(cls: type, vllm_config: Any) -> None:
-        original(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
-    CpuPlatform._tierstore_test_fork = True  # type: ignore[attr-defined]
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+# At import: the script, each forkserver (it imports the script) and each spawned process.
+engine_start.install(VLLM_DEFAULTS)
 
 
 PROMPT_TOKENS = 300  # two 128-token pages and a tail
@@ -98,7 +72,6 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
     t0 = time.perf_counter()
     # one core per rank; TP=4 puts two ranks on each of this machine's 2 cores (it runs, slowly)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("01"[r % 2] for r in range(tp))
-    fork_engine_processes()
     # Frozen at the fork: the children's full collections (vLLM's gc.freeze after start-up, its
     # distributed clean-up at shutdown) skip this process's heap (~1-2 s per engine); thawed here
     # after the children exist.

