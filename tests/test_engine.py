@@ -567,6 +567,21 @@ def test_bench_io_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert not (tmp_path / "bench").exists()  # scratch files removed
 
 
+def test_bench_io_raw_baseline_stores_into_new_files_each_repeat(tmp_path: Path) -> None:
+    """The raw baseline never rewrites a file under the clock (tierstore's stores never do):
+    each repeat writes new names, and the last repeat's files are unlinked before it."""
+    page = 4096
+    sources = [memoryview(bytes([i]) * page) for i in range(2)]
+    raw = bench_io._Raw(tmp_path / "raw", sources, 2, page)
+    raw.store(3, 0)
+    first = list(raw.paths)
+    raw.drop_files()
+    assert not any(p.exists() for p in first)
+    raw.store(3, 1)
+    assert not set(raw.paths) & set(first) and all(p.read_bytes() == bytes([i % 2]) * page
+                                                   for i, p in enumerate(raw.paths))
+
+
 def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ns = hybrid_namespace(conv_dim=37)  # unaligned payload: the padded O_DIRECT write is refused
     eng = _engine(root, ns, 2, odirect="auto", io_loop="python")

@@ -27,6 +27,8 @@
 #                                       # 16 threads (LANE_RUNS, default "native python native python"), then the
 #                                       # engine beside a busy Python thread (LANE_GIL=0: not)
 #   bash tools/device_scaling.sh lanecpu   # the same for the CPU path at 16 threads, 2 and 16 MiB pages
+#   bash tools/device_scaling.sh srcmem    # store steps (tools/store_ceiling.py store) from pageable, THP-advised and
+#                                       # pinned source pages, 16 MiB at SOURCE_THREADS (default 1,16)
 #   bash tools/device_scaling.sh sweep     # the thread sweep (SWEEP_THREADS, default 1,4,8,16,32): the GPU path,
 #                                       # then the CPU path with 2 and 16 MiB pages
 #   bash tools/device_scaling.sh chunks    # tools/store_ceiling.py store with --chunks 256,1024: 16 MiB stores
@@ -276,6 +278,12 @@ chunks)
     prewarm 24
     timeout 300 python tools/store_ceiling.py store --root /dev/shm/tsc --threads ${CHUNK_THREADS:-1,4,16} --page-mib 16 \
         --total-mib 2048 --rounds 3 --chunks 256,1024 2>&1 | tee "$OUT/chunks.txt"
+    ;;
+srcmem)
+    # the memory a store writes from: pageable (numpy), THP-advised, pinned (the engine's slots on a GPU host)
+    prewarm 24
+    timeout 400 python tools/store_ceiling.py store --root /dev/shm/tsc --threads ${SOURCE_THREADS:-1,16} --page-mib 16 \
+        --total-mib 2048 --rounds 3 --source numpy,thp,pinned 2>&1 | tee "$OUT/sources.txt"
     ;;
 storepiece)
     prewarm 24

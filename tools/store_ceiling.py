@@ -82,7 +82,7 @@ def _write_all(fd: int, view: memoryview) -> None:
 class StoreVariants:
     """The variants of ``store`` over ``n`` pages of ``page`` bytes from a slab of ``slots``."""
 
-    def __init__(self, root: Path, threads: int, page: int, n: int) -> None:
+    def __init__(self, root: Path, threads: int, page: int, n: int, source: str = "numpy") -> None:
         from tierstore import native
 
         if not native.start(wait=True):
@@ -92,7 +92,7 @@ class StoreVariants:
         self.k = native_kernels
         self.root, self.threads, self.page, self.n = root, threads, page, n
         slots = 2 * threads + 2
-        self.slab = np.random.default_rng(0).integers(0, 256, size=(slots, page), dtype=np.uint8)
+        self.slab = _source_slab(source, slots, page)
         self.views = [memoryview(self.slab[i]) for i in range(slots)]
         self.addrs = [int(self.slab[i].ctypes.data) for i in range(slots)]
         shutil.rmtree(root, ignore_errors=True)
@@ -210,9 +210,31 @@ def _chunked_writer() -> Any:
     return _CHUNKED
 
 
-def store(root: Path, threads: int, page_mib: int, total_mib: int, rounds: int, chunks: tuple[int, ...] = ()) -> None:
+def _source_slab(source: str, slots: int, page: int) -> np.ndarray:
+    """The pages the store variants write: ``numpy`` (pageable, as the malloc gives it),
+    ``thp`` (pageable, advised onto transparent huge pages: the engine's slots without CUDA),
+    ``pinned`` (CUDA host memory: the engine's slots on a GPU machine)."""
+    data = np.random.default_rng(0).integers(0, 256, size=(slots, page), dtype=np.uint8)
+    if source == "numpy":
+        return data
+    import torch
+
+    if source == "pinned":
+        t = torch.empty((slots, page), dtype=torch.uint8, pin_memory=True)
+    else:
+        from tierstore.directio import advise_huge_pages
+
+        t = torch.empty((slots, page), dtype=torch.uint8)
+        advise_huge_pages(t.data_ptr(), t.numel())
+    arr = t.numpy()
+    arr[:] = data
+    return arr
+
+
+def store(root: Path, threads: int, page_mib: int, total_mib: int, rounds: int, chunks: tuple[int, ...] = (),
+          source: str = "numpy") -> None:
     n = total_mib // page_mib
-    v = StoreVariants(root, threads, page_mib * MIB, n)
+    v = StoreVariants(root, threads, page_mib * MIB, n, source)
     variants: dict[str, Callable[[], float]] = {
         "raw_trunc": lambda: v.raw(new=False),
         "raw_new": lambda: v.raw(new=True),
@@ -238,7 +260,8 @@ def store(root: Path, threads: int, page_mib: int, total_mib: int, rounds: int, 
     v.close()
     total = n * page_mib * MIB
     base = total / statistics.median(times["raw_trunc"]) / GB
-    print(f"\nstore steps: {page_mib} MiB pages x {n}, {threads} threads, {rounds} rounds, {root}")
+    print(f"\nstore steps: {page_mib} MiB pages x {n}, {threads} threads, {rounds} rounds, {root}, "
+          f"source pages: {source}")
     print("| variant | GB/s (median) | min-max | vs raw_trunc | user CPU s/GB | system CPU s/GB |\n"
           "|---|---|---|---|---|---|")
     for name, ts in times.items():
@@ -335,6 +358,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunks", default="", help="store: also the sections_K and in_cache_K variants, K in KiB "
                                                  "(a comma list, e.g. 256,1024)")
+    ap.add_argument("--source", default="numpy", help="store: the memory the pages are written from, a comma "
+                                                      "list of numpy, thp, pinned (CUDA host memory)")
     a = ap.parse_args()
     for t in (int(x) for x in a.threads.split(",")):
         if a.what == "membw":
@@ -342,7 +367,8 @@ def main() -> None:
             continue
         for p in (int(x) for x in a.page_mib.split(",")):
             if a.what == "store":
-                store(a.root, t, p, a.total_mib, a.rounds, tuple(int(k) for k in a.chunks.split(",") if k))
+                for source in a.source.split(","):
+                    store(a.root, t, p, a.total_mib, a.rounds, tuple(int(k) for k in a.chunks.split(",") if k), source)
             else:
                 composed(a.root, t, p, a.total_mib, a.rounds)
 

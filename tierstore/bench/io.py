@@ -81,6 +81,12 @@ def _key(size_tag: str, run: int, i: int) -> bytes:
     return f"{size_tag}-{run}-{i}".encode().ljust(32, b"\0")
 
 
+def _unlink_all(paths: list[Any]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
 def _aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     base = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skew = (-base.data_ptr()) % ALIGN
@@ -141,7 +147,11 @@ def _timed(fn: Callable[[], None]) -> float:
 
 
 class _Raw:
-    """Plain file I/O of the same bytes: no header, no checksum, no temp file."""
+    """Plain file I/O of the same bytes: no header, no checksum, no temp file. Each repeat
+    stores into new files (``drop_files`` unlinks the last repeat's before the clock), as
+    tierstore does: rewriting a file frees its old pages under the clock, which made a repeat's
+    raw stores 20-30% slower than the one before on tmpfs at 16 threads, so the ratio
+    depended on the repeat (docs/measurements/scaling.md, Session 14)."""
 
     def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int,
                  dest_buffers: int = 0) -> None:
@@ -151,9 +161,9 @@ class _Raw:
         # Room for a tierstore header as well (raw loads read the tierstore files).
         self.dest = _DestPool(page_bytes + 64 * 1024, dest_buffers)
 
-    def store(self, n: int) -> None:
+    def store(self, n: int, run: int) -> None:
         # Same directory fan-out as tierstore's FileMapper: only format and publish differ.
-        self.paths = [self.dir / fanout(k) / f"{k.hex()}.bin" for k in (_key("raw", 0, i) for i in range(n))]
+        self.paths = [self.dir / fanout(k) / f"{k.hex()}.bin" for k in (_key("raw", run, i) for i in range(n))]
 
         def one(i: int) -> None:
             self.paths[i].parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +177,10 @@ class _Raw:
 
         with ThreadPoolExecutor(self.threads) as ex:
             list(ex.map(one, range(n)))
+
+    def drop_files(self) -> None:
+        """Unlink the last repeat's files (not timed)."""
+        _unlink_all(self.paths)
 
     def load(self) -> None:
         """Read every file in ``load_paths`` (default: its own) whole, into ``dest`` buffers."""
@@ -267,11 +281,12 @@ class _VllmFs:
         self.paths: list[str] = []
         self.dest = _DestPool(page_bytes, dest_buffers)
 
-    def store(self, n: int) -> None:
-        # vLLM's fs-tier naming: <base>_r<rank>/<hhh>/<hh>_g<group>/<hash hex>.bin
+    def store(self, n: int, run: int) -> None:
+        # vLLM's fs-tier naming: <base>_r<rank>/<hhh>/<hh>_g<group>/<hash hex>.bin; new files
+        # each repeat, as _Raw's (its temp-file rename over an old file frees it under the clock)
         self.paths = []
         for i in range(n):
-            h = xxhash.xxh3_128_hexdigest(_key("vllm", 0, i))
+            h = xxhash.xxh3_128_hexdigest(_key("vllm", run, i))
             self.paths.append(f"{self.dir}_r0/{h[:3]}/{h[3:5]}_g0/{h}.bin")
 
         def one(i: int) -> None:
@@ -280,6 +295,10 @@ class _VllmFs:
 
         with ThreadPoolExecutor(self.threads) as ex:
             list(ex.map(one, range(n)))
+
+    def drop_files(self) -> None:
+        """Unlink the last repeat's files (not timed)."""
+        _unlink_all(self.paths)
 
     def load(self) -> None:
         def one(i: int) -> None:
@@ -321,7 +340,9 @@ def _measure_repeat(impl: dict[str, Any], order: list[str], n: int, run: int, gb
     seconds per GB are appended to ``rates`` and ``cpu``."""
     for s in order:  # store, each to durable
         x = impl[s]
-        t_buf = _timed(lambda x=x, run=run: x.store(n, run) if isinstance(x, _Tierstore) else x.store(n))
+        if not isinstance(x, _Tierstore):
+            x.drop_files()  # tierstore's stores go to new keys each repeat: so do the others'
+        t_buf = _timed(lambda x=x, run=run: x.store(n, run))
         paths = x.paths() if isinstance(x, _Tierstore) else x.paths
         cpu_store = _CPU["last"]
         t_sync = _timed(lambda paths=paths: _fsync_all(paths, args.threads))
