@@ -80,7 +80,7 @@ class Job:
         self.verify = verify  # load: check the section checksums in the I/O thread
         self.submitted = submitted
         self.deadline = deadline
-        self.queued = False  # counted in JobQueue._waiting
+        self.queued = False  # counted in ClassQueues.waiting
         self.started = False  # a thread owns the job's resources from here until it returns
         self.done = False
 
@@ -116,6 +116,56 @@ class Lane(Protocol):
     def stop(self, timeout: float) -> list[Job]: ...
 
 
+class ClassQueues:
+    """The queued jobs of each class, and which one an idle I/O thread takes next (the
+    ``QueuePolicy``). Not locked itself: the JobQueue's lock guards every call."""
+
+    def __init__(self, policy: QueuePolicy) -> None:
+        self.policy = policy
+        self._queues: dict[str, deque[Job]] = {op: deque() for op in policy.order}
+        self._bypassed = dict.fromkeys(policy.order, 0)
+        self.waiting = dict.fromkeys(policy.order, 0)  # queued, not started, not done
+
+    def push(self, job: Job) -> None:
+        job.queued = True
+        self.waiting[job.op] += 1
+        self._queues[job.op].append(job)
+
+    def forget(self, job: Job) -> None:
+        """``job`` completed (or taken): it no longer counts as queued. Its entry stays in its
+        deque until a pick skips it (done) or drops it."""
+        if job.queued:
+            job.queued = False
+            self.waiting[job.op] -= 1
+
+    def pick(self, only: str | None = None) -> Job | None:
+        """The next job by the policy, no longer counted as queued (None: nothing queued, or,
+        with ``only``, the policy's next job is of another class). Done jobs are dropped."""
+        while True:
+            ready = [op for op in self.policy.order if self._queues[op]]
+            if not ready:
+                return None
+            starved = [op for op in ready if self._bypassed[op] >= self.policy.max_bypass]
+            op = starved[0] if starved else ready[0]
+            if only is not None and op != only:
+                return None
+            job = self._queues[op].popleft()
+            if job.done:  # expired or cancelled while queued; its resources are already back
+                continue
+            for other in ready:
+                self._bypassed[other] = 0 if other == op else self._bypassed[other] + 1
+            self.forget(job)
+            return job
+
+    def drain(self) -> Iterator[Job]:
+        """Every queued job not yet done, removed (close cancels them)."""
+        for q in self._queues.values():
+            while q:
+                job = q.popleft()
+                if not job.done:
+                    yield job
+
+
 Finish = Callable[[Job, "PageError | None", bool, int, float], Any]
 RunBatch = Callable[[list[Job]], "list[tuple[bool, int] | PageError] | None"]
 
@@ -141,9 +191,7 @@ class JobQueue:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._drained = threading.Condition(self._lock)  # no store pending
         self._watch: dict[int, list[_Waiter]] = {}  # job id -> wait() calls waiting for it
-        self._queues: dict[str, deque[Job]] = {op: deque() for op in policy.order}
-        self._bypassed = dict.fromkeys(policy.order, 0)
-        self._waiting = dict.fromkeys(policy.order, 0)  # queued, not started, not done
+        self._classes = ClassQueues(policy)
         self._pending: dict[int, Job] = {}  # not done, in submission order (= deadline order)
         self._pending_ops = dict.fromkeys(policy.order, 0)
         self._results: dict[int, Any] = {}
@@ -189,7 +237,7 @@ class JobQueue:
             self._pending_ops[job.op] += 1
             if reject is None and self._closed:
                 reject = PageCancelled("the engine is closed", key=job.key)
-            if reject is None and self._waiting[job.op] >= self.queue_depth:
+            if reject is None and self._classes.waiting[job.op] >= self.queue_depth:
                 reject = PageQueueFull(f"{job.op} queue is full ({self.queue_depth} queued); poll results faster "
                                        'or raise the "queue_depth" setting', key=job.key)
             if reject is not None:
@@ -198,9 +246,7 @@ class JobQueue:
             if self._lane is not None and self._lane.offer(job):
                 job.started = True  # the lane owns its resources until it is harvested
                 return job.id
-            job.queued = True
-            self._waiting[job.op] += 1
-            self._queues[job.op].append(job)
+            self._classes.push(job)
             self._start_threads_locked()
         self._wake.put(None)
         return job.id
@@ -277,11 +323,8 @@ class JobQueue:
         if not self.flush(timeout, drain_op):
             logger.warning("closing with %ss still queued after %.1f s; they are cancelled", drain_op, timeout)
         with self._lock:
-            for q in self._queues.values():
-                while q:
-                    job = q.popleft()
-                    if not job.done:
-                        self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
+            for job in list(self._classes.drain()):
+                self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
             self._stop = True
         if self._lane is not None:
             left = self._lane.stop(max(end - time.monotonic(), 0.05))
@@ -304,7 +347,7 @@ class JobQueue:
         spent running jobs, summed over threads."""
         with self._lock:
             lane = self._lane.queued() if self._lane is not None else {}
-            out = {f"queued_{op}s": n + lane.get(op, 0) for op, n in self._waiting.items()}
+            out = {f"queued_{op}s": n + lane.get(op, 0) for op, n in self._classes.waiting.items()}
             out["pending"] = len(self._pending)
             out["late_results_dropped"] = self.late_results_dropped
             out["jobs_run"] = self.jobs_run
@@ -343,9 +386,7 @@ class JobQueue:
             self.busy_s += seconds
             if outcome is None and not job.done and not self._stop:
                 job.started = False  # queued again: nobody owns its resources until taken
-                job.queued = True
-                self._waiting[job.op] += 1
-                self._queues[job.op].append(job)
+                self._classes.push(job)
                 self._start_threads_locked()
                 self._wake.put(None)
                 continue
@@ -382,9 +423,7 @@ class JobQueue:
             return False
         job.done = True
         del self._pending[job.id]
-        if job.queued:
-            job.queued = False
-            self._waiting[job.op] -= 1
+        self._classes.forget(job)
         self._pending_ops[job.op] -= 1
         if self._pending_ops[job.op] == 0:
             self._drained.notify_all()
@@ -395,24 +434,6 @@ class JobQueue:
         self._results[job.id] = self._finish(job, error, stored, nbytes, time.monotonic() - job.submitted)
         return True
 
-    def _pick_locked(self, only: str | None = None) -> Job | None:
-        """The next job by the policy (None: nothing queued, or, with ``only``, the policy's
-        next job is of another class). Skipped done jobs are dropped."""
-        while True:
-            ready = [op for op in self.policy.order if self._queues[op]]
-            if not ready:
-                return None
-            starved = [op for op in ready if self._bypassed[op] >= self.policy.max_bypass]
-            op = starved[0] if starved else ready[0]
-            if only is not None and op != only:
-                return None
-            job = self._queues[op].popleft()
-            if job.done:  # expired or cancelled while queued; its resources are already back
-                continue
-            for other in ready:
-                self._bypassed[other] = 0 if other == op else self._bypassed[other] + 1
-            return job
-
     def _take_locked(self) -> list[Job]:
         """The jobs a woken thread runs: the policy's next one and, with batches, more of its
         class up to ceil(queued / threads) and ``max_batch``. Jobs past their deadline are
@@ -421,14 +442,12 @@ class JobQueue:
         want = 1
         now = time.monotonic()
         while len(jobs) < want:
-            job = self._pick_locked(jobs[0].op if jobs else None)
+            job = self._classes.pick(jobs[0].op if jobs else None)
             if job is None:
                 break
             if not jobs and self.max_batch > 1:
-                share = -(-self._waiting[job.op] // len(self._threads))  # queued before this pick
+                share = -(-(self._classes.waiting[job.op] + 1) // len(self._threads))  # queued before this pick
                 want = max(1, min(self.max_batch, share))
-            job.queued = False
-            self._waiting[job.op] -= 1
             if now >= job.deadline:
                 self._complete_locked(job, job.expired_in_queue())
                 continue

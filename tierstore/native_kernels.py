@@ -195,6 +195,23 @@ def write_range(f: int, buf: int, off: int, end: int) -> bool:
         off += n
     return True
 
+@numba.njit(numba.types.boolean(i64, i64, i64, i64, i64, rows, sums), nogil=True, cache=_CACHE)
+def write_hashed_in_pieces(f: int, base: int, hl: int, length: int, piece: int, spans: Any, out: Any) -> bool:
+    # The page's bytes [hl, length) of the file from base, ``piece`` bytes per write, each
+    # piece's sections (those starting in it, whole) hashed into ``out`` right before its
+    # write, so the write's copy reads them from the CPU cache; False on a failed write.
+    hashed = 0
+    at = hl
+    while at < length:
+        end = min(at + piece, length)
+        while hashed < spans.shape[0] and hl + spans[hashed, 0] < end:
+            out[hashed] = xxh3(base + hl + spans[hashed, 0], spans[hashed, 1] - spans[hashed, 0])
+            hashed += 1
+        if not write_range(f, base, at, end):
+            return False
+        at = end
+    return True
+
 @numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, numba.types.boolean), nogil=True, cache=_CACHE)
 def publish_temp(d: int, f: int, tmp: int, final: int, length: int, exact_len: int, do_fsync: int,
                  ok: bool) -> int:
@@ -374,16 +391,7 @@ def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int
         if f < 0:
             close(d)
             return STORE_FAILED
-        ok = True
-        hashed = 0
-        at = hl
-        while ok and at < length:
-            end = min(at + piece, length)
-            while hashed < spans.shape[0] and hl + spans[hashed, 0] < end:
-                sums[hashed] = xxh3(base + hl + spans[hashed, 0], spans[hashed, 1] - spans[hashed, 0])
-                hashed += 1
-            ok = write_range(f, base, at, end)
-            at = end
+        ok = write_hashed_in_pieces(f, base, hl, length, piece, spans, sums)
         if ok:
             fill_header(frame, file_off, names, key_at, blank, key_off, token_off, sum_off, sum_offsets, token_count,
                         sums)
