@@ -71,7 +71,7 @@ def test_tp2_one_ranks_damaged_pages_recompute_with_identical_tokens(tp_run) -> 
 def test_tp2_fsck_and_stats_report_ranks(tp_run, tmp_path: Path) -> None:
     import shutil
 
-    from tp_engine import damage_rank
+    from vllm_helpers import damage_rank
 
     root, _, _ = tp_run
     work = tmp_path / "r"

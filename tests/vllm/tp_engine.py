@@ -51,7 +51,9 @@ if not VLLM_DEFAULTS:
 sys.path.insert(0, str(Path(__file__).parent))
 import engine_start  # noqa: E402
 
-# At import: the script, each forkserver (it imports the script) and each spawned process.
+# At import: the script, each forkserver (it imports the script) and each spawned process. So
+# only the engine scripts import this module (pytest's processes do not: test helpers live in
+# vllm_helpers.py).
 engine_start.install(VLLM_DEFAULTS)
 
 
@@ -97,22 +99,6 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
             "logprobs": logprobs, "first_top": first_top, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def rank_dir(rank: int) -> str:
-    """The directory of a TP=2 rank's files: its KV head of the tiny Llama's 2 (a head slice)."""
-    return f"h{rank}-1"
-
-
-def damage_rank(root: Path, rank: int) -> int:
-    """Flip one byte in the last section of every page file of ``rank``; returns the count."""
-    n = 0
-    for path in sorted(root.glob(f"*/g*/{rank_dir(rank)}/*/*.kvp")):
-        data = bytearray(path.read_bytes())
-        data[-100] ^= 0xFF
-        path.write_bytes(bytes(data))
-        n += 1
-    return n
-
-
 def tiny_model_and_prompt(family: str, tokens: int) -> tuple[str, list[int]]:
     """The locally built tiny model of ``family`` and a prompt of ``tokens`` token ids."""
     from transformers import AutoTokenizer
@@ -124,6 +110,8 @@ def tiny_model_and_prompt(family: str, tokens: int) -> tuple[str, list[int]]:
 
 
 def main() -> None:
+    from vllm_helpers import damage_rank, rank_dir
+
     root = sys.argv[1]
     model, ids = tiny_model_and_prompt("llama", PROMPT_TOKENS)
     for phase in ("store", "restore", "damaged_rank1", "after_damage"):

@@ -205,3 +205,19 @@ def rewrite_page(path: Path, transform: Any, namespace: bytes | None = None) -> 
         for p in pieces:
             f.write(p)
     os.replace(tmp, path)
+
+
+def rank_dir(rank: int) -> str:
+    """The directory of a TP=2 rank's files: its KV head of the tiny Llama's 2 (a head slice)."""
+    return f"h{rank}-1"
+
+
+def damage_rank(root: Path, rank: int) -> int:
+    """Flip one byte in the last section of every page file of ``rank``; returns the count."""
+    n = 0
+    for path in sorted(root.glob(f"*/g*/{rank_dir(rank)}/*/*.kvp")):
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+        n += 1
+    return n
