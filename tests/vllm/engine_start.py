@@ -44,8 +44,11 @@ class EnvProcess(mp_context.ForkServerProcess):
 
     def start(self) -> None:
         self._starter_environ = dict(os.environ)
-        server = forkserver._forkserver
-        if server._forkserver_pid is None and server._forkserver_address and server._forkserver_alive_fd is not None:
+        server = getattr(forkserver, "_forkserver", None)  # multiprocessing's internals (3.11): if they
+        # differ, multiprocessing starts a server of its own (slower, still correct)
+        if (server is not None and getattr(server, "_forkserver_pid", 0) is None
+                and getattr(server, "_forkserver_address", None)
+                and getattr(server, "_forkserver_alive_fd", None) is not None):
             # This process was forked by a forkserver (an engine core starting its workers): it
             # holds that server's address and "alive" fd, but not its pid, so multiprocessing
             # would start a second server (one more import of vLLM per engine). Ask the same one.
