@@ -150,7 +150,7 @@ class _Raw:
     """Plain file I/O of the same bytes: no header, no checksum, no temp file. Each repeat
     stores into new files (``drop_files`` unlinks the last repeat's before the clock), as
     tierstore does: rewriting a file frees its old pages under the clock, which made a repeat's
-    raw stores 20-30% slower than the one before on tmpfs at 16 threads, so the ratio
+    raw stores 17-22% slower than the one before on tmpfs at 16 threads, so the ratio
     depended on the repeat (docs/measurements/scaling.md, Session 14)."""
 
     def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int,
