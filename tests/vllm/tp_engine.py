@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 # The head-slice stores' closing line (files opened, bytes read and used) on stderr, in every
-# process of the engine (forked from this script, or re-importing it under spawn).
+# process of the engine (forked from the forkserver, which imported this script, or
+# re-importing it under spawn).
 logging.getLogger("tierstore.slices").addHandler(logging.StreamHandler())
 logging.getLogger("tierstore.slices").setLevel(logging.INFO)
 
@@ -74,9 +75,9 @@ def run_engine(model: str, root: str, ids: list[int], tp: int = 2, local_root: s
     t0 = time.perf_counter()
     # one core per rank; TP=4 puts two ranks on each of this machine's 2 cores (it runs, slowly)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("01"[r % 2] for r in range(tp))
-    # Frozen at the fork: the children's full collections (vLLM's gc.freeze after start-up, its
-    # distributed clean-up at shutdown) skip this process's heap (~1-2 s per engine); thawed here
-    # after the children exist.
+    # Frozen at the fork (TIERSTORE_TEST_START_METHOD=fork; harmless otherwise): the children's
+    # full collections (vLLM's gc.freeze after start-up, its distributed clean-up at shutdown)
+    # skip this process's heap (~1-2 s per engine); thawed here after the children exist.
     gc.freeze()
     try:
         llm = LLM(model=model, kv_transfer_config=KVTransferConfig(
