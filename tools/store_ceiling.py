@@ -148,12 +148,16 @@ class StoreVariants:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         kernel = _chunked_writer()
 
+        starts = np.arange(0, self.page, chunk, dtype=np.int64)
+        spans = np.stack([starts, np.minimum(starts + chunk, self.page)], axis=1)
+        spans.setflags(write=False)  # the kernels' signatures take read-only index arrays
+
         def one(i: int) -> None:
             names = self.names[i]
             base = int(names.ctypes.data)
             sums = self.chunk_sums[i % self.threads]
             if kernel(self.dir_fd, base, base + self.final_at[i], flags, 0o644, self.addrs[self._slot(i)], self.page,
-                      chunk, sums, int(in_cache)) != 0:
+                      chunk, spans, sums, int(in_cache)) != 0:
                 raise OSError(f"the chunked writer failed for page {i}")
         return self._map(one)
 
@@ -172,40 +176,35 @@ _CHUNKED: Any = None
 
 
 def _chunked_writer() -> Any:
-    """A numba kernel (nogil, compiled once): a new temp file written piece by piece, each piece's
-    XXH3 taken right before its write (in_cache=1) or all of them before the first write (0),
-    then renamed to its final name. Returns 0, or -1 with the temp removed."""
+    """A numba kernel (nogil, compiled once) made of the engine's own store steps: a new temp
+    file whose K KiB sections are each hashed right before their piece is written
+    (in_cache=1, ``native_kernels.write_hashed_in_pieces``, a store's buffered path) or all
+    hashed before one write (0), then published under its final name (``publish_temp``).
+    Returns 0, or nonzero with the temp removed."""
     global _CHUNKED
     if _CHUNKED is None:
         import numba
 
-        from tierstore.native_kernels import close, openat, pwrite, renameat, unlinkat, xxh3
+        from tierstore.native_kernels import (
+            hash_spans,
+            openat,
+            publish_temp,
+            write_hashed_in_pieces,
+            write_range,
+        )
 
         @numba.njit(nogil=True)
         def write_chunked(d: int, tmp: int, final: int, flags: int, mode: int, buf: int, length: int, chunk: int,
-                          sums: Any, in_cache: int) -> int:
+                          spans: Any, sums: Any, in_cache: int) -> int:
             f = openat(d, tmp, flags, mode)
             if f < 0:
                 return -1
-            pieces = (length + chunk - 1) // chunk
-            if in_cache == 0:
-                for c in range(pieces):
-                    sums[c] = xxh3(buf + c * chunk, min(chunk, length - c * chunk))
-            for c in range(pieces):
-                off = c * chunk
-                n = min(chunk, length - off)
-                if in_cache != 0:
-                    sums[c] = xxh3(buf + off, n)
-                done = 0
-                while done < n:
-                    w = pwrite(f, buf + off + done, n - done, off + done)
-                    if w <= 0:
-                        close(f)
-                        unlinkat(d, tmp, 0)
-                        return -1
-                    done += w
-            close(f)
-            return 0 if renameat(d, tmp, d, final) == 0 else -1
+            if in_cache != 0:
+                ok = write_hashed_in_pieces(f, buf, 0, length, chunk, spans, sums)
+            else:
+                hash_spans(buf, spans, 0, spans.shape[0], sums)
+                ok = write_range(f, buf, 0, length)
+            return publish_temp(d, f, tmp, final, length, length, 0, ok)
         _CHUNKED = write_chunked
     return _CHUNKED
 
