@@ -285,9 +285,12 @@ class IOEngine:
 
     def close(self, timeout: float | None = None) -> None:
         """Finish queued stores (up to ``timeout``, default flush_timeout_s), cancel the rest."""
-        self._queue.close(self.config.flush_timeout_s if timeout is None else timeout)
-        if not self._queue.counts()["pending"]:
-            self.files.close()  # an I/O thread stuck past its deadline may still use the fd
+        ended = self._queue.close(self.config.flush_timeout_s if timeout is None else timeout)
+        if ended and not self._queue.counts()["pending"]:
+            # Only then: an I/O thread stuck in a system call (even past its job's deadline, the
+            # job already completed) may still open a page through the rank directory's fd, and a
+            # closed fd's number is soon another file's.
+            self.files.close()
 
     def __enter__(self) -> IOEngine:
         return self

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +54,7 @@ from typing import Any, Protocol
 from tierstore.errors import PageCancelled, PageError, PageQueueFull, PageTimeout
 
 logger = logging.getLogger("tierstore.engine")
+LONGEST_WAIT_S = 3600.0  # one wait on the queue's conditions (_next_wake)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class Lane(Protocol):
     def queued(self) -> dict[str, int]: ...
     def hurry(self, by: int) -> None: ...
     def stop(self, timeout: float) -> list[Job]: ...
+    def ended(self) -> bool: ...
 
 
 class ClassQueues:
@@ -198,6 +201,7 @@ class JobQueue:
         self._ids = itertools.count(1)
         self._closed = False
         self._stop = False
+        self._pid = os.getpid()  # a forked child's copy refuses work (submit)
         self.late_results_dropped = 0
         self.jobs_run = 0  # jobs a thread ran (counters for benches)
         self.batches = 0  # of them: batches of more than one job, and the jobs in those
@@ -237,6 +241,10 @@ class JobQueue:
             self._pending_ops[job.op] += 1
             if reject is None and self._closed:
                 reject = PageCancelled("the engine is closed", key=job.key)
+            if reject is None and os.getpid() != self._pid:
+                # Its I/O threads (and a native lane's) are the parent's: nothing would run it.
+                reject = PageCancelled(f"this engine was created in process {self._pid}, before a fork; create "
+                                       "tierstore engines in the process that uses them", key=job.key)
             if reject is None and self._classes.waiting[job.op] >= self.queue_depth:
                 reject = PageQueueFull(f"{job.op} queue is full ({self.queue_depth} queued); poll results faster "
                                        'or raise the "queue_depth" setting', key=job.key)
@@ -312,13 +320,14 @@ class JobQueue:
             finally:
                 self._hurry_locked(-1)
 
-    def close(self, timeout: float, drain_op: str = "store") -> None:
+    def close(self, timeout: float, drain_op: str = "store") -> bool:
         """Cancel later submits, let queued ``drain_op`` jobs finish (up to ``timeout``), cancel
-        the rest, stop the threads. Idempotent."""
+        the rest, stop the threads. True when every I/O thread (Python and lane) has returned:
+        until then one may still use the owner's directory fds and a job's slot. Idempotent."""
         end = time.monotonic() + timeout
         with self._lock:
             if self._closed:
-                return
+                return self._threads_ended()
             self._closed = True
         if not self.flush(timeout, drain_op):
             logger.warning("closing with %ss still queued after %.1f s; they are cancelled", drain_op, timeout)
@@ -340,6 +349,10 @@ class JobQueue:
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             logger.warning("I/O threads still blocked in a system call at close: %s", stuck)
+        return self._threads_ended()
+
+    def _threads_ended(self) -> bool:
+        return not any(t.is_alive() for t in self._threads) and (self._lane is None or self._lane.ended())
 
     def counts(self) -> dict[str, int | float]:
         """A snapshot: ``queued_<op>s`` per class, ``pending``, ``late_results_dropped``,
@@ -403,7 +416,11 @@ class JobQueue:
         wake = end
         if first is not None:
             wake = first.deadline if wake is None else min(wake, first.deadline)
-        return None if wake is None else max(wake - now, 0.0) + (0.001 if wake != end else 0.0)
+        if wake is None:
+            return None
+        # At most LONGEST_WAIT_S: a Condition refuses a timeout past threading.TIMEOUT_MAX, which a
+        # huge deadline_ms reaches (the caller loops and waits again).
+        return min(max(wake - now, 0.0) + (0.001 if wake != end else 0.0), LONGEST_WAIT_S)
 
     def _expire_locked(self, now: float) -> None:
         expired = []

@@ -41,18 +41,22 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from tierstore.native_abi import (  # noqa: F401  (the kernels' result codes, used as native.X)
+    LOAD_COLD,
+    LOAD_NOT_PLAIN,
+    LOAD_OPEN_FAILED,
+    LOAD_READ_FAILED,
+    STORE_EXISTS,
+    STORE_FAILED,
+    STORE_NO_DIR,
+)
+
 logger = logging.getLogger(__name__)
 
 # Below this many bytes in one call the Python path is as fast (the call's own overhead is a
 # few microseconds) and headers (4 KiB) stay on it.
 MIN_NATIVE_BYTES = 64 << 10
 
-# native_page.load_page's outcomes other than "read this many bytes" (the caller then takes the Python path,
-# which redoes the load and names what went wrong).
-LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED = -2, -3, -4, -5
-# native_page.store_page outcomes: 0 done; STORE_EXISTS the final name exists (stored);
-# the others hand the store to the Python path, which redoes it and names the error.
-STORE_EXISTS, STORE_NO_DIR, STORE_FAILED = 1, -2, -3
 # load_page reads ``struct stat`` by offset: x86-64 Linux only (elsewhere loads keep the
 # Python open and fstat, and still read and hash in one call).
 _STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
@@ -176,7 +180,7 @@ def _build() -> Any:
     hash_spans, hash_strided, read_pieces = k.hash_spans, k.hash_strided, k.read_pieces
     load_page, store_page, verify_pages, load_pages = k.load_page, k.store_page, k.verify_pages, k.load_pages
     store_pages = k.store_pages
-    lane = (k.lane_serve, k.lane_publish, k.lane_await, k.lane_stop)
+    lane = (k.lane_serve, k.lane_publish, k.lane_await, k.lane_stop, k.lane_cancel)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)
@@ -265,8 +269,8 @@ def page_kernels() -> tuple[Any, Any, Any, Any, Any] | None:
     return _kernels[3], _kernels[4], _kernels[6], _kernels[7], _kernels[8]
 
 
-def lane_kernels() -> tuple[Any, Any, Any, Any] | None:
-    """The compiled (serve, publish, await, stop) of ``native_lane``'s I/O loop, or None where
+def lane_kernels() -> tuple[Any, Any, Any, Any, Any] | None:
+    """The compiled (serve, publish, await, stop, cancel) of ``native_lane``'s I/O loop, or None where
     ``page_kernels`` is None."""
     if page_kernels() is None:
         return None

@@ -17,9 +17,11 @@ exported, else ``XXH3_64bits`` (``_xxh3_symbol``). ``native._build`` makes its s
 compiled hash against ``xxhash.xxh3_64_intdigest`` before any use. The declarations match the
 ctypes prototypes used before: ``openat`` always gets its mode argument (0 unless creating).
 
-numba's cache is keyed on this file (its path, size and time stamp) and the CPU: the codes this
-module takes from ``native`` and ``native_page`` are baked in, so a change to them must touch
-this file too.
+numba's cache is keyed on this file (its path, size and time stamp) and the CPU. The constants
+compiled in come from ``native_abi`` alone, and ``ABI_DIGEST`` below ties that module to this
+file: a changed constant without a new digest here stops the import (the Python path serves).
+A fault build (``TIERSTORE_LANE_FAULTS``, tests only) compiles the lane's kernels for its own
+process, outside the cache.
 
 Threading: the kernels hold no GIL (``nogil=True``) and touch only the buffers they are given.
 """
@@ -35,23 +37,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from tierstore import native
-from tierstore.native import (
-    LOAD_COLD,
-    LOAD_NOT_PLAIN,
-    LOAD_OPEN_FAILED,
-    LOAD_READ_FAILED,
-    STORE_EXISTS,
-    STORE_FAILED,
-    STORE_NO_DIR,
-)
-from tierstore.native_lane import (
+from tierstore import native, native_abi
+from tierstore.native_abi import (
+    BAD_SECTION,
     CTL_DONE_WAITER,
     CTL_HEAD,
     CTL_SLEEPERS,
     CTL_STOP,
     CTL_TAIL,
     ENTRY_DONE,
+    ENTRY_FREE,
     ENTRY_READY,
     ENTRY_RUNNING,
     F_ARG,
@@ -65,20 +60,49 @@ from tierstore.native_lane import (
     F_RANK_FD,
     F_T0,
     F_T1,
+    FAULT_BEFORE_DONE,
+    FAULT_BEFORE_IO,
+    FAULT_BEFORE_RUNNING,
+    FAULT_CLAIM,
+    FAULT_COUNT,
+    FAULT_EVERY,
+    FAULT_FIELDS,
+    FAULT_PAUSE_NS,
     LANE_EXPIRED,
-    MAX_BYPASS,
-    OP_STORE,
-    WORD_DONE,
-    WORD_JOBS,
-)
-from tierstore.native_page import (
-    _BAD_SECTION,
     LOAD_BAD_GAP,
     LOAD_BAD_HEADER,
     LOAD_BAD_SUM,
+    LOAD_COLD,
+    LOAD_NOT_PLAIN,
+    LOAD_OPEN_FAILED,
+    LOAD_READ_FAILED,
+    MAX_BYPASS,
+    OP_STORE,
+    READ_ODIRECT,
+    STORE_EXISTS,
+    STORE_FAILED,
+    STORE_NO_DIR,
     VERIFY_TOKENS,
+    WORD_DONE,
+    WORD_JOBS,
 )
 
+# native_abi.digest() of the constants compiled in below. numba keys its cache on this file
+# alone, so a change to native_abi must change this line too (which renews the cache); until it
+# does, the kernels refuse to load and the Python path serves.
+ABI_DIGEST = "b57b8232ac8806db"
+if native_abi.digest() != ABI_DIGEST:
+    raise RuntimeError(f"tierstore/native_abi.py changed (digest {native_abi.digest()}) since the native kernels were "
+                       f"last built against it ({ABI_DIGEST}): set ABI_DIGEST in tierstore/native_kernels.py to the "
+                       "new digest, after checking every kernel that uses a changed constant")
+
+# TIERSTORE_LANE_FAULTS (tests only) compiles the lane's fault-injection pauses in
+# (native_abi.FAULT_*): "1" with today's claim and RUNNING mark; "unfixed" with the ones that
+# had the races of issue 36 (the ring cell read after the claim's CAS, the RUNNING mark and
+# stop's cancel as plain stores), to prove the race tests can fail. Either way the lane's
+# kernels are compiled for this process only, never read from or written to numba's cache.
+LANE_FAULTS = {"": 0, "0": 0, "1": 1, "unfixed": 2}.get(os.environ.get("TIERSTORE_LANE_FAULTS", ""), 1)
+UNFIXED = 1 if LANE_FAULTS == 2 else 0
 _CACHE = native.cache_kernels  # False: no writable cache directory (native._build); compile only
 _LL = {"i32": ir.IntType(32), "i64": ir.IntType(64)}
 
@@ -252,7 +276,7 @@ scratch_t = t.Array(i64, 1, "C")
 f_getfl, f_setfl, o_direct = 3, 4, getattr(os, "O_DIRECT", 0)
 load_open_failed, load_not_plain, load_cold, load_read_failed = LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED
 store_exists, store_no_dir = STORE_EXISTS, STORE_NO_DIR
-bad_header, bad_sum, bad_gap, bad_section = LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP, _BAD_SECTION
+bad_header, bad_sum, bad_gap, bad_section = LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP, BAD_SECTION
 verify_tokens = VERIFY_TOKENS
 
 @numba.njit(inline="always")
@@ -274,8 +298,9 @@ def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: in
               blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int, sum_off: int, out: Any,
               header_sums: Any, scratch: Any) -> int:
     # scratch: [0:18] struct stat (x86_64), [18:20] cachestat range, [20:25] cachestat out,
-    # [26] 1 when the file was read with O_DIRECT.
+    # [READ_ODIRECT] 1 when the file was read with O_DIRECT (a lane entry's row serves many loads).
     # file_at 0: ``rank_fd`` is the page's directory itself (fsck's checked fd), no open.
+    scratch[READ_ODIRECT] = 0
     d = openat(rank_fd, names.ctypes.data, dir_flags, 0) if file_at > 0 else rank_fd
     if d < 0:
         return load_open_failed
@@ -313,7 +338,7 @@ def load_page(rank_fd: int, names: Any, file_at: int, key_at: int, dir_flags: in
         if got < size:  # EINVAL (refused here), an error or a short file: the Python path
             return load_cold if got == 0 else load_read_failed
         hash_spans(base + hl, spans, 0, spans.shape[0], out)
-        scratch[26] = 1
+        scratch[READ_ODIRECT] = 1
         got = pieces[pieces.shape[0] - 1, 1]
     else:
         got = read_pieces(f, base, hl, pieces, spans, out)
@@ -547,12 +572,12 @@ SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129
 
 ctl_t = t.Array(i64, 1, "C")
 words_t = t.Array(t.int32, 1, "C")
-ring_t = t.Array(i64, 2, "C")
 desc_t = t.Array(i64, 2, "C")
 names_t = t.Array(u8, 2, "C")
 u64_2d = t.Array(t.uint64, 2, "C")
 u64_1d = t.Array(t.uint64, 1, "C")
 timespec_t = t.Array(i64, 1, "C", readonly=True)
+_LANE_CACHE = _CACHE and LANE_FAULTS == 0  # a fault build never meets the production cache
 
 
 @numba.njit(inline="always")
@@ -562,14 +587,39 @@ def now_ns(clock: Any) -> int:
 
 
 @numba.njit(inline="always")
-def claim(ctl: Any, ring: Any, q: int) -> int:
-    # The next entry of queue q, or -1 when it is empty (a lost race retries).
+def fault_pause(faults: Any, point: int, clock: Any) -> None:
+    # A fault build's pause at ``point`` (native_abi.FAULT_*), on every Nth pass through it;
+    # clock[2:4] is the thread's timespec. Compiled out (LANE_FAULTS is 0) otherwise.
+    if LANE_FAULTS != 0 and faults.shape[0] > 0:
+        at = point * FAULT_FIELDS
+        every = faults[at + FAULT_EVERY]
+        if every > 0 and atomic_add(faults, at + FAULT_COUNT, 1) % every == every - 1:
+            ns = faults[at + FAULT_PAUSE_NS]
+            clock[2] = ns // 1_000_000_000
+            clock[3] = ns % 1_000_000_000
+            nanosleep(clock.ctypes.data + 16, 0)
+
+
+@numba.njit(inline="always")
+def claim(ctl: Any, ring: Any, q: int, cap: int, faults: Any, clock: Any) -> int:
+    # The next entry of queue q (ring cells q * cap .. q * cap + cap - 1), or -1 when it is
+    # empty (a lost race retries). The cell is read before the CAS of head: while head is
+    # still h, position h + cap cannot be published (at most cap entries exist, and one is at
+    # position h), so the cell read is the entry the CAS takes. Read after the CAS, a thread
+    # descheduled in between could find the cell already reused for another job.
     while True:
         h = atomic_load(ctl, CTL_HEAD + 2 * q)
         if h >= atomic_load(ctl, CTL_TAIL + 2 * q):
             return -1
+        if UNFIXED:
+            if atomic_cas(ctl, CTL_HEAD + 2 * q, h, h + 1) == h:
+                fault_pause(faults, FAULT_CLAIM, clock)
+                return atomic_load(ring, q * cap + h % cap)
+            continue
+        e = atomic_load(ring, q * cap + h % cap)
+        fault_pause(faults, FAULT_CLAIM, clock)
         if atomic_cas(ctl, CTL_HEAD + 2 * q, h, h + 1) == h:
-            return ring[q, h % ring.shape[1]]
+            return e
 
 
 @numba.njit(inline="always")
@@ -577,27 +627,39 @@ def queued(ctl: Any, q: int) -> bool:
     return atomic_load(ctl, CTL_HEAD + 2 * q) < atomic_load(ctl, CTL_TAIL + 2 * q)
 
 
-@numba.njit(i64(ctl_t, words_t, ctl_t, ring_t, desc_t, names_t, names_t, frame_t,
+@numba.njit(inline="always")
+def take(states: Any, e: int) -> bool:
+    # READY -> RUNNING for the thread that claimed e; False: stop withdrew the entry first
+    # (lane_cancel), and it must not run.
+    if UNFIXED:
+        atomic_store(states, e, ENTRY_RUNNING)
+        return True
+    return atomic_cas(states, e, ENTRY_READY, ENTRY_RUNNING) == ENTRY_READY
+
+
+@numba.njit(i64(ctl_t, words_t, ctl_t, ctl_t, desc_t, names_t, names_t, frame_t,
                 i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
                 rows, rows, bytes_ro, rows, vec, i64, i64, i64, rows, rows, rows,
-                u64_2d, u64_2d, u64_2d, stats_t, u64_1d, timespec_t, ctl_t), nogil=True, cache=_CACHE)
+                u64_2d, u64_2d, u64_2d, stats_t, u64_1d, timespec_t, ctl_t, ctl_t), nogil=True, cache=_LANE_CACHE)
 def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: Any, lnames: Any, slab: Any,
                s_tmp_at: int, s_final_at: int, s_key_at: int, l_file_at: int, l_key_at: int, dir_flags: int,
                store_flags: int, load_flags: int, mode: int, length: int, size: int, do_fsync: int, piece: int,
                spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int,
                token_off: int, sum_off: int, plan_verify: Any, plan_raw: Any, no_spans: Any, given: Any, sums: Any,
-               header_sums: Any, scratch: Any, no_given: Any, timeout: Any, clock: Any) -> int:
+               header_sums: Any, scratch: Any, no_given: Any, timeout: Any, faults: Any, clock: Any) -> int:
     # One I/O thread of a lane, until CTL_STOP: take an entry (loads first, a store after
     # MAX_BYPASS loads taken past waiting stores), run store_page / load_page on it, mark it
-    # done; sleep on the jobs futex word when both queues are empty.
+    # done; sleep on the jobs futex word when both queues are empty. ``clock``: this thread's
+    # 4 int64s (clock_gettime's timespec, a fault pause's).
+    cap = states.shape[0]
     bypass = 0
     while atomic_load(ctl, CTL_STOP) == 0:
         first = 1 if bypass >= MAX_BYPASS else 0
-        e = claim(ctl, ring, first)
+        e = claim(ctl, ring, first, cap, faults, clock)
         q = first
         if e < 0:
             q = 1 - first
-            e = claim(ctl, ring, q)
+            e = claim(ctl, ring, q, cap, faults, clock)
         if e < 0:
             seq = atomic_load(words, WORD_JOBS)
             atomic_add(ctl, CTL_SLEEPERS, 1)
@@ -609,17 +671,21 @@ def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: 
             bypass += 1
         elif q == 1:
             bypass = 0
-        atomic_store(states, e, ENTRY_RUNNING)
+        fault_pause(faults, FAULT_BEFORE_RUNNING, clock)
+        if not take(states, e):
+            continue
         t0 = now_ns(clock)
         desc[e, F_T0] = t0
         if t0 > desc[e, F_DEADLINE]:
             code = LANE_EXPIRED  # the queue completed it as timed out: do not start it late
         elif desc[e, F_OP] == OP_STORE:
+            fault_pause(faults, FAULT_BEFORE_IO, clock)
             g = given[e] if desc[e, F_FLAG] != 0 else no_given
             code = store_page(desc[e, F_RANK_FD], snames[e], s_tmp_at, s_final_at, s_key_at, dir_flags, store_flags,
                               mode, slab, desc[e, F_OFF], length, size, do_fsync, piece, spans, gaps, blank, sum_offsets,
                               key_off, token_off, sum_off, desc[e, F_ARG], g, sums[e], scratch[e])
         else:
+            fault_pause(faults, FAULT_BEFORE_IO, clock)
             plan = plan_verify if desc[e, F_ARG] != 0 else plan_raw
             load_spans = spans if desc[e, F_ARG] != 0 else no_spans
             code = load_page(desc[e, F_RANK_FD], lnames[e], l_file_at, l_key_at, dir_flags, load_flags, size,
@@ -627,6 +693,7 @@ def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: 
                              blank, const_ranges, sum_offsets, key_off, sum_off, sums[e], header_sums[e], scratch[e])
         desc[e, F_CODE] = code
         desc[e, F_T1] = now_ns(clock)
+        fault_pause(faults, FAULT_BEFORE_DONE, clock)
         atomic_store(states, e, ENTRY_DONE)
         atomic_add(words, WORD_DONE, 1)
         if atomic_load(ctl, CTL_DONE_WAITER) != 0:
@@ -634,20 +701,39 @@ def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: 
     return 0
 
 
-@numba.njit(t.void(ctl_t, words_t, ctl_t, ring_t, i64, i64), nogil=False, cache=_CACHE)
+@numba.njit(t.void(ctl_t, words_t, ctl_t, ctl_t, i64, i64), nogil=False, cache=_LANE_CACHE)
 def lane_publish(ctl: Any, words: Any, states: Any, ring: Any, q: int, e: int) -> None:
     # Called with the queue's lock held (one producer at a time): entry e (its fields written)
     # goes to the tail of queue q; a sleeping lane thread is woken.
+    cap = states.shape[0]
     atomic_store(states, e, ENTRY_READY)
     tail = atomic_load(ctl, CTL_TAIL + 2 * q)
-    ring[q, tail % ring.shape[1]] = e
+    atomic_store(ring, q * cap + tail % cap, e)
     atomic_store(ctl, CTL_TAIL + 2 * q, tail + 1)
     atomic_add(words, WORD_JOBS, 1)
     if atomic_load(ctl, CTL_SLEEPERS) > 0:
         syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAKE_PRIVATE, 1, 0)
 
 
-@numba.njit(i64(ctl_t, words_t, ctl_t, desc_t, ctl_t, timespec_t, timespec_t), nogil=True, cache=_CACHE)
+@numba.njit(i64(ctl_t, ctl_t), nogil=False, cache=_LANE_CACHE)
+def lane_cancel(states: Any, won: Any) -> int:
+    # stop's withdrawal: every READY entry that no thread has marked RUNNING goes to FREE (a
+    # CAS, so an entry is either run by its claimer or withdrawn here, never both); their
+    # numbers go to won[:n], n returned.
+    n = 0
+    for e in range(states.shape[0]):
+        if UNFIXED:
+            if atomic_load(states, e) == ENTRY_READY:
+                atomic_store(states, e, ENTRY_FREE)
+                won[n] = e
+                n += 1
+        elif atomic_cas(states, e, ENTRY_READY, ENTRY_FREE) == ENTRY_READY:
+            won[n] = e
+            n += 1
+    return n
+
+
+@numba.njit(i64(ctl_t, words_t, ctl_t, desc_t, ctl_t, timespec_t, timespec_t), nogil=True, cache=_LANE_CACHE)
 def lane_await(ctl: Any, words: Any, states: Any, desc: Any, seen: Any, delay: Any, timeout: Any) -> int:
     # The lane's harvest thread, without the GIL: return 1 once some entry has been done and
     # not harvested for at least ``delay`` (the driver's own polls usually harvest first, and
@@ -674,7 +760,7 @@ def lane_await(ctl: Any, words: Any, states: Any, desc: Any, seen: Any, delay: A
     return 0
 
 
-@numba.njit(t.void(ctl_t, words_t), nogil=False, cache=_CACHE)
+@numba.njit(t.void(ctl_t, words_t), nogil=False, cache=_LANE_CACHE)
 def lane_stop(ctl: Any, words: Any) -> None:
     atomic_store(ctl, CTL_STOP, 1)
     atomic_add(words, WORD_JOBS, 1)

@@ -1,4 +1,4 @@
-"""NativeLane: an engine's page I/O on threads that never return to Python (issue 16).
+"""NativeLane: an engine's page I/O on threads that never return to Python.
 
 Why: every return of an I/O thread to Python is a request for the GIL. Beside a busy Python
 thread (vLLM's worker, or the GPU pipeline's driver, busy 85-93% of a transfer) such a request
@@ -28,12 +28,17 @@ Contract:
 - Loads go before stores, a store after at most ``MAX_BYPASS`` loads taken past it
   (``ioqueue.QueuePolicy``'s rule).
 - ``stop(timeout)`` stops the threads (each finishes the page it is on) and returns the jobs
-  never started, for the queue to cancel.
+  never started, for the queue to cancel; ``ended()`` says whether every thread has returned
+  (until then the engine keeps its directory fds open and the jobs' slots stay taken).
+- A forked child's copy of a started lane is stopped (at-fork handler): its threads are the
+  parent's.
 
 Threading: the lane's arrays are shared. Entries (one per staging slot: a job holds a slot, so
-the lane never fills) go FREE -> READY (``offer``, the queue's lock held) -> RUNNING -> DONE
-(a lane thread; states and ring positions through atomics) -> FREE (``harvest``, the lock
-held). Idle lane threads sleep on a futex word the publisher bumps. One harvest thread waits,
+the lane never fills) go FREE -> READY (``offer``, the queue's lock held) -> RUNNING (a CAS by
+the thread that claimed its ring position) -> DONE (that thread) -> FREE (``harvest``, the lock
+held), or READY -> FREE (``stop``'s CAS, for entries no thread marked RUNNING). A thread reads
+its ring cell before the CAS that claims it (``native_kernels.claim`` says why that order is
+the safe one). Every shared transition is a sequentially consistent atomic. Idle lane threads sleep on a futex word the publisher bumps. One harvest thread waits,
 also without the GIL (``lane_await``), until some entry has stayed done and unharvested for
 ``harvest_delay_s``; only then does it take the GIL and the queue's lock (``on_ready``): a
 caller that polls often (the GPU pipeline's driver) harvests first, and that thread never
@@ -53,6 +58,31 @@ from typing import TYPE_CHECKING, Any
 
 from tierstore import native, native_page, page_index
 from tierstore.mapper import fanout
+from tierstore.native_abi import (
+    CTL_LEN,
+    DEADLINE_NS_MAX,
+    ENTRY_DONE,
+    ENTRY_FREE,
+    ENTRY_READY,
+    F_ARG,
+    F_CODE,
+    F_DEADLINE,
+    F_DIRECT_LEN,
+    F_FLAG,
+    F_GEN,
+    F_OFF,
+    F_OP,
+    F_RANK_FD,
+    F_T0,
+    F_T1,
+    FAULT_FIELDS,
+    FAULT_POINTS,
+    FIELDS,
+    LANE_EXPIRED,
+    OP_LOAD,
+    OP_STORE,
+    SCRATCH_LEN,
+)
 
 if TYPE_CHECKING:
     from tierstore.ioqueue import Job
@@ -61,17 +91,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tierstore.engine")
 
-# The layout shared with native_kernels (which imports these).
-CTL_STOP, CTL_SLEEPERS, CTL_DONE_WAITER = 0, 1, 2
-CTL_HEAD, CTL_TAIL = 4, 5  # + 2 * queue (0 loads, 1 stores)
-CTL_LEN = 8
-WORD_JOBS, WORD_DONE = 0, 1
-ENTRY_FREE, ENTRY_READY, ENTRY_RUNNING, ENTRY_DONE = 0, 1, 2, 3
-F_OP, F_OFF, F_ARG, F_FLAG, F_DIRECT_LEN, F_CODE, F_T0, F_T1, F_RANK_FD, F_DEADLINE, F_GEN = range(11)
-FIELDS = 11
-OP_LOAD, OP_STORE = 0, 1
-LANE_EXPIRED = -100  # lane_serve: the job was past its deadline when a thread took it
-MAX_BYPASS = 8  # ioqueue.QueuePolicy.max_bypass
 _IDLE_WAIT_S = 0.5  # a sleeping thread looks at the stop flag at least this often (stop also wakes it)
 HARVEST_DELAY_S = 0.001  # how long a finished entry may wait for a caller's poll
 
@@ -85,6 +104,25 @@ def _stop_at_exit() -> None:
     # writing into arrays the shutdown frees. Stop every lane (each finishes its page) first.
     for lane in list(_RUNNING):
         lane.stop(1.0)
+
+
+def _forget_lanes_in_child() -> None:
+    # A forked child has none of the parent's lane threads, and its copy of a lane would take
+    # jobs nobody runs (each timing out, its slot never given back). Such a lane is stopped in
+    # the child; the engine refuses work there too (ioqueue.JobQueue.submit names the fork).
+    for lane in list(_RUNNING):
+        lane.stopped = lane.forked = True
+    _RUNNING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_lanes_in_child)
+
+
+def deadline_ns(deadline: float) -> int:
+    """A job's deadline (time.monotonic() seconds) as the lane records it: ns, at most
+    DEADLINE_NS_MAX (an infinite or huge ``deadline_ms`` never overflows int64)."""
+    ns = deadline * 1e9
+    return int(ns) if ns < DEADLINE_NS_MAX else DEADLINE_NS_MAX  # NaN: the latest too
 
 
 def _timespec(np: Any, seconds: float) -> Any:
@@ -108,7 +146,9 @@ class NativeLane:
         self._on_ready: Callable[[], None] | None = None
         self.started = False
         self.stopped = False
+        self.forked = False  # this is a forked child's copy (stopped; its threads are the parent's)
         self.key_len = -1
+        self._threads: list[threading.Thread] = []
         self._hurried = 0  # wait/flush calls in progress: harvest at once
 
     def attach(self, on_ready: Callable[[], None]) -> None:
@@ -144,14 +184,17 @@ class NativeLane:
         self.ctl = np.zeros(CTL_LEN, dtype=np.int64)
         self.words = np.zeros(2, dtype=np.int32)
         self.states = np.zeros(cap, dtype=np.int64)
-        self.ring = np.zeros((2, cap), dtype=np.int64)
+        self.ring = np.zeros(2 * cap, dtype=np.int64)  # queue q's cells: q * cap .. q * cap + cap - 1
         self.desc = np.zeros((cap, FIELDS), dtype=np.int64)
         self.snames = np.zeros((cap, s_key_at + key_len), dtype=np.uint8)
         self.lnames = np.zeros((cap, self._l_key_at + key_len), dtype=np.uint8)
         self.given = np.zeros((cap, sections), dtype=np.uint64)
         self.sums = np.zeros((cap, sections), dtype=np.uint64)
         self.header_sums = np.zeros((cap, sections), dtype=np.uint64)
-        self.scratch = np.zeros((cap, 32), dtype=np.int64)
+        self.scratch = np.zeros((cap, SCRATCH_LEN), dtype=np.int64)
+        # Pauses at native_abi.FAULT_* points, read only by a fault build's kernels (tests).
+        self.faults = np.zeros(FAULT_POINTS * FAULT_FIELDS, dtype=np.int64)
+        self._won = np.zeros(cap, dtype=np.int64)
         self._seen = np.zeros(2 * cap, dtype=np.int64)
         self._jobs: list[Job | None] = [None] * cap
         self._free = list(range(cap))
@@ -163,7 +206,7 @@ class NativeLane:
         self._snames_bytes = memoryview(self.snames).cast("B")
         self._lnames_bytes = memoryview(self.lnames).cast("B")
         self.piece_bytes = files.warm_piece_bytes
-        self._serve, self._publish, self._await, self._stop = kernels  # type: ignore[misc]
+        self._serve, self._publish, self._await, self._stop, self._cancel = kernels
         idle = _timespec(np, _IDLE_WAIT_S)
         self._serve_args = (
             self.ctl, self.words, self.states, self.ring, self.desc, self.snames, self.lnames, slab,
@@ -172,7 +215,7 @@ class NativeLane:
             shape.size, int(files.fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank, shape.const_ranges,
             shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, load_shapes[True].plan,
             load_shapes[False].plan, load_shapes[False].load_spans, self.given, self.sums, self.header_sums,
-            self.scratch, np.zeros(0, dtype=np.uint64), idle)
+            self.scratch, np.zeros(0, dtype=np.uint64), idle, self.faults)
         self._delay = np.array([0, int(self.harvest_delay_s * 1e9)], dtype=np.int64)
         self._set_delay()
         self._await_args = (self.ctl, self.words, self.states, self.desc, self._seen, self._delay, idle)
@@ -197,7 +240,7 @@ class NativeLane:
         self._delay[1] = 0 if self._hurried > 0 else int(self.harvest_delay_s * 1e9)
 
     def _serve_thread(self) -> None:
-        clock = native.numpy().zeros(2, dtype=native.numpy().int64)  # this thread's clock_gettime buffer
+        clock = native.numpy().zeros(4, dtype=native.numpy().int64)  # this thread's timespecs (clock, pause)
         self._serve(*self._serve_args, clock)
 
     def _harvest_thread(self) -> None:
@@ -228,36 +271,42 @@ class NativeLane:
         final = files.mapper.final_path(key)
         name = os.path.basename(final)
         fan = fanout(key)
-        e = self._free[-1]
-        # Fields and names go in through flat memoryviews of the arrays: a third of the time
-        # of numpy's per-item assignment, and offer runs on the submitting thread per page.
-        at = e * FIELDS
-        desc = self._desc_items
+        # Every value that can fail to convert is converted before anything is written: the
+        # entry is taken (popped from the free list) only once nothing can raise.
+        deadline = deadline_ns(job.deadline)
         if job.op == "store":
+            op, arg, flag, direct_len = OP_STORE, int(job.token_count), int(job.sums is not None), 0
             names = f"{fan}\0{os.path.basename(files.mapper.temp_path(key, final))}\0{name}\0".encode() + key
-            width = self.snames.shape[1]
-            if len(names) != width:
+            if len(names) != self.snames.shape[1]:
                 return False
-            self._snames_bytes[e * width:(e + 1) * width] = names
-            if job.sums is not None:
-                self.given[e] = job.sums
-            desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG] = OP_STORE, job.token_count, job.sums is not None
-            desc[at + F_DIRECT_LEN] = 0
             q = 1
         else:
             if files.warm_piece_bytes != self.piece_bytes:
                 return False
-            width = self.lnames.shape[1]
-            self._lnames_bytes[e * width:(e + 1) * width] = f"{fan}\0{name}\0".encode() + key
-            desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG] = OP_LOAD, job.verify, files.direct_loads
-            desc[at + F_DIRECT_LEN] = files.direct_len(self._load_shapes[job.verify])
-            job.slot._source = None
+            op, arg, flag = OP_LOAD, int(bool(job.verify)), int(files.direct_loads)
+            direct_len = files.direct_len(self._load_shapes[job.verify])
+            names = f"{fan}\0{name}\0".encode() + key
             q = 0
-        self._free.pop()
+        e = self._free[-1]
+        if op == OP_STORE:
+            width = self.snames.shape[1]
+            self._snames_bytes[e * width:(e + 1) * width] = names
+            if job.sums is not None:
+                self.given[e] = job.sums
+        else:
+            width = self.lnames.shape[1]
+            self._lnames_bytes[e * width:(e + 1) * width] = names
+            job.slot._source = None
+        # Fields go in through a flat memoryview of the array: a third of the time of numpy's
+        # per-item assignment, and offer runs on the submitting thread per page.
+        at = e * FIELDS
+        desc = self._desc_items
         self._gen += 1
+        desc[at + F_OP], desc[at + F_ARG], desc[at + F_FLAG], desc[at + F_DIRECT_LEN] = op, arg, flag, direct_len
         desc[at + F_OFF], desc[at + F_RANK_FD], desc[at + F_GEN] = off + self._file_off, rank_fd, self._gen
-        desc[at + F_DEADLINE] = int(job.deadline * 1e9)
+        desc[at + F_DEADLINE] = deadline
         desc[at + F_CODE] = desc[at + F_T0] = desc[at + F_T1] = 0
+        self._free.pop()
         self._jobs[e] = job
         self._publish(self.ctl, self.words, self.states, self.ring, q, e)
         return True
@@ -265,8 +314,8 @@ class NativeLane:
     # ----------------------------------------------------------------- harvest (queue lock held)
     def harvest(self) -> list[tuple[Job, Outcome | None, float]]:
         """Every finished entry: (job, outcome or None (redo on the Python path), seconds its
-        thread spent on it); the entries are free again."""
-        if not self.started:
+        thread spent on it); the entries are free again. Nothing in a forked child's copy."""
+        if not self.started or self.forked:
             return []
         np = native.numpy()
         out = []
@@ -313,7 +362,9 @@ class NativeLane:
     # ----------------------------------------------------------------- stop
     def stop(self, timeout: float) -> list[Job]:
         """Stop the threads (up to ``timeout`` for those in a system call); the jobs no thread
-        took (their entries freed: the caller cancels them). Idempotent."""
+        took (their entries freed: the caller cancels them). An entry is withdrawn only if no
+        thread has marked it running (``lane_cancel``'s CAS against the thread's): a thread
+        stalled between its claim and that mark then skips it. Idempotent."""
         if self.stopped:
             return []
         self.stopped = True
@@ -328,12 +379,15 @@ class NativeLane:
         if stuck:
             logger.warning("native I/O threads still blocked in a system call at close: %s", stuck)
         left = []
-        for e in native.numpy().flatnonzero(self.states == ENTRY_READY).tolist():
+        for e in self._won[:self._cancel(self.states, self._won)].tolist():
             job = self._jobs[e]
             self._jobs[e] = None
-            self.states[e] = ENTRY_FREE
             self._free.append(e)
             if job is not None:
                 left.append(job)
         return left
 
+    def ended(self) -> bool:
+        """No thread of this lane can touch a job's slot or directory any more (never started,
+        or stopped with every thread joined; a forked child's copy has none of its own)."""
+        return not self.started or self.forked or (self.stopped and not any(th.is_alive() for th in self._threads))

@@ -55,11 +55,16 @@ from typing import Any
 from tierstore import native, pagefile
 from tierstore.directio import ALIGN
 from tierstore.format import HeaderTemplate, PageLayout
+from tierstore.native_abi import (  # noqa: F401  (load_page's damage codes, used as native_page.X)
+    BAD_SECTION,
+    LOAD_BAD_GAP,
+    LOAD_BAD_HEADER,
+    LOAD_BAD_SUM,
+    READ_ODIRECT,
+    SCRATCH_LEN,
+    VERIFY_TOKENS,
+)
 
-# load_page's outcomes besides native.LOAD_* and "read this many bytes".
-LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP = -6, -7, -8
-_BAD_SECTION = 25  # scratch slot holding the first section whose checksum differs
-VERIFY_TOKENS = 27  # verify_pages: scratch slot holding a good page's token count
 # Scratch slots of ``struct stat`` (x86-64 Linux) that verify_pages' callers read.
 ST_DEV, ST_INO, ST_NLINK, ST_MODE, ST_SIZE, ST_MTIME, ST_MTIME_NS, ST_CTIME, ST_CTIME_NS = 0, 1, 2, 3, 6, 11, 12, 13, 14
 
@@ -124,7 +129,7 @@ def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, 
     key_at = len(fanout_name) + len(file_name) + 2
     out = np.empty(shape.load_spans.shape[0], dtype=np.uint64)
     header_sums = np.empty(shape.sections, dtype=np.uint64)
-    scratch = np.zeros(32, dtype=np.int64)
+    scratch = np.zeros(SCRATCH_LEN, dtype=np.int64)
     got = kernels[0](rank_fd, names, len(fanout_name) + 1, key_at, flags[0], flags[1], shape.size,
                      int(check_cache), direct_len, frame, file_off, shape.plan, shape.load_spans, shape.gaps, shape.blank,
                      shape.const_ranges, shape.sum_offsets, shape.key_off, shape.sum_off, out, header_sums, scratch)
@@ -140,7 +145,7 @@ def _outcome(shape: PageShape, got: int, scratch: Any, sums: Any, header_sums: A
     else:
         return got if got < 0 else native.LOAD_READ_FAILED, None, [], [], False
     ident = (int(scratch[0]), int(scratch[1]), int(scratch[13]) * 1_000_000_000 + int(scratch[14]))
-    return code, ident, sums.tolist(), header_sums.tolist(), bool(scratch[26])
+    return code, ident, sums.tolist(), header_sums.tolist(), bool(scratch[READ_ODIRECT])
 
 
 def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, bytes]], flags: tuple[int, int],
@@ -165,7 +170,7 @@ def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, b
     offs.setflags(write=False)
     outs = np.empty((n, shape.load_spans.shape[0]), dtype=np.uint64)
     header_sums = np.empty((n, shape.sections), dtype=np.uint64)
-    scratch = np.zeros((n, 32), dtype=np.int64)
+    scratch = np.zeros((n, SCRATCH_LEN), dtype=np.int64)
     codes = np.empty(n, dtype=np.int64)
     kernels[3](rank_fd, names, len(fan) + 1, key_at, flags[0], flags[1], shape.size, int(check_cache), direct_len,
                slab, offs, shape.plan, shape.load_spans, shape.gaps, shape.blank, shape.const_ranges,
@@ -193,7 +198,7 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
                           mode, frame, file_off, length, shape.size, int(fsync), shape.store_piece, shape.spans,
                           shape.gaps, shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
                           token_count, given, np.empty(shape.sections, dtype=np.uint64),
-                          np.empty(32, dtype=np.int64)))
+                          np.empty(SCRATCH_LEN, dtype=np.int64)))
 
 
 def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, str, bytes]], flags: tuple[int, int],
@@ -228,7 +233,7 @@ def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, 
     kernels[4](rank_fd, names, tmp_at, final_at, final_at + len(final) + 1, flags[0], flags[1], mode, slab, offs,
                length, shape.size, int(fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank,
                shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, tokens, given, np.empty((n, shape.sections), dtype=np.uint64),
-               np.empty((n, 32), dtype=np.int64), codes)
+               np.empty((n, SCRATCH_LEN), dtype=np.int64), codes)
     return [int(c) for c in codes.tolist()]
 
 
@@ -252,7 +257,7 @@ def verify_pages(shape: PageShape, dir_fd: int, file_names: Sequence[str], keys:
     file_at = 0  # each row: the file name, NUL, the key; opened relative to dir_fd itself
     key_at = len(file_names[0]) + 1
     codes = np.empty(n, dtype=np.int64)
-    stats = np.zeros((n, 32), dtype=np.int64)
+    stats = np.zeros((n, SCRATCH_LEN), dtype=np.int64)
     kernels[2](dir_fd, names, file_at, key_at, flags[0], flags[1], shape.size, frame, shape.plan, shape.load_spans,
                shape.gaps, shape.blank, shape.const_ranges, shape.sum_offsets, shape.key_off, shape.sum_off,
                shape.token_off, np.empty(shape.load_spans.shape[0], dtype=np.uint64),
