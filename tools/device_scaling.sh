@@ -27,6 +27,9 @@
 #                                       # 16 threads (LANE_RUNS, default "native python native python"), then the
 #                                       # engine beside a busy Python thread (LANE_GIL=0: not)
 #   bash tools/device_scaling.sh lanecpu   # the same for the CPU path at 16 threads, 2 and 16 MiB pages
+#   bash tools/device_scaling.sh lanerisk  # issue 36's table: tools/gil_contention.py at 16 threads, io_loop native
+#                                       # and python, alone and beside a busy Python thread (87% and 100%),
+#                                       # 8 then 2 MiB pages; then the GPU path, io_loop alternated
 #   bash tools/device_scaling.sh srcmem    # store steps (tools/store_ceiling.py store) from pageable, THP-advised and
 #                                       # pinned source pages, 16 MiB at SOURCE_THREADS (default 1,16)
 #   bash tools/device_scaling.sh sweep     # the thread sweep (SWEEP_THREADS, default 1,4,8,16,32): the GPU path,
@@ -92,7 +95,7 @@ tests|gputests|gputests+*)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
-        tests/bench/test_bench_kernels.py tests/test_native_lane.py > "$OUT/gpu_tests.txt" 2>&1
+        tests/bench/test_bench_kernels.py tests/test_native_lane.py tests/test_native_lane_races.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
     [ "$1" = gputests ] && exit 0
@@ -228,6 +231,22 @@ lane)
     [ "${LANE_GIL:-1}" = 1 ] && timeout 200 python tools/gil_contention.py --root /dev/shm/tsg --threads 16 --page-mib 8 \
         --total-mib 4096 --rounds 2 --beside alone,spin87 --io-loops native,python 2>&1 | tee "$OUT/lane_gil.txt" \
         | grep -A8 "medians of"
+    ;;
+lanerisk)
+    prewarm 24
+    for spec in "8 4096" "2 2048"; do
+        set -- $spec
+        timeout 200 python tools/gil_contention.py --root /dev/shm/tsg --threads 16 --page-mib $1 --total-mib $2 \
+            --rounds 3 --beside alone,spin87,spin100 --io-loops native,python > "$OUT/lanerisk_gil_$1.txt" 2>&1
+        echo "engine alone and beside a busy thread, $1 MiB, rc=$?"; grep -A9 "medians of" "$OUT/lanerisk_gil_$1.txt"
+    done
+    i=0
+    for loop in native python native python; do
+        i=$((i + 1))
+        timeout 100 python -m tierstore bench kernels --skip-kernels --no-cold --repeats 2 --transfer-mib 4096 \
+            --io-threads 16 --io-loop $loop --root /dev/shm/tsk > "$OUT/lanerisk_k_${loop}_$i.txt" 2>&1
+        echo "GPU path, io_loop=$loop, run $i rc=$?"; grep -A6 "^| case" "$OUT/lanerisk_k_${loop}_$i.txt" | grep -v "^|---" | cut -d'|' -f2-6,8-11,16,18
+    done
     ;;
 lanecpu)
     # the CPU path at 16 threads, io_loop native and python alternated: 2 MiB, then 16 MiB pages
