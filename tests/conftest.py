@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hostile_helpers import sentinel  # noqa: F401 - the hostile-root tests' fixture, defined with its helpers
 
-from tierstore.identity import Namespace
+from tierstore.format.identity import Namespace
 from tierstore.testing import hybrid_namespace
 
 
@@ -42,8 +42,8 @@ def fsck_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Run the test on each of fsck's page paths: the per-page Python verifier, and the batched
     native one (fsck_batch) that engine-written pages take once it is compiled. Each must
     report exactly the same."""
-    from tierstore import native
-    from tierstore.fsck_batch import NativeBatch
+    from tierstore.admin.fsck_batch import NativeBatch
+    from tierstore.native import loader as native
 
     if request.param == "native":
         native.start(wait=True)

@@ -120,6 +120,6 @@ def swap_for_link(d: Path, target: Path, aside: str = "moved") -> Path:
 def fsck_per_page(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep fsck on its per-page path, for a test that instruments its per-page steps
     (``open_page``, ``PageVerifier._verify_fd``) which the batched native path does not take."""
-    from tierstore.fsck_batch import NativeBatch
+    from tierstore.admin.fsck_batch import NativeBatch
 
     monkeypatch.setattr(NativeBatch, "ready", staticmethod(lambda: False))

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from tierstore.engine import IOEngine
-from tierstore.format import GroupKind, PageLayout
-from tierstore.identity import GroupSpec, Namespace
+from tierstore.format.identity import GroupSpec, Namespace
+from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
+from tierstore.format.page import GroupKind, PageLayout
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE
 from tierstore.kernels.views import make_attention_caches, mamba_state_views
-from tierstore.layout import attention_layout, mamba_layout, mla_layout
+from tierstore.rootstore.engine import IOEngine
 
 DTYPES = {
     "bfloat16": torch.bfloat16,

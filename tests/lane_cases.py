@@ -15,16 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-from tierstore import native
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.native_abi import (
+from tierstore.native import loader as native
+from tierstore.native.abi import (
     FAULT_BEFORE_IO,
     FAULT_BEFORE_RUNNING,
     FAULT_EVERY,
     FAULT_FIELDS,
     FAULT_PAUSE_NS,
 )
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key
 
 GROUP = 2

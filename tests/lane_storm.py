@@ -23,17 +23,17 @@ import threading
 import time
 from pathlib import Path
 
-from tierstore import native
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.format import section_checksums
-from tierstore.native_abi import (
+from tierstore.format.page import section_checksums
+from tierstore.native import loader as native
+from tierstore.native.abi import (
     FAULT_COUNT,
     FAULT_EVERY,
     FAULT_FIELDS,
     FAULT_PAUSE_NS,
     FAULT_POINTS,
 )
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key
 
 GROUP = 2  # the hybrid test namespace's small group: many jobs per second
@@ -129,7 +129,7 @@ def main() -> int:
     if native.lane_kernels() is None:
         print(json.dumps({"error": f"native lane unavailable: {native.failure()}"}))
         return 2
-    from tierstore import native_kernels
+    from tierstore.native import kernels as native_kernels
 
     root = Path(a.root)
     ns = hybrid_namespace()

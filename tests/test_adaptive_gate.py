@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tierstore.adaptive_gate import AdaptiveGate
+from tierstore.admin.adaptive_gate import AdaptiveGate
 
 
 def drive(gate: AdaptiveGate, rate_at: Callable[[int], float], seconds: float) -> list[int]:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import cli
-from tierstore.format import Codec
-from tierstore.identity import Namespace
-from tierstore.inventory import collect_stats
+from tierstore.admin import cli
+from tierstore.admin.inventory import collect_stats
+from tierstore.format.identity import Namespace
+from tierstore.format.page import Codec
 from tierstore.testing import fill_pages, hybrid_namespace, page_key, simple_namespace, write_page
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,16 +15,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tierstore.pagefile import inspect_page
+from tierstore.rootstore.pageops import inspect_page
 
 SCRIPT = textwrap.dedent(
     """
     import json, os, random, select, sys, time, traceback
     sys.path.insert(0, {tests!r})
     from test_crash_safety import crash_namespace, pattern
-    from tierstore import native
+    from tierstore.native import loader as native
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import page_key
 
     root, out_dir, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -18,11 +18,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tierstore.format import PageExpectation, zero_gaps
-from tierstore.fsck import FsckOptions, run_fsck
-from tierstore.identity import MANIFEST_NAME
-from tierstore.mapper import locate, parse_temp_name
-from tierstore.pagefile import inspect_page, read_page
+from tierstore.admin.fsck import FsckOptions, run_fsck
+from tierstore.format.identity import MANIFEST_NAME
+from tierstore.format.page import PageExpectation, zero_gaps
+from tierstore.fs.mapper import locate, parse_temp_name
+from tierstore.rootstore.pageops import inspect_page, read_page
 from tierstore.testing.pages import hybrid_namespace
 
 KILLS = 24
@@ -48,9 +48,9 @@ WRITER = textwrap.dedent(
     import json, os, random, signal, sys, time
     sys.path.insert(0, {tests!r})
     from test_crash_safety import GROUPS, crash_namespace, pattern
-    from tierstore import native
+    from tierstore.native import loader as native
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import page_key
 
     root, kills, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -14,16 +14,17 @@ import pytest
 import zstandard
 from tiers_helpers import load_page, store_data
 
-from tierstore import engine as engine_mod
-from tierstore import native, native_page
 from tierstore.bench import io as bench_io
 from tierstore.config import TierStoreConfig
-from tierstore.directio import O_DIRECT
-from tierstore.engine import IOEngine, probe_odirect
 from tierstore.errors import ConfigError
-from tierstore.format import Codec, PageLayout
-from tierstore.identity import MANIFEST_NAME, Namespace, read_manifest
-from tierstore.pagefile import inspect_page
+from tierstore.format.identity import MANIFEST_NAME, Namespace, read_manifest
+from tierstore.format.page import Codec, PageLayout
+from tierstore.fs.directio import O_DIRECT
+from tierstore.native import loader as native
+from tierstore.native import page as native_page
+from tierstore.rootstore import engine as engine_mod
+from tierstore.rootstore.engine import IOEngine, probe_odirect
+from tierstore.rootstore.pageops import inspect_page
 from tierstore.testing.pages import (
     corrupt_flip_bit,
     hybrid_namespace,
@@ -613,7 +614,7 @@ def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: 
 
 # ---------------------------------------------------------------- checksums computed by the caller
 def _section_sums(layout: PageLayout, data: bytes) -> tuple[int, ...]:
-    from tierstore.format import checksum
+    from tierstore.format.page import checksum
 
     return tuple(checksum(data[o : o + s.nbytes]) for o, s in zip(layout.offsets, layout.sections, strict=True))
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from test_crash_safety import crash_namespace, pattern
 
-from tierstore import native
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
+from tierstore.native import loader as native
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_key
 
 GROUP = 0
@@ -126,7 +126,7 @@ def test_a_failing_batch_call_falls_back_to_one_by_one(tmp_path: Path, op: str, 
     costs speed, not pages."""
     if not native.start(wait=True):
         pytest.skip(f"native path unavailable: {native.failure()}")
-    from tierstore import native_page
+    from tierstore.native import page as native_page
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected")
@@ -163,7 +163,7 @@ def test_a_failing_batch_call_falls_back_to_one_by_one(tmp_path: Path, op: str, 
 def test_batches_hold_at_most_16_mib_of_pages(tmp_path: Path) -> None:
     """io_batch_pages is cut to 16 MiB of pages (large pages go one by one: a thread holding
     several while others idle cost 16 MiB loads ~12%), and the engine runs with the cut value."""
-    from tierstore.engine import io_batch_for
+    from tierstore.rootstore.engine import io_batch_for
 
     mib = 1 << 20
     assert [io_batch_for(8, p * mib) for p in (1, 2, 4, 8, 16, 64)] == [8, 8, 4, 2, 1, 1]
@@ -180,7 +180,7 @@ def test_a_batch_of_stores_gives_each_page_its_own_result(tmp_path: Path, path: 
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Stores of new and already stored keys taken as batches: each its own result (stored or
     not), every page readable and verified after; on the native path one GIL-free call per batch."""
-    from tierstore import native_page
+    from tierstore.native import page as native_page
 
     sizes: list[int] = []
     real_many = native_page.store_pages

@@ -17,7 +17,8 @@ from tierstore.errors import (
     PageKeyMismatch,
     PageMissing,
 )
-from tierstore.format import (
+from tierstore.format.identity import Namespace
+from tierstore.format.page import (
     DTYPES,
     HEADER_ALIGN,
     MAGIC,
@@ -36,9 +37,8 @@ from tierstore.format import (
     encode_header,
     encode_page,
 )
-from tierstore.identity import Namespace
-from tierstore.mapper import FileMapper
-from tierstore.pagefile import inspect_page, publish_page, read_page
+from tierstore.fs.mapper import FileMapper
+from tierstore.rootstore.pageops import inspect_page, publish_page, read_page
 from tierstore.testing import (
     hybrid_namespace,
     page_bytes,
@@ -307,7 +307,7 @@ def test_publish_failure_is_typed_and_leaves_no_temp(root: Path, hybrid_ns: Name
 @pytest.mark.parametrize(("label", "make_ns", "group"), CASES[:3])
 def test_header_template_is_encode_header_with_fields_patched(label: str, make_ns, group: int, key_len: int) -> None:
     """HeaderTemplate.fill writes exactly encode_header's bytes; parse reads back only our header."""
-    from tierstore.format import PREAMBLE_OFFSETS, HeaderTemplate
+    from tierstore.format.page import PREAMBLE_OFFSETS, HeaderTemplate
 
     ns = make_ns()
     layout = ns.groups[group].layout
@@ -333,9 +333,9 @@ def test_pages_of_format_2_are_cleanly_refused(tmp_path, monkeypatch) -> None:
     reader says which version it found (its tree is another namespace, see test_fsck)."""
     import pytest
 
-    import tierstore.format as fmt
+    import tierstore.format.page as fmt
     from tierstore.errors import PageFormatError
-    from tierstore.pagefile import read_page
+    from tierstore.rootstore.pageops import read_page
     from tierstore.testing import golden
 
     assert fmt.FORMAT_VERSION == 3

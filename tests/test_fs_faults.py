@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import engine as engine_mod
-from tierstore import native, native_page
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine, IOResult
-from tierstore.identity import Namespace
+from tierstore.format.identity import Namespace
+from tierstore.native import loader as native
+from tierstore.native import page as native_page
+from tierstore.rootstore import engine as engine_mod
+from tierstore.rootstore.engine import IOEngine, IOResult
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
 

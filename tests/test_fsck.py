@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from hostile_helpers import fsck_per_page
 
-from tierstore.cli import main
+from tierstore.admin.cli import main
+from tierstore.admin.fsck import FsckReport, _repair
+from tierstore.admin.inventory import walk_root
 from tierstore.errors import (
     PageCorrupt,
     PageError,
@@ -23,11 +25,9 @@ from tierstore.errors import (
     PageKeyMismatch,
     PageTruncated,
 )
-from tierstore.format import Codec
-from tierstore.fsck import FsckReport, _repair
-from tierstore.identity import MANIFEST_NAME, Namespace, write_manifest
-from tierstore.inventory import walk_root
-from tierstore.mapper import FileMapper, fanout, host_tag
+from tierstore.format.identity import MANIFEST_NAME, Namespace, write_manifest
+from tierstore.format.page import Codec
+from tierstore.fs.mapper import FileMapper, fanout, host_tag
 from tierstore.testing import (
     StoredPage,
     corrupt_flip_bit,
@@ -423,7 +423,7 @@ def test_repair_refuses_a_directory_swapped_for_a_symlink_after_the_scan(
 ) -> None:
     _flip_payload(filled, root)
     bad = filled[0].path
-    inv = walk_root(root, visitor=__import__("tierstore.fsck", fromlist=["PageVerifier"]).PageVerifier(root))
+    inv = walk_root(root, visitor=__import__("tierstore.admin.fsck", fromlist=["PageVerifier"]).PageVerifier(root))
     assert [f.path for f in inv.findings] == [str(bad)]
     # After the scan an attacker (or a confused admin) replaces the leaf directory by a
     # symlink to a directory outside ROOT holding a file of the same name.
@@ -442,7 +442,7 @@ def test_repair_refuses_a_directory_swapped_for_a_symlink_after_the_scan(
 def test_repair_skips_a_file_replaced_after_the_scan(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
     _flip_payload(filled, root)
     bad = filled[0]
-    from tierstore.fsck import PageVerifier
+    from tierstore.admin.fsck import PageVerifier
 
     inv = walk_root(root, visitor=PageVerifier(root))
     bad.path.unlink()  # gc removed it, a writer republished a good page under the same name
@@ -478,7 +478,7 @@ def test_namespace_filter_and_jobs(root: Path, hybrid_ns: Namespace, filled: lis
 
 def test_live_tree_vanishing_files_are_not_problems(root: Path, hybrid_ns: Namespace, filled: list[StoredPage]) -> None:
     # A visitor that deletes the page before reading it behaves like gc racing fsck.
-    from tierstore.fsck import PageVerifier
+    from tierstore.admin.fsck import PageVerifier
 
     verifier = PageVerifier(root)
 
@@ -509,7 +509,7 @@ def test_page_bytes_is_deterministic() -> None:
 def test_pages_stored_by_the_engine_are_clean_and_canonical(tmp_path: Path, hybrid_ns: Namespace, odirect: str) -> None:
     pytest.importorskip("torch")
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
+    from tierstore.rootstore.engine import IOEngine
 
     root = tmp_path / "engine-root"
     ref_root = tmp_path / "ref-root"
@@ -558,8 +558,8 @@ def test_a_failing_visitor_stops_the_walk_early(root: Path, hybrid_ns: Namespace
 def test_progress_line_only_when_enabled(root: Path, filled: list[StoredPage]) -> None:
     import io
 
-    from tierstore.fsck import PageVerifier
-    from tierstore.inventory import Progress
+    from tierstore.admin.fsck import PageVerifier
+    from tierstore.admin.inventory import Progress
 
     shown, hidden = io.StringIO(), io.StringIO()
     for stream, enabled in ((shown, True), (hidden, False)):
@@ -580,7 +580,7 @@ def test_crafted_huge_page_does_not_exhaust_memory(
 ) -> None:
     # A checksum-valid zstd page declaring a huge section, in a namespace whose manifest is
     # gone (so no layout to compare with): fsck must report it, not allocate it.
-    from tierstore.format import GroupKind, SectionEntry, SectionSpec, encode_header
+    from tierstore.format.page import GroupKind, SectionEntry, SectionSpec, encode_header
     from tierstore.testing import page_meta
 
     (root / hybrid_ns.digest / MANIFEST_NAME).unlink()
@@ -631,7 +631,7 @@ def test_temp_of_a_killed_unreaped_writer_is_stale(root: Path, filled: list[Stor
 def test_io_errors_are_reported_but_never_repaired_by_deletion(root: Path, filled: list[StoredPage], monkeypatch) -> None:
     import errno
 
-    import tierstore.fsck_read as fsck_mod
+    import tierstore.admin.fsck_read as fsck_mod
     from tierstore.errors import PageIOError
 
     real = fsck_mod.open_page
@@ -700,8 +700,8 @@ def test_deep_reports_nan_and_inf_that_checksums_cannot_see(root: Path, hybrid_n
 def test_deep_check_page_dtype_rules() -> None:
     import numpy as np
 
-    from tierstore.format import PageLayout, SectionSpec, decode_header, encode_page
-    from tierstore.fsck import deep_check_page
+    from tierstore.admin.fsck import deep_check_page
+    from tierstore.format.page import PageLayout, SectionSpec, decode_header, encode_page
     from tierstore.testing.pages import page_meta
 
     for dtype, bad in (("float8_e4m3fn", 0x7F), ("float8_e5m2", 0xFC), ("float16", 0x7C00), ("uint8", None)):
@@ -722,8 +722,8 @@ def test_deep_counts_non_canonical_pages_of_an_older_format_and_leaves_them(root
     its pages with non-zero gap bytes; nothing is read as ours or changed, --repair included."""
     import dataclasses
 
-    import tierstore.format as fmt
-    from tierstore.format import PageMeta, encode_page
+    import tierstore.format.page as fmt
+    from tierstore.format.page import PageMeta, encode_page
     from tierstore.testing import golden
 
     gp = next(g for g in golden.golden_pages() if g.name == "gdn_gaps")
@@ -760,8 +760,8 @@ def test_fsck_gates_its_threads_by_what_pays_off(root: Path, monkeypatch: pytest
     """By default fsck's 64 threads pass an adaptive gate. Pages that each take a slow mount's
     latency (a 4 ms sleep per page, no CPU) drive the limit up from 4 on a fast root, and keep
     it at 64 on a root that answers slowly; an explicit --jobs is kept as given."""
-    from tierstore import fsck as fsck_module
-    from tierstore.fsck import FsckOptions, PageVerifier, run_fsck
+    from tierstore.admin import fsck as fsck_module
+    from tierstore.admin.fsck import FsckOptions, PageVerifier, run_fsck
     from tierstore.testing import simple_namespace
 
     ns = simple_namespace()

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import native
-from tierstore.format import Codec
-from tierstore.fsck import FsckOptions, run_fsck
-from tierstore.fsck_batch import NativeBatch
-from tierstore.fsck_read import PageVerifier
-from tierstore.identity import Namespace, write_manifest
-from tierstore.inventory import NamespaceDir, PageVerdict, fingerprint, walk_root
+from tierstore.admin.fsck import FsckOptions, run_fsck
+from tierstore.admin.fsck_batch import NativeBatch
+from tierstore.admin.fsck_read import PageVerifier
+from tierstore.admin.inventory import NamespaceDir, PageVerdict, fingerprint, walk_root
+from tierstore.format.identity import Namespace, write_manifest
+from tierstore.format.page import Codec
+from tierstore.native import loader as native
 from tierstore.testing import corrupt_flip_bit, fill_pages
 from tierstore.testing.pages import page_bytes, page_key, write_page
 
@@ -110,7 +110,7 @@ def test_batch_hands_back_every_page_it_did_not_find_good(root: Path, native_rea
 def test_a_large_root_starts_the_compile(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-page path starts the native compile after COMPILE_AFTER_PAGES pages, not before
     (a small root never pays it)."""
-    from tierstore import fsck_read
+    from tierstore.admin import fsck_read
     from tierstore.testing import simple_namespace
 
     ns = simple_namespace()

@@ -17,9 +17,9 @@ import torch
 import zstandard
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.format import FORMAT_VERSION, Codec, decode_header
-from tierstore.pagefile import read_page
+from tierstore.format.page import FORMAT_VERSION, Codec, decode_header
+from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.pageops import read_page
 from tierstore.testing import golden
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

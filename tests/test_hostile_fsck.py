@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 from hostile_helpers import fsck_per_page, snapshot, swap_for_link, traced_peak, within
 
-from tierstore import fsck as fsck_mod
-from tierstore import fsck_read, pagefile
+from tierstore.admin import fsck as fsck_mod
+from tierstore.admin import fsck_read
+from tierstore.admin.fsck import FsckOptions, FsckReport, run_fsck
 from tierstore.errors import PageUnsafe
-from tierstore.fsck import FsckOptions, FsckReport, run_fsck
-from tierstore.identity import MANIFEST_NAME, write_manifest
-from tierstore.layout import attention_layout
-from tierstore.mapper import FileMapper
+from tierstore.format.identity import MANIFEST_NAME, write_manifest
+from tierstore.format.layout import attention_layout
+from tierstore.fs.mapper import FileMapper
+from tierstore.rootstore import pageops as pagefile
 from tierstore.testing.pages import (
     corrupt_flip_bit,
     fill_pages,
@@ -311,8 +312,8 @@ def test_chain_unsafe_shared_page_is_a_miss_and_the_tier_stays_up(tmp_path: Path
 
 
 def test_reserved_root_names_agree_with_their_owners() -> None:
+    from tierstore.fs.lease import LEASE_NAME
+    from tierstore.index.local_index import INDEX_DIR
     from tierstore.tiers.gc import TRASH_DIR
-    from tierstore.tiers.lease import LEASE_NAME
-    from tierstore.tiers.local_index import INDEX_DIR
 
     assert fsck_mod.RESERVED_ROOT_ENTRIES == {TRASH_DIR: True, LEASE_NAME: False, INDEX_DIR: True}

@@ -15,12 +15,13 @@ import pytest
 import zstandard
 from hostile_helpers import nested_dirs, snapshot, swap_for_link, traced_peak, within, zstd_bomb
 
-from tierstore import display, format, safe_zstd, safefs, trust
 from tierstore.errors import ConfigError, PageCorrupt
-from tierstore.mac import PageMac, PageUnauthenticated
+from tierstore.format import page as format
+from tierstore.format import safe_zstd
+from tierstore.format.mac import PageMac, PageUnauthenticated
+from tierstore.fs import display, gc, safefs, trust
+from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.testing.pages import fill_pages, simple_namespace
-from tierstore.tiers import gc
-from tierstore.tiers.lease import LEASE_NAME, Lease
 
 NS = simple_namespace()
 pytestmark = pytest.mark.timeout(60)

@@ -12,12 +12,18 @@ from pathlib import Path
 import pytest
 from hostile_helpers import nested_dirs, snapshot, within
 
-from tierstore import cli
+from tierstore.admin import cli
+from tierstore.admin.inventory import (
+    MANIFEST,
+    collect_stats,
+    format_listing,
+    format_stats,
+    walk_root,
+)
 from tierstore.errors import ConfigError
-from tierstore.inventory import MANIFEST, collect_stats, format_listing, format_stats, walk_root
+from tierstore.index.local_index import LocalIndex
+from tierstore.index.local_scan import Reconciler
 from tierstore.testing.pages import fill_pages, simple_namespace
-from tierstore.tiers.local_index import LocalIndex
-from tierstore.tiers.local_scan import Reconciler
 
 NS = simple_namespace()
 pytestmark = pytest.mark.timeout(60)
@@ -185,7 +191,7 @@ def test_local_eviction_never_follows_a_swapped_fanout_directory(tmp_path: Path,
     links: a fan-out directory swapped for a symlink to the sentinel loses nothing outside."""
     from hostile_helpers import snapshot, swap_for_link
 
-    from tierstore.tiers.local_index import Evicted, LocalIndex
+    from tierstore.index.local_index import Evicted, LocalIndex
 
     root = tmp_path / "local"
     fan = root / "ns" / "g0" / "r0" / "aa"

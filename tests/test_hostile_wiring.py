@@ -15,11 +15,11 @@ import pytest
 from hostile_helpers import snapshot, swap_for_link, traced_peak, zstd_bomb
 from tiers_helpers import load_page, store
 
-from tierstore import mac as mac_mod
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine, IOResult
 from tierstore.errors import ConfigError, PageError
-from tierstore.format import (
+from tierstore.format import mac as mac_mod
+from tierstore.format.identity import Namespace
+from tierstore.format.page import (
     MAC_TRAILER_LEN,
     Codec,
     PageMeta,
@@ -27,8 +27,8 @@ from tierstore.format import (
     encode_header,
     encode_page,
 )
-from tierstore.identity import Namespace
-from tierstore.pagefile import file_identity, inspect_page, read_page
+from tierstore.rootstore.engine import IOEngine, IOResult
+from tierstore.rootstore.pageops import file_identity, inspect_page, read_page
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
 NS = simple_namespace()

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.errors import ConfigError
-from tierstore.format import GroupKind
-from tierstore.identity import (
+from tierstore.format.identity import (
     MANIFEST_NAME,
     GroupSpec,
     Namespace,
@@ -22,7 +21,8 @@ from tierstore.identity import (
     read_manifest,
     write_manifest,
 )
-from tierstore.layout import attention_layout
+from tierstore.format.layout import attention_layout
+from tierstore.format.page import GroupKind
 from tierstore.testing import hybrid_namespace
 
 
@@ -107,12 +107,12 @@ def test_manifest_round_trip(root: Path, hybrid_ns: Namespace) -> None:
 
 def test_manifest_temp_names_its_writer_as_fsck_reads_it(root: Path, hybrid_ns: Namespace,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierstore.inventory import STALE_TEMP, walk_root
+    from tierstore.admin.inventory import STALE_TEMP, walk_root
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     # A writer killed between writing its temp and renaming it: the temp stays behind.
-    import tierstore.identity as identity_mod
+    import tierstore.format.identity as identity_mod
 
     monkeypatch.setattr(identity_mod, "_publish_manifest", lambda tmp, ns_fd: None)
     write_manifest(root, hybrid_ns)  # as this process (alive)

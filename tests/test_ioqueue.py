@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from tierstore.errors import PageError
-from tierstore.ioqueue import Job, JobQueue, QueuePolicy
+from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy
 
 
 def _queue(policy: QueuePolicy, ran: list[str], gate: threading.Event, started: threading.Event) -> JobQueue:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.mapper import (
+from tierstore.fs.mapper import (
     FANOUT_DIRS,
     MAX_KEY_BYTES,
     FileMapper,

@@ -14,10 +14,13 @@ import pytest
 import xxhash
 from tiers_helpers import load_page, store_data
 
-from tierstore import native, native_page, pagefile, safefs
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.format import section_sums
+from tierstore.format.page import section_sums
+from tierstore.fs import safefs
+from tierstore.native import loader as native
+from tierstore.native import page as native_page
+from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import (
     corrupt_flip_bit,
     hybrid_namespace,
@@ -396,12 +399,12 @@ def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with
 @pytest.mark.parametrize("group", [0, 2])
 def test_stores_hashed_in_pieces_write_the_python_paths_bytes(tmp_path: Path, group: int, odirect: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A buffered store the kernel hashes goes in pieces (``pagefile.STORE_PIECE_BYTES``, here
+    """A buffered store the kernel hashes goes in pieces (``native_page.STORE_PIECE_BYTES``, here
     one 4 KiB block: group 0's two sections in two pieces, group 2's four sections all before
     its first piece), the header written last: byte for byte the Python path's file, through
     the lane, one store_page call and a batch (with odirect auto, on this ext4, the page goes
     whole with O_DIRECT: the same bytes)."""
-    monkeypatch.setattr(pagefile, "STORE_PIECE_BYTES", 4096)
+    monkeypatch.setattr(native_page, "STORE_PIECE_BYTES", 4096)
     ns = hybrid_namespace()
     keys = [page_key(40 + i) for i in range(4)]
     trees = []
@@ -433,7 +436,7 @@ def test_a_store_failing_between_pieces_leaves_no_temp(root: Path, monkeypatch: 
     import resource
     import signal
 
-    monkeypatch.setattr(pagefile, "STORE_PIECE_BYTES", 4096)
+    monkeypatch.setattr(native_page, "STORE_PIECE_BYTES", 4096)
     pieces = []
     real = native_page.store_page
     monkeypatch.setattr(native_page, "store_page",
@@ -471,10 +474,10 @@ def test_module_scans_see_plain_dicts_after_numba_is_loaded() -> None:
 
 _CACHE_PROBE = """
 import json, time
-from tierstore import native
+from tierstore.native import loader as native
 t = time.perf_counter()
 assert native.start(wait=True), native.failure()
-from tierstore import native_kernels as k
+from tierstore.native import kernels as k
 kernels = (k.hash_spans, k.hash_strided, k.read_pieces, k.write_file, k.load_page, k.store_page, k.verify_pages,
            k.load_pages)
 print(json.dumps({"hits": sum(sum(f.stats.cache_hits.values()) for f in kernels),
@@ -531,7 +534,7 @@ def test_the_kernels_hash_with_xxhashs_dispatcher_where_it_is_exported(tmp_path:
     if os.environ.get("TIERSTORE_XXH3_SYMBOL"):
         pytest.skip("TIERSTORE_XXH3_SYMBOL is set for this run")
     assert native.start(wait=True), native.failure()
-    from tierstore import native_kernels
+    from tierstore.native import kernels as native_kernels
 
     exported = hasattr(ctypes.CDLL(ext.__file__), "XXH3_64bits_dispatch")
     assert ("XXH3_64bits_dispatch" if exported else "XXH3_64bits") == native_kernels.XXH3_SYMBOL

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from tiers_helpers import load_page, store_data
 
-from tierstore import native
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.format import section_checksums
+from tierstore.format.page import section_checksums
+from tierstore.native import loader as native
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import corrupt_flip_bit, hybrid_namespace, page_bytes, page_key
 
 
@@ -201,7 +201,7 @@ def test_a_process_that_exits_with_pages_in_flight_exits_cleanly(tmp_path: Path)
         "from tierstore import native\n"
         "native.start(wait=True)\n"
         "from tierstore.config import TierStoreConfig\n"
-        "from tierstore.engine import IOEngine\n"
+        "from tierstore.rootstore.engine import IOEngine\n"
         "from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key\n"
         f"root = {str(tmp_path / 'root')!r}\n"
         "eng = IOEngine(root, hybrid_namespace(), 2, config=TierStoreConfig(root=root, odirect='off'),"

@@ -20,17 +20,18 @@ from pathlib import Path
 import pytest
 from tiers_helpers import load_page, store_data
 
-from tierstore import native, native_abi
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.native_abi import (
+from tierstore.native import abi as native_abi
+from tierstore.native import loader as native
+from tierstore.native.abi import (
     DEADLINE_NS_MAX,
     FAULT_BEFORE_DONE,
     FAULT_BEFORE_IO,
     FAULT_BEFORE_RUNNING,
     FAULT_CLAIM,
 )
-from tierstore.native_lane import deadline_ns
+from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.lane import deadline_ns
 from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key
 
 TESTS = Path(__file__).parent
@@ -189,7 +190,7 @@ def test_the_kernels_are_built_against_this_abi() -> None:
     text = (REPO / "tierstore" / "native_kernels.py").read_text()
     recorded = re.search(r'^ABI_DIGEST = "([0-9a-f]+)"', text, re.M)
     assert recorded and recorded.group(1) == native_abi.digest(), \
-        f"set ABI_DIGEST in tierstore/native_kernels.py to {native_abi.digest()}"
+        f"set ABI_DIGEST in tierstore/native/kernels.py to {native_abi.digest()}"
 
 
 def test_kernels_refuse_to_load_against_a_changed_abi(tmp_path: Path) -> None:

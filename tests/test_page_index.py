@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import page_index
-from tierstore.mapper import FileMapper
-from tierstore.page_index import PageIndex, fingerprint
+from tierstore.fs.mapper import FileMapper
+from tierstore.index import page_index
+from tierstore.index.page_index import PageIndex, fingerprint
 
 
 def key_of(i: int) -> bytes:
@@ -92,8 +92,8 @@ def test_memory_per_page_is_small(tmp_path: Path) -> None:
 def test_the_engine_and_local_evictions_feed_the_index(tmp_path) -> None:
     """The store path adds this process's own pages at once (never a stale miss), and the
     removal of a damaged page and a local eviction drop them (no stale hit)."""
-    from tierstore.engine import IOEngine
-    from tierstore.mapper import FileMapper
+    from tierstore.fs.mapper import FileMapper
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
     ns = simple_namespace()
@@ -194,7 +194,7 @@ def test_fingerprints_of_offload_keys_leave_the_suffix_out(compiled: bool, monke
     lengths take the per-key path and are still right."""
     import random
 
-    from tierstore import native
+    from tierstore.native import loader as native
 
     if compiled:
         pytest.importorskip("numba", reason="the compiled path needs numba (a vLLM dependency)")

@@ -8,15 +8,15 @@ import os
 import threading
 from pathlib import Path
 
-from tierstore.identity import write_manifest
-from tierstore.siblings import (
+from tierstore.format.identity import write_manifest
+from tierstore.testing.pages import hybrid_namespace, simple_namespace
+from tierstore.vllm.siblings import (
     STATE_DTYPE_HINT,
     identity_differences,
     sibling_differences,
     start_check,
     warnings_for,
 )
-from tierstore.testing.pages import hybrid_namespace, simple_namespace
 
 
 def test_a_state_dtype_difference_is_named_with_the_setting_to_pin(tmp_path: Path) -> None:

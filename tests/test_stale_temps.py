@@ -1,4 +1,4 @@
-"""The one stale-temp rule (tierstore.stale_temps): never a live writer's temp, always a dead one's."""
+"""The one stale-temp rule (tierstore.fs.stale_temps): never a live writer's temp, always a dead one's."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.mapper import FileMapper, host_tag
-from tierstore.stale_temps import TempWriter, sweep_stale_temps, temp_writer, writer_gone
+from tierstore.fs.mapper import FileMapper, host_tag
+from tierstore.fs.stale_temps import TempWriter, sweep_stale_temps, temp_writer, writer_gone
 
 
 def _dead_pid() -> int:
@@ -101,7 +101,7 @@ def test_sweep_removes_only_provably_dead_writers(tmp_path: Path) -> None:
 
 def test_sweep_keeps_the_temp_of_a_live_writer_process(tmp_path: Path) -> None:
     # a real second process holding its temp open, as an engine mid-write on a shared root
-    code = ("import sys,time,pathlib;from tierstore.mapper import FileMapper;"
+    code = ("import sys,time,pathlib;from tierstore.fs.mapper import FileMapper;"
             "p=FileMapper(sys.argv[1],'0'*32,0).temp_path_for(b'\\x07'*16);"
             "p.parent.mkdir(parents=True,exist_ok=True);p.write_bytes(b'half');print(p,flush=True);time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,

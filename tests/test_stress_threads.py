@@ -17,9 +17,9 @@ from collections import Counter
 import pytest
 from test_crash_safety import crash_namespace, pattern
 
-from tierstore import native
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
+from tierstore.native import loader as native
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_key
 
 GROUP = 0  # attention page

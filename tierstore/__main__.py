@@ -2,6 +2,6 @@
 
 import sys
 
-from tierstore.cli import main
+from tierstore.admin.cli import main
 
 sys.exit(main())

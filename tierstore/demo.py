@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierstore.inventory import human_bytes
+from tierstore.admin.inventory import human_bytes
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -178,7 +178,7 @@ def _child_main(argv: Sequence[str]) -> int:
 
 
 def _fsck(root: Path) -> dict[str, Any]:
-    from tierstore.fsck import FsckOptions, run_fsck
+    from tierstore.admin.fsck import FsckOptions, run_fsck
 
     report = run_fsck(FsckOptions(root=root, jobs=4, progress=False))
     return {"exit_code": report.exit_code, "counts": report.counts(), "seconds": round(report.seconds, 3),
@@ -243,7 +243,7 @@ def _child_store(spec: dict[str, Any]) -> dict[str, Any]:
     import xxhash
 
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import page_bytes
 
     root, p = spec["root"], spec["preset"]
@@ -296,8 +296,8 @@ def _child_load(spec: dict[str, Any]) -> dict[str, Any]:
 
     from tierstore.bench.page_cache import CacheDropper, prime
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
-    from tierstore.identity import read_manifest
+    from tierstore.format.identity import read_manifest
+    from tierstore.rootstore.engine import IOEngine
 
     root = Path(spec["root"])
     # Everything comes from the disk: the manifest gives the namespace, the digests file only

@@ -25,12 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tierstore.errors import PageError
 
-if TYPE_CHECKING:  # the slot type lives with the pool that allocates it
-    from tierstore.engine import StagingSlot
+
+class StagingSlot(Protocol):
+    """A page buffer of a store (``rootstore.staging.StagingSlot`` is the one every store
+    allocates; the interface names only what callers use)."""
+
+    index: int
+    tensor: Any  # torch.Tensor, 1-D uint8, the page's bytes
+    view: memoryview  # the same memory, writable
 
 
 @dataclass
@@ -66,7 +72,7 @@ class PageStore(Protocol):
     1..MAX_KEY_BYTES), raised as ``ValueError`` before anything is queued.
     """
 
-    layout: Any  # tierstore.format.PageLayout: the byte layout of every page of this store
+    layout: Any  # tierstore.format.page.PageLayout: the byte layout of every page of this store
 
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
         """A free staging slot for the caller to fill, or None if none frees within ``timeout``

@@ -12,8 +12,8 @@ import tempfile
 import time
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
 from tierstore.metrics import MetricsRegistry
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 from tierstore.tiers import TierChain
 

@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from tierstore import native
 from tierstore.bench.io import _Tierstore, bench_namespace
 from tierstore.bench.page_cache import CacheDropper
 from tierstore.config import TierStoreConfig
+from tierstore.native import loader as native
 
 PAGE_BYTES = 2 << 20
 PAGES = 200

@@ -77,19 +77,19 @@ prewarm() {
 # `python -c "$PATCHED_CLI" bench ...`: the tierstore CLI with a setting no flag reaches, for paired
 # runs: IO_BATCH_MIB=N caps an I/O batch at N MiB (engine.IO_BATCH_BYTES); STORE_BATCH_CALL=0
 # writes a batch's stores one native call per page (the code before session 11); STORE_PIECE_KIB=K
-# hashes and writes a store in K KiB pieces (pagefile.STORE_PIECE_BYTES; 0: whole, the code
+# hashes and writes a store in K KiB pieces (native_page.STORE_PIECE_BYTES; 0: whole, the code
 # before session 13).
 PATCHED_CLI="import os, sys
-import tierstore.engine as e
-import tierstore.page_files as pf
-import tierstore.pagefile as pagefile
+import tierstore.rootstore.engine as e
+import tierstore.rootstore.rankdir as pf
+import tierstore.native.page as native_page
 if os.environ.get('STORE_PIECE_KIB'):
-    pagefile.STORE_PIECE_BYTES = int(os.environ['STORE_PIECE_KIB']) << 10
+    native_page.STORE_PIECE_BYTES = int(os.environ['STORE_PIECE_KIB']) << 10
 if os.environ.get('IO_BATCH_MIB'):
     e.IO_BATCH_BYTES = int(os.environ['IO_BATCH_MIB']) << 20
 if os.environ.get('STORE_BATCH_CALL') == '0':
     pf.PageFiles._store_native_many = lambda self, items, out: None
-from tierstore.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()"
+from tierstore.admin.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()"
 case "${1:-tests}" in
 tests|gputests|gputests+*)
     timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \

@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
-from tierstore import engine as engine_mod
 from tierstore.bench.io import bench_namespace
 from tierstore.bench.transfer import engine_only, raw_files
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
+from tierstore.rootstore import engine as engine_mod
+from tierstore.rootstore.engine import IOEngine
 
 MIB = 1 << 20
 

@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 _CHILD_PAGE_INDEX = """
 import sys, time, tracemalloc
-from tierstore.page_index import PageIndex
-from tierstore.mapper import FANOUT_DIRS
+from tierstore.index.page_index import PageIndex
+from tierstore.fs.mapper import FANOUT_DIRS
 base = sys.argv[1]
 tracemalloc.start()
 t0 = time.perf_counter()
@@ -63,7 +63,7 @@ print(dt, cur, len(idx))
 _CHILD_OWN_RSS = """
 import resource, sys
 import tierstore.tiers.gc
-from tierstore.cli import main
+from tierstore.admin.cli import main
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rc = main(sys.argv[1:])
 print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -72,7 +72,7 @@ sys.exit(rc)
 
 _CHILD_LOCAL_INDEX = """
 import sys, time
-from tierstore.tiers.local_index import LocalIndex
+from tierstore.index.local_index import LocalIndex
 t0 = time.perf_counter()
 idx = LocalIndex(sys.argv[1], None)
 opened = time.perf_counter() - t0
@@ -86,7 +86,7 @@ idx.close()
 def write_root(root: Path, n: int, procs: int = 1) -> int:
     """N pages of one simple namespace, written by ``procs`` processes (each a stride of the
     keys); returns the bytes written."""
-    from tierstore.identity import write_manifest
+    from tierstore.format.identity import write_manifest
     from tierstore.testing.pages import simple_namespace
 
     write_manifest(root, simple_namespace())

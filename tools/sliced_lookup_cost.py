@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from tierstore.tiers.head_slices import HeadRange, slice_mappers, tp_slices
-from tierstore.tiers.indexed_lookup import IndexedLookup, SliceGroup
+from tierstore.format.head_slices import HeadRange, slice_mappers, tp_slices
+from tierstore.index.indexed_lookup import IndexedLookup, SliceGroup
 
 HEADS = 8
 

@@ -83,11 +83,11 @@ class StoreVariants:
     """The variants of ``store`` over ``n`` pages of ``page`` bytes from a slab of ``slots``."""
 
     def __init__(self, root: Path, threads: int, page: int, n: int, source: str = "numpy") -> None:
-        from tierstore import native
+        from tierstore.native import loader as native
 
         if not native.start(wait=True):
             raise SystemExit(f"the native path is not ready: {native.failure()}")
-        from tierstore import native_kernels
+        from tierstore.native import kernels as native_kernels
 
         self.k = native_kernels
         self.root, self.threads, self.page, self.n = root, threads, page, n
@@ -185,7 +185,7 @@ def _chunked_writer() -> Any:
     if _CHUNKED is None:
         import numba
 
-        from tierstore.native_kernels import (
+        from tierstore.native.kernels import (
             hash_spans,
             openat,
             publish_temp,
@@ -221,7 +221,7 @@ def _source_slab(source: str, slots: int, page: int) -> np.ndarray:
     if source == "pinned":
         t = torch.empty((slots, page), dtype=torch.uint8, pin_memory=True)
     else:
-        from tierstore.directio import advise_huge_pages
+        from tierstore.fs.directio import advise_huge_pages
 
         t = torch.empty((slots, page), dtype=torch.uint8)
         advise_huge_pages(t.data_ptr(), t.numel())

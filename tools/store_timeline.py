@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tierstore import engine as engine_mod  # noqa: E402
-from tierstore import pagefile  # noqa: E402
 from tierstore.bench import kernels as bk  # noqa: E402
 from tierstore.bench import transfer as bt  # noqa: E402
+from tierstore.rootstore import engine as engine_mod  # noqa: E402
+from tierstore.rootstore import pageops as pagefile  # noqa: E402
 
 _calls: dict[str, list[float]] = defaultdict(list)
 _lock = threading.Lock()

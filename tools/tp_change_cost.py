@@ -8,7 +8,7 @@ read (verified) and bytes scattered, for a model shape, from real page files.
 ``128,64,1,128``: Granite 4.0-H, B and C replicated on every rank; ``128,64,8,128``: Nemotron-H).
 
 For each (writer TP, reader TP) pair of {1, 2, 4, 8} (GQA replication where TP > KV heads) it
-writes the writer ranks' head-slice files of one page (tierstore.tiers.head_slices, the format
+writes the writer ranks' head-slice files of one page (tierstore.format.head_slices, the format
 the engine writes), then has every reader rank assemble its heads (``cover`` + ``assemble``:
 each file fully verified before a byte is copied) and prints per reader rank the files opened,
 the bytes read, the bytes scattered and their ratio (the read amplification), and the seconds
@@ -26,8 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tierstore.format import GroupKind, PageExpectation  # noqa: E402
-from tierstore.layout import mamba_layout  # noqa: E402
+from tierstore.format.head_slices import (  # noqa: E402
+    HeadRange,
+    copy_heads,
+    cover,
+    rank_heads,
+    slice_layout,
+    slice_units,
+)
+from tierstore.format.layout import mamba_layout  # noqa: E402
+from tierstore.format.page import GroupKind, PageExpectation  # noqa: E402
 from tierstore.testing.pages import (  # noqa: E402
     layout_namespace,
     page_bytes,
@@ -35,15 +43,7 @@ from tierstore.testing.pages import (  # noqa: E402
     simple_namespace,
     write_slice_page,
 )
-from tierstore.tiers.head_slices import (  # noqa: E402
-    HeadRange,
-    assemble,
-    copy_heads,
-    cover,
-    rank_heads,
-    slice_layout,
-    slice_units,
-)
+from tierstore.tiers.assembly import assemble  # noqa: E402
 
 
 def main() -> int:

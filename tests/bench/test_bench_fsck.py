@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_fsck_runs_both_paths_and_the_cli(tmp_path: Path) -> None:
-    from tierstore import native
+    from tierstore.native import loader as native
 
     native.start(wait=True)
     if native.page_kernels() is None:

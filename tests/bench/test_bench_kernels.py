@@ -34,9 +34,9 @@ def test_worker_pipelines_store_and_load_a_case_on_the_cpu(tmp_path) -> None:
 
     from tierstore.bench import kernels as kern
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
     from tierstore.kernels import GroupCopier
     from tierstore.kernels.transfer import PageTransfer
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import layout_namespace
 
     shape = kern.AttnShape("tiny", 2, 2, 16, 16, 2, torch.float16, ("LBNHC",))

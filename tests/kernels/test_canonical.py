@@ -18,9 +18,8 @@ import torch
 import zstandard
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
 from tierstore.errors import PageCorrupt, PageFormatError
-from tierstore.format import (
+from tierstore.format.page import (
     Codec,
     check_gaps,
     decode_header,
@@ -31,7 +30,8 @@ from tierstore.format import (
 )
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
-from tierstore.pagefile import read_page
+from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.pageops import read_page
 from tierstore.testing import golden
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

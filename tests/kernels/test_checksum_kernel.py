@@ -22,9 +22,9 @@ if not torch.cuda.is_available():
     if "tierstore.kernels.checksum" in sys.modules:  # imported earlier, maybe not interpreted
         importlib.reload(sys.modules["tierstore.kernels.checksum"])
 
-from tierstore.format import PageLayout, SectionSpec  # noqa: E402
+from tierstore.format.layout import attention_layout, mamba_layout  # noqa: E402
+from tierstore.format.page import PageLayout, SectionSpec  # noqa: E402
 from tierstore.kernels.checksum import HAVE_TRITON, SectionHasher  # noqa: E402
-from tierstore.layout import attention_layout, mamba_layout  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available()
@@ -105,7 +105,7 @@ def test_unaligned_pages_and_row_strides(device: str, n: int, pad: int, shift: i
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_model_shaped_layouts(device: str) -> None:
-    """Small attention (bf16 [H, T, 2, D]) and Mamba-style layouts built by tierstore.layout."""
+    """Small attention (bf16 [H, T, 2, D]) and Mamba-style layouts built by tierstore.format.layout."""
     att = attention_layout(["l0", "l1", "l2"], 2, 4, 16, "bfloat16")  # 512 B sections
     mamba = mamba_layout(["m0", "m1"], [("conv", (40, 3), "bfloat16"), ("ssm", (2, 8, 12), "float32")])
     for i, lay in enumerate((att, mamba)):

@@ -22,10 +22,10 @@ pytestmark = [
 
 from kernel_cases import AttentionCase, bits, random_values  # noqa: E402
 
+from tierstore.format.layout import attention_layout  # noqa: E402
 from tierstore.kernels import GroupCopier  # noqa: E402
 from tierstore.kernels.transfer import PageTransfer  # noqa: E402
 from tierstore.kernels.views import ATTENTION_LAYOUTS, make_attention_caches  # noqa: E402
-from tierstore.layout import attention_layout  # noqa: E402
 
 
 def test_auto_backend_is_triton_on_cuda() -> None:
@@ -237,7 +237,7 @@ def test_adjacent_slots_copy_in_one_piece_and_touch_no_other_frame(tmp_path: Pat
     same bytes back and still masks a page damaged in its slot."""
     import xxhash
 
-    from tierstore.directio import round_up
+    from tierstore.fs.directio import round_up
     from tierstore.kernels import cuda_driver
     from tierstore.kernels.transfer import slot_address
 
@@ -345,7 +345,7 @@ def test_torch_scatter_of_cuda_ids_does_not_wait_for_the_gpu() -> None:
 def test_gpu_paths_reproduce_golden_files(path: str) -> None:
     """Compiled Triton gather, and PageTransfer (scratch and pinned slot pre-filled with
     garbage, GPU checksums), give the committed golden files byte for byte (tests/golden/)."""
-    from tierstore.format import section_checksums
+    from tierstore.format.page import section_checksums
     from tierstore.testing import golden
 
     for fill in (0xAA, 0x55, -1):

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 from tierstore.config import TierStoreConfig
-from tierstore.pagefile import inspect_page
+from tierstore.format.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
+from tierstore.rootstore.pageops import inspect_page
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 from tierstore.tiers import close_shared_state, open_group_store
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
-from tierstore.tiers.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
 
 H = HeadRange
 NS = simple_namespace("bfloat16", num_kv_heads=2)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.mapper import FileMapper
+from tierstore.fs.lease import LEASE_NAME, Lease
+from tierstore.fs.mapper import FileMapper
 from tierstore.testing.pages import fill_pages, simple_namespace
 from tierstore.tiers import gc
-from tierstore.tiers.lease import LEASE_NAME, Lease
 
 NS = simple_namespace()
 

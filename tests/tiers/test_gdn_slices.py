@@ -1,4 +1,4 @@
-"""Gated DeltaNet states as slices (tierstore/tiers/head_slices.py; issue 13, reuse across a TP
+"""Gated DeltaNet states as slices (tierstore/format/head_slices.py; issue 13, reuse across a TP
 change for a GDN hybrid such as Qwen3-Next).
 
 The reference is written here independently of the segment code: a random full (TP=1) state
@@ -18,12 +18,8 @@ import numpy as np
 import pytest
 
 from tierstore.errors import PageError
-from tierstore.format import GroupKind, PageLayout
-from tierstore.layout import attention_layout, mamba_layout
-from tierstore.testing.pages import corrupt_flip_bit, layout_namespace, page_key, write_slice_page
-from tierstore.tiers.head_slices import (
+from tierstore.format.head_slices import (
     HeadRange,
-    assemble,
     copy_heads,
     cover,
     rank_heads,
@@ -31,6 +27,10 @@ from tierstore.tiers.head_slices import (
     slice_layout,
     slice_units,
 )
+from tierstore.format.layout import attention_layout, mamba_layout
+from tierstore.format.page import GroupKind, PageLayout
+from tierstore.testing.pages import corrupt_flip_bit, layout_namespace, page_key, write_slice_page
+from tierstore.tiers.assembly import assemble
 
 H = HeadRange
 # Unequal head sizes (head_k 4, head_v 6) so that a mixed-up axis changes the answer.
@@ -136,7 +136,7 @@ def test_a_damaged_rank_file_is_a_typed_error_and_wrong_bytes_change_the_result(
 
 
 def test_fsck_walk_accepts_a_gdn_slice_directory() -> None:
-    from tierstore.inventory import slice_group
+    from tierstore.admin.inventory import slice_group
 
     ns = layout_namespace(gdn_layout(), 1152, kind=GroupKind.MAMBA, layer_names=LAYERS)
     got = slice_group(ns.groups[0], (2, 2))

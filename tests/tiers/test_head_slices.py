@@ -1,4 +1,4 @@
-"""Head slices (tierstore/tiers/head_slices.py, head_slice_store.py): covering plans and
+"""Head slices (tierstore/format/head_slices.py, head_slice_store.py): covering plans and
 verified assembly of one rank's KV heads from pages written at another tensor-parallel size
 (issue 13 item 2, the building blocks): TP=2 files -> a TP=1 page, a TP=1 file -> each TP=2
 rank's page, byte for byte; a damaged piece is a typed error, never served; the PageStore
@@ -12,12 +12,8 @@ from pathlib import Path
 import pytest
 
 from tierstore.errors import PageError
-from tierstore.format import Codec, PageExpectation, PageMeta, encode_page
-from tierstore.pagefile import publish_page
-from tierstore.testing.pages import corrupt_flip_bit, page_bytes, page_key, simple_namespace
-from tierstore.tiers.head_slices import (
+from tierstore.format.head_slices import (
     HeadRange,
-    assemble,
     copy_heads,
     cover,
     parse_split_dir,
@@ -25,6 +21,10 @@ from tierstore.tiers.head_slices import (
     slice_layout,
     split_dir_name,
 )
+from tierstore.format.page import Codec, PageExpectation, PageMeta, encode_page
+from tierstore.rootstore.pageops import publish_page
+from tierstore.testing.pages import corrupt_flip_bit, page_bytes, page_key, simple_namespace
+from tierstore.tiers.assembly import assemble
 
 H = HeadRange
 
@@ -99,7 +99,7 @@ def test_a_damaged_piece_is_a_typed_error(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- HeadSliceStore (a wrapper)
 def slice_engine(root: Path, full_ns, heads: HeadRange):
     """The rank's own store: an IOEngine whose pages are ``heads`` of the group (its own tree)."""
-    from tierstore.engine import IOEngine
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import layout_namespace
 
     layout = slice_layout(full_ns.groups[0].layout, heads)
@@ -195,10 +195,10 @@ def test_an_assembled_page_is_stored_back_under_the_readers_slice(tmp_path: Path
 
 # ---------------------------------------------------------------- the engine, fsck and gc on slice directories
 def test_an_engine_writes_a_head_slice_directory_that_fsck_verifies_and_gc_evicts(tmp_path: Path) -> None:
-    from tierstore.engine import IOEngine
-    from tierstore.fsck import FsckOptions, run_fsck
-    from tierstore.identity import write_manifest
-    from tierstore.mapper import locate
+    from tierstore.admin.fsck import FsckOptions, run_fsck
+    from tierstore.format.identity import write_manifest
+    from tierstore.fs.mapper import locate
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.tiers.gc import collect
 
     ns = simple_namespace("bfloat16", num_kv_heads=2)
@@ -222,7 +222,7 @@ def test_an_engine_writes_a_head_slice_directory_that_fsck_verifies_and_gc_evict
         eng.release_slot(back.slot)
     finally:
         eng.close()
-    from tierstore import native
+    from tierstore.native import loader as native
 
     native.start(wait=True)
     report = run_fsck(FsckOptions(root=str(tmp_path)))

@@ -1,4 +1,4 @@
-"""Mamba2, Mamba1 and short-conv states as slices (tierstore/tiers/head_slices.py; issue 13,
+"""Mamba2, Mamba1 and short-conv states as slices (tierstore/format/head_slices.py; issue 13,
 reuse across a TP change for Mamba hybrids such as Granite 4.0-H, Nemotron-H, Jamba, LFM2).
 
 The reference is written here independently of the segment code, from how vLLM 0.32 shards
@@ -20,12 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tierstore.format import GroupKind, PageLayout
-from tierstore.layout import mamba_layout
-from tierstore.testing.pages import layout_namespace, page_key, write_slice_page
-from tierstore.tiers.head_slices import (
+from tierstore.format.head_slices import (
     HeadRange,
-    assemble,
     copy_heads,
     cover,
     rank_heads,
@@ -33,6 +29,10 @@ from tierstore.tiers.head_slices import (
     slice_layout,
     slice_units,
 )
+from tierstore.format.layout import mamba_layout
+from tierstore.format.page import GroupKind, PageLayout
+from tierstore.testing.pages import layout_namespace, page_key, write_slice_page
+from tierstore.tiers.assembly import assemble
 from tierstore.vllm.namespace import head_sliced, scaled_layout
 
 H = HeadRange
@@ -166,7 +166,7 @@ def test_namespace_slices_only_a_tp_whose_slices_are_the_engines_pages() -> None
 
 
 def test_fsck_walk_accepts_a_mamba_slice_directory() -> None:
-    from tierstore.inventory import slice_group
+    from tierstore.admin.inventory import slice_group
 
     ns = layout_namespace(rank_layout("mamba2_g1", 1), 128, kind=GroupKind.MAMBA, layer_names=LAYERS)
     got = slice_group(ns.groups[0], (4, 4))

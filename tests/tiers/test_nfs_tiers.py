@@ -19,9 +19,9 @@ from nfs_standin import TwoNodeMount, unavailable_reason
 from tiers_helpers import expected, key, load, store
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
-from tierstore.mapper import FileMapper
+from tierstore.fs.mapper import FileMapper
 from tierstore.metrics import MetricsRegistry
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_bytes, simple_namespace, write_page
 from tierstore.tiers import TierChain, gc
 from tierstore.tiers.chain import page_file_size

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.mapper import FileMapper
-from tierstore.tiers.head_slices import HeadRange, slice_mappers, tp_slices
-from tierstore.tiers.indexed_lookup import IndexedLookup, SliceGroup
+from tierstore.format.head_slices import HeadRange, slice_mappers, tp_slices
+from tierstore.fs.mapper import FileMapper
+from tierstore.index.indexed_lookup import IndexedLookup, SliceGroup
 
 HEADS = 8
 HAVE = tuple(tp_slices(HEADS))

@@ -11,13 +11,13 @@ import pytest
 from tiers_helpers import expected, key, load, store
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
 from tierstore.errors import ConfigError, PageTimeout
-from tierstore.mapper import FileMapper
+from tierstore.fs.deadline import DeadlineRunner
+from tierstore.fs.mapper import FileMapper
 from tierstore.metrics import Histogram, MetricsRegistry, default_registry
+from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import simple_namespace
 from tierstore.tiers import TierChain, close_shared_state, open_group_store
-from tierstore.tiers.deadline import DeadlineRunner
 from tierstore.tiers.host import HostTier
 
 NS = simple_namespace()
@@ -156,7 +156,7 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
     """verify=False reaches the engine only when the page goes to the caller alone: a local hit
     without a host tier; a shared hit that is promoted (local) or cached (host) is verified
     first, so a damaged page can never be copied into another tier with fresh checksums."""
-    from tierstore.format import checksum
+    from tierstore.format.page import checksum
 
     lay = NS.groups[0].layout
     want = tuple(checksum(expected_page[o : o + s.nbytes]) for expected_page in [page_bytes_of(key(1))]
@@ -203,7 +203,7 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
 def test_unverified_hit_counts_once_the_caller_confirms_it(tmp_path: Path) -> None:
     """A page loaded with verify=False is a tier hit only when the caller's check passed
     (settle ok); one the caller found damaged is a checksum failure and never a hit."""
-    from tierstore.format import checksum
+    from tierstore.format.page import checksum
 
     lay = NS.groups[0].layout
     for local in (True, False):  # the local tier serves it, or the shared one (no local tier)
@@ -296,7 +296,7 @@ def test_pages_stored_while_shared_is_down_are_uploaded_when_it_is_back(tmp_path
 
 # ---------------------------------------------------------------- fault injection (no monkeypatching)
 def _section_sums(data: bytes) -> tuple[int, ...]:
-    from tierstore.format import checksum
+    from tierstore.format.page import checksum
 
     lay = NS.groups[0].layout
     return tuple(checksum(data[o : o + s.nbytes]) for o, s in zip(lay.offsets, lay.sections, strict=True))

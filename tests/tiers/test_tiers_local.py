@@ -15,10 +15,10 @@ import pytest
 from tiers_helpers import DiskUsage, expected, key, load, page_files, store
 
 from tierstore.config import TierStoreConfig
+from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry
 from tierstore.testing.pages import simple_namespace
 from tierstore.tiers import TierChain
-from tierstore.tiers.local_index import LocalIndex
 
 NS = simple_namespace()
 PAGE_FILE = 8192  # 4096-byte header + 4096-byte payload of simple_namespace()

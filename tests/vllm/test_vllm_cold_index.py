@@ -12,7 +12,7 @@ pytestmark = pytest.mark.vllm
 
 from vllm_helpers import failures, prompt_ids, run_engine  # noqa: E402
 
-from tierstore.tiers.indexed_lookup import IndexedLookup  # noqa: E402
+from tierstore.index.indexed_lookup import IndexedLookup  # noqa: E402
 
 
 def test_retry_then_hit_with_a_cold_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

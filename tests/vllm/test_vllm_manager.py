@@ -18,9 +18,8 @@ pytestmark = pytest.mark.vllm
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
-from tierstore import page_index  # noqa: E402
-from tierstore.mapper import FileMapper  # noqa: E402
-from tierstore.tiers import index_prober  # noqa: E402
+from tierstore.fs.mapper import FileMapper  # noqa: E402
+from tierstore.index import index_prober, page_index  # noqa: E402
 from tierstore.vllm.manager import TierStoreFileSpec, TierStoreManager  # noqa: E402
 
 VLLM_GROUP = 3  # vLLM group id of the single tierstore group 0

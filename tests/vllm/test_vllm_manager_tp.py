@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 from test_vllm_manager import NS, VLLM_GROUP, ask, put  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
-from tierstore.mapper import FileMapper  # noqa: E402
+from tierstore.fs.mapper import FileMapper  # noqa: E402
 from tierstore.vllm.manager import TierStoreManager  # noqa: E402
 
 
@@ -88,8 +88,8 @@ def make_sliced(root: Path, tp: int, written: tuple[str, ...] = (), key: bytes =
     """A scheduler of an attention-only model with 2 KV heads at ``tp``: indexes every slice
     directory any TP writes (r0, h0-1, h1-1) and decides with head_slices.cover. ``key`` is
     written into the ``written`` directories first (before the index's one listing starts)."""
-    from tierstore.tiers.head_slices import rank_heads, split_dir_name, tp_slices
-    from tierstore.tiers.indexed_lookup import SliceGroup
+    from tierstore.format.head_slices import rank_heads, split_dir_name, tp_slices
+    from tierstore.index.indexed_lookup import SliceGroup
 
     have = tp_slices(2)
     dirs = {("r0" if h.count == 2 else split_dir_name(h)): FileMapper(

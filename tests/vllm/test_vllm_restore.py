@@ -140,11 +140,11 @@ def test_shutdown_right_after_a_one_token_request_keeps_its_pages(tmp_path: Path
 def test_chunks_of_several_blocks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """chunk_tokens = 2 blocks: one page holds 256 tokens; restore is whole pages. A namespace
     of the same model with one-block pages (another node's setting) is named at start, with
-    what differs (``tierstore.siblings``)."""
+    what differs (``tierstore.vllm.siblings``)."""
     import dataclasses
     import logging
 
-    from tierstore.identity import read_manifest, write_manifest
+    from tierstore.format.identity import read_manifest, write_manifest
 
     ids = prompt_ids("llama", offset=5)
     root = tmp_path / "r"
@@ -189,7 +189,7 @@ def test_pages_hold_the_models_own_keys_and_values(stored) -> None:
     from transformers import AutoModelForCausalLM
     from vllm_helpers import chunk_keys, model_dir, page_path
 
-    from tierstore.pagefile import inspect_page, read_page
+    from tierstore.rootstore.pageops import inspect_page, read_page
 
     root, ids, _ = stored("llama")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir("llama")), dtype=torch.bfloat16)

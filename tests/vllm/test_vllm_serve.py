@@ -56,19 +56,19 @@ import os
 _delay = float(os.environ.get("TIERSTORE_TEST_STORE_DELAY_S", "0") or 0)
 if _delay > 0:
     import time
-    import tierstore.pagefile as _pf
+    import tierstore.rootstore.pageops as _pf
     _write = _pf.pwritev_all
     def _slow_pwritev_all(fd, pieces):
         time.sleep(_delay)
         return _write(fd, pieces)
     _pf.pwritev_all = _slow_pwritev_all
-    import tierstore.native_page as _native_page  # its store writes without pwritev_all: slowed the same
+    import tierstore.native.page as _native_page  # its store writes without pwritev_all: slowed the same
     _native_store = _native_page.store_page
     def _slow_store_page(*args):
         time.sleep(_delay)
         return _native_store(*args)
     _native_page.store_page = _slow_store_page
-    import tierstore.native_lane as _native_lane  # compiled threads cannot be slowed from Python:
+    import tierstore.rootstore.lane as _native_lane  # compiled threads cannot be slowed from Python:
     _native_lane.NativeLane.offer = lambda self, job: False  # every store on the slowed paths
 """
 
@@ -149,7 +149,7 @@ def _temps(root: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from tierstore.fsck import FsckOptions, run_fsck
+    from tierstore.admin.fsck import FsckOptions, run_fsck
     from tierstore.testing.tiny_models import cached_tiny_model
     from tierstore.vllm.server_process import VllmServer, metric
 

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
 from tierstore.config import TierStoreConfig  # noqa: E402
-from tierstore.engine import IOEngine  # noqa: E402
 from tierstore.kernels import GroupCopier  # noqa: E402
+from tierstore.rootstore.engine import IOEngine  # noqa: E402
 from tierstore.testing.pages import page_key, simple_namespace  # noqa: E402
 from tierstore.vllm.manager import TierStoreFileSpec  # noqa: E402
 from tierstore.vllm.spec import staging_slots_for  # noqa: E402

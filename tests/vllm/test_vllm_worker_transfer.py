@@ -25,9 +25,9 @@ pytestmark = pytest.mark.vllm
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
-from tierstore.engine import IOResult  # noqa: E402
 from tierstore.errors import PageCorrupt, PageMissing  # noqa: E402
 from tierstore.kernels import GroupCopier  # noqa: E402
+from tierstore.rootstore.engine import IOResult  # noqa: E402
 from tierstore.testing.pages import page_key, simple_namespace  # noqa: E402
 from tierstore.vllm.manager import TierStoreFileSpec  # noqa: E402
 from tierstore.vllm.worker import TierStoreWorker, WorkerGroup  # noqa: E402

@@ -176,7 +176,7 @@ def chunk_keys(token_ids: list[int], hash_block_size: int, chunk_tokens: int) ->
 
 
 def page_path(root: Path, group: int, key: bytes) -> Path:
-    from tierstore.mapper import FileMapper
+    from tierstore.fs.mapper import FileMapper
 
     return FileMapper(root, namespace_dir(root).name, group).path_for(key)
 
@@ -188,8 +188,8 @@ def copy_root(src: Path, dst: Path) -> Path:
 
 def rewrite_page(path: Path, transform: Any, namespace: bytes | None = None) -> None:
     """Rewrite a page with ``transform(bytearray payload)`` applied, checksums recomputed."""
-    from tierstore.format import PageMeta, encode_page
-    from tierstore.pagefile import inspect_page, read_page
+    from tierstore.format.page import PageMeta, encode_page
+    from tierstore.rootstore.pageops import inspect_page, read_page
 
     header = inspect_page(path)
     buf = bytearray(header.layout.nbytes)

@@ -29,14 +29,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tierstore.fsck import FsckOptions, run_fsck
+from tierstore.admin.fsck import FsckOptions, run_fsck
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def make_tree(root: Path, pages: int) -> None:
     """``pages`` valid pages under ``root`` (skipped when a previous run made them)."""
-    from tierstore.identity import write_manifest
+    from tierstore.format.identity import write_manifest
     from tierstore.testing.pages import page_bytes, page_key, simple_namespace, write_page
 
     done = root.with_name(root.name + ".done")  # beside the root: fsck would call it foreign
@@ -71,7 +71,7 @@ def latency_mount(export: Path, mnt: Path, delay_ms: float) -> Iterator[Path]:
 def measure(root: Path, jobs: int | None, path: str) -> dict[str, Any]:
     """One fsck of ``root`` with ``jobs`` threads (None: fsck's default, the adaptive gate) on
     one page path: ``native`` (the batched fast path, compiled before) or ``python`` (per page)."""
-    from tierstore.fsck_batch import NativeBatch
+    from tierstore.admin.fsck_batch import NativeBatch
 
     ready = NativeBatch.__dict__["ready"]  # the staticmethod itself, to put back as it was
     if path == "python":
@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _compile_native() -> float | None:
     """Compile the native kernels now (seconds), or None when they are not available here."""
-    from tierstore import native
-    from tierstore.fsck_batch import NativeBatch
+    from tierstore.admin.fsck_batch import NativeBatch
+    from tierstore.native import loader as native
 
     start = time.perf_counter()
     native.start(wait=True)

@@ -52,13 +52,13 @@ from typing import Any
 import torch
 import xxhash
 
-from tierstore import native
 from tierstore.bench.page_cache import CacheDropper, prime
 from tierstore.bench.transfer import IoBusy
 from tierstore.config import TierStoreConfig
-from tierstore.engine import ALIGN, IOEngine
-from tierstore.identity import Namespace
-from tierstore.mapper import fanout
+from tierstore.format.identity import Namespace
+from tierstore.fs.mapper import fanout
+from tierstore.native import loader as native
+from tierstore.rootstore.engine import ALIGN, IOEngine
 from tierstore.testing.pages import simple_namespace
 
 MIB = 1 << 20

@@ -108,8 +108,8 @@ class Case:
 
 
 def build_attention(shape: AttnShape, layout: str, n_pages: int, device: str) -> Case:
+    from tierstore.format.layout import attention_layout
     from tierstore.kernels.views import make_attention_caches
-    from tierstore.layout import attention_layout
 
     bpp = shape.blocks_per_page
     nb = n_pages * bpp + 8
@@ -148,8 +148,8 @@ def build_attention(shape: AttnShape, layout: str, n_pages: int, device: str) ->
 
 
 def build_mamba(shape: MambaShape, n_pages: int, device: str) -> Case:
+    from tierstore.format.layout import mamba_layout
     from tierstore.kernels.views import mamba_state_views
-    from tierstore.layout import mamba_layout
 
     nb = n_pages + 8
     states = [("conv", (shape.conv_dim, shape.conv_len), shape.conv_dtype),
@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import triton
 
-    from tierstore import native
+    from tierstore.native import loader as native
 
     device = "cuda"
     native.start(wait=True)  # measure the engine's settled path, not its compile second

@@ -53,9 +53,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tierstore.mapper import FileMapper
-from tierstore.page_index import PageIndex
-from tierstore.tiers.index_prober import file_identity
+from tierstore.fs.mapper import FileMapper
+from tierstore.index.index_prober import file_identity
+from tierstore.index.page_index import PageIndex
 
 NS = "bench-lookup"
 REQUEST_LOOKUPS = 4096  # a 32k-token prompt, 16-token pages, two KV-cache groups
@@ -117,8 +117,8 @@ def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
     ``r0`` plus every other TP's slice directory, here empty), read at TP=1."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
-    from tierstore.tiers.head_slices import HeadRange, slice_mappers, tp_slices
-    from tierstore.tiers.indexed_lookup import SliceGroup
+    from tierstore.format.head_slices import HeadRange, slice_mappers, tp_slices
+    from tierstore.index.indexed_lookup import SliceGroup
     from tierstore.vllm.manager import TierStoreManager
 
     mapper = FileMapper(root, NS, 0)

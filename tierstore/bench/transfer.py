@@ -308,12 +308,12 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     ``scratch_pages``: the transfer's device scratch (default two batches); ``io_loop``: the
     engine's setting (default the setting's default)."""
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
-    from tierstore.format import GroupKind
+    from tierstore.format.page import GroupKind
     from tierstore.kernels import GroupCopier
     from tierstore.kernels.launch import refusals as launch_refusals
     from tierstore.kernels.launch import totals as launch_totals
     from tierstore.kernels.transfer import PageTransfer
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import layout_namespace
 
     views, lay, bpp, cds = case.copier_args

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tierstore.directio import ALIGN, round_up
+from tierstore.fs.directio import ALIGN, round_up
 
 logger = logging.getLogger(__name__)
 

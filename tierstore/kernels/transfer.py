@@ -75,8 +75,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore.directio import round_up
-from tierstore.format import U64_MASK, checksum_as_int64, section_checksums
+from tierstore.format.page import U64_MASK, checksum_as_int64, section_checksums
+from tierstore.fs.directio import round_up
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.scratch import ScratchRows
 

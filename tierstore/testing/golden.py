@@ -41,7 +41,9 @@ import numpy as np
 import torch
 import zstandard
 
-from tierstore.format import (
+from tierstore.format.identity import GroupSpec, Namespace
+from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
+from tierstore.format.page import (
     FORMAT_VERSION,
     Codec,
     GroupKind,
@@ -50,10 +52,8 @@ from tierstore.format import (
     PageMeta,
     encode_page,
 )
-from tierstore.identity import GroupSpec, Namespace
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.views import make_attention_caches, mamba_state_views
-from tierstore.layout import attention_layout, mamba_layout, mla_layout
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
 MANIFEST = "MANIFEST.json"

@@ -40,7 +40,9 @@ import numpy as np
 import xxhash
 import zstandard
 
-from tierstore.format import (
+from tierstore.format.identity import GroupSpec, Namespace, ParallelLayout, write_manifest
+from tierstore.format.layout import attention_layout, mamba_layout
+from tierstore.format.page import (
     DTYPES,
     Codec,
     GroupKind,
@@ -49,10 +51,8 @@ from tierstore.format import (
     PageMeta,
     encode_page,
 )
-from tierstore.identity import GroupSpec, Namespace, ParallelLayout, write_manifest
-from tierstore.layout import attention_layout, mamba_layout
-from tierstore.mapper import FileMapper
-from tierstore.pagefile import publish_page, read_page
+from tierstore.fs.mapper import FileMapper
+from tierstore.rootstore.pageops import publish_page, read_page
 
 
 def hybrid_namespace(
@@ -295,7 +295,7 @@ def write_slice_page(directory: str | os.PathLike[str], ns: Namespace, data: byt
     """Publish the slice ``heads`` (a ``head_slices.HeadRange``) of group 0's page ``key`` with
     the payload ``data`` (the slice layout's bytes) as the writer rank ``start // count`` would,
     and return its path and that writer's expectation."""
-    from tierstore.tiers.head_slices import slice_layout, split_dir_name
+    from tierstore.format.head_slices import slice_layout, split_dir_name
 
     group = ns.groups[0]
     layout = slice_layout(group.layout, heads)

@@ -32,16 +32,16 @@ from tierstore.metrics import MetricsRegistry, default_registry
 
 if TYPE_CHECKING:
     from tierstore.config import TierStoreConfig
-    from tierstore.engine import IOEngine
-    from tierstore.identity import Namespace
+    from tierstore.format.identity import Namespace
+    from tierstore.index.local_index import LocalIndex
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.tiers.chain import TierChain
     from tierstore.tiers.host import HostTier
-    from tierstore.tiers.local_index import LocalIndex
 
 __all__ = ["TierChain", "HostTier", "LocalIndex", "open_group_store", "close_shared_state"]
 
 _LAZY = {"TierChain": "tierstore.tiers.chain", "HostTier": "tierstore.tiers.host",
-         "LocalIndex": "tierstore.tiers.local_index"}
+         "LocalIndex": "tierstore.index.local_index"}
 
 
 def __getattr__(name: str) -> Any:
@@ -74,7 +74,7 @@ def _host_tier(config: TierStoreConfig, metrics: MetricsRegistry) -> HostTier | 
 def _local_index(config: TierStoreConfig) -> LocalIndex | None:
     if not config.local_root:
         return None
-    from tierstore.tiers.local_index import LocalIndex
+    from tierstore.index.local_index import LocalIndex
 
     with _guard:
         idx = _indexes.get(config.local_root)
@@ -97,7 +97,7 @@ def open_group_store(
     **engine_kwargs: Any,
 ) -> IOEngine | TierChain:
     """The page store of one (namespace, group, rank): an IOEngine or a TierChain."""
-    from tierstore.engine import IOEngine
+    from tierstore.rootstore.engine import IOEngine
     from tierstore.tiers.chain import TierChain
 
     if not config.local_root and config.host_bytes <= 0:

@@ -24,15 +24,24 @@ import sqlite3
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from tierstore.engine import StagingSlot
 from tierstore.errors import PageCancelled, PageError
-from tierstore.tiers.local_index import LocalIndex
+from tierstore.index.local_index import LocalIndex
+from tierstore.rootstore.staging import StagingSlot
+from tierstore.tiers.tier import TierJob
 
-if TYPE_CHECKING:
-    from tierstore.tiers.local import LocalTier
-    from tierstore.tiers.tier import TierJob
+
+class AdmittingTier(Protocol):
+    """What admission calls of its tier (``local.LocalTier``, which owns it)."""
+
+    mapper: Any  # the tier's FileMapper
+    metrics: Any  # the tier's TierMetrics
+
+    def index_failed(self, op: str, exc: sqlite3.Error) -> None: ...
+    def to_engine(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None: ...
+    def release_slot(self, slot: StagingSlot) -> None: ...
+    def complete_now(self, job: TierJob, error: PageError, count: bool = True) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +49,7 @@ log = logging.getLogger(__name__)
 class LocalAdmission:
     """Reserves local room for each store in one background thread; see the module docstring."""
 
-    def __init__(self, tier: LocalTier, index: LocalIndex, size_of: Callable[[bytes], int]) -> None:
+    def __init__(self, tier: AdmittingTier, index: LocalIndex, size_of: Callable[[bytes], int]) -> None:
         self._tier = tier
         self._index = index
         self._size_of = size_of

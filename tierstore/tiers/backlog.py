@@ -27,11 +27,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from tierstore import pagefile
-from tierstore.engine import IOEngine
 from tierstore.errors import PageError
-from tierstore.format import PageHeader
-from tierstore.mapper import fanout
+from tierstore.format.page import PageHeader
+from tierstore.fs.mapper import fanout
+from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.engine import IOEngine
 from tierstore.tiers.local import LocalTier
 from tierstore.tiers.shared import SharedTier
 

@@ -47,16 +47,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine, StagingSlot
 from tierstore.errors import PageError, PageMissing, PageTimeout
-from tierstore.identity import Namespace
+from tierstore.format.identity import Namespace
+from tierstore.fs.deadline import Health
+from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry, default_registry
+from tierstore.rootstore.engine import IOEngine, StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.backlog import SHARED_BACKLOG_MAX, SharedBacklog
-from tierstore.tiers.deadline import Health
 from tierstore.tiers.host import HostStore, HostTier
 from tierstore.tiers.local import LocalTier, page_file_size
-from tierstore.tiers.local_index import LocalIndex
 from tierstore.tiers.promotion import NO_SLOT_KIND, Promotion
 from tierstore.tiers.shared import SharedTier
 from tierstore.tiers.tier import ChainTier

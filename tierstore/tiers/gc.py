@@ -59,10 +59,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tierstore import safefs
-from tierstore.display import escape
 from tierstore.errors import GONE_ERRNOS
-from tierstore.mapper import (
+from tierstore.fs import safefs
+from tierstore.fs.display import escape
+from tierstore.fs.lease import LEASE_NAME, Lease
+from tierstore.fs.mapper import (
     PAGE_SUFFIX,
     fanout,
     host_tag,
@@ -70,9 +71,8 @@ from tierstore.mapper import (
     parse_page_name,
     parse_rank_dir,
 )
+from tierstore.fs.stale_temps import temp_writer, writer_gone
 from tierstore.metrics import TierMetrics
-from tierstore.stale_temps import temp_writer, writer_gone
-from tierstore.tiers.lease import LEASE_NAME, Lease
 
 log = logging.getLogger(__name__)
 

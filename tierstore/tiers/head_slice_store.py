@@ -8,7 +8,7 @@ Contract:
   load ends ``missing``, the key is looked for in the other head slices of the group
   (``SliceSource.available``: listed in the background, never on the caller's thread) on this
   store's own small thread pool: ``head_slices.cover`` picks the files, a slot is taken from the
-  inner store's pool and ``head_slices.assemble`` fills it, each file verified in full with its
+  inner store's pool and ``assembly.assemble`` fills it, each file verified in full with its
   writer's expectation before any byte is copied. The result keeps the job id and comes back
   through ``poll``/``wait`` with ``verified=True`` (so it is never settled); a failure is the
   typed error of the piece that failed, or the original ``missing`` when nothing covers the
@@ -43,20 +43,21 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any, Protocol
 
-from tierstore import page_index, pagefile
 from tierstore.errors import PageError
-from tierstore.format import PageExpectation, PageLayout
-from tierstore.mapper import PAGE_SUFFIX, fanout
-from tierstore.store import IOResult, PageStore
-from tierstore.tiers.head_slices import (
+from tierstore.format.head_slices import (
     HeadRange,
-    assemble,
     cover,
     parse_split_dir,
     segments,
     slice_layout,
     split_dir_name,
 )
+from tierstore.format.page import PageExpectation, PageLayout
+from tierstore.fs.mapper import PAGE_SUFFIX, fanout
+from tierstore.index import page_index
+from tierstore.rootstore import pageops as pagefile
+from tierstore.store import IOResult, PageStore
+from tierstore.tiers.assembly import assemble
 
 logger = logging.getLogger("tierstore.slices")
 

@@ -23,16 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierstore import page_index
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine, StagingSlot
 from tierstore.errors import BAD_CONTENT_KINDS, ConfigError
-from tierstore.format import Codec, PageMeta, SectionEntry, encode_header
-from tierstore.identity import Namespace
+from tierstore.format.identity import Namespace
+from tierstore.format.page import Codec, PageMeta, SectionEntry, encode_header
+from tierstore.index import page_index
+from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import TierMetrics
+from tierstore.rootstore.engine import IOEngine, StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.admission import LocalAdmission
-from tierstore.tiers.local_index import LocalIndex
 from tierstore.tiers.tier import EngineTier, TierJob
 
 log = logging.getLogger(__name__)

@@ -39,15 +39,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore import pagefile
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
 from tierstore.errors import PageError, PageMissing, PageTimeout, PageUnsafe
-from tierstore.identity import Namespace
-from tierstore.mapper import fanout
+from tierstore.format.identity import Namespace
+from tierstore.fs.deadline import DeadlineRunner, Health
+from tierstore.fs.mapper import fanout
 from tierstore.metrics import TierMetrics
+from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.engine import IOEngine
 from tierstore.store import IOResult
-from tierstore.tiers.deadline import DeadlineRunner, Health
 from tierstore.tiers.gc import GcDaemon
 from tierstore.tiers.tier import EngineTier, TierJob
 

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tierstore.engine import IOEngine, StagingSlot
 from tierstore.errors import PageError, PageQueueFull, PageUnsafe
 from tierstore.metrics import TierMetrics
+from tierstore.rootstore.engine import IOEngine, StagingSlot
 from tierstore.store import IOResult, PageStore
 
 # Load failure kinds that mean "this tier has no page for the key" (a miss, not a fault).

@@ -63,12 +63,12 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
 
 from tierstore.config import TierStoreConfig
-from tierstore.identity import write_manifest
+from tierstore.format.identity import write_manifest
 from tierstore.metrics import default_registry
-from tierstore.siblings import start_check
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.scheduler import TierStoreConnectorScheduler
+from tierstore.vllm.siblings import start_check
 from tierstore.vllm.spec import TierStoreOffloadingSpec
 from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, accumulate, add_adapter_counters
 from tierstore.vllm.stop import stop_warnings, sweep_at_start

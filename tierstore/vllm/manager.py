@@ -72,11 +72,11 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from tierstore import native
 from tierstore.errors import BAD_CONTENT_KINDS
-from tierstore.mapper import FileMapper
-from tierstore.tiers.index_prober import PageIdentity
-from tierstore.tiers.indexed_lookup import IndexedLookup, SliceGroup
+from tierstore.fs.mapper import FileMapper
+from tierstore.index.index_prober import PageIdentity
+from tierstore.index.indexed_lookup import IndexedLookup, SliceGroup
+from tierstore.native import loader as native
 
 _HIT = LookupResult.HIT
 MAX_FAILED_KEYS = 100_000

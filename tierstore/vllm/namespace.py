@@ -4,11 +4,11 @@ Contract: ``build_namespace`` is a pure function of the vLLM config, the KV-cach
 offloading config and the tierstore config, so the scheduler process and every worker process
 derive the same digest without talking to each other. It records everything that changes the
 meaning of a page: model id and revision, KV dtype, per offloaded KV-cache group its kind,
-block size, tokens per chunk, layer names and canonical page layout (``tierstore.layout``),
+block size, tokens per chunk, layer names and canonical page layout (``tierstore.format.layout``),
 the prefix-cache hash algorithm and the seed its first hash depends on, the parallel sizes and
 the user's ``namespace_tag``. A model whose offloaded groups are attention / sliding window,
 Gated DeltaNet, Mamba1/2 or short conv is stored as slices readable at any tensor-parallel size
-(``head_sliced``; docs/DESIGN.md §9, ``tiers/head_slices.py``): its namespace records the full
+(``head_sliced``; docs/DESIGN.md §9, ``format/head_slices.py``): its namespace records the full
 (TP=1) layouts and ``tp_size`` 1 whatever the engine's TP, so it is the TP=1 namespace,
 unchanged. A TP whose slices would not be the engine's rank pages (a Mamba group's units not
 divisible by it, states sharded another way) keeps its TP in the namespace. A quantized
@@ -37,10 +37,10 @@ import xxhash
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
-from tierstore.format import GroupKind, PageLayout, SectionSpec
-from tierstore.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
-from tierstore.layout import attention_layout, mamba_layout
-from tierstore.tiers.head_slices import rank_heads, slice_layout, slice_units
+from tierstore.format.head_slices import rank_heads, slice_layout, slice_units
+from tierstore.format.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
+from tierstore.format.layout import attention_layout, mamba_layout
+from tierstore.format.page import GroupKind, PageLayout, SectionSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -39,19 +39,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tierstore.config import TierStoreConfig
-from tierstore.engine import IOEngine
 from tierstore.errors import ConfigError
-from tierstore.format import GroupKind, PageLayout
-from tierstore.identity import Namespace
-from tierstore.kernels import GroupCopier
-from tierstore.kernels.scratch import transfer_scratch_pages
-from tierstore.kernels.transfer import PageTransfer
-from tierstore.kernels.views import attention_view, mamba_state_views
-from tierstore.mapper import FileMapper
-from tierstore.metrics import default_registry
-from tierstore.tiers import open_group_store
-from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
-from tierstore.tiers.head_slices import (
+from tierstore.format.head_slices import (
     HeadRange,
     rank_heads,
     segments,
@@ -61,7 +50,18 @@ from tierstore.tiers.head_slices import (
     split_dir_name,
     tp_slices,
 )
-from tierstore.tiers.indexed_lookup import SliceGroup
+from tierstore.format.identity import Namespace
+from tierstore.format.page import GroupKind, PageLayout
+from tierstore.fs.mapper import FileMapper
+from tierstore.index.indexed_lookup import SliceGroup
+from tierstore.kernels import GroupCopier
+from tierstore.kernels.scratch import transfer_scratch_pages
+from tierstore.kernels.transfer import PageTransfer
+from tierstore.kernels.views import attention_view, mamba_state_views
+from tierstore.metrics import default_registry
+from tierstore.rootstore.engine import IOEngine
+from tierstore.tiers import open_group_store
+from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,

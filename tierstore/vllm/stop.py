@@ -12,7 +12,7 @@ queued at a stop survive when
 
 ``stop_warnings`` says, at engine start, which of these the configuration breaks. Pages that
 were not written leave at most temp files, removed at the next start by ``sweep_at_start``
-(the rule of ``tierstore.stale_temps``).
+(the rule of ``tierstore.fs.stale_temps``).
 
 Threading: called once from the scheduler-side connector's constructor.
 """
@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tierstore.stale_temps import SweepReport, sweep_stale_temps
+from tierstore.fs.stale_temps import SweepReport, sweep_stale_temps
 
 WORKER_TIMEOUT_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 DEFAULT_WORKER_TIMEOUT_S = 5.0

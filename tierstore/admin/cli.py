@@ -1,0 +1,202 @@
+"""The ``tierstore`` command line: fsck, stats, ls, gc, bench io|kernels, demo.
+
+Contract: ``main(argv) -> int`` (the exit status; the console script passes it to
+``sys.exit``). ``fsck``, ``stats`` and ``ls`` live in this package's light modules and import
+neither torch nor vLLM; neither does ``gc``. ``gc``, ``bench io``, ``bench kernels`` and ``demo`` are implemented
+elsewhere: each module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is
+imported only when its command runs, so a missing or broken one fails with a clear message
+and never slows down the others.
+
+Exit codes: fsck follows e2fsck (0 clean, 1 all repaired, 4 errors left, 8 operational error,
+32 interrupted); other commands return 0 on success and 8 on an operational error.
+Threading: runs on the main thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from tierstore.errors import TierStoreError
+
+EXIT_OPERATIONAL = 8
+EXIT_CANCELLED = 32
+
+# command -> (module, one-line help). Imported lazily by _run_delegated.
+DELEGATED: dict[str, tuple[str, str]] = {
+    "gc": ("tierstore.tiers.gc", "evict pages until a tier is under its byte cap"),
+    "demo": ("tierstore.demo", "store model-shaped pages, reload them in a new process, fsck, print figures"),
+}
+BENCH: dict[str, tuple[str, str]] = {
+    "io": ("tierstore.bench.io", "page store/load throughput against raw file I/O (and vLLM's fs tier)"),
+    "kernels": ("tierstore.bench.kernels", "gather/scatter kernel throughput"),
+    "lookup": ("tierstore.bench.lookup", "scheduler-thread page lookups: in-memory index vs stat"),
+    "fsck": ("tierstore.bench.fsck", "fsck pages/s and reads in flight at several --jobs (optionally a latency stand-in)"),
+    "serve": ("tierstore.bench.serve", "vllm serve TTFT cold vs restored vs no connector (vLLM's bench client)"),
+}
+
+
+def _add_root(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", metavar="ROOT", help="the cache directory (a tier root)")
+    p.add_argument("--namespace", metavar="N", help="only this namespace (its digest or a unique prefix)")
+    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
+                   help="threads listing and reading files (default: fsck up to 64, as many at once as pay "
+                        "off, measured as it goes; stats/ls 8; on NFS more threads hide latency)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable JSON report on stdout")
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierstore",
+        description="Disk and shared-NFS KV-cache tier for vLLM: inspect, check and repair a cache directory.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("fsck", help="verify every file under ROOT; --repair fixes what it can",
+                       description="Verify every page (header, checksums, size, namespace/key/path agreement) "
+                       "and list stale temps, orphans, foreign files and symlinks. Exit codes as e2fsck: "
+                       "0 clean, 1 errors found and all repaired, 4 errors left, 8 operational error.")
+    _add_root(p)
+    p.add_argument("--repair", action="store_true",
+                   help="delete bad pages, orphans and stale temps; unlink symlinks; move foreign files "
+                   "to ROOT/.quarantine/")
+    p.add_argument("--quarantine-bad", action="store_true",
+                   help="with --repair: move bad pages to ROOT/.quarantine/ instead of deleting them")
+    p.add_argument("--tmp-age", type=_non_negative_float, default=3600.0, metavar="SECONDS",
+                   help="a temp file older than this is stale (default 3600); a temp of this host whose "
+                   "writer process is gone is stale at once")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress line on stderr (default: only when stderr is a terminal)")
+    p.add_argument("--group-access", action="store_true",
+                   help="pages of a fleet sharing a service group (shared_group_access): 0660 is not a finding")
+    p.add_argument("--deep", action="store_true",
+                   help="also recompute each page's content checks: zero alignment gaps, no NaN/Inf in "
+                   "floating-point sections; and count non-canonical pages in trees of older page formats")
+
+    p = sub.add_parser("stats", help="per namespace and group: files, bytes, token coverage, age",
+                       description="Answers from the directory listing (one readdir per fan-out directory, "
+                       "no stat or read per page): bytes and token coverage are estimated from the layout "
+                       "(marked ~). --exact stats every page and reads its header (the first 4 KiB).")
+    _add_root(p)
+    p.add_argument("--exact", action="store_true",
+                   help="exact figures: stat every page and read its header (slow at millions of pages)")
+    p.add_argument("--no-headers", action="store_true",
+                   help="with --exact: stat every page but read none; estimate token coverage as "
+                   "tokens_per_chunk x files")
+
+    p = sub.add_parser("ls", help="one line per namespace and group (reads no file, only directories)")
+    _add_root(p)
+    p.add_argument("--exact", action="store_true",
+                   help="exact bytes and ages: stat every page (slow at millions of pages)")
+
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for name, (_, help_text) in BENCH.items():
+        bench_sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _import_delegate(module: str, command: str) -> ModuleType:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):
+            raise TierStoreError(f"`tierstore {command}` is not available in this installation "
+                                 f"(module {module} is missing)") from exc
+        raise TierStoreError(f"`tierstore {command}` needs the package {exc.name!r}, which is not installed "
+                             f"(pip install 'tierstore[vllm]' or 'tierstore[dev]')") from exc
+    if not (hasattr(mod, "add_arguments") and hasattr(mod, "run")):
+        raise TierStoreError(f"module {module} does not implement `tierstore {command}` (add_arguments/run missing)")
+    return mod
+
+
+def _run_delegated(module: str, command: str, argv: Sequence[str]) -> int:
+    mod = _import_delegate(module, command)
+    parser = argparse.ArgumentParser(prog=f"tierstore {command}", description=(mod.__doc__ or "").split("\n\n")[0])
+    mod.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    rc = mod.run(args)
+    return int(rc or 0)
+
+
+def _print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+
+
+def _cmd_fsck(args: argparse.Namespace) -> int:
+    from tierstore.admin.fsck import FsckOptions, run_fsck
+
+    report = run_fsck(FsckOptions(
+        root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
+        tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
+        group_access=True if args.group_access else None,
+    ))
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        print(report.format_text(), file=sys.stderr if report.error else sys.stdout)
+    return report.exit_code
+
+
+def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
+    from tierstore.admin.inventory import Progress, collect_stats, format_listing, format_stats
+
+    progress = Progress("stats" if not listing else "ls")
+    try:
+        stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs or 8,
+                              read_headers=not listing and not args.no_headers, progress=progress,
+                              listing=not args.exact)
+    finally:
+        progress.close()
+    if args.json:
+        _print_json(stats)
+    else:
+        print(format_listing(stats) if listing else format_stats(stats))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in DELEGATED:
+            return _run_delegated(DELEGATED[argv[0]][0], argv[0], argv[1:])
+        if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH:
+            return _run_delegated(BENCH[argv[1]][0], f"bench {argv[1]}", argv[2:])
+        args = build_parser().parse_args(argv)
+        if args.command == "fsck":
+            return _cmd_fsck(args)
+        if args.command in ("stats", "ls"):
+            return _cmd_stats(args, listing=args.command == "ls")
+        raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
+    except (TierStoreError, OSError) as exc:
+        print(f"tierstore: {exc}", file=sys.stderr)
+        return EXIT_OPERATIONAL
+    except KeyboardInterrupt:
+        print("tierstore: interrupted", file=sys.stderr)
+        return EXIT_CANCELLED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

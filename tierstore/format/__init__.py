@@ -1,0 +1,1 @@
+"""Bytes only: the page file format, the canonical layouts, namespace identity, the MAC, zstd."""

@@ -1,0 +1,1 @@
+"""File-system rules: paths (FileMapper), fd-relative safe access, O_DIRECT, trust of a root, temps, leases, deadlines."""

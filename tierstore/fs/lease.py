@@ -1,0 +1,191 @@
+"""A lease file with an expiry: "one evictor at a time" on a shared export, without locks.
+
+Contract: ``ROOT/.tierstore-gc.lease`` holds JSON ``{"owner", "expires", "host", "pid"}``
+(``expires`` in Unix seconds). It is only ever replaced atomically (temp file + rename), so a
+reader sees a whole lease or none. To take the lease a node reads it (open + read: NFS
+close-to-open gives the server's current content), and if it is absent, unparsable, its own,
+or expired for longer than ``skew_s`` (clock skew between nodes), publishes its own, waits
+``settle_s`` and reads it back: only a node that reads its own owner id holds the lease.
+
+This is advisory, not a lock: NFS gives no mutual exclusion that survives every race (two
+nodes may both publish, a paused holder may outlive its expiry). Eviction is designed to be
+safe with two evictors anyway (renames to trash are idempotent, readers verify), so the lease
+only keeps the usual case to one evictor and prevents a thundering herd of scans. A holder
+renews before ``ttl/3`` has passed and stops evicting as soon as a renewal fails.
+
+Hostile content (the root is untrusted): the lease is read through a checked fd
+(safefs: no symlink, no FIFO, at most ``MAX_LEASE_BYTES``); an expiry that is not a finite
+number or lies beyond now + ttl + skew (year 3000, ``Infinity``) is garbage; a holder on this
+host whose pid is out of range or no longer alive is dead; all of these count as absent. A
+directory (or anything that cannot be replaced by a file) at the lease path is reported in
+``problem`` and the lease is not taken (``acquire`` returns False with ``problem`` set).
+
+Threading: a ``Lease`` object belongs to one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import stat
+import time
+import uuid
+from pathlib import Path
+
+from tierstore.fs import safefs
+
+LEASE_NAME = ".tierstore-gc.lease"
+MAX_LEASE_BYTES = 4096
+PID_MAX = 1 << 22  # Linux PID_MAX_LIMIT
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a lease expiry")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (EPERM: it exists, someone else's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    def __init__(self, root: str | os.PathLike[str], *, ttl_s: float = 60.0, skew_s: float = 5.0,
+                 settle_s: float = 0.2, owner: str | None = None):
+        self.root = Path(root)
+        self.path = self.root / LEASE_NAME
+        self.ttl_s = ttl_s
+        self.skew_s = skew_s
+        self.settle_s = settle_s
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.held = False
+        self.problem: str | None = None  # what was wrong with the lease path, for reports
+        self._renewed_at = 0.0
+
+    def _read_raw(self, root_fd: int) -> bytes | None:
+        try:
+            return safefs.read_small(LEASE_NAME, root_fd, MAX_LEASE_BYTES)
+        except FileNotFoundError:
+            return None
+        except safefs.UnsafeEntry as exc:
+            self.problem = f"{self.path} is not a lease file ({exc.reason}); it is treated as absent"
+            try:
+                if stat.S_ISDIR(safefs.lstat_at(LEASE_NAME, root_fd).st_mode):
+                    self.problem = f"{self.path} is a directory, not a lease file: remove it (gc cannot run)"
+            except OSError:
+                pass
+            return None
+        except OSError as exc:
+            if exc.errno == getattr(os, "ENXIO", 6):  # a socket or FIFO without a writer
+                self.problem = f"{self.path} is not a lease file; it is treated as absent"
+                return None
+            raise
+
+    def _valid(self, data: object) -> dict | None:
+        if not isinstance(data, dict) or not isinstance(data.get("owner"), str):
+            return None
+        expires = data.get("expires")
+        if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires):
+            return None
+        if expires > time.time() + self.ttl_s + self.skew_s:
+            self.problem = f"{self.path} expires at {expires:.0f}, beyond now + ttl + skew: garbage, taken over"
+            return None
+        pid, host = data.get("pid"), data.get("host")
+        dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < PID_MAX or not pid_alive(pid)
+        if host == socket.gethostname() and data["owner"] != self.owner and dead_pid:
+            return None  # a dead holder on this host
+        return data
+
+    def read(self) -> dict | None:
+        """The current lease, or None if absent, garbage or held by a dead process here."""
+        try:
+            root_fd = safefs.open_root(self.root)
+        except OSError:
+            return None
+        try:
+            raw = self._read_raw(root_fd)
+        except OSError:
+            return None
+        finally:
+            os.close(root_fd)
+        if raw is None:
+            return None
+        try:
+            return self._valid(json.loads(raw, parse_constant=_reject_constant))
+        except (ValueError, RecursionError):
+            return None
+
+    def _blocked(self) -> bool:
+        """Whether something that a file cannot replace sits at the lease path."""
+        try:
+            return stat.S_ISDIR(os.stat(self.path, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def _publish(self) -> None:
+        body = {"owner": self.owner, "expires": time.time() + self.ttl_s,
+                "host": socket.gethostname(), "pid": os.getpid()}
+        root_fd = safefs.open_root(self.root)
+        try:
+            safefs.write_file_atomic(LEASE_NAME, root_fd, json.dumps(body).encode(),
+                                     f"{LEASE_NAME}.{uuid.uuid4().hex[:12]}.tmp", safefs.PRIVATE)
+        finally:
+            os.close(root_fd)
+
+    def acquire(self) -> bool:
+        """Take or renew the lease; True if this owner holds it afterwards."""
+        self.problem = None
+        cur = self.read()
+        if cur is not None and cur["owner"] != self.owner and time.time() < cur["expires"] + self.skew_s:
+            self.held = False
+            return False
+        if self._blocked():
+            self.problem = f"{self.path} is a directory, not a lease file: remove it (gc cannot run)"
+            self.held = False
+            return False
+        try:
+            self._publish()
+        except OSError as exc:
+            self.problem = f"cannot write the lease {self.path}: {exc}"
+            self.held = False
+            return False
+        if self.settle_s:
+            time.sleep(self.settle_s)
+        cur = self.read()
+        self.held = cur is not None and cur["owner"] == self.owner
+        self._renewed_at = time.monotonic()
+        return self.held
+
+    def renew_if_due(self) -> bool:
+        """Renew when a third of the ttl has passed; False once the lease is lost."""
+        if not self.held:
+            return False
+        if time.monotonic() - self._renewed_at < self.ttl_s / 3:
+            return True
+        cur = self.read()
+        if cur is None or cur["owner"] != self.owner:
+            self.held = False
+            return False
+        return self.acquire()
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        cur = self.read()
+        if cur is not None and cur["owner"] == self.owner:
+            try:
+                root_fd = safefs.open_root(self.root)
+                try:
+                    safefs.unlink_at(LEASE_NAME, root_fd)
+                finally:
+                    os.close(root_fd)
+            except OSError:
+                pass
+        self.held = False

@@ -1,0 +1,241 @@
+"""FileMapper: the on-disk identity contract of one KV-cache group (and rank).
+
+    ROOT/<namespace digest>/g<group>/r<rank>/<aa>/<key hex>.kvp
+    ROOT/<namespace digest>/g<group>/h<start>-<count>/<aa>/<key hex>.kvp   (a head slice)
+
+The rank directory is ``r<rank>`` (one file per rank), or ``h<start>-<count>`` for the KV heads
+``[start, start+count)`` of an attention page stored as a head slice, readable at any tensor-
+parallel size (docs/DESIGN.md §9; its header's rank is ``start // count``). Group, rank and head
+numbers are plain decimal (``g3``, never ``g03``): ``locate`` and fsck accept nothing else. ``aa`` is the first byte of xxh3-64(key) in hex: 256 fan-out directories per
+group and rank, all created when an engine starts (``make_fanout_dirs``), so a store never
+creates a directory. Pages are MiB-sized, so a group and rank rarely holds more than 10^6 of
+them (about 4,000 per directory; ext4's htree and NFS readdir stay fast, and flat directories
+only hit ext4's limits near 7.5M entries). The earlier two-level ``aa/bb`` fan-out (65,536
+leaves) made almost every store of a young tier create a directory: on the H200 host that took
+store throughput from 0.98 to 0.75 of raw writes (medians, docs/DESIGN.md §2 and §7), plus
+4 KiB of disk and one more readdir per leaf for fsck over NFS.
+
+A page is written to a temp file in its final directory and renamed into place (rename is
+atomic on local file systems and NFS). Temp names are
+
+    .<key hex>.kvp.<host>.<pid>.<random>.tmp
+
+so fsck can tell a temp from a page, and on the writer's own host whether the writer still
+lives. Everything else in a namespace directory (besides ``manifest.json``) is foreign.
+
+``FileMapper`` is the one owner of these names: ``path_for``/``temp_path_for`` (pathlib, with
+the key checked) and ``final_path``/``temp_path`` (plain strings for the I/O threads' hot
+path, the key already checked by the caller) build them from the same two functions.
+
+Threading: immutable after construction; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from tierstore.errors import ConfigError
+from tierstore.fs import safefs
+
+PAGE_SUFFIX = ".kvp"
+TEMP_SUFFIX = ".tmp"
+MAX_KEY_BYTES = 96  # 192 hex characters keep every file name under 255 bytes
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+_PAGE_RE = re.compile(r"^([0-9a-f]{2,192})\.kvp$")
+_TEMP_RE = re.compile(r"^\.([0-9a-f]{2,192})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
+_FAN_RE = re.compile(r"^[0-9a-f]{2}$")
+_SLICE_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
+
+
+def check_key(key: bytes) -> None:
+    """ValueError unless ``key`` is 1..MAX_KEY_BYTES bytes (longer names would not fit)."""
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a page key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _temp_name(key: bytes) -> str:
+    """``.<key hex>.kvp.<host>.<pid>.<random>.tmp`` (``parse_temp_name`` reads it back)."""
+    return f".{key.hex()}{PAGE_SUFFIX}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
+
+
+def host_tag() -> str:
+    """This host's name as it appears in temp file names."""
+    return _HOST
+
+
+FANOUT_DIRS = tuple(f"{i:02x}" for i in range(256))
+
+
+def fanout(key: bytes) -> str:
+    """The fan-out directory of ``key``: the first byte of xxh3-64(key), in hex."""
+    return xxhash.xxh3_64_hexdigest(key)[0:2]
+
+
+@dataclass(frozen=True)
+class TempName:
+    key_hex: str
+    host: str
+    pid: int
+
+
+def parse_index_dir(name: str, prefix: str) -> int | None:
+    """``g3`` -> 3 for prefix "g" (``r0`` -> 0 for "r"); None for anything else, including
+    ``g03``, which no mapper writes."""
+    digits = name[len(prefix) :]
+    if not name.startswith(prefix) or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits) if digits == str(int(digits)) else None
+
+
+def parse_slice_dir(name: str) -> tuple[int, int] | None:
+    """``h0-2`` -> (0, 2): the (start, count) of a head-slice directory; None for anything
+    else (``h00-2``, ``h1-0``, ``r0``)."""
+    m = _SLICE_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """The header rank of the files of a rank directory: ``r3`` -> 3, ``h2-2`` -> 1 (start //
+    count); None if ``name`` is neither form."""
+    rank = parse_index_dir(name, "r")
+    if rank is not None:
+        return rank
+    heads = parse_slice_dir(name)
+    return heads[0] // heads[1] if heads is not None else None
+
+
+def is_fanout_name(name: str) -> bool:
+    """Whether ``name`` is a fan-out directory name (two lower-case hex digits)."""
+    return _FAN_RE.match(name) is not None
+
+
+def parse_temp_name(name: str) -> TempName | None:
+    m = _TEMP_RE.match(name)
+    return TempName(m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+def parse_page_name(name: str) -> bytes | None:
+    """The key a page file name stands for, or None if it is not a page name."""
+    m = _PAGE_RE.match(name)
+    if not m or len(m.group(1)) % 2:
+        return None
+    return bytes.fromhex(m.group(1))
+
+
+@dataclass(frozen=True)
+class PageLocation:
+    """Where a page file sits, parsed back from its path (see ``locate``)."""
+
+    namespace: str
+    group_index: int
+    rank: int
+    key: bytes
+    rank_dir: str = ""  # ``r<rank>`` or ``h<start>-<count>``
+
+    @property
+    def directory(self) -> str:
+        """``<ns>/g<group>/<rank dir>`` relative to the root."""
+        return f"{self.namespace}/g{self.group_index}/{self.rank_dir or f'r{self.rank}'}"
+
+
+def locate(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> PageLocation | None:
+    """Parse ``path`` under ``root``; None if it is not where a page of that key belongs."""
+    try:
+        rel = Path(path).relative_to(root).parts
+    except ValueError:
+        return None
+    if len(rel) != 5:
+        return None
+    ns, g, r, aa, name = rel
+    group, rank, key = parse_index_dir(g, "g"), parse_rank_dir(r), parse_page_name(name)
+    if group is None or rank is None or key is None or fanout(key) != aa:
+        return None
+    return PageLocation(ns, group, rank, key, r)
+
+
+class FileMapper:
+    """Key -> path for one (namespace, group, rank directory) under one root.
+
+    ``rank_dir``: the directory of the files, ``r<rank>`` by default, or a head slice's
+    ``h<start>-<count>`` (then ``rank`` is the header rank, ``start // count``)."""
+
+    def __init__(self, root: str | os.PathLike[str], namespace: str, group_index: int, rank: int = 0,
+                 rank_dir: str | None = None):
+        self.root = Path(root)
+        self.namespace = namespace
+        self.group_index = group_index
+        self.rank = rank
+        self.rank_dir = rank_dir if rank_dir is not None else f"r{rank}"
+        if parse_rank_dir(self.rank_dir) != rank:
+            raise ValueError(f"rank directory {self.rank_dir!r} does not hold rank {rank}'s files")
+        self.base = self.root / namespace / f"g{group_index}" / self.rank_dir
+
+        self._base = str(self.base)
+
+    def path_for(self, key: bytes) -> Path:
+        """The final path of ``key``'s page; ValueError for a key outside 1..MAX_KEY_BYTES."""
+        check_key(key)
+        return Path(self.final_path(key))
+
+    def temp_path_for(self, key: bytes) -> Path:
+        """A unique temp name beside the final path (same directory: rename stays atomic)."""
+        check_key(key)
+        return Path(self.temp_path(key))
+
+    def final_path(self, key: bytes) -> str:
+        """``path_for(key)`` as a string, without pathlib or the key check (hot path)."""
+        return f"{self._base}/{fanout(key)}/{key.hex()}{PAGE_SUFFIX}"
+
+    def temp_path(self, key: bytes, final: str | None = None) -> str:
+        """A unique temp name beside ``final`` (``final_path(key)`` if not given), as a string."""
+        directory = os.path.dirname(final) if final is not None else f"{self._base}/{fanout(key)}"
+        return f"{directory}/{_temp_name(key)}"
+
+    def make_fanout_dirs(self, perms: safefs.Perms = safefs.PRIVATE) -> int:
+        """Create this group and rank's directory and those of its 256 fan-out directories that
+        are missing (one readdir when they all exist), with ``perms.dir_mode``; the number
+        created. Every component under the root is opened without following a symlink: a
+        namespace, group, rank or fan-out directory that is a symlink (or not a directory)
+        raises ``ConfigError`` naming it (an engine never reads or writes through it). Safe to
+        race with other engines and nodes. Raises OSError (e.g. a read-only root)."""
+        os.makedirs(self.root, exist_ok=True)  # the root itself: the operator's path
+        parts = (self.namespace, f"g{self.group_index}", self.rank_dir)
+        root_fd = safefs.open_root(self.root)
+        try:
+            base_fd = safefs.open_dir_path(root_fd, parts, create=True, perms=perms)
+        except safefs.UnsafeEntry as exc:
+            raise ConfigError(f"refusing the cache tree under {os.fsdecode(self.root)!r}: {exc}. tierstore "
+                              "never follows a symlink under its root (another user could point it anywhere); "
+                              "remove the entry (tierstore fsck reports it)") from None
+        finally:
+            os.close(root_fd)
+        made = 0
+        try:
+            with os.scandir(base_fd) as it:
+                have = {e.name: e.is_dir(follow_symlinks=False) for e in it}
+            bad = sorted(n for n in FANOUT_DIRS if n in have and not have[n])
+            if bad:
+                raise ConfigError(f"refusing the cache tree {self.base}: fan-out entries {bad[:4]} are not "
+                                  "directories (a symlink?); tierstore never follows a symlink under its root; "
+                                  "remove them (tierstore fsck reports them)")
+            for name in FANOUT_DIRS:
+                if name not in have:
+                    try:
+                        os.mkdir(name, perms.dir_mode, dir_fd=base_fd)
+                        made += 1
+                    except FileExistsError:
+                        continue
+                    if perms.dir_mode & 0o7070:  # setgid and group bits: not left to the umask
+                        os.chmod(name, perms.dir_mode, dir_fd=base_fd, follow_symlinks=False)
+        finally:
+            os.close(base_fd)
+        return made
+
+    def __repr__(self) -> str:
+        return f"FileMapper({self.base})"

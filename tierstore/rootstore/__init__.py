@@ -1,0 +1,1 @@
+"""One root's PageStore: the engine, its job queue, staging slots, the rank directory's files and the flat page operations."""
