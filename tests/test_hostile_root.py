@@ -19,9 +19,10 @@ from tierstore.errors import ConfigError, PageCorrupt
 from tierstore.format import page as format
 from tierstore.format import safe_zstd
 from tierstore.format.mac import PageMac, PageUnauthenticated
-from tierstore.fs import display, gc, safefs, trust
+from tierstore.fs import display, safefs, trust
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.testing.pages import fill_pages, simple_namespace
+from tierstore.tiers import gc
 
 NS = simple_namespace()
 pytestmark = pytest.mark.timeout(60)

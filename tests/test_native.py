@@ -259,7 +259,7 @@ def test_python_path_reads_and_hashes_in_one_call_and_handles_a_short_read(
 
 
 def test_tierstore_native_0_keeps_the_python_path() -> None:
-    code = "from tierstore import native; print(native.start(wait=True), native.ready())"
+    code = "from tierstore.native import loader as native; print(native.start(wait=True), native.ready())"
     env = {**os.environ, "TIERSTORE_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -509,9 +509,9 @@ def test_no_writable_cache_directory_still_compiles(tmp_path: Path) -> None:
         "import numba.core.caching as c\n"
         "impl = getattr(c, 'CacheImpl', None) or c._CacheImpl  # its name in numba 0.59-0.68\n"
         "impl._locator_classes = []  # no directory numba could write\n"
-        "from tierstore import native\n"
+        "from tierstore.native import loader as native\n"
         "ok = native.start(wait=True)\n"
-        "from tierstore import native_kernels as k\n"
+        "from tierstore.native import kernels as k\n"
         "print(ok, native.failure(), native.cache_kernels, k.load_page.stats.cache_path)\n"
     )
     env = dict(os.environ)
@@ -538,8 +538,8 @@ def test_the_kernels_hash_with_xxhashs_dispatcher_where_it_is_exported(tmp_path:
 
     exported = hasattr(ctypes.CDLL(ext.__file__), "XXH3_64bits_dispatch")
     assert ("XXH3_64bits_dispatch" if exported else "XXH3_64bits") == native_kernels.XXH3_SYMBOL
-    probe = ("from tierstore import native\nok = native.start(wait=True)\n"
-             "from tierstore import native_kernels as k\nprint(ok, native.failure(), k.XXH3_SYMBOL)\n")
+    probe = ("from tierstore.native import loader as native\nok = native.start(wait=True)\n"
+             "from tierstore.native import kernels as k\nprint(ok, native.failure(), k.XXH3_SYMBOL)\n")
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache-sse2"), TIERSTORE_XXH3_SYMBOL="XXH3_64bits")
     env.pop("TIERSTORE_NATIVE", None)
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,

@@ -198,7 +198,7 @@ def test_a_process_that_exits_with_pages_in_flight_exits_cleanly(tmp_path: Path)
         "import atexit, sys\n"
         "lanes = []\n"
         "atexit.register(lambda: print('lane stopped at exit:', lanes[0].stopped, flush=True))\n"
-        "from tierstore import native\n"
+        "from tierstore.native import loader as native\n"
         "native.start(wait=True)\n"
         "from tierstore.config import TierStoreConfig\n"
         "from tierstore.rootstore.engine import IOEngine\n"

@@ -187,7 +187,7 @@ def test_the_kernels_are_built_against_this_abi() -> None:
     """numba's cache is keyed on native_kernels.py alone; the constants it compiles in live in
     native_abi.py, whose digest native_kernels.py records (so a change there changes this file
     and renews the cache)."""
-    text = (REPO / "tierstore" / "native_kernels.py").read_text()
+    text = (REPO / "tierstore" / "native" / "kernels.py").read_text()
     recorded = re.search(r'^ABI_DIGEST = "([0-9a-f]+)"', text, re.M)
     assert recorded and recorded.group(1) == native_abi.digest(), \
         f"set ABI_DIGEST in tierstore/native/kernels.py to {native_abi.digest()}"
@@ -196,7 +196,7 @@ def test_the_kernels_are_built_against_this_abi() -> None:
 def test_kernels_refuse_to_load_against_a_changed_abi(tmp_path: Path) -> None:
     """An edited native_abi (here one lane constant) without a new ABI_DIGEST: the kernels do
     not load from numba's cache with the old constants; the Python path serves and says why."""
-    script = ("from tierstore import native, native_abi\n"
+    script = ("from tierstore.native import abi as native_abi\nfrom tierstore.native import loader as native\n"
               "native_abi.ENTRY_DONE = 7\n"
               "print(native.start(wait=True), native.failure())\n")
     got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,

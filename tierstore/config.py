@@ -18,7 +18,7 @@ from tierstore.errors import ConfigError
 
 _CODECS = ("none", "zstd")
 
-# The measured knee of one engine's I/O threads (docs/measurements/scaling.md, Session 13):
+# The measured knee of one engine's I/O threads (docs/measurements/scaling.md, the thread sweeps):
 # with the native lane, GB/s rises at every step up to 16 threads on the 16-core host, on the
 # GPU and the CPU path, and falls at 32. Past twice max(knee, cores) threads only contend for
 # the cores.

@@ -22,7 +22,7 @@
 #                                       # threads, alone and beside a busy Python thread or a DMA copy (GIL_BESIDE,
 #                                       # GIL_BATCHES); then the GPU path per I/O batch cap in MiB, alternated
 #   bash tools/device_scaling.sh storebatch  # the stores of an I/O batch in one native call (1) or one call each
-#                                       # (0, the code before session 11), alternated: CPU path 2 MiB, then the GPU path
+#                                       # (0, the code before ac3e83e), alternated: CPU path 2 MiB, then the GPU path
 #   bash tools/device_scaling.sh lane      # the native I/O lane (io_loop native/python alternated): the GPU path at
 #                                       # 16 threads (LANE_RUNS, default "native python native python"), then the
 #                                       # engine beside a busy Python thread (LANE_GIL=0: not)
@@ -55,7 +55,7 @@ except ImportError as e:
     nb = f"missing ({e})"
 print("python", platform.python_version(), "cores", os.cpu_count(), "torch", torch.__version__, "triton", triton.__version__,
       "numba", nb, "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, flush=True)
-from tierstore import native
+from tierstore.native import loader as native
 print("native path:", native.start(wait=True), native.failure(), flush=True)
 PY
 # alternate NAME TIMEOUT TABLE ROWS CMD...: CMD with io_batch_pages 8, 1, 8, 1 appended (paired
@@ -75,10 +75,10 @@ prewarm() {
     dd if=/dev/zero of=/dev/shm/prewarm bs=16M count=$(( ${1:-24} * 64 )) status=none; rm -f /dev/shm/prewarm
 }
 # `python -c "$PATCHED_CLI" bench ...`: the tierstore CLI with a setting no flag reaches, for paired
-# runs: IO_BATCH_MIB=N caps an I/O batch at N MiB (engine.IO_BATCH_BYTES); STORE_BATCH_CALL=0
-# writes a batch's stores one native call per page (the code before session 11); STORE_PIECE_KIB=K
-# hashes and writes a store in K KiB pieces (native_page.STORE_PIECE_BYTES; 0: whole, the code
-# before session 13).
+# runs: IO_BATCH_MIB=N caps an I/O batch at N MiB (rootstore.engine.IO_BATCH_BYTES); STORE_BATCH_CALL=0
+# writes a batch's stores one native call per page (the code before ac3e83e); STORE_PIECE_KIB=K
+# hashes and writes a store in K KiB pieces (native.page.STORE_PIECE_BYTES; 0: whole, the code
+# before d3dda48).
 PATCHED_CLI="import os, sys
 import tierstore.rootstore.engine as e
 import tierstore.rootstore.rankdir as pf
@@ -138,7 +138,7 @@ nice)
     i=0
     for n in ${2:-5 0 5 0}; do
         i=$((i + 1))
-        timeout 200 python -c "import os, sys, runpy; from tierstore import ioqueue as q; run = q.JobQueue._thread
+        timeout 200 python -c "import os, sys, runpy; from tierstore.rootstore import ioqueue as q; run = q.JobQueue._thread
 def niced(self, run=run):
     import threading; os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), $n) if $n else None
     run(self)
@@ -208,7 +208,7 @@ gil)
     timeout 300 python tools/gil_contention.py --root /dev/shm/tsg --threads 16 --page-mib 8 --total-mib 4096 \
         --rounds 3 --beside "${GIL_BESIDE:-alone,spin87,spin100,dma}" --batches "${GIL_BATCHES:-8:16}" --direct "${GIL_DIRECT:-}" 2>&1 \
         | tee "$OUT/gil.txt" | grep -A20 "medians of"
-    # then the GPU path with I/O batches capped at each CAP MiB (engine.IO_BATCH_BYTES), alternated
+    # then the GPU path with I/O batches capped at each CAP MiB (rootstore.engine.IO_BATCH_BYTES), alternated
     i=0
     for cap in ${2:-}; do
         i=$((i + 1))

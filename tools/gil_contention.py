@@ -16,7 +16,7 @@ without a stand-in for the driver, alternated in rounds:
     python tools/gil_contention.py --root /dev/shm/gc --threads 16 --page-mib 8 --total-mib 4096 \
         --beside alone,spin87 --batches 1:16,8:16,8:128
 
-``--batches``: the engine's ``io_batch_pages`` and its cap in MiB (``engine.IO_BATCH_BYTES``),
+``--batches``: the engine's ``io_batch_pages`` and its cap in MiB (``rootstore.engine.IO_BATCH_BYTES``),
 each run beside each stand-in. ``--direct 1,32``: also the stores without the job queue, from
 plain threads calling ``PageFiles.store_many`` with that many pages per call (what an I/O
 loop with no Python per page would reach).

@@ -12,7 +12,7 @@ same source pages, alternated in rounds (one table row per variant: median GB/s,
 to ``raw_trunc``, the baseline of ``tierstore bench io``):
   raw_trunc          Python os.open(O_TRUNC) of files written in the round before, os.write
   raw_new            the same into new files (the old ones unlinked before the clock starts)
-  native_new         the native writer (``native_kernels.write_file``): temp, pwrite, rename
+  native_new         the native writer (``native.kernels.write_file``): temp, pwrite, rename
   native_overwrite   the same, renamed over the files of the round before (freed under the clock)
   native_hash_new    one XXH3 pass over the page, then native_new: tierstore's store minus headers
   hash_only          the XXH3 pass alone
@@ -178,7 +178,7 @@ _CHUNKED: Any = None
 def _chunked_writer() -> Any:
     """A numba kernel (nogil, compiled once) made of the engine's own store steps: a new temp
     file whose K KiB sections are each hashed right before their piece is written
-    (in_cache=1, ``native_kernels.write_hashed_in_pieces``, a store's buffered path) or all
+    (in_cache=1, ``native.kernels.write_hashed_in_pieces``, a store's buffered path) or all
     hashed before one write (0), then published under its final name (``publish_temp``).
     Returns 0, or nonzero with the temp removed."""
     global _CHUNKED

@@ -11,7 +11,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # on a clean clone the cache is empty, and every engine process (the engine core and each TP
 # worker, spawned together) compiled them at once: ~14 s of CPU each (five at once at TP=4 took
 # 36 s of the 2-core machine, against 4 s loading a warm cache). Loading a warm cache: ~1.5 s.
-.venv/bin/python -c "from tierstore import native; native.start(wait=True) or print('tools/test.sh: native kernels not compiled:', native.failure())"
+.venv/bin/python -c "from tierstore.native import loader as native; native.start(wait=True) or print('tools/test.sh: native kernels not compiled:', native.failure())"
 # Two pytest workers, one test file each at a time (module fixtures start their engines once):
 # most of the suite's time is engine processes starting, one interpreter importing vLLM on one
 # core, so a second worker fills the other core (docs/TESTING.md, "Two workers").

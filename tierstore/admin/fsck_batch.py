@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierstore.format.page import HeaderTemplate, PageLayout
-from tierstore.fs import safefs
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
 from tierstore.rootstore import pageops as pagefile
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 
 # Pages larger than this take the Python path (its buffer pool splits the budget finer).
 MAX_BATCH_PAGE_BYTES = 64 << 20
-_OPEN_FLAGS = (safefs.DIR_FLAGS, pagefile.READ_FLAGS)  # the Python path's own open flags
 
 
 class NativeBatch:
@@ -65,7 +63,7 @@ class NativeBatch:
         shape = self._shape(tmpl, layout)
         buf = self.pool.acquire(size)
         try:
-            return native_page.verify_pages(shape, dir_fd, file_names, keys, _OPEN_FLAGS,
+            return native_page.verify_pages(shape, dir_fd, file_names, keys, pagefile.NATIVE_OPEN_FLAGS,
                                             native_page.frame_array(memoryview(buf)))
         finally:
             self.pool.release(buf)

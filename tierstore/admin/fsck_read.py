@@ -85,7 +85,7 @@ _TOKEN_OFF = PREAMBLE_OFFSETS["token_count"]
 # the walk slows meanwhile: started after 20k pages, a cached 10^5-page root took 7.3-7.8 s
 # instead of 3.5 s (2 cores). The batch then runs 2.2-3.6x the Python path's pages/s, which
 # repays the compile from a few 10^5 pages on. A process that compiled already (an engine, a
-# bench) uses it at once. docs/measurements/fsck.md, "Session 6".
+# bench) uses it at once. docs/measurements/fsck.md.
 COMPILE_AFTER_PAGES = 200_000
 
 

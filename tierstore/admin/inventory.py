@@ -72,6 +72,8 @@ from tierstore.format.page import (
 from tierstore.fs import safefs
 from tierstore.fs.display import escape
 from tierstore.fs.mapper import (
+    NAMESPACE_DIR_RE,
+    PAGE_NAME_RE,
     PAGE_SUFFIX,
     fanout,
     host_tag,
@@ -82,7 +84,7 @@ from tierstore.fs.mapper import (
     parse_slice_dir,
     parse_temp_name,
 )
-from tierstore.fs.stale_temps import TempWriter, writer_gone
+from tierstore.fs.stale_temps import MANIFEST_TEMP_RE, PID_LIMIT, TempWriter, writer_gone
 
 # Finding categories. Every one except TEMP_ACTIVE is a problem for fsck.
 BAD_PAGE = "bad_page"  # a page file that fails verification (kind: the PageError kind)
@@ -103,8 +105,6 @@ QUARANTINE_DIR = ".quarantine"
 # Manifests are a few KiB (tens for models with hundreds of layers); a bigger one is refused
 # before it is read, so a planted 500 MB file costs nothing.
 MANIFEST_MAX_BYTES = 4 << 20
-# Linux's PID_MAX_LIMIT: a temp name with a larger pid was not written by tierstore.
-PID_LIMIT = 1 << 22
 
 
 class _OpenGate:
@@ -123,9 +123,6 @@ class _OpenGate:
 _NO_GATE = _OpenGate()
 GATE_BATCH = 32  # entries of a fan-out directory between two progress reports to the walk's gate
 
-_PAGE_NAME_RE = re.compile(r"^(?:[0-9a-f]{2}){1,96}\.kvp$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
-_MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.(.+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _SILLY_PREFIXES = (".nfs", ".fuse_hidden")
 # IOEngine's O_DIRECT probe file (engine.probe_odirect); removed by the engine unless killed.
 _PROBE_RE = re.compile(r"^\.odirect-probe\.\d+\.\d+\.tmp$")
@@ -184,7 +181,7 @@ class NamespaceDir:
     @property
     def digest_bytes(self) -> bytes | None:
         """The digest page headers must carry: the directory's name, when it is one."""
-        return bytes.fromhex(self.name) if _DIGEST_RE.match(self.name) else None
+        return bytes.fromhex(self.name) if NAMESPACE_DIR_RE.match(self.name) else None
 
     def group(self, index: int) -> GroupSpec | None:
         if self.namespace is None or index >= len(self.namespace.groups):
@@ -349,23 +346,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (unknown counts as alive)."""
-    if pid <= 0:
-        return True  # os.kill(0, ...) would signal our own process group
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # EPERM: it exists, owned by someone else
-    try:  # a zombie (killed, not yet reaped by its parent) writes nothing any more
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 class _Classifier:
@@ -603,7 +583,7 @@ class _Walker:
             path = Path(e.path)
             mpath = path / MANIFEST_NAME
             has_manifest = _has_entry(root_fd, e.name, MANIFEST_NAME)
-            if not has_manifest and not _DIGEST_RE.match(e.name):
+            if not has_manifest and not NAMESPACE_DIR_RE.match(e.name):
                 if only is None:
                     self.cls.other(e, inv, "namespace directories")
                 continue
@@ -625,7 +605,7 @@ class _Walker:
                 continue
             if e.name == MANIFEST_NAME and e.is_file(follow_symlinks=False):
                 continue
-            m = _MANIFEST_TEMP_RE.match(e.name)
+            m = MANIFEST_TEMP_RE.match(e.name)
             if m and e.is_file(follow_symlinks=False):
                 self.cls.temp(e, inv, m.group(1), int(m.group(2)))
                 continue
@@ -760,7 +740,7 @@ class _Walker:
             with os.scandir(aa) as it:
                 for e in it:
                     name = e.name
-                    if name.endswith(".kvp") and _PAGE_NAME_RE.match(name) and e.is_file(follow_symlinks=False):
+                    if name.endswith(".kvp") and PAGE_NAME_RE.match(name) and e.is_file(follow_symlinks=False):
                         count += 1
                         key_len = (len(name) - 4) // 2
                     elif not _skipped(name):

@@ -151,7 +151,7 @@ class _Raw:
     stores into new files (``drop_files`` unlinks the last repeat's before the clock), as
     tierstore does: rewriting a file frees its old pages under the clock, which made a repeat's
     raw stores 17-22% slower than the one before on tmpfs at 16 threads, so the ratio
-    depended on the repeat (docs/measurements/scaling.md, Session 14)."""
+    depended on the repeat (docs/measurements/scaling.md)."""
 
     def __init__(self, d: Path, sources: list[memoryview], threads: int, page_bytes: int,
                  dest_buffers: int = 0) -> None:
@@ -397,7 +397,7 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     # Baseline stores read their pages from as many buffers as the engine has slots (4 random
     # pages, repeated): the memory the engine's stores read. 4 reused 16 MiB sources (64 MiB)
     # stayed in a 300 MiB L3 while the engine's 72 slots (1.2 GiB) came from DRAM, and made
-    # 16 MiB raw stores look 1.2-1.4x faster (docs/measurements/scaling.md, Session 10).
+    # 16 MiB raw stores look 1.2-1.4x faster (docs/measurements/scaling.md).
     n_src = slots if args.store_sources == "slots" else 4
     seed = torch.randint(0, 256, (4, page_bytes), dtype=torch.uint8, generator=g)
     src_t = seed.repeat(-(-n_src // 4), 1)[:n_src].clone()

@@ -46,14 +46,11 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tierstore.format.page import PageLayout, SectionSpec
-from tierstore.fs.mapper import FileMapper
-
-_SPLIT_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
+from tierstore.fs.mapper import SLICE_DIR_RE, FileMapper
 
 
 @dataclass(frozen=True, order=True)
@@ -79,7 +76,7 @@ def split_dir_name(heads: HeadRange) -> str:
 
 def parse_split_dir(name: str) -> HeadRange | None:
     """``h0-2`` -> HeadRange(0, 2); None for anything else (``h00-2``, ``h1-0``, ``r0``)."""
-    m = _SPLIT_RE.match(name)
+    m = SLICE_DIR_RE.match(name)
     return HeadRange(int(m.group(1)), int(m.group(2))) if m else None
 
 

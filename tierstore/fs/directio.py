@@ -52,10 +52,6 @@ class FrameGeometry:
         """Bytes of one frame (a multiple of ALIGN)."""
         return self.header_room + self.padded_nbytes
 
-    def page_view(self, frame: memoryview) -> memoryview:
-        """The page inside ``frame``."""
-        return frame[self.header_room : self.header_room + self.nbytes]
-
     def file_view(self, frame: memoryview, header_len: int, padded: bool = False) -> memoryview:
         """The page file inside ``frame``: ``header_len`` bytes of header right before the page,
         then the page (``padded``: up to the next ALIGN boundary, for O_DIRECT)."""

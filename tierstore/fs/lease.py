@@ -35,25 +35,14 @@ import uuid
 from pathlib import Path
 
 from tierstore.fs import safefs
+from tierstore.fs.stale_temps import PID_LIMIT, process_alive
 
 LEASE_NAME = ".tierstore-gc.lease"
 MAX_LEASE_BYTES = 4096
-PID_MAX = 1 << 22  # Linux PID_MAX_LIMIT
 
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a lease expiry")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (EPERM: it exists, someone else's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Lease:
@@ -98,7 +87,7 @@ class Lease:
             self.problem = f"{self.path} expires at {expires:.0f}, beyond now + ttl + skew: garbage, taken over"
             return None
         pid, host = data.get("pid"), data.get("host")
-        dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < PID_MAX or not pid_alive(pid)
+        dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_LIMIT or not process_alive(pid)
         if host == socket.gethostname() and data["owner"] != self.owner and dead_pid:
             return None  # a dead holder on this host
         return data

@@ -47,10 +47,14 @@ PAGE_SUFFIX = ".kvp"
 TEMP_SUFFIX = ".tmp"
 MAX_KEY_BYTES = 96  # 192 hex characters keep every file name under 255 bytes
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
-_PAGE_RE = re.compile(r"^([0-9a-f]{2,192})\.kvp$")
-_TEMP_RE = re.compile(r"^\.([0-9a-f]{2,192})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
+# The names tierstore writes, one pattern each (every reader of a tree uses these): a page is
+# its key's hex (whole bytes, 1-96 of them), a temp adds the writer (host, pid, random), a
+# namespace directory is its 16-byte digest, a slice directory h<start>-<count>.
+PAGE_NAME_RE = re.compile(r"^((?:[0-9a-f]{2}){1,96})\.kvp$")
+_TEMP_RE = re.compile(r"^\.((?:[0-9a-f]{2}){1,96})\.kvp\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 _FAN_RE = re.compile(r"^[0-9a-f]{2}$")
-_SLICE_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
+SLICE_DIR_RE = re.compile(r"^h(0|[1-9][0-9]*)-([1-9][0-9]*)$")
+NAMESPACE_DIR_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def check_key(key: bytes) -> None:
@@ -96,7 +100,7 @@ def parse_index_dir(name: str, prefix: str) -> int | None:
 def parse_slice_dir(name: str) -> tuple[int, int] | None:
     """``h0-2`` -> (0, 2): the (start, count) of a head-slice directory; None for anything
     else (``h00-2``, ``h1-0``, ``r0``)."""
-    m = _SLICE_RE.match(name)
+    m = SLICE_DIR_RE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
@@ -122,7 +126,7 @@ def parse_temp_name(name: str) -> TempName | None:
 
 def parse_page_name(name: str) -> bytes | None:
     """The key a page file name stands for, or None if it is not a page name."""
-    m = _PAGE_RE.match(name)
+    m = PAGE_NAME_RE.match(name)
     if not m or len(m.group(1)) % 2:
         return None
     return bytes.fromhex(m.group(1))

@@ -193,12 +193,6 @@ def unlink_at(name: str, dir_fd: int, expected: Identity | None = None) -> None:
     os.unlink(name, dir_fd=dir_fd)
 
 
-def rename_at(src: str, src_dir_fd: int, dst: str, dst_dir_fd: int, expected: Identity | None = None) -> None:
-    """Rename between checked directory fds if ``src`` still is ``expected``."""
-    _require_same(src, src_dir_fd, expected)
-    os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
-
-
 def create_file(name: str, dir_fd: int, perms: Perms = PRIVATE) -> int:
     """Create ``name`` exclusively (never through a planted symlink) for writing; the fd."""
     return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC,
@@ -309,9 +303,3 @@ def _list(fd: int) -> list[tuple[str, os.stat_result]]:
     return out
 
 
-def fd_path(fd: int) -> str:
-    """A printable name of an open fd (for messages; Linux /proc)."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return f"<fd {fd}>"

@@ -39,7 +39,7 @@ from tierstore.fs.mapper import host_tag, parse_temp_name
 logger = logging.getLogger("tierstore.stale_temps")
 
 DEFAULT_GRACE_S = 3600.0  # gc's and fsck's default age for temps of other hosts
-_MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
+MANIFEST_TEMP_RE = re.compile(r"^\.manifest\.json\.(.+)\.(\d+)\.([0-9a-f]+)\.tmp$")  # any host tag, older ones with dots too
 _PROBE_TEMP_RE = re.compile(r"^\.odirect-probe\.(\d+)\.(\d+)\.tmp$")
 
 
@@ -56,7 +56,7 @@ def temp_writer(name: str) -> TempWriter | None:
     page = parse_temp_name(name)
     if page is not None:
         return TempWriter(page.host, page.pid)
-    m = _MANIFEST_TEMP_RE.match(name)
+    m = MANIFEST_TEMP_RE.match(name)
     if m:
         return TempWriter(m.group(1), int(m.group(2)))
     m = _PROBE_TEMP_RE.match(name)
@@ -74,6 +74,17 @@ def _boot_time() -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+# Linux's PID_MAX_LIMIT: a pid above it (in a temp name, a lease) was not written by tierstore.
+PID_LIMIT = 1 << 22
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host and can still write (a zombie cannot;
+    EPERM: it exists, someone else's; unknown counts as alive). The one liveness rule of
+    temps, leases and the local index."""
+    return _process_state(pid)[0]
 
 
 def _process_state(pid: int) -> tuple[bool, float | None]:

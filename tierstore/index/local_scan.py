@@ -33,13 +33,12 @@ from typing import Protocol
 
 from tierstore.fs import safefs
 from tierstore.fs.mapper import locate
-from tierstore.fs.stale_temps import temp_writer, writer_gone
+from tierstore.fs.stale_temps import PID_LIMIT, temp_writer, writer_gone
 
 log = logging.getLogger("tierstore.tiers.local_index")  # the index's log: what operators filter on
 
 _RECONCILE_CHUNK = 2000  # rows per reconcile transaction: stores reserve in between
 _PAGE_DEPTH = 4  # <namespace>/g<i>/r<j>/<aa>: the scan never descends deeper
-_PID_LIMIT = 1 << 22  # Linux's PID_MAX_LIMIT; larger pids in temp names are not tierstore's
 # A page written this recently before a scan may still await its writer's commit: indexing it
 # first could let an eviction delete it before that commit lands (a row for a deleted file).
 # The scan indexes such pages only after this delay, if their writer has not.
@@ -177,7 +176,7 @@ def scan_pages(root: Path, rep: ReconcileReport, started: float, stop: threading
 def remove_dead_temp(dir_fd: int, name: str, st: os.stat_result) -> bool:
     """Remove a temp whose writer is provably gone (``stale_temps``: the one rule)."""
     writer = temp_writer(name)
-    if writer is None or not 0 < writer.pid <= _PID_LIMIT:
+    if writer is None or not 0 < writer.pid <= PID_LIMIT:
         return False  # not a name tierstore writes: left alone
     if not writer_gone(writer, st.st_mtime)[0]:
         return False  # a live process (maybe another rank) may still be writing it

@@ -105,10 +105,10 @@ class IndexHome:
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session: str) -> None:
-        """Create and lock this session's file (held until ``close`` or death)."""
+        """Create and lock this process's session file (held until ``close`` or death)."""
         fd = os.open(f"{session}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=self._sessions_fd)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held until close or death: liveness of this session
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until close or death: liveness of this process's session
         self.session, self._session_fd = session, fd
 
     def reap_dead_sessions(self) -> list[str]:
@@ -134,7 +134,7 @@ class IndexHome:
         return dead
 
     def close(self) -> None:
-        """Remove and unlock this session's file, then close the directories."""
+        """Remove and unlock this process's session file, then close the directories."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"{self.session}.lock", dir_fd=self._sessions_fd)
         os.close(self._session_fd)

@@ -3,7 +3,7 @@
 Why: torch's bindings (``Tensor.copy_``, ``Event.record``, ``Event.query``,
 ``Stream.wait_event``) release the GIL around each call. With 16 I/O threads waiting for it,
 every such call costs the driving thread a wait to get the GIL back, and that thread's rate
-caps the GPU path (docs/measurements/scaling.md, "Session 5"). The calls below take a few
+caps the GPU path (docs/measurements/scaling.md). The calls below take a few
 microseconds, so holding the GIL through them is cheaper than handing it over: they are
 bound through ``ctypes.PyDLL`` (which keeps the GIL) to ``libcuda``. ``kernels.launch`` uses
 ``launch_kernel`` for Triton kernels on the same grounds.

@@ -3,7 +3,7 @@
 Why: Triton's launcher (C) releases the GIL around ``cuLaunchKernelEx``. With 16 I/O threads
 wanting the GIL, the driving thread then waits to get it back after every launch: 17% of its
 samples at 16 threads, and ~6% more in Triton's Python per launch (binding the arguments,
-the specialization key); docs/measurements/scaling.md, "Session 8". A launch only queues work
+the specialization key); docs/measurements/scaling.md. A launch only queues work
 (a few microseconds), so holding the GIL through it is cheaper than handing it over, as for
 the copies and events of ``cuda_driver``.
 

@@ -17,7 +17,7 @@ Contract:
 - Copies, event records, queries and stream waits go through ``cuda_driver`` (libcuda calls
   that keep the GIL) when it can be bound on this thread, else through torch (``drv`` None).
   Why: each torch call that releases the GIL costs the driving thread a wait for the GIL,
-  which 16 I/O threads also want (docs/measurements/scaling.md, Session 5).
+  which 16 I/O threads also want (docs/measurements/scaling.md).
 
 Threading: owned by one PageTransfer, used by the thread that drives it.
 """
@@ -59,8 +59,8 @@ def transfer_scratch_pages(staging_slots: int, page_bytes: int, scratch_bytes: i
     512 MiB. The scratch caps the pages of one transfer, and a transfer of fewer pages than
     there are I/O threads leaves threads waiting: at 16 threads with 4-8 MiB pages, 64 MiB
     kept them busy 0.75-0.89 of the time and the automatic size 0.84-0.89; +8% stores and +4%
-    loads at the worker's 72 staging slots, 6-21% with 96 (docs/measurements/scaling.md,
-    Session 10). Small pages or few threads keep 64 MiB."""
+    loads at the worker's 72 staging slots, 6-21% with 96 (docs/measurements/scaling.md).
+    Small pages or few threads keep 64 MiB."""
     page = max(page_bytes, 1)
     if scratch_bytes is None:
         pages = max(AUTO_SCRATCH_MIN_BYTES // page, AUTO_SCRATCH_PAGES_PER_THREAD * io_threads)

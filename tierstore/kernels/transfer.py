@@ -36,7 +36,7 @@ on the host.
 
 The driving thread's cost: it competes for the GIL with the engine's I/O threads, and every
 torch call that releases the GIL (a copy, an event record or query) costs it a wait to get
-the GIL back (docs/measurements/scaling.md, Session 5). So a start builds no tensors: the
+the GIL back (docs/measurements/scaling.md). So a start builds no tensors: the
 per-row host buffers are filled through numpy, copies, event records and queries go through
 ``cuda_driver`` (libcuda calls that keep the GIL; torch's calls where it cannot be bound),
 each scratch row owns two reusable events, and the copier and hasher take scratch rows as

@@ -42,7 +42,7 @@ F_OP, F_OFF, F_ARG, F_FLAG, F_DIRECT_LEN, F_CODE, F_T0, F_T1, F_RANK_FD, F_DEADL
 FIELDS = 11
 OP_LOAD, OP_STORE = 0, 1
 LANE_EXPIRED = -100  # lane_serve: the job was past its deadline when a thread took it
-MAX_BYPASS = 8  # ioqueue.QueuePolicy.max_bypass
+MAX_BYPASS = 8  # loads taken past waiting stores before one is served (ioqueue.QueuePolicy's default)
 # The latest deadline a lane entry records (ns on CLOCK_MONOTONIC, ~146 years): a larger or
 # infinite deadline is this one.
 DEADLINE_NS_MAX = 1 << 62

@@ -97,7 +97,7 @@ def io_batch_for(io_batch_pages: int, page_bytes: int) -> int:
     matter for small pages; a thread holding several large ones while others sit idle costs
     more: 16 MiB loads at 16 threads were 0.79-0.82x raw with batches of up to 8 and 0.89-0.93x
     one by one, the I/O threads busy 0.83-0.90 against 0.96-0.97 of the time (stores
-    unchanged; docs/measurements/scaling.md, Session 10). 2 MiB pages keep batches of 8."""
+    unchanged; docs/measurements/scaling.md). 2 MiB pages keep batches of 8."""
     return max(1, min(io_batch_pages, IO_BATCH_BYTES // max(1, page_bytes)))
 
 
@@ -321,12 +321,12 @@ class IOEngine:
         """In an I/O thread: the job's file operation; (stored, bytes)."""
         if job.op == "store":
             return self._do_store(job.key, job.slot, job.token_count, job.sums)
-        job.slot._source = None
+        job.slot.source = None
         try:
             nbytes, job.sums = self._do_load(job.key, job.slot, job.verify)
         except PageError as exc:
             if exc.kind in BAD_CONTENT_KINDS:
-                self._remove_damaged(job.key, job.slot._source, exc)
+                self._remove_damaged(job.key, job.slot.source, exc)
             raise
         return False, nbytes
 
@@ -337,13 +337,13 @@ class IOEngine:
         if jobs[0].op == "store":
             return self._do_stores([(job.key, job.slot, job.token_count, job.sums) for job in jobs])
         for job in jobs:
-            job.slot._source = None
+            job.slot.source = None
         got = self._do_loads([(job.key, job.slot, job.verify) for job in jobs])
         results: list[tuple[bool, int] | PageError] = []
         for job, r in zip(jobs, got, strict=True):
             if isinstance(r, PageError):
                 if r.kind in BAD_CONTENT_KINDS:
-                    self._remove_damaged(job.key, job.slot._source, r)
+                    self._remove_damaged(job.key, job.slot.source, r)
                 results.append(r)
             else:
                 nbytes, job.sums = r
@@ -364,7 +364,7 @@ class IOEngine:
             s = self._stats
             if unverified:
                 s["loads_unverified"] += 1
-                self._unsettled[job.id] = _Served(job.key, job.slot._source, nbytes, seconds)
+                self._unsettled[job.id] = _Served(job.key, job.slot.source, nbytes, seconds)
                 if len(self._unsettled) > _MAX_UNSETTLED:
                     del self._unsettled[next(iter(self._unsettled))]
             elif ok and job.op == "load":

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tierstore.errors import PageCancelled, PageError, PageQueueFull, PageTimeout
+from tierstore.native.abi import MAX_BYPASS
 
 logger = logging.getLogger("tierstore.engine")
 LONGEST_WAIT_S = 3600.0  # one wait on the queue's conditions (_next_wake)
@@ -62,7 +63,9 @@ class QueuePolicy:
     """Which queued job an idle I/O thread takes (see the module docstring)."""
 
     order: tuple[str, ...] = ("load", "store")  # job classes, most urgent first
-    max_bypass: int = 8  # a class passed over this many times in a row is served next
+    # a class passed over this many times in a row is served next (the native lane's kernels
+    # are compiled with the same number: native.abi.MAX_BYPASS)
+    max_bypass: int = MAX_BYPASS
 
 
 class Job:

@@ -3,7 +3,7 @@
 Why: every return of an I/O thread to Python is a request for the GIL. Beside a busy Python
 thread (vLLM's worker, or the GPU pipeline's driver, busy 85-93% of a transfer) such a request
 waits for the holder, and with one return per page the engine's stores lost 41% of their
-speed (docs/measurements/scaling.md, Session 11). Here the I/O threads run a compiled loop
+speed (docs/measurements/scaling.md). Here the I/O threads run a compiled loop
 (``native_kernels.lane_serve``, numba ``nogil``) that takes jobs from shared rings, runs
 ``store_page`` / ``load_page`` on them and marks them done: they never hold the GIL, from the
 engine's start to its close.
@@ -85,6 +85,7 @@ from tierstore.native.abi import (
     OP_STORE,
     SCRATCH_LEN,
 )
+from tierstore.rootstore import pageops as pagefile
 
 if TYPE_CHECKING:
     from tierstore.rootstore.ioqueue import Job
@@ -161,10 +162,6 @@ class NativeLane:
     def _start(self, key_len: int) -> bool:
         """Build the arrays and start the threads for keys of ``key_len`` bytes; False when the
         native store does not apply to this engine (yet: the kernels may still compile)."""
-        # Imported here, not at the top: native_kernels imports this module for its layout, and
-        # page_files would bring torch into the kernels' compile thread (~2 s in a fresh process).
-        from tierstore.rootstore.rankdir import NATIVE_OPEN_FLAGS
-
         kernels = native.lane_kernels()
         plan = self.files.native_store_plan(key_len) if kernels is not None else None
         if plan is None or self.files.mac is not None or self._on_ready is None:
@@ -213,7 +210,7 @@ class NativeLane:
         self._serve_args = (
             self.ctl, self.words, self.states, self.ring, self.desc, self.snames, self.lnames, slab,
             self._s_tmp_at, self._s_final_at, s_key_at, len(fan) + 1, self._l_key_at, dir_flags, store_flags,
-            NATIVE_OPEN_FLAGS[1], files.perms.file_mode, length,
+            pagefile.NATIVE_OPEN_FLAGS[1], files.perms.file_mode, length,
             shape.size, int(files.fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank, shape.const_ranges,
             shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, load_shapes[True].plan,
             load_shapes[False].plan, load_shapes[False].load_spans, self.given, self.sums, self.header_sums,
@@ -298,7 +295,7 @@ class NativeLane:
         else:
             width = self.lnames.shape[1]
             self._lnames_bytes[e * width:(e + 1) * width] = names
-            job.slot._source = None
+            job.slot.source = None
         # Fields go in through a flat memoryview of the array: a third of the time of numpy's
         # per-item assignment, and offer runs on the submitting thread per page.
         at = e * FIELDS

@@ -94,7 +94,9 @@ FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns): one file, 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: a FIFO under a page's name opens at once (and is then refused by fstat) instead
 # of blocking an I/O thread; on a regular file it changes nothing.
-READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+READ_FLAGS = safefs.FILE_FLAGS
+# (directory, page) flags of the native kernels' opens: the same as the Python path's.
+NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, READ_FLAGS)
 _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 
 

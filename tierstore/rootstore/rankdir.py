@@ -21,7 +21,7 @@ runs and what its result means (queue, slots, stats, settle); this module only d
   our size and header, cached or read with O_DIRECT) is opened, checked, read, hashed and
   closed in one GIL-free call (``_load_native``, ``native_page.load_page``; one GIL hand-off
   per page instead of ~8), header, checksum and gap checks included; anything else falls back
-  to the path above. The identity of the file read is left in ``slot._source`` (for
+  to the path above. The identity of the file read is left in ``slot.source`` (for
   ``remove_damaged``); errors are ``PageError``s, never served bytes.
 - ``load_many``: ``load`` of an I/O thread's batch, the result or the ``PageError`` of each;
   the common case of every page in one GIL-free call (``native_page.load_pages``, keys of one
@@ -82,7 +82,6 @@ __all__ = ["WARM_PIECE_BYTES", "PageFiles"]
 logger = logging.getLogger("tierstore.engine")  # the engine's log: what operators filter on
 
 ReadPlan = list[tuple[int, int, int, int]]
-NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, pagefile.READ_FLAGS)  # the Python path's own open flags
 
 
 class _ThreadState(threading.local):
@@ -244,7 +243,7 @@ class PageFiles:
         or all not; the rest, and each page the native call hands back, one by one (``store``).
         Why: each GIL-free call returns to Python and waits for the GIL, and beside a busy
         Python thread (vLLM's, or the GPU pipeline's driver) that wait is most of a page's
-        time (docs/measurements/scaling.md, Session 11)."""
+        time (docs/measurements/scaling.md)."""
         out: list[tuple[bool, int] | PageError | None] = [None] * len(items)
         try:
             if len(items) > 1:
@@ -329,7 +328,7 @@ class PageFiles:
             fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
         finally:
             os.close(dir_fd)
-        slot._source = pagefile.file_identity(st)
+        slot.source = pagefile.file_identity(st)
         try:
             if st.st_size == hl + self._nbytes + self._trailer:
                 file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
@@ -372,7 +371,7 @@ class PageFiles:
         shape = self._shape(len(key), verify)
         file_off = self.geometry.header_room - shape.header_len  # ALIGN-aligned (HEADER_ALIGN)
         direct_len = self.direct_len(shape)
-        got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, NATIVE_OPEN_FLAGS,
+        got = native_page.load_page(shape, rank_fd, fanout(key), os.path.basename(path), key, pagefile.NATIVE_OPEN_FLAGS,
                                     self.direct_loads, self._frame_array(slot), file_off, direct_len)
         if got is None:
             return None
@@ -382,7 +381,7 @@ class PageFiles:
                        outcome: native_page.LoadOutcome) -> tuple[int, tuple[int, ...] | None] | None:
         """A native load's ``outcome`` as ``load``'s result; damage raises its ``PageError``
         (named by the Python checks); None: not the common case (the Python path redoes it)."""
-        code, slot._source, sums, header_sums, direct = outcome
+        code, slot.source, sums, header_sums, direct = outcome
         if code not in (0, native_page.LOAD_BAD_SUM, native_page.LOAD_BAD_GAP):
             return None
         if direct:
@@ -418,7 +417,7 @@ class PageFiles:
         paths = [self.mapper.final_path(key) for key, _, _ in items]
         got = native_page.load_pages(shape, rank_fd, [(fanout(key), os.path.basename(p), key)
                                                       for (key, _, _), p in zip(items, paths, strict=True)],
-                                     NATIVE_OPEN_FLAGS, self.direct_loads, slab, [f[1] + file_off for f in frames],
+                                     pagefile.NATIVE_OPEN_FLAGS, self.direct_loads, slab, [f[1] + file_off for f in frames],
                                      direct_len)
         if got is None:
             return False

@@ -41,7 +41,7 @@ class StagingSlot:
     # ``view``/``tensor``.
     _frame: memoryview = field(repr=False)
     # The file a load read into this slot (pagefile.FileIdentity), for removing it if damaged.
-    _source: tuple[int, int, int] | None = field(default=None, repr=False)
+    source: tuple[int, int, int] | None = field(default=None, repr=False)
 
 
 class StagingPool:

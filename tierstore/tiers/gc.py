@@ -48,7 +48,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -64,6 +63,7 @@ from tierstore.fs import safefs
 from tierstore.fs.display import escape
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import (
+    NAMESPACE_DIR_RE,
     PAGE_SUFFIX,
     fanout,
     host_tag,
@@ -77,7 +77,6 @@ from tierstore.metrics import TierMetrics
 log = logging.getLogger(__name__)
 
 TRASH_DIR = ".tierstore-trash"
-_NS_RE = re.compile(r"^[0-9a-f]{32}$")
 _PAGE_DEPTH = 4  # namespace / g<group> / r<rank> / <fan-out> / page
 _EVICT_BATCH = 4096  # victims per batch evicted in directory order
 EVICT_THREADS = 8  # unlinks in flight (``--evict-threads``)
@@ -159,7 +158,7 @@ def _allocated(st: os.stat_result) -> int:
 
 def _page_key(parts: tuple[str, ...], name: str) -> bytes | None:
     """The key of a page at its place (``ns/g<group>/<rank dir>/<fan-out>/<key>.kvp``), else None."""
-    if len(parts) != _PAGE_DEPTH or not _NS_RE.match(parts[0]):
+    if len(parts) != _PAGE_DEPTH or not NAMESPACE_DIR_RE.match(parts[0]):
         return None
     key = parse_page_name(name)
     if (key is not None and parse_index_dir(parts[1], "g") is not None
@@ -216,7 +215,7 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
     now = time.time()
 
     def descend(parts: tuple[str, ...]) -> bool:
-        return _NS_RE.match(parts[0]) is not None
+        return NAMESPACE_DIR_RE.match(parts[0]) is not None
 
     def on_error(parts: tuple[str, ...], exc: BaseException) -> None:
         if isinstance(exc, safefs.UnsafeEntry):

@@ -9,7 +9,7 @@
   a transfer no longer reads them (``slots_free``) and calls the owner's completion with each
   finished transfer. Started transfers complete in start order, so a pipeline sees its own
   completions in order too.
-- ``kernel_rows``/``batch_rows``/``max_batch``: block ids of pages as the transfer wants them.
+- ``kernel_rows``/``max_batch``: block ids of pages as the transfer wants them.
 - ``count_result``: the per-tier metrics of a plain engine (a ``TierChain`` counts its own).
 
 Threading: the vLLM worker thread (or a benchmark's driving thread) only. Imports nothing
@@ -61,11 +61,6 @@ def kernel_rows(g: WorkerGroup, block_ids: list[int], pages: int) -> torch.Tenso
     if g.kernel_ratio > 1:
         ids = (ids[:, None] * g.kernel_ratio + torch.arange(g.kernel_ratio)).reshape(-1)
     return ids.reshape(pages, -1)
-
-
-def batch_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The [1, blocks_per_page] rows of a batch's pages as one [pages, blocks_per_page] tensor."""
-    return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 def max_batch(g: WorkerGroup, n: int, limit: int | None = None) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 from tierstore.errors import ConfigError
 from tierstore.format.identity import MANIFEST_NAME, Namespace, read_manifest
 from tierstore.fs.display import escape
+from tierstore.fs.mapper import NAMESPACE_DIR_RE
 
 logger = logging.getLogger("tierstore.vllm")
 
@@ -44,7 +44,6 @@ MAX_SCANNED = 64  # namespace directories looked at under one root (manifests of
 MAX_REPORTED = 3  # siblings warned about at start
 MAX_LINES = 6  # differences listed per sibling
 VALUE_CHARS = 80
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 STATE_DTYPE_HINT = ("the Mamba/GDN state dtype differs: pin it to the same value on every node "
                     "(vLLM's --mamba-ssm-cache-dtype / mamba_ssm_cache_dtype, e.g. float32)")
 
@@ -96,7 +95,7 @@ def sibling_differences(root: str | os.PathLike[str], ns: Namespace,
     same model and revision under ``root`` (module docstring); unreadable ones are skipped."""
     try:
         with os.scandir(root) as it:
-            names = sorted(e.name for e in it if _DIGEST.match(e.name) and e.name != ns.digest
+            names = sorted(e.name for e in it if NAMESPACE_DIR_RE.match(e.name) and e.name != ns.digest
                            and e.is_dir(follow_symlinks=False))
     except OSError:
         return []
