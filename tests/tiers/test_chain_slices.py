@@ -6,6 +6,7 @@ under ``r0`` in both of its tiers."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -121,5 +122,37 @@ def test_a_slice_the_shared_tier_missed_is_uploaded_under_its_slice_directory(tm
         assert reader.stats["slice_files"] == 2
         reader.close()
         source.close()
+    finally:
+        close_shared_state()
+
+
+def test_a_hit_on_a_shared_head_slice_stamps_that_slice_file(tmp_path: Path) -> None:
+    """Touch-on-hit (gc's LRU stamp) reaches the file the hit came from, in the rank's slice
+    directory: it stamped ``r<rank>`` instead (nothing there), so gc evicted hot sliced pages
+    as if never read."""
+    key = page_key(9)
+    heads = H(1, 1)
+    full = page_bytes(FULL, key)
+    config = {"root": str(tmp_path / "shared"), "odirect": "off", "shared_touch_interval_s": 0}
+    try:
+        writer, source = _rank_store(tmp_path, "local-a", heads)
+        _store(writer, key, _slice(full, heads))
+        writer.close()
+        source.close()
+        shared_file = next((tmp_path / "shared" / NS.digest / "g0" / split_dir_name(heads)).rglob(f"{key.hex()}.kvp"))
+        old = time.time() - 3600
+        os.utime(shared_file, (old, old))
+        layout = slice_layout(FULL, heads)
+        reader = open_group_store(TierStoreConfig.from_dict({**config, "local_root": str(tmp_path / "local-b")}), NS, 0,
+                                  rank=1, head_start=1, head_count=1, staging_slots=6, rank_dir=split_dir_name(heads),
+                                  layout=layout)
+        (res,) = reader.wait([reader.submit_load(key)], 10)
+        assert res.ok and bytes(res.slot.view[: layout.nbytes]) == _slice(full, heads), res.error
+        reader.release_slot(res.slot)
+        end = time.monotonic() + 10
+        while shared_file.stat().st_mtime < old + 60 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert shared_file.stat().st_mtime > old + 60, "the shared slice file was not stamped"
+        reader.close()
     finally:
         close_shared_state()

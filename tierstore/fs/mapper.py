@@ -76,6 +76,16 @@ def host_tag() -> str:
 FANOUT_DIRS = tuple(f"{i:02x}" for i in range(256))
 
 
+def group_dir_name(group_index: int) -> str:
+    """The directory of a KV-cache group's files under its namespace: ``g<index>``."""
+    return f"g{group_index}"
+
+
+def group_dir(root: str | os.PathLike[str], namespace: str, group_index: int) -> Path:
+    """``ROOT/<namespace>/g<index>``: the parent of every rank and slice directory of a group."""
+    return Path(root) / namespace / group_dir_name(group_index)
+
+
 def fanout(key: bytes) -> str:
     """The fan-out directory of ``key``: the first byte of xxh3-64(key), in hex."""
     return xxhash.xxh3_64_hexdigest(key)[0:2]
@@ -178,7 +188,9 @@ class FileMapper:
         self.rank_dir = rank_dir if rank_dir is not None else f"r{rank}"
         if parse_rank_dir(self.rank_dir) != rank:
             raise ValueError(f"rank directory {self.rank_dir!r} does not hold rank {rank}'s files")
-        self.base = self.root / namespace / f"g{group_index}" / self.rank_dir
+        # The directories below the root, as fd-relative walks open them (RankDir).
+        self.dir_parts: tuple[str, str, str] = (namespace, group_dir_name(group_index), self.rank_dir)
+        self.base = self.root.joinpath(*self.dir_parts)
 
         self._base = str(self.base)
 

@@ -121,7 +121,7 @@ class PageFiles:
         self._slabs: dict[int, tuple[memoryview, Any, int]] = {}  # id(slot frame) -> (frame, slab array, offset)
         self._slab_arrays: dict[int, tuple[Any, Any]] = {}  # id(buffer owner) -> (owner, its uint8 array)
         self._local = _ThreadState()
-        self._dirs = pagefile.RankDir(mapper.root, (namespace.digest, f"g{group_index}", mapper.rank_dir), perms)
+        self._dirs = pagefile.RankDir(mapper.root, mapper.dir_parts, perms)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
 

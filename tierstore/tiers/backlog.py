@@ -123,7 +123,7 @@ class SharedBacklog:
     def _read_local(self, src: IOEngine, key: bytes, out: memoryview) -> PageHeader:
         """Read and verify the local page of ``key`` into ``out`` (see the module docstring)."""
         if self._dirs is None:
-            self._dirs = pagefile.RankDir(src.root, (src.namespace.digest, f"g{src.group_index}", src.mapper.rank_dir))
+            self._dirs = pagefile.RankDir(src.root, src.mapper.dir_parts)
         path = src.mapper.final_path(key)
         dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
         try:

@@ -43,7 +43,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageMissing, PageTimeout, PageUnsafe
 from tierstore.format.identity import Namespace
 from tierstore.fs.deadline import DeadlineRunner, Health
-from tierstore.fs.mapper import fanout
+from tierstore.fs.mapper import FileMapper, fanout
 from tierstore.metrics import TierMetrics
 from tierstore.rootstore import pageops as pagefile
 from tierstore.rootstore.engine import IOEngine
@@ -75,8 +75,10 @@ class SharedTier(EngineTier):
         self._touched: dict[bytes, float] = {}
         self._touch_lock = threading.Lock()
         self._opened = threading.Event()
-        # the touch's own directory fds (the engine's are its own): no symlink followed
-        self._dirs = pagefile.RankDir(self.root, (namespace.digest, f"g{group_index}", f"r{rank}"))
+        # the touch's own directory fds (the engine's are its own): no symlink followed, and the
+        # engine's directory (a head slice's h<start>-<count>, not r<rank>: FileMapper says which)
+        mapper = FileMapper(self.root, namespace.digest, group_index, rank, engine_kwargs.get("rank_dir"))
+        self._dirs = pagefile.RankDir(self.root, mapper.dir_parts)
         kwargs = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ENGINE_KWARGS}
         threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
                          args=(config, namespace, group_index, rank, kwargs)).start()

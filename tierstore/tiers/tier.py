@@ -41,6 +41,29 @@ from tierstore.store import IOResult, PageStore
 
 # Load failure kinds that mean "this tier has no page for the key" (a miss, not a fault).
 MISS_KINDS: frozenset[str] = frozenset({"missing", PageUnsafe.kind})
+
+
+def count_result(metrics: TierMetrics, r: IOResult, tokens: int) -> None:
+    """The one rule for counting a page result in a tier's metrics: a verified load is a hit
+    (an unverified one is counted at ``settle``), a load failure in ``MISS_KINDS`` a miss (and,
+    unless ``missing``, a failure of its kind too), any other failure a failure; a store that
+    wrote a page counts its bytes."""
+    kind = r.error.kind if r.error is not None else "error"
+    if r.op == "load":
+        if r.ok:
+            if r.verified:
+                metrics.hit(tokens, r.nbytes, r.seconds)
+        elif kind in MISS_KINDS:
+            metrics.miss(tokens)
+            if kind != "missing":
+                metrics.failure(kind)
+        else:
+            metrics.failure(kind)
+    elif r.ok:
+        if r.stored:
+            metrics.stored(r.nbytes, r.seconds)
+    else:
+        metrics.failure(kind)
 _UNVERIFIED_MAX = 4096  # unsettled unverified results remembered per tier (a caller that never settles)
 
 
@@ -250,22 +273,7 @@ class EngineTier:
         return out
 
     def _count(self, r: IOResult, job: TierJob) -> None:
-        kind = r.error.kind if r.error is not None else "error"
-        if r.op == "load":
-            if r.ok:
-                if r.verified:  # else ``settle`` counts it once the caller has checked it
-                    self.metrics.hit(job.tokens, r.nbytes, r.seconds)
-            elif kind in MISS_KINDS:
-                self.metrics.miss(job.tokens)
-                if kind != "missing":
-                    self.metrics.failure(kind)
-            else:
-                self.metrics.failure(kind)
-        elif r.ok:
-            if r.stored:
-                self.metrics.stored(r.nbytes, r.seconds)
-        else:
-            self.metrics.failure(kind)
+        count_result(self.metrics, r, job.tokens)
 
     def _finish(self, taken: list[tuple[TierJob, IOResult]]) -> list[IOResult]:
         for job, r in taken:

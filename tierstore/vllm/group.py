@@ -28,6 +28,7 @@ from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.metrics import TierMetrics
 from tierstore.store import IOResult, PageStore
+from tierstore.tiers.tier import count_result as tier_count_result
 
 
 @dataclass
@@ -74,19 +75,8 @@ def max_batch(g: WorkerGroup, n: int, limit: int | None = None) -> int:
 def count_result(g: WorkerGroup, res: IOResult) -> None:
     """Count a page store's result in the root tier's metrics (plain engine only). An
     unverified load is counted once the GPU has checked it (``LoadPipeline``)."""
-    m = g.root_metrics
-    if m is None:
-        return
-    if res.ok:
-        if res.op == "load":
-            if res.verified:
-                m.hit(g.tokens_per_page, res.nbytes, res.seconds)
-        elif res.stored:
-            m.stored(res.nbytes, res.seconds)
-    elif res.error is not None and res.error.kind == "missing":
-        m.miss(g.tokens_per_page)
-    else:
-        m.failure(res.error.kind if res.error is not None else "error")
+    if g.root_metrics is not None:
+        tier_count_result(g.root_metrics, res, g.tokens_per_page)  # the chain's rule, one owner
 
 
 @dataclass

@@ -26,7 +26,6 @@ Threading: construction only; the objects it returns document their own rules.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from tierstore.format.head_slices import (
 from tierstore.format.identity import Namespace
 from tierstore.format.page import GroupKind, PageLayout
 from tierstore.fs.mapper import FileMapper
+from tierstore.fs.mapper import group_dir as mapper_group_dir
 from tierstore.index.indexed_lookup import SliceGroup
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.scratch import transfer_scratch_pages
@@ -226,7 +226,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             inner = open_group_store(self.ts_config, self.namespace, i, rank=mine.start // mine.count,
                                      head_start=mine.start, head_count=mine.count, staging_slots=slots, pin=pin,
                                      rank_dir=split_dir_name(mine), layout=layout)
-        group_dir = Path(self.ts_config.root) / self.namespace.digest / f"g{i}"
+        group_dir = mapper_group_dir(self.ts_config.root, self.namespace.digest, i)
         source = DirectorySlices(group_dir, self.namespace.digest_bytes, i, full_layout,
                                  refresh_s=self.ts_config.index_refresh_s)
         return HeadSliceStore(inner, HeadRange(mine.start, mine.count), full_layout, source)
