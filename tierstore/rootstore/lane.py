@@ -57,7 +57,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tierstore.fs.mapper import fanout
-from tierstore.index import page_index
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
 from tierstore.native.abi import (
@@ -335,10 +334,9 @@ class NativeLane:
         if code == LANE_EXPIRED:
             return job.expired_in_queue(), False, 0
         if job.op == "store":
-            done = files._native_stored(code)
+            done = files._native_stored(job.key, code)
             if done is None:
                 return None
-            page_index.note_stored(files.mapper.base, job.key)
             return None, done[0], done[1]
         shape = self._load_shapes[job.verify]
         got = native_page._outcome(shape, code, self.scratch[e], self.sums[e], self.header_sums[e])

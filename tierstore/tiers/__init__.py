@@ -100,14 +100,14 @@ def open_group_store(
     from tierstore.rootstore.engine import IOEngine
     from tierstore.tiers.chain import TierChain
 
-    if not config.local_root and config.host_bytes <= 0:
-        if config.gc_interval_s and config.max_bytes:
-            from tierstore.tiers.gc import GcDaemon
-
-            reg = metrics if metrics is not None else default_registry()
-            GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier("root"))
-        return IOEngine(config.root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
     reg = metrics if metrics is not None else default_registry()
+    lone = not config.local_root and config.host_bytes <= 0
+    if config.gc_interval_s and config.max_bytes:  # the one place the root's gc daemon starts
+        from tierstore.tiers.gc import GcDaemon
+
+        GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier("root" if lone else "shared"))
+    if lone:
+        return IOEngine(config.root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
     return TierChain(config, namespace, group_index, rank=rank, host=_host_tier(config, reg),
                      local_index=_local_index(config), metrics=reg, **engine_kwargs)
 

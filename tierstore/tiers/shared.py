@@ -48,7 +48,6 @@ from tierstore.metrics import TierMetrics
 from tierstore.rootstore import pageops as pagefile
 from tierstore.rootstore.engine import IOEngine
 from tierstore.store import IOResult
-from tierstore.tiers.gc import GcDaemon
 from tierstore.tiers.tier import EngineTier, TierJob
 
 log = logging.getLogger(__name__)
@@ -84,8 +83,6 @@ class SharedTier(EngineTier):
                          args=(config, namespace, group_index, rank, kwargs)).start()
         if not self._opened.wait(self.deadline_s):
             self.health.mark_down(f"opening the shared root took longer than {self.deadline_s:.3f} s")
-        if config.gc_interval_s and config.max_bytes:
-            GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, metrics)
 
     def _open(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
               kwargs: dict[str, Any]) -> None:
