@@ -236,6 +236,7 @@ def test_missing_page(root: Path) -> None:
 
 def _block_worker(eng: IOEngine, op: str, gate: threading.Event, started: threading.Event) -> list[str]:
     """Make the engine's ``op`` block on ``gate`` (a stuck syscall); returns the call log."""
+    assert eng.config.io_loop == "python", "the native lane never calls the wrapped file operation"
     calls: list[str] = []
     real = getattr(eng, f"_do_{op}")
 
@@ -265,7 +266,7 @@ def _submit_stores_behind_a_blocked_first(eng: IOEngine, layout: PageLayout, n: 
 
 def test_queue_full_and_no_slot(root: Path) -> None:
     ns = simple_namespace()
-    eng = _engine(root, ns, io_threads=1, queue_depth=2, staging_slots=5)
+    eng = _engine(root, ns, io_threads=1, queue_depth=2, staging_slots=5, io_loop="python")
     layout = ns.groups[0].layout
     gate, started = threading.Event(), threading.Event()
     _block_worker(eng, "store", gate, started)
@@ -289,7 +290,7 @@ def test_queue_full_and_no_slot(root: Path) -> None:
 
 def test_deadline_holds_while_worker_is_stuck(root: Path) -> None:
     ns = simple_namespace()
-    eng = _engine(root, ns, io_threads=1, staging_slots=3, deadline_s=0.3)
+    eng = _engine(root, ns, io_threads=1, staging_slots=3, deadline_s=0.3, io_loop="python")
     gate, started = threading.Event(), threading.Event()
     _block_worker(eng, "store", gate, started)
     slot = eng.acquire_slot()
@@ -346,7 +347,8 @@ def test_fifo_under_a_page_name_fails_fast_and_typed(root: Path) -> None:
 def test_loads_are_served_before_stores(root: Path) -> None:
     ns = simple_namespace()
     layout = ns.groups[0].layout
-    eng = _engine(root, ns, io_threads=1, staging_slots=12)
+    # the Python I/O threads: the recorders below wrap their file operations (a lane bypasses them)
+    eng = _engine(root, ns, io_threads=1, staging_slots=12, io_loop="python")
     for i in range(3):  # pages to load later
         assert store_data(eng, page_key(100 + i), page_bytes(layout, page_key(100 + i))).ok
     gate, started = threading.Event(), threading.Event()
@@ -388,7 +390,7 @@ def test_loads_are_served_before_stores(root: Path) -> None:
 
 def test_close_cancels_queued_loads_and_later_submits(root: Path) -> None:
     ns = simple_namespace()
-    eng = _engine(root, ns, io_threads=1)
+    eng = _engine(root, ns, io_threads=1, io_loop="python")
     gate, started = threading.Event(), threading.Event()
     _block_worker(eng, "load", gate, started)
     first = eng.submit_load(page_key(0))
@@ -509,7 +511,7 @@ def test_store_error_is_per_key_and_temp_removed(root: Path, monkeypatch: pytest
 def test_waiters_wake_on_their_jobs_and_on_released_slots(root: Path) -> None:
     ns = simple_namespace()
     layout = ns.groups[0].layout
-    eng = _engine(root, ns, io_threads=1, staging_slots=2)
+    eng = _engine(root, ns, io_threads=1, staging_slots=2, io_loop="python")
     gate, started = threading.Event(), threading.Event()
     _block_worker(eng, "store", gate, started)
     slot = eng.acquire_slot()
@@ -743,7 +745,7 @@ def test_engine_found_damage_removes_only_the_file_it_read(root: Path, monkeypat
     """A page republished between the damaged read and its removal is left alone."""
     ns = simple_namespace()
     layout = ns.groups[0].layout
-    eng = _engine(root, ns)
+    eng = _engine(root, ns, io_loop="python")  # load_then_republish wraps the Python path's load
     key = page_key(4)
     data = page_bytes(layout, key)
     assert store_data(eng, key, data).ok

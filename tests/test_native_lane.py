@@ -159,21 +159,6 @@ def test_finished_stores_give_their_slots_back_without_a_poll(tmp_path: Path) ->
     eng.close()
 
 
-def test_a_wrapped_file_operation_keeps_every_job_on_the_python_threads(tmp_path: Path) -> None:
-    eng = _engine(tmp_path)
-    seen = []
-    real = eng._do_store
-
-    def wrapped(*a: object) -> object:
-        seen.append(1)
-        return real(*a)  # type: ignore[arg-type]
-
-    eng._do_store = wrapped  # type: ignore[method-assign]
-    assert store_data(eng, page_key(6), page_bytes(eng.layout, page_key(6), 2)).ok
-    assert seen and _lane_jobs(eng) == 0
-    eng.close()
-
-
 def test_close_finishes_queued_stores_and_stops_the_lane_threads(tmp_path: Path) -> None:
     before = set(threading.enumerate())  # other tests' engines in this process may still run
     eng = _engine(tmp_path, staging_slots=16, io_threads=2)

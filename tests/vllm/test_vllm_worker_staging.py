@@ -36,7 +36,10 @@ def _setup(root: Path, slots: int, store_delay_s: float, monkeypatch: pytest.Mon
     torch.manual_seed(0)
     caches = [torch.randn(BLOCKS, HEADS, N, 2, D, dtype=torch.float16) for _ in range(2)]
     copier = GroupCopier(caches, layout, 1, [1, 1], backend="torch")
-    engine = IOEngine(root, ns, 0, config=TierStoreConfig.from_dict({"root": str(root)}), staging_slots=slots)
+    # a slow disk wraps the Python I/O threads' file operations (a native lane would bypass them)
+    loop = "python" if store_delay_s else "native"
+    engine = IOEngine(root, ns, 0, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": loop}),
+                      staging_slots=slots)
     if store_delay_s:
         real = engine._do_store  # a slow disk: every page write takes store_delay_s
 

@@ -54,7 +54,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +75,7 @@ from tierstore.fs.directio import ALIGN, FrameGeometry, cachestat_available
 from tierstore.fs.mapper import FileMapper, check_key
 from tierstore.fs.trust import check_root_trust
 from tierstore.native import loader as native
+from tierstore.rootstore.counters import EngineCounters, Served
 from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy
 from tierstore.rootstore.lane import NativeLane
 from tierstore.rootstore.pageops import FileIdentity, probe_odirect
@@ -99,19 +99,6 @@ def io_batch_for(io_batch_pages: int, page_bytes: int) -> int:
     one by one, the I/O threads busy 0.83-0.90 against 0.96-0.97 of the time (stores
     unchanged; docs/measurements/scaling.md). 2 MiB pages keep batches of 8."""
     return max(1, min(io_batch_pages, IO_BATCH_BYTES // max(1, page_bytes)))
-
-
-_MAX_UNSETTLED = 4096  # unverified load results remembered for ``settle`` (oldest forgotten)
-
-
-@dataclass(frozen=True)
-class _Served:
-    """An unverified load result awaiting the caller's ``settle``."""
-
-    key: bytes
-    source: FileIdentity | None  # the file its bytes came from
-    nbytes: int
-    seconds: float
 
 
 class IOEngine:
@@ -156,30 +143,21 @@ class IOEngine:
             raise ConfigError(f"staging_slots must be positive, got {n_slots}")
         self.pinned = bool(pin and torch.cuda.is_available())
 
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, Any] = {
-            "loads_ok": 0, "loads_failed": {}, "load_bytes": 0, "load_seconds": 0.0,
-            "stores_ok": 0, "stores_existing": 0, "stores_failed": {}, "store_bytes": 0,
-            "store_seconds": 0.0, "loads_general_reader": 0,
-            "loads_odirect": 0,  # cold loads read with O_DIRECT (the rest came from the page cache)
-            "bad_pages_discarded": 0,  # damaged files removed so the key can be stored again
-            "loads_unverified": 0,  # verify=False results handed out; counted ok/failed at settle
-        }
+        self.counters = EngineCounters()
+        self._removals_lock = threading.Lock()
         self.files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
                                head_count=head_count, config=self.config, codec=self.codec, perms=self.perms,
                                mac=self.mac, odirect=self.odirect,
-                               direct_loads=self.odirect and cachestat_available(), count=self._count,
+                               direct_loads=self.odirect and cachestat_available(), count=self.counters.count,
                                layout=self.layout)
         self.geometry: FrameGeometry = self.files.geometry
         with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
             self.files._dirs.rank_fd()  # (a missing directory: the first store makes it)
         self._pool = StagingPool(self.geometry, n_slots, self.pinned)
-        self._unsettled: dict[int, _Served] = {}  # job id -> unverified result, until settled
         self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
         lane = None
         if self.config.io_loop == "native" and native.enabled_by_env():
-            lane = NativeLane(self.files, self._pool, threads=self.config.io_threads, name=f"tierstore-io-g{group_index}",
-                              seams_intact=self._file_operations_intact)
+            lane = NativeLane(self.files, self._pool, threads=self.config.io_threads, name=f"tierstore-io-g{group_index}")
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
                                finish=self._finish, after_run=self._after_run,
@@ -277,7 +255,7 @@ class IOEngine:
         finished (ok, failed or timed out)."""
         end = None if timeout is None else time.monotonic() + timeout
         done = self._queue.flush(timeout)
-        with self._stats_lock:
+        with self._removals_lock:
             removals = list(self._removals)
         for t in removals:
             t.join(None if end is None else max(0.0, end - time.monotonic()))
@@ -301,11 +279,7 @@ class IOEngine:
 
     @property
     def stats(self) -> dict[str, Any]:
-        with self._stats_lock:
-            s = dict(self._stats)
-            s["loads_failed"] = dict(s["loads_failed"])
-            s["stores_failed"] = dict(s["stores_failed"])
-            s["loads_awaiting_settle"] = len(self._unsettled)
+        s = self.counters.snapshot()
         s.update(self._queue.counts())
         s.update(io_mode="odirect" if self.odirect else "buffered", odirect_reason=self.odirect_reason,
                  codec=self.codec.name.lower(), free_slots=self._pool.free_count, staging_slots=len(self._pool),
@@ -360,22 +334,8 @@ class IOEngine:
             result_slot = job.slot
             self._pool.hand_over(job.slot)  # now the caller's
         unverified = ok and job.op == "load" and job.sums is not None
-        with self._stats_lock:
-            s = self._stats
-            if unverified:
-                s["loads_unverified"] += 1
-                self._unsettled[job.id] = _Served(job.key, job.slot.source, nbytes, seconds)
-                if len(self._unsettled) > _MAX_UNSETTLED:
-                    del self._unsettled[next(iter(self._unsettled))]
-            elif ok and job.op == "load":
-                self._count_load_locked(nbytes, seconds)
-            elif ok:
-                s["stores_ok" if stored else "stores_existing"] += 1
-                s["store_bytes"] += nbytes
-                s["store_seconds"] += seconds
-            else:
-                failed = s["loads_failed" if job.op == "load" else "stores_failed"]
-                failed[error.kind] = failed.get(error.kind, 0) + 1  # type: ignore[union-attr]
+        self.counters.finished(job.id, job.op, None if error is None else error.kind, stored, nbytes, seconds,
+                               Served(job.key, job.slot.source, nbytes, seconds) if unverified else None)
         return IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds,
                         verified=not unverified, sums=job.sums if unverified else None, tier=self.tier_name)
 
@@ -384,40 +344,23 @@ class IOEngine:
         if job.slot is not None and not (accepted and error is None and job.op == "load"):
             self._pool.release(job.slot)
 
-    def _count_load_locked(self, nbytes: int, seconds: float) -> None:
-        self._stats["loads_ok"] += 1
-        self._stats["load_bytes"] += nbytes
-        self._stats["load_seconds"] += seconds
-
     def _settle(self, job_id: int, ok: bool, reason: str) -> None:
-        with self._stats_lock:
-            served = self._unsettled.pop(job_id, None)
-            if served is None:
-                return
-            if ok:
-                self._count_load_locked(served.nbytes, served.seconds)
-            else:
-                failed = self._stats["loads_failed"]
-                failed[PageCorrupt.kind] = failed.get(PageCorrupt.kind, 0) + 1
-        if not ok:
+        served = self.counters.settled(job_id, ok)
+        if served is not None and not ok:
             # Off the caller's thread: it is the vLLM worker's step, and an unlink on a hung mount
             # must not stall it. ``flush`` waits for these removals.
             error = PageCorrupt(reason or "rejected by the caller", key=served.key)
             t = threading.Thread(target=self._remove_damaged, args=(served.key, served.source, error),
                                  name="tierstore-remove-damaged", daemon=True)
-            with self._stats_lock:
+            with self._removals_lock:
                 self._removals = [r for r in self._removals if r.is_alive()] + [t]
             t.start()
 
-    def _count(self, counter: str) -> None:
-        """Add one to a stats counter (``PageFiles``' report of what it did)."""
-        with self._stats_lock:
-            self._stats[counter] += 1
-
     # ----------------------------------------------------------------- file operations (PageFiles)
-    # The I/O threads reach the files through these five, so a test can wrap one of them (a
+    # The Python I/O threads reach the files through these, so a test can wrap one of them (a
     # test that must see every load wraps ``_do_load`` and ``_do_loads``, the batch one; every
-    # store, ``_do_store`` and ``_do_stores``).
+    # store, ``_do_store`` and ``_do_stores``) on an engine with ``io_loop`` "python": the
+    # native lane runs its jobs in compiled code and never calls them.
     def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
         return self.files.store(key, slot, token_count, sums)
 
@@ -430,11 +373,6 @@ class IOEngine:
 
     def _do_loads(self, items: list[tuple[bytes, StagingSlot, bool]]) -> list[tuple[int, tuple[int, ...] | None] | PageError]:
         return self.files.load_many(items)
-
-    def _file_operations_intact(self) -> bool:
-        """None of the four page operations above is wrapped (a test's seam): only then may
-        the native lane (``native_lane``) run jobs, which bypasses them."""
-        return all(getattr(getattr(self, name), "__func__", None) is _FILE_OPERATIONS[name] for name in _FILE_OPERATIONS)
 
     def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
         self.files.remove_damaged(key, source, error)
@@ -449,7 +387,6 @@ class IOEngine:
         return self._pool.slots
 
 
-_FILE_OPERATIONS = {name: IOEngine.__dict__[name] for name in ("_do_store", "_do_stores", "_do_load", "_do_loads")}
 
 
 # ----------------------------------------------------------------- setup (at construction)

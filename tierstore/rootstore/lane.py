@@ -12,7 +12,7 @@ Contract:
 - ``offer(job)`` (under the job queue's lock) puts a job into the lane when it is the common
   case the native kernels serve (codec none, no MAC, private file modes, the key length of the
   lane, a slot of the engine's staging slab, the warm read plan the lane was built with, the
-  engine's file operations not wrapped by a test, the rank directory already open) and
+  rank directory already open) and
   returns True; otherwise False and the job takes the Python I/O threads
   (``ioqueue.JobQueue``) as before. It never calls the file system (the lock is held, and
   the mount may hang): the engine's first jobs go to the Python threads, which open the rank
@@ -140,11 +140,10 @@ class NativeLane:
     job's)."""
 
     def __init__(self, files: PageFiles, pool: StagingPool, *, threads: int, name: str,
-                 seams_intact: Callable[[], bool], harvest_delay_s: float = HARVEST_DELAY_S) -> None:
+                 harvest_delay_s: float = HARVEST_DELAY_S) -> None:
         self.files, self.pool = files, pool
         self.threads, self.name = threads, name
         self.harvest_delay_s = harvest_delay_s
-        self._seams_intact = seams_intact
         self._on_ready: Callable[[], None] | None = None
         self.started = False
         self.stopped = False
@@ -252,7 +251,7 @@ class NativeLane:
     # ----------------------------------------------------------------- offer (queue lock held)
     def offer(self, job: Job) -> bool:
         """Take ``job`` into the lane (module docstring); False: the Python I/O threads run it."""
-        if self.stopped or not self._seams_intact():
+        if self.stopped:
             return False
         if not self.started and not self._start(len(job.key)):
             return False
