@@ -1,7 +1,7 @@
 """Two-"node" shared-filesystem stand-in for NFS tests, built on sshfs (FUSE).
 
 The recipe, its cache profiles and what they reproduce are in this docstring and in
-``PROFILES`` below; what the tests measured on it is in docs/DESIGN.md ("Two nodes").
+``PROFILES`` below; what the tests measured on it is in docs/measurements/tiers-nfs.md.
 ``server_pids(mount)`` and ``hung(mount)`` SIGSTOP the mount's sftp-server so every
 file operation on that mount blocks, like a hard NFS mount whose server went away, and
 SIGCONT it afterwards (the mount comes back).

@@ -12,7 +12,7 @@ creates a directory. Pages are MiB-sized, so a group and rank rarely holds more 
 them (about 4,000 per directory; ext4's htree and NFS readdir stay fast, and flat directories
 only hit ext4's limits near 7.5M entries). The earlier two-level ``aa/bb`` fan-out (65,536
 leaves) made almost every store of a young tier create a directory: on the H200 host that took
-store throughput from 0.98 to 0.75 of raw writes (medians, docs/DESIGN.md §2 and §7), plus
+store throughput from 0.98 to 0.75 of raw writes (medians, docs/DESIGN.md §6 and docs/measurements/fanout.md), plus
 4 KiB of disk and one more readdir per leaf for fsck over NFS.
 
 A page is written to a temp file in its final directory and renamed into place (rename is

@@ -1,7 +1,7 @@
 """Copies between vLLM's KV-cache views and canonical page buffers (one KV-cache group).
 
 ``GroupCopier(sources, layout, blocks_per_page, concat_dims, backend)`` is the contract
-(docs/DESIGN.md section 7): ``sources[i]`` is a strided view
+(docs/DESIGN.md §6, checksums and the GPU path): ``sources[i]`` is a strided view
 ``[num_blocks, *block_shape]`` feeding ``layout.sections[i]``; the adapter expresses every
 physical layout (LBHNC, LBNHC, split K/V planes, kernel-block splits, transposed conv
 states) as such a view, so the canonical bytes never depend on it. A gather writes every byte

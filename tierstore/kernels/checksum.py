@@ -1,6 +1,6 @@
 """xxh3-64 section checksums of canonical pages, computed on the pages' device (Triton).
 
-Contract (docs/DESIGN.md section 7): ``SectionHasher(layout, device).hash(pages)`` takes
+Contract (docs/DESIGN.md §6, checksums and the GPU path): ``SectionHasher(layout, device).hash(pages)`` takes
 ``pages`` ``[n, layout.nbytes]`` uint8 (rows contiguous; a row stride larger than
 ``layout.nbytes`` is accepted) on ``device`` and returns ``[n, len(layout.sections)]`` int64
 whose bit patterns are exactly ``xxhash.xxh3_64_intdigest(section_bytes)`` (seed 0, default

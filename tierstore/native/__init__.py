@@ -1,1 +1,1 @@
-"""GIL-free page I/O: the kernels' ABI (abi), the compiled kernels (kernels), their loader (loader), one page per call (page), the I/O lane (lane)."""
+"""GIL-free page I/O: the kernels' ABI (abi), the compiled kernels (kernels), their loader (loader), one page per call (page). The I/O lane that runs them is rootstore/lane.py."""

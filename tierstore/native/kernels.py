@@ -7,7 +7,7 @@ function is compiled for an explicit signature at import, or loaded from numba's
 again with caching off). Why cached: compiling took ~6 s of CPU in every process that
 loads a page (each vLLM worker), mostly holding the GIL while the worker's first steps ran; at
 TP=2 on the 2-core machine an engine's first step waited ~9 s, and an engine start took 37.7 s
-against 26.6 s with the native path off (docs/DESIGN.md, "Native kernels"). Loading the cache
+against 26.6 s with the native path off (docs/DESIGN.md §6, the page store on one root). Loading the cache
 takes a fraction of a second.
 
 What makes caching possible: C functions are called by symbol through ``_c_function``'s
@@ -146,7 +146,7 @@ def _xxh3_symbol() -> str:
     """The XXH3-64 entry point the kernels call: xxhash's x86 builds export a dispatcher that
     picks AVX2/AVX-512 code where the CPU has it (what ``xxhash.xxh3_64_intdigest`` calls),
     while ``XXH3_64bits`` is the SSE2 build: 8.9 against 12.4 GB/s over 16 MiB on the 2-core
-    EPYC, 12.4 against 16.2 GB/s over 64 KiB (docs/DESIGN.md, "Native kernels"). Same digests.
+    EPYC, 12.4 against 16.2 GB/s over 64 KiB (docs/DESIGN.md §6, the page store on one root). Same digests.
     ``TIERSTORE_XXH3_SYMBOL=XXH3_64bits`` takes the SSE2 one (paired measurements; numba's cache
     keeps the symbol it compiled with, so give each choice its own ``NUMBA_CACHE_DIR``)."""
     import ctypes

@@ -30,9 +30,11 @@ Contract:
 
 Threading: every public method may be called from any thread. One lock guards the queues,
 pending jobs and results; ``finish`` runs under it (it must only take leaf locks). Each submit
-puts one token in a C-level queue that idle I/O threads block on (one wakes per job; a thread
-that takes a batch takes up to that many tokens with it, under the lock, so fewer threads wake
-for nothing);
+puts one token in a C-level queue that idle I/O threads block on, not a Condition (whose wait
+allocates a lock and runs Python per job): one wakes per job; a thread that takes a batch
+takes up to that many tokens with it, under the lock, so fewer threads wake for nothing; a
+job completed while queued leaves its token behind, and the thread that takes it finds nothing
+and waits again, so there are never fewer tokens than queued jobs; one token per thread at stop;
 conditions on the lock wake a ``wait`` call only when its last job is done, and ``flush`` only
 when no job of the flushed class is left.
 """
@@ -109,6 +111,34 @@ class _Waiter:
         self.remaining = 0
 
 
+class _Watchers:
+    """The ``wait`` calls waiting for jobs, by job id; every call with the queue's lock held."""
+
+    def __init__(self) -> None:
+        self._by_job: dict[int, list[_Waiter]] = {}
+
+    def add(self, waiter: _Waiter, ids: Iterable[int], pending: dict[int, Job]) -> None:
+        for i in ids:
+            if i in pending:
+                self._by_job.setdefault(i, []).append(waiter)
+                waiter.remaining += 1
+
+    def remove(self, waiter: _Waiter, ids: Iterable[int]) -> None:
+        for i in ids:
+            ws = self._by_job.get(i)
+            if ws and waiter in ws:
+                ws.remove(waiter)
+                if not ws:
+                    del self._by_job[i]
+
+    def done(self, job_id: int) -> None:
+        """Job ``job_id`` completed: a waiter whose last job it was is woken."""
+        for w in self._by_job.pop(job_id, ()):
+            w.remaining -= 1
+            if w.remaining == 0:
+                w.cond.notify()
+
+
 class Lane(Protocol):
     """Compiled I/O threads that take jobs off the Python threads (``native_lane.NativeLane``);
     ``offer``, ``harvest``, ``queued`` and ``hurry`` are called with the queue's lock held."""
@@ -120,6 +150,31 @@ class Lane(Protocol):
     def hurry(self, by: int) -> None: ...
     def stop(self, timeout: float) -> list[Job]: ...
     def ended(self) -> bool: ...
+
+
+class _NoLane:
+    """The lane of a queue without one: takes nothing, finishes nothing."""
+
+    def attach(self, on_ready: Callable[[], None]) -> None:
+        pass
+
+    def offer(self, job: Job) -> bool:
+        return False
+
+    def harvest(self) -> list[tuple[Job, Outcome | None, float]]:
+        return []
+
+    def queued(self) -> dict[str, int]:
+        return {}
+
+    def hurry(self, by: int) -> None:
+        pass
+
+    def stop(self, timeout: float) -> list[Job]:
+        return []
+
+    def ended(self) -> bool:
+        return True
 
 
 class ClassQueues:
@@ -190,30 +245,22 @@ class JobQueue:
         self._finish, self._after_run, self._where = finish, after_run, where
         self._runner = _Runner(run, run_batch)
         self._lock = threading.Lock()
-        # One token per queued job (and one per thread at stop): an idle I/O thread blocks in
-        # C on this, not in a Condition (whose wait allocates a lock and runs Python per job).
-        # A job completed while queued leaves its token behind; the thread that takes it finds
-        # nothing to pick and waits again, so there are never fewer tokens than queued jobs.
-        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # tokens (module docstring)
         self._drained = threading.Condition(self._lock)  # no store pending
-        self._watch: dict[int, list[_Waiter]] = {}  # job id -> wait() calls waiting for it
+        self._watch = _Watchers()
         self._classes = ClassQueues(policy)
         self._pending: dict[int, Job] = {}  # not done, in submission order (= deadline order)
         self._pending_ops = dict.fromkeys(policy.order, 0)
         self._results: dict[int, Any] = {}
         self._ids = itertools.count(1)
-        self._closed = False
-        self._stop = False
+        self._closed = self._stop = False
         self._pid = os.getpid()  # a forked child's copy refuses work (submit)
-        self.late_results_dropped = 0
-        self.jobs_run = 0  # jobs a thread ran (counters for benches)
-        self.batches = 0  # of them: batches of more than one job, and the jobs in those
-        self.batched_jobs = 0
-        self.native_loop_jobs = 0  # of them: run by the native lane
-        self.busy_s = 0.0  # the threads' time from taking jobs to completing them (benches: utilisation)
-        self._lane = lane
-        if lane is not None:
-            lane.attach(self.harvest)
+        # For benches (``counts``): jobs run, of them the batches of more than one job and their
+        # jobs, and the native lane's; the threads' time from taking jobs to completing them.
+        self.late_results_dropped = self.jobs_run = self.batches = self.batched_jobs = self.native_loop_jobs = 0
+        self.busy_s = 0.0
+        self._lane: Lane = lane if lane is not None else _NoLane()
+        self._lane.attach(self.harvest)
         self._name, self._thread_count = name, threads
         self._threads: list[threading.Thread] = []
         if lane is None:
@@ -254,7 +301,7 @@ class JobQueue:
             if reject is not None:
                 self._complete_locked(job, reject)
                 return job.id
-            if self._lane is not None and self._lane.offer(job):
+            if self._lane.offer(job):
                 job.started = True  # the lane owns its resources until it is harvested
                 return job.id
             self._classes.push(job)
@@ -281,11 +328,8 @@ class JobQueue:
             self._expire_locked(time.monotonic())
             self._harvest_locked()
             waiter = _Waiter(self._lock)
-            self._hurry_locked(1)
-            for i in ids:
-                if i in self._pending:
-                    self._watch.setdefault(i, []).append(waiter)
-                    waiter.remaining += 1
+            self._lane.hurry(1)
+            self._watch.add(waiter, ids, self._pending)
             try:
                 while waiter.remaining > 0:
                     left = self._next_wake(time.monotonic(), end)
@@ -294,13 +338,8 @@ class JobQueue:
                     waiter.cond.wait(left)
                     self._expire_locked(time.monotonic())
             finally:
-                self._hurry_locked(-1)
-                for i in ids:
-                    ws = self._watch.get(i)
-                    if ws and waiter in ws:
-                        ws.remove(waiter)
-                        if not ws:
-                            del self._watch[i]
+                self._lane.hurry(-1)
+                self._watch.remove(waiter, ids)
             return [self._results.pop(i) for i in ids if i in self._results]
 
     def flush(self, timeout: float | None, op: str = "store") -> bool:
@@ -308,7 +347,7 @@ class JobQueue:
         ``timeout`` passed first."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            self._hurry_locked(1)
+            self._lane.hurry(1)
             try:
                 while True:
                     now = time.monotonic()
@@ -321,7 +360,7 @@ class JobQueue:
                         return False
                     self._drained.wait(left)
             finally:
-                self._hurry_locked(-1)
+                self._lane.hurry(-1)
 
     def close(self, timeout: float, drain_op: str = "store") -> bool:
         """Cancel later submits, let queued ``drain_op`` jobs finish (up to ``timeout``), cancel
@@ -338,13 +377,12 @@ class JobQueue:
             for job in list(self._classes.drain()):
                 self._complete_locked(job, PageCancelled("the engine was closed before this job ran", key=job.key))
             self._stop = True
-        if self._lane is not None:
-            left = self._lane.stop(max(end - time.monotonic(), 0.05))
-            with self._lock:
-                self._harvest_locked()
-                for job in left:
-                    error = PageCancelled("the engine was closed before this job ran", key=job.key)
-                    self._after_run(job, self._complete_locked(job, error), error)
+        left = self._lane.stop(max(end - time.monotonic(), 0.05))
+        with self._lock:
+            self._harvest_locked()
+            for job in left:
+                error = PageCancelled("the engine was closed before this job ran", key=job.key)
+                self._after_run(job, self._complete_locked(job, error), error)
         for _ in self._threads:
             self._wake.put(None)
         for t in self._threads:
@@ -355,21 +393,18 @@ class JobQueue:
         return self._threads_ended()
 
     def _threads_ended(self) -> bool:
-        return not any(t.is_alive() for t in self._threads) and (self._lane is None or self._lane.ended())
+        return not any(t.is_alive() for t in self._threads) and self._lane.ended()
 
     def counts(self) -> dict[str, int | float]:
         """A snapshot: ``queued_<op>s`` per class, ``pending``, ``late_results_dropped``,
         ``jobs_run`` and, of those, ``jobs_in_batches`` and ``jobs_native_loop`` (the lane's); ``io_busy_s``: the I/O threads' time
         spent running jobs, summed over threads."""
         with self._lock:
-            lane = self._lane.queued() if self._lane is not None else {}
+            lane = self._lane.queued()
             out = {f"queued_{op}s": n + lane.get(op, 0) for op, n in self._classes.waiting.items()}
-            out["pending"] = len(self._pending)
-            out["late_results_dropped"] = self.late_results_dropped
-            out["jobs_run"] = self.jobs_run
-            out["jobs_in_batches"] = self.batched_jobs
-            out["jobs_native_loop"] = self.native_loop_jobs
-            out["io_busy_s"] = self.busy_s
+            out.update(pending=len(self._pending), late_results_dropped=self.late_results_dropped,
+                       jobs_run=self.jobs_run, jobs_in_batches=self.batched_jobs,
+                       jobs_native_loop=self.native_loop_jobs, io_busy_s=self.busy_s)
             return out
 
     def harvest(self) -> None:
@@ -382,22 +417,16 @@ class JobQueue:
         """While the caller blocks on what a result frees (a staging slot): the lane's jobs
         are harvested as soon as they finish."""
         with self._lock:
-            self._hurry_locked(1)
+            self._lane.hurry(1)
         try:
             yield
         finally:
             with self._lock:
-                self._hurry_locked(-1)
-
-    def _hurry_locked(self, by: int) -> None:
-        if self._lane is not None:
-            self._lane.hurry(by)
+                self._lane.hurry(-1)
 
     # ----------------------------------------------------------------- internals
     def _harvest_locked(self) -> None:
         """The lane's finished jobs: completed, or queued for the Python threads to redo."""
-        if self._lane is None:
-            return
         for job, outcome, seconds in self._lane.harvest():
             self.busy_s += seconds
             if outcome is None and not job.done and not self._stop:
@@ -447,10 +476,7 @@ class JobQueue:
         self._pending_ops[job.op] -= 1
         if self._pending_ops[job.op] == 0:
             self._drained.notify_all()
-        for w in self._watch.pop(job.id, ()):
-            w.remaining -= 1
-            if w.remaining == 0:
-                w.cond.notify()
+        self._watch.done(job.id)
         self._results[job.id] = self._finish(job, error, stored, nbytes, time.monotonic() - job.submitted)
         return True
 

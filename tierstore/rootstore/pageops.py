@@ -414,7 +414,7 @@ def file_identity(st: os.stat_result) -> FileIdentity:
     return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
-# The CPU-cache-sized piece of a warm load (read_plan; docs/DESIGN.md §5, "Load path").
+# The CPU-cache-sized piece of a warm load (read_plan; docs/DESIGN.md §6, the page store on one root).
 WARM_PIECE_BYTES = 1 << 20
 
 
