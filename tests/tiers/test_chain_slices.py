@@ -107,7 +107,7 @@ def test_a_slice_the_shared_tier_missed_is_uploaded_under_its_slice_directory(tm
         while not any(uploaded.rglob(f"{key.hex()}.kvp")) and time.monotonic() < end:
             time.sleep(0.02)
             chain.poll()
-        assert chain.flush(10) and chain.shared_backlog == 0
+        assert chain.flush(10) and len(chain.backlog) == 0
         (path,) = uploaded.rglob(f"{key.hex()}.kvp")
         meta = inspect_page(path).meta
         assert (meta.rank, meta.head_start, meta.head_count) == (1, 1, 1)

@@ -243,7 +243,7 @@ def test_hung_shared_tier_stays_within_deadline_and_comes_back(two_nodes: TwoNod
         first = time.monotonic() - t0
         assert not ok and kind == "timeout"
         assert first < deadline + 0.5, first
-        assert not st.health.up
+        assert not st.shared.health.up
         for i in range(1, 8):  # while down: misses at once, no call blocks
             t = time.monotonic()
             assert load(st, key(i))[0] is False
@@ -260,30 +260,30 @@ def test_hung_shared_tier_stays_within_deadline_and_comes_back(two_nodes: TwoNod
         t = time.monotonic()
         st2 = _chain(tmp_path / "local_c", fs.a, int(deadline * 1000))
         open_s = time.monotonic() - t
-        assert open_s < deadline + 0.5 and not st2.health.up
+        assert open_s < deadline + 0.5 and not st2.shared.health.up
         figures.update(first_timeout_s=round(first, 3), worst_call_while_down_s=round(worst, 4),
                        open_while_hung_s=round(open_s, 3))
     assert worst < deadline
     t = time.monotonic()
-    while not st.health.up and time.monotonic() - t < 10:
+    while not st.shared.health.up and time.monotonic() - t < 10:
         time.sleep(0.05)
     figures["recovered_after_s"] = round(time.monotonic() - t, 3)
-    assert st.health.up, "the shared tier did not come back after the server resumed"
+    assert st.shared.health.up, "the shared tier did not come back after the server resumed"
     ok, _, data = load(st, key(3))
     assert ok and data == expected(st, key(3))
     t = time.monotonic()
-    while not st2.health.up and time.monotonic() - t < 10:
+    while not st2.shared.health.up and time.monotonic() - t < 10:
         time.sleep(0.05)
-    assert st2.health.up
+    assert st2.shared.health.up
     assert load(st2, key(4))[0]
     # the page stored while the mount hung reaches the shared tier once it answers again:
     # node B, which never had it locally, reads it through its own mount
     t = time.monotonic()
-    while (st.shared_backlog or st.m_shared.get("backlog_uploads") < 1) and time.monotonic() - t < 10:
+    while (len(st.backlog) or st.m_shared.get("backlog_uploads") < 1) and time.monotonic() - t < 10:
         time.sleep(0.05)
         st.poll()
     figures["backlog_uploaded_after_s"] = round(time.monotonic() - t, 3)
-    assert st.shared_backlog == 0 and st.m_shared.get("backlog_uploads") == 1
+    assert len(st.backlog) == 0 and st.m_shared.get("backlog_uploads") == 1
     assert st.flush(10)
     reader_b = _chain(tmp_path / "local_d", fs.b, 2000)
     try:

@@ -250,9 +250,9 @@ def _down_until(st: TierChain) -> threading.Event:
         if not back.is_set():
             raise PageTimeout("test: the shared tier does not answer")
 
-    st.health._probe = probe
-    st.health.interval_s = 0.02
-    st.health.mark_down("test")
+    st.shared.health._probe = probe
+    st.shared.health.interval_s = 0.02
+    st.shared.health.mark_down("test")
     return back
 
 
@@ -267,13 +267,13 @@ def test_pages_stored_while_shared_is_down_are_uploaded_when_it_is_back(tmp_path
         assert st.flush(10)
         shared = FileMapper(tmp_path / "shared", NS.digest, 0).path_for
         assert [shared(key(i)).exists() for i in range(4)] == [True, False, False, False]
-        assert st.shared_backlog == 3
+        assert len(st.backlog) == 3
         st.local.mapper.path_for(key(2)).unlink()  # evicted before the upload: skipped
         time.sleep(0.1)
-        assert st.shared_backlog == 3 and not shared(key(1)).exists()  # nothing while down
+        assert len(st.backlog) == 3 and not shared(key(1)).exists()  # nothing while down
         back.set()
         end = time.monotonic() + 10
-        while (st.shared_backlog or not shared(key(3)).exists()) and time.monotonic() < end:
+        while (len(st.backlog) or not shared(key(3)).exists()) and time.monotonic() < end:
             time.sleep(0.02)
             st.poll()
         assert [shared(key(i)).exists() for i in range(4)] == [True, True, False, True]
@@ -328,7 +328,7 @@ def test_damaged_page_found_by_the_tier_is_removed_once_by_its_engine(tmp_path: 
         (r,) = st.wait([jid], 10)
         assert not r.ok and r.error.kind == "checksum" and r.tier == "local"
         assert path.exists() and path.stat().st_ino == ino  # the good page was not unlinked
-        assert st.front.stats["bad_pages_discarded"] == 1
+        assert st.local.engine().stats["bad_pages_discarded"] == 1
         assert st.m_local.failures() == {"checksum": 1}
         ok, _, data = load(st, key(1))
         assert ok and data == expected(st, key(1))
@@ -355,7 +355,7 @@ def test_unverified_damaged_page_is_settled_by_the_tier_that_served_it(tmp_path:
         assert st.flush(10)  # the removal runs off the caller's thread
         assert not st.local.mapper.path_for(key(1)).exists()
         assert st.shared.mapper.path_for(key(1)).exists()  # not the shared tier's to remove
-        assert st.front.stats["bad_pages_discarded"] == 1
+        assert st.local.engine().stats["bad_pages_discarded"] == 1
         assert st.m_local.failures() == {"checksum": 1} and not st.m_shared.failures()
         ok, _, data = load(st, key(1))  # served again from the shared tier, verified
         assert ok and data == expected(st, key(1)) and st.m_shared.get("hits") == 1
@@ -377,7 +377,7 @@ def test_injected_shared_store_failure_goes_to_the_backlog(tmp_path: Path) -> No
         assert r.ok and r.tier == "local"
         assert shared.injected[("store", "enospc")] == 1
         end = time.monotonic() + 10
-        while (st.shared_backlog or reg.tier("shared").get("backlog_uploads") < 1) and time.monotonic() < end:
+        while (len(st.backlog) or reg.tier("shared").get("backlog_uploads") < 1) and time.monotonic() < end:
             time.sleep(0.02)
             st.poll()
         assert st.flush(10)
@@ -405,9 +405,9 @@ def test_injected_engine_failures_are_counted_by_their_tier(tmp_path: Path) -> N
         ok, kind, _ = load(st, key(2))
         assert not ok and kind == "timeout"
         assert shared.injected[("load", "timeout")] == 1 and st.m_shared.failures()["timeout"] == 1
-        assert st.health.transitions >= 1  # marked down (its probe may have brought it back already)
+        assert st.shared.health.transitions >= 1  # marked down (its probe may have brought it back already)
         end = time.monotonic() + 10
-        while not st.health.up and time.monotonic() < end:  # its probe (a stat of the root) answers
+        while not st.shared.health.up and time.monotonic() < end:  # its probe (a stat of the root) answers
             time.sleep(0.02)
         ok, _, data = load(st, key(2))
         assert ok and data == expected(st, key(2))

@@ -85,7 +85,7 @@ def test_chain_cap_holds_under_churn(tmp_path: Path) -> None:
     assert st.flush(10)
     assert sum(page_files(tmp_path / "local").values()) <= cap
     assert peak[0] <= cap + peak[1], f"local usage peaked at {peak[0]} > cap {cap} + one file {peak[1]}"
-    assert st.index.used_bytes() == sum(page_files(tmp_path / "local").values())
+    assert st.local.index.used_bytes() == sum(page_files(tmp_path / "local").values())
     assert st.m_local.get("evictions") >= 150 - cap_pages
     st.close()
 
@@ -107,8 +107,8 @@ def test_accounting_survives_restart(tmp_path: Path) -> None:
     for i in range(6):
         assert store(st, key(i)).ok
     assert st.flush(10)
-    order = st.index.lru_order()
-    used = st.index.used_bytes()
+    order = st.local.index.lru_order()
+    used = st.local.index.used_bytes()
     st.close()
     idx = LocalIndex(tmp_path / "local", 10 * PAGE_FILE)
     assert idx.last_reconcile is None  # clean shutdown: no scan needed

@@ -337,7 +337,7 @@ def test_tier_chain_counts_a_hit_only_after_the_gpu_check(tmp_path: Path) -> Non
     reg = MetricsRegistry()
     chain = TierChain(TierStoreConfig(root=str(tmp_path)), engine.namespace, 0, metrics=reg, staging_slots=8, pin=True)
     try:
-        assert chain.local is None and chain.front.pinned
+        assert chain.local is None and chain.shared.engine().pinned
         _, views2 = make_attention_caches("LBNHC", LAYERS, PAGES * 4 + 3, HEADS, 4, HEAD, case.dtype, "cuda")
         ids2 = torch.arange(PAGES * 4).view(PAGES, 4)
         reader, _ = _worker(case, views2, 4, tmp_path, engine=chain)

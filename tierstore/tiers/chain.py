@@ -49,10 +49,9 @@ from typing import Any
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageMissing, PageTimeout
 from tierstore.format.identity import Namespace
-from tierstore.fs.deadline import Health
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry, default_registry
-from tierstore.rootstore.engine import IOEngine, StagingSlot
+from tierstore.rootstore.engine import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.backlog import SHARED_BACKLOG_MAX, SharedBacklog
 from tierstore.tiers.host import HostStore, HostTier
@@ -106,7 +105,7 @@ class TierChain:
                               'and there is no local tier to stage pages; set "local_root"')
         self._front = front
         # The host tier's keys: this chain's directory (``r<rank>``, or a head slice's ``h<s>-<c>``).
-        self.scope = f"{namespace.digest}/g{group_index}/{self.front.mapper.rank_dir}"
+        self.scope = "/".join(front.mapper.dir_parts)
         self.host = (HostStore(host, self.scope, front, self.m_host, self.tokens_per_page)
                      if host is not None and config.host_bytes > 0 else None)
         self.tiers: list[ChainTier] = [t for t in (self.host, self.local, self.shared) if t is not None]
@@ -122,14 +121,7 @@ class TierChain:
         self.backlog = (SharedBacklog(self.local, self.shared, self._drain_now)
                         if self.local is not None and self.shared is not None else None)
 
-    # ------------------------------------------------------------------ compatibility views
-    @property
-    def front(self) -> IOEngine:
-        """The engine whose staging slots callers fill (local if present, else shared)."""
-        eng = self._front.engine()
-        assert eng is not None
-        return eng
-
+    # ------------------------------------------------------------------ views
     @property
     def layout(self) -> Any:
         return self._front.layout
@@ -137,20 +129,6 @@ class TierChain:
     @property
     def mapper(self) -> Any:
         return self._front.mapper
-
-    @property
-    def index(self) -> LocalIndex | None:
-        return self.local.index if self.local is not None else None
-
-    @property
-    def health(self) -> Health | None:
-        """The shared tier's up/down state (None without a shared tier)."""
-        return self.shared.health if self.shared is not None else None
-
-    @property
-    def shared_backlog(self) -> int:
-        """Pages waiting to be uploaded to the shared tier."""
-        return len(self.backlog) if self.backlog is not None else 0
 
     def wrap_tier(self, name: str, wrap: Callable[[ChainTier], ChainTier]) -> ChainTier:
         """Put the tier ``name`` inside ``wrap`` (e.g. ``testing.faults.FaultInjectingStore``)
