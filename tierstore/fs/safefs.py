@@ -23,8 +23,9 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tierstore.errors import TierStoreError
 
@@ -303,3 +304,23 @@ def _list(fd: int) -> list[tuple[str, os.stat_result]]:
     return out
 
 
+def unlink_under(root: str | os.PathLike[str], relpaths: Iterable[str]) -> None:
+    """Remove the files at ``relpaths`` under ``root`` through directory fds opened without
+    following a link (a directory swapped for a symlink is never followed); a file that is gone,
+    or any other error, skips that file (best effort: eviction, whose accounting is already
+    done)."""
+    try:
+        root_fd = open_root(root)
+    except OSError:
+        return
+    try:
+        for rel in relpaths:
+            *parts, name = Path(rel).parts
+            with contextlib.suppress(OSError):
+                dir_fd = open_dir_path(root_fd, parts)
+                try:
+                    unlink_at(name, dir_fd)
+                finally:
+                    os.close(dir_fd)
+    finally:
+        os.close(root_fd)

@@ -184,23 +184,7 @@ class LocalIndex:
                          (relpath, size, stamp))
 
     def _unlink(self, victims: list[Evicted]) -> None:
-        """Remove evicted pages through directory fds opened without following a link (a
-        directory swapped for a symlink is never followed); a page that is gone is skipped."""
-        try:
-            root_fd = safefs.open_root(self.root)
-        except OSError:
-            return
-        try:
-            for v in victims:
-                *parts, name = Path(v.path).parts
-                with contextlib.suppress(OSError):
-                    dir_fd = safefs.open_dir_path(root_fd, parts)
-                    try:
-                        safefs.unlink_at(name, dir_fd)
-                    finally:
-                        os.close(dir_fd)
-        finally:
-            os.close(root_fd)
+        safefs.unlink_under(self.root, [v.path for v in victims])
 
     # ------------------------------------------------------------------ API
     def reserve(self, nbytes: int) -> tuple[int | None, list[Evicted]]:

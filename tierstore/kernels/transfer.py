@@ -276,43 +276,10 @@ class PageTransfer:
         return None
 
     def warm_up(self) -> None:
-        """Compile (and load) every kernel variant a transfer can launch, then wait for them.
-
-        Triton specializes integer arguments equal to 1 and divisible by 16, and the copier
-        picks words by alignment, so batches of 1, 2 and 16 pages, from scratch row 0 and row 1,
-        at the page-size row pitch and at a frame-stride pitch (any multiple of ALIGN: what
-        ``ScratchRows.adopt_pitch`` may switch to) cover every variant. Loading a compiled module can
-        synchronize the device, which must not happen behind a forward pass, so callers do
-        this at startup. Nothing in the cache is written (the scatter's block ids are all
-        masked) and no slot is touched.
-        """
-        if not self.on_gpu:
-            return
-        from tierstore.kernels.checksum import check_and_mask
-
-        bpp = self.copier.blocks_per_page
-        scr = self._scr
-        pitches = [self.nbytes] + ([round_up(self.nbytes)] if round_up(self.nbytes) <= scr.room else [])
-        saved = scr.pitch
-        with torch.cuda.stream(self.stream):
-            for pitch in pitches:
-                scr.set_pitch(pitch)
-                for n in sorted({1, min(2, self.capacity), min(16, self.capacity)}):
-                    for a in sorted({0, min(1, self.capacity - n)}):
-                        rows = scr.rows(a, n)
-                        ids = torch.zeros(n, bpp, dtype=torch.int64, device=self.device)
-                        self.copier.gather(ids, rows)
-                        if self.hasher is not None:
-                            sums = self.hasher.hash(rows, out=self._sums_dev[a : a + n])
-                            self.hasher.hash(rows, out=self._sums_host[a : a + n])
-                            meta = self._meta_dev[a : a + n]
-                            meta.fill_(-1)  # expected sums that no page has: every id masked
-                            meta[:, -1] = 0
-                            check_and_mask(sums, meta, bpp, meta[:, :bpp], self._ids_dev[a : a + n],
-                                           self._ok_host[a : a + n])
-                        self.copier.scatter(rows, torch.full_like(ids, -1))
-        self.stream.synchronize()
-        scr.set_pitch(saved)
+        """Compile (and load) every kernel variant a transfer can launch, then wait for them
+        (``warm_up_kernels``). Callers do this at startup: loading a compiled module can
+        synchronize the device, which must not happen behind a forward pass."""
+        warm_up_kernels(self)
 
     # -- scratch ring ---------------------------------------------------------------------
     def _reserve(self, n: int) -> list[tuple[int, int]] | None:
@@ -510,3 +477,42 @@ class PageTransfer:
             h.synchronize()
         return self.poll()
 
+
+def warm_up_kernels(t: PageTransfer) -> None:
+    """Compile (and load) every kernel variant a transfer can launch, then wait for them.
+
+    Triton specializes integer arguments equal to 1 and divisible by 16, and the copier
+    picks words by alignment, so batches of 1, 2 and 16 pages, from scratch row 0 and row 1,
+    at the page-size row pitch and at a frame-stride pitch (any multiple of ALIGN: what
+    ``ScratchRows.adopt_pitch`` may switch to) cover every variant. Loading a compiled module can
+    synchronize the device, which must not happen behind a forward pass, so callers do
+    this at startup. Nothing in the cache is written (the scatter's block ids are all
+    masked) and no slot is touched.
+    """
+    if not t.on_gpu:
+        return
+    from tierstore.kernels.checksum import check_and_mask
+
+    bpp = t.copier.blocks_per_page
+    scr = t._scr
+    pitches = [t.nbytes] + ([round_up(t.nbytes)] if round_up(t.nbytes) <= scr.room else [])
+    saved = scr.pitch
+    with torch.cuda.stream(t.stream):
+        for pitch in pitches:
+            scr.set_pitch(pitch)
+            for n in sorted({1, min(2, t.capacity), min(16, t.capacity)}):
+                for a in sorted({0, min(1, t.capacity - n)}):
+                    rows = scr.rows(a, n)
+                    ids = torch.zeros(n, bpp, dtype=torch.int64, device=t.device)
+                    t.copier.gather(ids, rows)
+                    if t.hasher is not None:
+                        sums = t.hasher.hash(rows, out=t._sums_dev[a : a + n])
+                        t.hasher.hash(rows, out=t._sums_host[a : a + n])
+                        meta = t._meta_dev[a : a + n]
+                        meta.fill_(-1)  # expected sums that no page has: every id masked
+                        meta[:, -1] = 0
+                        check_and_mask(sums, meta, bpp, meta[:, :bpp], t._ids_dev[a : a + n],
+                                       t._ok_host[a : a + n])
+                    t.copier.scatter(rows, torch.full_like(ids, -1))
+    t.stream.synchronize()
+    scr.set_pitch(saved)
