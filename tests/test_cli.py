@@ -174,3 +174,11 @@ def test_stats_lists_groups_without_pages(root: Path, hybrid_ns: Namespace) -> N
     (ns,) = st["namespaces"]
     assert [(g["group"], g["files"]) for g in ns["groups"]] == [(0, 2), (1, 2), (2, 0)]
     assert ns["tokens"] == 0  # without the Mamba state nothing of this hybrid model is reusable
+
+
+def test_version_is_the_installed_distributions() -> None:
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "tierstore", "--version"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == f"tierstore {version('tierstore')}", out

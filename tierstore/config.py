@@ -2,19 +2,24 @@
 
 Built from vLLM's ``kv_connector_extra_config`` dict or from CLI options with
 ``TierStoreConfig.from_dict``. Unknown keys and bad values raise ``ConfigError`` naming the
-setting and what to do; nothing is silently ignored. Defaults are documented here and in
+setting and what to do; nothing is silently ignored or coerced: booleans are JSON true/false,
+integers never true/false, floats or strings, byte sizes an integer or a size string as
+``tierstore gc --max-bytes`` reads it ("500G"; a float is refused), and ``local_root`` is a
+directory apart from ``root``. Defaults are documented here and in
 README.md. Immutable once built; safe to share between threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from tierstore.errors import ConfigError
+from tierstore.fs.display import parse_size
 
 _CODECS = ("none", "zstd")
 
@@ -50,6 +55,106 @@ def io_threads_advice(io_threads: int, cpus: int | None = None) -> str | None:
     return None
 _ODIRECT = ("auto", "on", "off")
 _IO_LOOPS = ("native", "python")
+
+# The kinds of setting, each with one rule (``validate``). tests/test_config.py checks that every
+# field is in exactly one of them.
+_BOOLS = ("fsync", "shared_group_access", "trust_shared_root")  # JSON true/false only
+# Integers (never true/false, a float or a string): name -> (least, most or None, what the number
+# counts, what unset (None) means; "" where it must be set).
+_INTEGERS: dict[str, tuple[int, int | None, str, str]] = {
+    "io_threads": (1, None, "I/O threads per KV-cache group and tier", ""),
+    "queue_depth": (1, None, "jobs in each of the load and store queues", ""),
+    "io_batch_pages": (1, None, "pages one I/O thread takes at once", ""),
+    "deadline_ms": (1, None, "milliseconds", ""),
+    "shared_deadline_ms": (1, None, "milliseconds", ""),
+    "zstd_level": (1, 22, "the zstd compression level", ""),
+    "chunk_tokens": (1, None, "tokens per stored page", "leave it unset for the engine's block size"),
+    "staging_slots": (2, None, "page buffers per KV-cache group",
+                      "leave it unset to size the pool from max_num_batched_tokens"),
+    "transfer_scratch_mib": (1, None, "MiB of GPU memory per KV-cache group for pages in flight",
+                             "leave it unset to size it from io_threads"),
+}
+# Byte sizes: name -> (least, what 0 or None means). An integer or a size string, read by
+# ``fs.display.parse_size``, which ``tierstore gc --max-bytes`` uses too: one rule for both.
+_BYTE_SIZES: dict[str, tuple[int, str]] = {
+    "local_max_bytes": (1, "leave it unset for no cap"),
+    "max_bytes": (1, "leave it unset for no cap"),
+    "host_bytes": (0, "the number 0 turns the host-memory tier off"),
+}
+_SIZE_FORMS = ('an integer number of bytes (e.g. 536870912000) or a string as "tierstore gc --max-bytes" '
+               'takes it: a number with an optional binary unit K, M, G or T (2^10 .. 2^40) and an optional '
+               '"B" or "iB", e.g. "512M", "500G", "500GiB", "1.5T"')
+_SECONDS = ("gc_interval_s", "shared_touch_interval_s", "index_refresh_s", "flush_timeout_s")
+_PATHS = ("root", "local_root", "mac_key_file")
+_CHOICES = {"codec": _CODECS, "odirect": _ODIRECT, "io_loop": _IO_LOOPS}
+_NAMES = ("model_id", "namespace_tag")  # free-form strings
+
+
+def _why_not(v: object) -> str:
+    """Why a JSON value is not the number asked for, for a message."""
+    if isinstance(v, bool):
+        return " (true/false is not a number)"
+    if isinstance(v, float):
+        return " (a number with a fraction or an exponent is a float: write the whole number)"
+    if isinstance(v, str):
+        return " (a string: write the number without quotes)"
+    return f" (of type {type(v).__name__})"
+
+
+def _byte_size(name: str, v: object) -> int | None:
+    """The value of a byte-size setting: None where allowed, an integer as is, a size string
+    parsed as ``tierstore gc --max-bytes`` parses it; anything else refused naming the setting."""
+    least, unset = _BYTE_SIZES[name]
+    if v is None and least > 0:
+        return None
+    if isinstance(v, str):
+        try:
+            return parse_size(v)
+        except ValueError:
+            raise ConfigError(f'setting "{name}" must be {_SIZE_FORMS}; got {v!r}, not a byte count >= 1 '
+                              f"in those forms ({unset})") from None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f'setting "{name}" must be {_SIZE_FORMS}; got {v!r}{_why_not(v)}')
+    if v < least:
+        raise ConfigError(f'setting "{name}" must be at least {least} byte{"s" if least != 1 else ""} '
+                          f"({unset}), got {v}")
+    return v
+
+
+def _read_sizes(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with each byte-size setting given as a string replaced by its byte count."""
+    return {k: _byte_size(k, v) if k in _BYTE_SIZES and isinstance(v, str) else v for k, v in values.items()}
+
+
+def _resolved(path: str | os.PathLike[str]) -> Path:
+    """The absolute path with symlinks resolved as far as it exists (it need not exist)."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compare the absolute, normalised path
+        return Path(os.path.abspath(path))
+
+
+def _tiers_overlap(root: str | os.PathLike[str], local_root: str | os.PathLike[str]) -> str | None:
+    """Why ``local_root`` cannot be where it is relative to ``root``; None: the trees are apart."""
+    r, loc = _resolved(root), _resolved(local_root)
+    given = (os.fspath(local_root), os.fspath(root))
+    where = (f'"local_root" {given[0]!r} and "root" {given[1]!r}' if given == (str(loc), str(r)) else
+             f'"local_root" {given[0]!r} ({loc}) and "root" {given[1]!r} ({r})')
+    nested = ("each tier's upkeep (the local tier's index scan, LRU eviction and temp sweep; gc, fsck and stats "
+              'of "root") takes its whole tree as its own, so pages of one tier could be counted or deleted as '
+              "the other's")
+    if loc == r:
+        why = ("are the same directory: the two tiers would share page files, so the local tier's LRU eviction "
+               'would delete the shared root\'s pages and gc of "root" would count and evict the local tier\'s')
+    elif loc.is_relative_to(r):
+        why = (f'overlap, "local_root" inside "root": {nested}; and on a shared root the local tier and its '
+               "sqlite index (local disk only) would be on the shared filesystem")
+    elif r.is_relative_to(loc):
+        why = f'overlap, "root" inside "local_root": {nested}'
+    else:
+        return None
+    return (f'setting "local_root" must be a directory apart from "root" (neither inside the other): {where} '
+            f'{why}. Point "local_root" at a directory of its own on a local disk, or unset it for one tier')
 
 
 @dataclass(frozen=True)
@@ -110,54 +215,50 @@ class TierStoreConfig:
                 'tierstore needs a cache directory: set "root" in kv_connector_extra_config '
                 '(for example {"root": "/mnt/kvcache"})'
             )
-        cfg = cls(**d)
+        cfg = cls(**_read_sizes(d))
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        if self.codec not in _CODECS:
-            raise ConfigError(f'setting "codec" must be one of {_CODECS}, got {self.codec!r}')
-        if self.io_loop not in _IO_LOOPS:
-            raise ConfigError(f'setting "io_loop" must be one of {_IO_LOOPS}, got {self.io_loop!r}')
-        if self.odirect not in _ODIRECT:
-            raise ConfigError(f'setting "odirect" must be one of {_ODIRECT}, got {self.odirect!r}')
-        for name in ("io_threads", "queue_depth", "io_batch_pages", "deadline_ms", "shared_deadline_ms"):
+        for name in ("root", "local_root"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f'setting "{name}" must be a positive integer, got {v!r}')
-        for name in ("local_max_bytes", "max_bytes"):
+            if not (v is None and name == "local_root") and not isinstance(v, (str, os.PathLike)):
+                raise ConfigError(f'setting "{name}" must be a directory path (a string), got {v!r}')
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f'setting "{name}" must be one of {choices}, got {getattr(self, name)!r}')
+        for name in _BOOLS:
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ConfigError(f'setting "{name}" must be a positive number of bytes, got {v!r}')
-        if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
-            raise ConfigError(f'setting "host_bytes" must be >= 0, got {self.host_bytes!r}')
+            if not isinstance(v, bool):
+                raise ConfigError(f'setting "{name}" must be true or false (a JSON boolean, not a string or a '
+                                  f"number), got {v!r}")
+        for name, (least, most, what, unset) in _INTEGERS.items():
+            v = getattr(self, name)
+            if v is None and unset:
+                continue
+            why = _why_not(v) if isinstance(v, bool) or not isinstance(v, int) else ""
+            if why or v < least or (most is not None and v > most):
+                accepted = f"{least}..{most}" if most is not None else f">= {least}"
+                raise ConfigError(f'setting "{name}" must be an integer {accepted} ({what}), got {v!r}{why}'
+                                  f"{'; ' + unset if unset else ''}")
+        for name in _BYTE_SIZES:
+            v = getattr(self, name)
+            if isinstance(v, str):  # from_dict and replace read size strings; the constructor does not
+                raise ConfigError(f'setting "{name}" is the string {v!r}: build the config with '
+                                  f"TierStoreConfig.from_dict or .replace, which read size strings, or pass "
+                                  f"the byte count ({_SIZE_FORMS})")
+            _byte_size(name, v)
+        for name in _SECONDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f'setting "{name}" must be a finite number of seconds >= 0, got {v!r}'
+                                  f"{_why_not(v) if isinstance(v, (bool, str)) else ''}")
         if self.local_max_bytes is not None and self.local_root is None:
             raise ConfigError('setting "local_max_bytes" needs "local_root" (the local tier\'s directory)')
-        if not 1 <= self.zstd_level <= 22:
-            raise ConfigError(f'setting "zstd_level" must be 1..22, got {self.zstd_level}')
-        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
-            raise ConfigError(f'setting "chunk_tokens" must be positive, got {self.chunk_tokens}')
-        if self.staging_slots is not None and (
-            not isinstance(self.staging_slots, int) or isinstance(self.staging_slots, bool) or self.staging_slots < 2
-        ):
-            raise ConfigError(
-                f'setting "staging_slots" must be an integer >= 2 (page buffers per KV-cache group), '
-                f"got {self.staging_slots!r}; leave it unset to size the pool from max_num_batched_tokens"
-            )
-        if self.transfer_scratch_mib is not None and (
-                not isinstance(self.transfer_scratch_mib, int) or isinstance(self.transfer_scratch_mib, bool)
-                or self.transfer_scratch_mib < 1):
-            raise ConfigError(
-                f'setting "transfer_scratch_mib" must be an integer >= 1 (MiB of GPU memory per KV-cache group '
-                f"for pages in flight), got {self.transfer_scratch_mib!r}; leave it unset to size it from "
-                f"io_threads")
-        for name in ("gc_interval_s", "shared_touch_interval_s", "flush_timeout_s", "index_refresh_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f'setting "{name}" must be a number of seconds >= 0, got {v!r}')
-        for name in ("shared_group_access", "trust_shared_root"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f'setting "{name}" must be true or false, got {getattr(self, name)!r}')
+        if self.local_root:
+            overlap = _tiers_overlap(self.root, self.local_root)
+            if overlap:
+                raise ConfigError(overlap)
         if self.mac_key_file is not None and (not isinstance(self.mac_key_file, str) or not self.mac_key_file):
             raise ConfigError(f'setting "mac_key_file" must be the path of the fleet key file (at least 16 '
                               f"secret bytes, mode 0600), got {self.mac_key_file!r}; leave it unset for no MAC")
@@ -169,6 +270,6 @@ class TierStoreConfig:
         return Path(self.root)
 
     def replace(self, **changes: Any) -> TierStoreConfig:
-        cfg = dataclasses.replace(self, **changes)
+        cfg = dataclasses.replace(self, **_read_sizes(changes))
         cfg.validate()
         return cfg

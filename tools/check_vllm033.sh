@@ -58,7 +58,7 @@ EOF
   quiet_pip install -q --no-deps "$dl"/vllm-"$version"-*.whl
   quiet_pip install -q -r "$dl/requirements.txt"
   # tierstore's own runtime dependencies (torch, triton and numpy come with vLLM).
-  quiet_pip install -q xxhash zstandard aiofiles
+  quiet_pip install -q xxhash zstandard
 fi
 
 echo "check_vllm033: $("$venv/bin/python" -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "torch", m.version("torch"))')" >&2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16's device runs (the lent H100/H200: torch, triton, numba there; carry .whl with the
-# cp312 wheels of zstandard, xxhash, aiofiles and py-spy). Writes its logs under $OUT.
+# cp312 wheels of zstandard, xxhash and py-spy). Writes its logs under $OUT.
 #   bash tools/device_scaling.sh tests   # the GPU test set, then the CPU path, batches 8/1 alternated
 #   bash tools/device_scaling.sh gpu     # the GPU path at 16 threads, batches 8/1 alternated
 #   bash tools/device_scaling.sh gputests  # the GPU test set and the golden files only

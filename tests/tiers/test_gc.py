@@ -125,9 +125,10 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rep = json.loads(capsys.readouterr().out)
     assert rep["evicted"] >= 4 and rep["total_after"] <= 4 * size
     assert gc.parse_bytes("10G") == 10 << 30 and gc.parse_bytes("512MiB") == 512 << 20
-    with pytest.raises(argparse.ArgumentTypeError):
-        gc.parse_bytes("lots")
-    assert gc.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 2
+    for bad in ("lots", "inf", "1e999", "1.5e9", "-5G", "0"):  # "inf" raised OverflowError (a traceback)
+        with pytest.raises(argparse.ArgumentTypeError):
+            gc.parse_bytes(bad)
+    assert gc.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 8  # as fsck, ls, stats
 
 
 @pytest.mark.parametrize("threads", [1, 8])
@@ -169,3 +170,62 @@ def test_eviction_costs_a_bounded_number_of_file_system_calls_per_page(tmp_path:
     assert calls["stat"] <= rep.evicted + 20  # one lstat per victim + the lease's
     # the walk opens each directory once, eviction once per directory and batch (4 levels deep)
     assert calls["open"] <= 5 * len(fanouts) + 50, calls
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``root`` (hidden ones too): (inode, size, mtime_ns)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for n in dirs + files:
+            st = os.lstat(os.path.join(dirpath, n))
+            out[os.path.relpath(os.path.join(dirpath, n), root)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("grace", [0.0, 30.0])
+def test_a_dry_run_changes_nothing_and_predicts_the_real_pass(tmp_path: Path, grace: float,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Over its cap, with a stale temp and (second pass) old trash: the dry run leaves every
+    entry as it was (no lease, no trash directory created) and reports exactly what the real
+    pass then does."""
+    paths = fill(tmp_path, 12)
+    size = paths[0].stat().st_size
+    tmp = paths[0].with_name(f".{'ab' * 16}.kvp.otherhost.4242.deadbeef.tmp")
+    tmp.write_bytes(b"x" * 100)
+    os.utime(tmp, (time.time() - 7200,) * 2)
+    cap = 5 * size
+    plans = []
+    for _ in range(2):  # the second pass finds the first one's trash (grace 30: kept; the pass after: due)
+        before = _tree(tmp_path)
+        plan = gc.collect(tmp_path, cap, low_watermark=0.8, trash_grace_s=grace, dry_run=True)
+        assert _tree(tmp_path) == before, "the dry run changed the tree"
+        assert plan.dry_run and not plan.refused
+        plans.append(plan)
+        real = gc.collect(tmp_path, cap, low_watermark=0.8, trash_grace_s=grace)
+        for field in ("pages", "evicted", "evicted_bytes", "temps_removed", "trash_removed", "total_before",
+                      "total_after"):
+            assert getattr(plan, field) == getattr(real, field), field
+        grace = 0.0
+    assert plans[0].evicted > 0 and plans[0].temps_removed == 1
+    assert plans[1].trash_removed == (plans[0].evicted if plans[0].trash_bytes else 0)
+    parser = argparse.ArgumentParser()
+    gc.add_arguments(parser)
+    assert gc.run(parser.parse_args([str(tmp_path), "--max-bytes", "1", "--dry-run"])) == 0
+    assert "nothing changed" in capsys.readouterr().out
+
+
+def test_gc_refuses_a_directory_that_is_not_a_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "home"
+    (home / "alice").mkdir(parents=True)
+    (home / "alice" / "thesis.tex").write_text("years of work")
+    rep = gc.collect(home, 1)
+    assert rep.refused and "not a cache" in rep.refused and rep.evicted == 0
+    assert sorted(os.listdir(home)) == ["alice"]  # no lease, no trash written there
+    parser = argparse.ArgumentParser()
+    gc.add_arguments(parser)
+    assert gc.run(parser.parse_args([str(home), "--max-bytes", "1"])) == 8
+    err = capsys.readouterr().err
+    assert "refusing" in err and "root" in err
+    empty = tmp_path / "empty"  # a cache not written yet is fine
+    empty.mkdir()
+    assert not gc.collect(empty, 1).refused

@@ -64,11 +64,23 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def package_version() -> str:
+    """The installed distribution's version (``pip install .`` or ``-e .``), else ``unknown``
+    (run from a source tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tierstore")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierstore",
         description="Disk and shared-NFS KV-cache tier for vLLM: inspect, check and repair a cache directory.",
     )
+    parser.add_argument("--version", action="version", version=f"tierstore {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("fsck", help="verify every file under ROOT; --repair fixes what it can",

@@ -15,6 +15,7 @@ Threading: pure functions; safe from any thread.
 from __future__ import annotations
 
 import os
+import re
 import unicodedata
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
@@ -46,3 +47,21 @@ def escape(value: str | bytes | os.PathLike[str] | object) -> str:
         _escape_char(ch) if ch in _NAMED or unicodedata.category(ch) in _UNSAFE_CATEGORIES else ch
         for ch in text
     )
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count written as an operator writes one: digits, an optional fraction, an optional
+    binary unit K/M/G/T (2^10 .. 2^40) and an optional ``B`` or ``iB`` (``"1048576"``, ``"512M"``,
+    ``"500GiB"``, ``"1.5T"``); the one rule of ``tierstore gc --max-bytes`` and the config's
+    byte settings. ValueError for anything else (an exponent, ``inf``, a negative or zero count)."""
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ValueError(f"not a byte count: {text!r} (examples: 1048576, 512M, 500G, 1.5T)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"byte count must be positive: {text!r}")
+    return n

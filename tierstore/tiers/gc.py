@@ -17,6 +17,15 @@ Contract (``tierstore gc ROOT --max-bytes N``, and ``GcDaemon`` as the backgroun
    less). ENOENT/ESTALE mean another evictor got there first.
 5. Renew the lease while working; stop evicting as soon as it is lost. Release it.
 
+``dry_run`` changes nothing under ROOT (no lease file, no trash directory, no unlink or
+rename) and reports what the real pass would do in the same fields: the pages and bytes it
+would evict (the same LRU prefix), the stale temps and the trash entries it would remove.
+The plan is the real pass's result when nothing is hit or removed in between.
+
+A ROOT holding entries but no namespace directory is refused (``refused``), as fsck refuses
+it: it is probably not a cache directory, and gc would otherwise write its lease and trash
+there.
+
 Scale (docs/measurements/fsck.md): the scan keeps about 70 bytes per page in packed arrays
 (``_ScanTable``; a list of objects took about 450). Victims are taken in LRU order, batch by
 batch (each batch exactly the LRU prefix that reaches the target, so the set evicted is the
@@ -49,6 +58,7 @@ import json
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -60,7 +70,7 @@ from pathlib import Path
 
 from tierstore.errors import GONE_ERRNOS
 from tierstore.fs import safefs
-from tierstore.fs.display import escape
+from tierstore.fs.display import escape, parse_size
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import (
     NAMESPACE_DIR_RE,
@@ -102,6 +112,8 @@ class GcReport:
     temps_removed: int = 0
     trash_removed: int = 0
     lease_problem: str | None = None  # the lease path is not a lease file (see lease.py)
+    refused: str | None = None  # not a cache directory: nothing done
+    dry_run: bool = False  # the counts below are what a real pass would do
     unsafe: list[str] = field(default_factory=list)  # entries gc refused to follow or touch
     seconds: float = 0.0
     started: float = 0.0  # wall clock (Unix seconds) when this node held the lease
@@ -174,23 +186,15 @@ def _unsafe(rep: GcReport, where: str, what: str) -> None:
 
 
 def parse_bytes(text: str) -> int:
-    """``"1048576"``, ``"512M"``, ``"10G"``, ``"1.5T"`` (binary units) -> bytes."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
+    """``--max-bytes``: ``fs.display.parse_size``'s forms, as an argparse type."""
     try:
-        n = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (examples: 1048576, 512M, 10G)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"byte count must be positive: {text!r}")
-    return n
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _sweep_trash(trash_fd: int, grace_s: float, rep: GcReport) -> None:
+    dry = rep.dry_run
     now = time.time_ns()
     for name, st in safefs._list(trash_fd):
         if not stat.S_ISREG(st.st_mode):
@@ -201,7 +205,8 @@ def _sweep_trash(trash_fd: int, grace_s: float, rep: GcReport) -> None:
         size = _allocated(st)
         if now - born >= grace_s * 1e9:
             try:
-                safefs.unlink_at(name, trash_fd, safefs.identity(st))
+                if not dry:
+                    safefs.unlink_at(name, trash_fd, safefs.identity(st))
                 rep.trash_removed += 1
             except OSError as exc:
                 if exc.errno not in GONE_ERRNOS:
@@ -248,7 +253,8 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
             elif (writer := temp_writer(name)) is not None:
                 if writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
                     try:
-                        safefs.unlink_at(name, d.fd, safefs.identity(st))
+                        if not rep.dry_run:
+                            safefs.unlink_at(name, d.fd, safefs.identity(st))
                         rep.temps_removed += 1
                         continue
                     except OSError:
@@ -326,11 +332,46 @@ class _Evictor:
 
 
 def _open_trash(root_fd: int, rep: GcReport) -> int | None:
+    """The trash directory's fd (created unless a dry run); -1 a dry run's absent trash; None
+    unsafe (reported: gc does nothing)."""
     try:
-        return safefs.open_dir_path(root_fd, (TRASH_DIR,), create=True)
+        return safefs.open_dir_path(root_fd, (TRASH_DIR,), create=not rep.dry_run)
     except safefs.UnsafeEntry as exc:
         _unsafe(rep, TRASH_DIR, f"{exc.reason}: gc neither sweeps nor evicts; remove it")
         return None
+    except FileNotFoundError:
+        if rep.dry_run:
+            return -1
+        raise
+
+
+_OWN_ROOT_ENTRIES = frozenset({LEASE_NAME, TRASH_DIR})
+
+
+def not_a_cache(root_fd: int) -> str | None:
+    """Why the directory ``root_fd`` is not a cache root (entries, none a namespace directory),
+    or None (a cache root, or empty: a cache not written yet)."""
+    names = [name for name, _ in safefs._list(root_fd) if name not in _OWN_ROOT_ENTRIES]
+    if not names or any(NAMESPACE_DIR_RE.match(name) for name in names):
+        return None
+    shown = ", ".join(escape(n) for n in sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"it holds {len(names)} entries ({shown}) and no namespace directory: probably not a cache "
+            "directory; pass the directory given as \"root\" (fsck refuses it too)")
+
+
+class _DryLease:
+    """The lease of a dry run: taken without writing anything (a dry run changes nothing)."""
+
+    problem: str | None = None
+
+    def acquire(self) -> bool:
+        return True
+
+    def renew_if_due(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
 
 
 def collect(
@@ -348,8 +389,17 @@ def collect(
     """One gc pass over ``root`` (see the module docstring)."""
     t0 = time.monotonic()
     root = Path(root)
-    rep = GcReport()
-    lease = lease or Lease(root)
+    rep = GcReport(dry_run=dry_run)
+    root_fd = safefs.open_root(root)
+    try:
+        rep.refused = not_a_cache(root_fd)
+    finally:
+        os.close(root_fd)
+    if rep.refused:
+        log.warning("tierstore gc %s: refused: %s", root, rep.refused)
+        rep.seconds = time.monotonic() - t0
+        return rep
+    lease = _DryLease() if dry_run else (lease or Lease(root))  # type: ignore[assignment]
     if not lease.acquire():
         rep.lease_problem = lease.problem
         rep.busy = lease.problem is None
@@ -366,7 +416,7 @@ def collect(
         os.close(root_fd)
         rep.finished = time.time()
         lease.release()
-    if metrics is not None:
+    if metrics is not None and not dry_run:
         metrics.evicted(rep.evicted, rep.evicted_bytes)
         metrics.set_capacity(rep.total_after, max_bytes)
     rep.seconds = time.monotonic() - t0
@@ -379,7 +429,8 @@ def _collect_locked(root_fd: int, max_bytes: int, low_watermark: float, grace_s:
     if trash_fd is None:
         return
     try:
-        _sweep_trash(trash_fd, grace_s, rep)
+        if trash_fd >= 0:
+            _sweep_trash(trash_fd, grace_s, rep)
         pages = _scan(root_fd, temp_max_age_s, rep, lease)
         if rep.other_bytes:
             log.warning("tierstore gc: %d bytes under the root are not pages gc can free (foreign, "
@@ -390,12 +441,28 @@ def _collect_locked(root_fd: int, max_bytes: int, low_watermark: float, grace_s:
         live = rep.total_before - rep.trash_bytes
         if _after_scan_hook is not None:
             _after_scan_hook()
-        if rep.total_before > max_bytes and not dry_run:
+        if rep.total_before > max_bytes and dry_run:
+            live = _plan_down_to(pages, int(max_bytes * low_watermark), live, grace_s, rep)
+        elif rep.total_before > max_bytes:
             victims = _Victims(pages, root_fd, trash_fd, grace_s, threads)
             live = _evict_down_to(pages, int(max_bytes * low_watermark), live, victims, lease, rep)
         rep.total_after = live + rep.trash_bytes
     finally:
-        os.close(trash_fd)
+        if trash_fd >= 0:
+            os.close(trash_fd)
+
+
+def _plan_down_to(pages: _ScanTable, target: int, live: int, grace_s: float, rep: GcReport) -> int:
+    """A dry run's eviction: the LRU prefix ``_evict_down_to`` would evict, counted in ``rep``
+    (with a grace period, its bytes as the trash's); the live bytes after."""
+    for i in pages.lru_order():
+        if live <= target:
+            break
+        rep.evicted += 1
+        rep.evicted_bytes += pages.size[i]
+        rep.trash_bytes += pages.size[i] if grace_s > 0 else 0
+        live -= pages.size[i]
+    return live
 
 
 class _Victims:
@@ -534,35 +601,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evict-threads", type=int, default=EVICT_THREADS, metavar="N",
                         help=f"unlinks in flight while evicting (default {EVICT_THREADS}; each waits on the file "
                         "system: a round trip on NFS, a discard on ext4 mounted with -o discard)")
-    parser.add_argument("--dry-run", action="store_true", help="scan and report; evict nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="change nothing under ROOT; report what a real pass would evict and remove")
     parser.add_argument("--json", action="store_true", help="print each pass's report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run gc as the CLI asked; 0 on success (also when another node holds the lease)."""
     root = Path(args.root)
-    if not root.is_dir():
-        print(f"tierstore gc: {root} is not a directory (pass the cache root given as \"root\")")
-        return 2
     if not 0 < args.low_watermark <= 1:
-        print("tierstore gc: --low-watermark must be in (0, 1]")
+        print("tierstore gc: --low-watermark must be in (0, 1]", file=sys.stderr)
         return 2
+    if not root.is_dir():  # as fsck, ls and stats: an operational error, exit 8
+        print(f"tierstore gc: {escape(root)} is not a directory (pass the cache root given as \"root\")",
+              file=sys.stderr)
+        return 8
     lease = Lease(root, ttl_s=args.lease_ttl)
     while True:
         rep = collect(root, args.max_bytes, low_watermark=args.low_watermark,
                       trash_grace_s=args.trash_grace, temp_max_age_s=args.temp_max_age,
                       lease=lease, dry_run=args.dry_run, evict_threads=args.evict_threads)
+        if rep.refused:
+            print(f"tierstore gc: refusing {escape(root)}: {rep.refused}", file=sys.stderr)
+            return 8
         if args.json:
             print(json.dumps(asdict(rep)), flush=True)
         elif rep.lease_problem:
             print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", flush=True)
         elif rep.busy:
             print(f"tierstore gc: another node holds the gc lease ({root / LEASE_NAME}); nothing done")
+        elif args.dry_run:
+            print(f"tierstore gc: {rep.pages} pages, {rep.total_before} bytes (cap {args.max_bytes}); a real "
+                  f"pass would evict {rep.evicted} pages / {rep.evicted_bytes} bytes (leaving {rep.total_after}), "
+                  f"remove {rep.temps_removed} stale temps and {rep.trash_removed} trash entries "
+                  "[dry run: nothing changed]", flush=True)
         else:
             print(f"tierstore gc: {rep.pages} pages, {rep.total_before} bytes before, {rep.total_after} after "
                   f"(cap {args.max_bytes}); evicted {rep.evicted} pages / {rep.evicted_bytes} bytes, "
-                  f"removed {rep.temps_removed} stale temps, {rep.trash_removed} trash entries in {rep.seconds:.2f} s"
-                  + (" [dry run]" if args.dry_run else ""), flush=True)
+                  f"removed {rep.temps_removed} stale temps, {rep.trash_removed} trash entries in {rep.seconds:.2f} s",
+                  flush=True)
         if not args.json:
             for line in rep.unsafe:
                 print(f"tierstore gc: refused {line}", flush=True)
