@@ -182,3 +182,18 @@ def test_version_is_the_installed_distributions() -> None:
     out = subprocess.run([sys.executable, "-m", "tierstore", "--version"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == f"tierstore {version('tierstore')}", out
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path) -> None:
+    """``tierstore fsck ROOT | head -1``: no "Broken pipe" message or traceback, and the status
+    of a process a closed pipe ends (128 + SIGPIPE); it printed an error and exited 8."""
+    fill_pages(tmp_path, simple_namespace(), 2)
+    for i in range(3000):  # 3,000 findings: far more output than a pipe buffers
+        (tmp_path / f"junk-{i:05d}").touch()
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "fsck", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"foreign/")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 141 and err == b"", err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -25,7 +26,17 @@ from typing import Any
 from tierstore.errors import TierStoreError
 
 EXIT_OPERATIONAL = 8
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 EXIT_CANCELLED = 32
+EXIT_TABLE = """exit status, every command:
+  0    done (fsck: clean; gc: also when another node holds the lease)
+  1    fsck: problems found, all repaired
+  2    usage error (a bad option or value)
+  4    fsck: problems left
+  8    operational error: ROOT missing, not a cache directory, unreadable; a bad lease path
+  32   interrupted
+  141  the output pipe was closed (tierstore ... | head)
+errors go to stderr."""
 
 # command -> (module, one-line help). Imported lazily by _run_delegated.
 DELEGATED: dict[str, tuple[str, str]] = {
@@ -79,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierstore",
         description="Disk and shared-NFS KV-cache tier for vLLM: inspect, check and repair a cache directory.",
+        epilog=EXIT_TABLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"tierstore {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -202,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("stats", "ls"):
             return _cmd_stats(args, listing=args.command == "ls")
         raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
+    except BrokenPipeError:
+        # The reader closed the pipe (``tierstore stats ROOT | head``): no message, and the exit
+        # status of a process a closed pipe ends (128 + SIGPIPE), as cat, ls and grep report it.
+        # stdout goes to /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_CLOSED_PIPE
     except (TierStoreError, OSError) as exc:
         print(f"tierstore: {exc}", file=sys.stderr)
         return EXIT_OPERATIONAL

@@ -7,7 +7,7 @@ integers little-endian; documented in docs/DESIGN.md):
 
     preamble (72 bytes)
       0  8  magic  b"TSKVPAGE"
-      8  2  format version (2)
+      8  2  format version (FORMAT_VERSION, 3)
      10  2  flags (FLAG_MAC or 0; readers reject unknown bits)
      12  4  header_len: payload starts here; a multiple of HEADER_ALIGN (4096)
      16  8  payload_len

@@ -15,6 +15,8 @@ when the Triton path cannot take a view, with the reason in ``fallback_reason``)
 
 Threading: a copier may be used from several threads on disjoint pages/blocks; GPU copies
 are queued on the calling thread's current CUDA stream.
+
+Imports: errors, fs, format (torch and triton besides); never the I/O layers above.
 """
 
 from __future__ import annotations

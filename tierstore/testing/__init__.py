@@ -5,6 +5,8 @@ Mamba-state group, several dtypes; one-group ones) and fills a root with determi
 files; ``tierstore.testing.tiny_models`` builds tiny local Hugging Face models (needs torch).
 Users: the tests, ``tierstore.demo`` and the benchmarks (``tierstore.bench``, tools/); the
 library proper (engine, tiers, vLLM adapter) never imports this package.
+
+Imports: errors, fs, format, store, kernels, rootstore; never vllm (test helpers load without it).
 """
 
 from tierstore.testing.pages import (

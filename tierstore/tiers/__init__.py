@@ -19,6 +19,8 @@ Threading: the factory is thread-safe.
 Importing this package is light: the engine and the chain (and with them torch, for staging
 memory) load at the first ``open_group_store`` or attribute access, so ``tierstore gc``
 (``tierstore.tiers.gc``) starts without torch.
+
+Imports: errors, metrics, fs, config, store, format, index, rootstore; never admin, vllm, bench.
 """
 
 from __future__ import annotations

@@ -627,7 +627,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(asdict(rep)), flush=True)
         elif rep.lease_problem:
-            print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", flush=True)
+            print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", file=sys.stderr, flush=True)
         elif rep.busy:
             print(f"tierstore gc: another node holds the gc lease ({root / LEASE_NAME}); nothing done")
         elif args.dry_run:
@@ -644,5 +644,5 @@ def run(args: argparse.Namespace) -> int:
             for line in rep.unsafe:
                 print(f"tierstore gc: refused {line}", flush=True)
         if args.loop <= 0:
-            return 1 if rep.lease_problem else 0
+            return 8 if rep.lease_problem else 0  # an operational error, as in every command
         time.sleep(args.loop)

@@ -13,6 +13,8 @@ docs/DESIGN.md (the vLLM adapter section).
 
 ``TierStoreConnector`` is imported on first use (vLLM's ``getattr`` on this module), so the
 vLLM-free modules above can be imported where vLLM is not installed.
+
+Imports: anything of tierstore but bench and demo (it is the top of the library).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ attention prefix, sliding windows, Mamba align boundary states, minimum across g
 per-key prefix loop replaced by one call, ``TierStoreConnectorScheduler``) and replaces three
 things:
 
-1. the spec: ``TierStoreOffloadingSpec`` (lookups = file existence; worker = GroupCopier +
+1. the spec: ``TierStoreOffloadingSpec`` (lookups from in-memory indexes of the disk tiers,
+   ``manager.py``; worker = GroupCopier +
    IOEngine per group), built here from vLLM's config with tierstore's chunking;
 2. load failures: vLLM's stock worker asserts that every transfer succeeded. Here a failed load
    job is reported at request level in ``failed_recving`` (vLLM 0.32 refuses block-level
