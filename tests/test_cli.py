@@ -197,3 +197,14 @@ def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path) -> None:
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(120) == 141 and err == b"", err
+
+
+@pytest.mark.parametrize("command", ["stats", "ls", "fsck"])
+def test_every_json_document_names_its_schema_version(tmp_path: Path, command: str) -> None:
+    fill_pages(tmp_path, simple_namespace(), 2)
+    out = subprocess.run([sys.executable, "-m", "tierstore", command, str(tmp_path), "--json"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc[f"tierstore_{'stats' if command == 'ls' else command}"] == 1
+

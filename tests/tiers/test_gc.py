@@ -124,6 +124,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gc.run(args) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["evicted"] >= 4 and rep["total_after"] <= 4 * size
+    assert rep["tierstore_gc"] == 1 and rep["started_at"].endswith("+00:00")  # a schema version, ISO times
     assert gc.parse_bytes("10G") == 10 << 30 and gc.parse_bytes("512MiB") == 512 << 20
     for bad in ("lots", "inf", "1e999", "1.5e9", "-5G", "0"):  # "inf" raised OverflowError (a traceback)
         with pytest.raises(argparse.ArgumentTypeError):

@@ -1030,6 +1030,7 @@ def stats_from_inventory(inv: Inventory) -> dict[str, Any]:
     for f in inv.findings:
         counts[f.category] = counts.get(f.category, 0) + 1
     return {
+        "tierstore_stats": 1,  # the schema's version (ls and stats print this document)
         "root": str(inv.root),
         "generated_at": _iso(time.time()),
         "namespaces": namespaces,

@@ -66,6 +66,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tierstore.errors import GONE_ERRNOS
@@ -583,6 +584,15 @@ class GcDaemon:
 
 
 # ---------------------------------------------------------------------------- CLI
+def report_json(rep: GcReport) -> dict[str, object]:
+    """A pass's report as ``--json`` prints it: a schema version first, the report's fields,
+    and its start and end also as ISO 8601 UTC (``started_at``, ``finished_at``)."""
+    def iso(t: float) -> str | None:
+        return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds") if t else None
+
+    return {"tierstore_gc": 1, **asdict(rep), "started_at": iso(rep.started), "finished_at": iso(rep.finished)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="the shared cache root (the directory given as \"root\")")
     parser.add_argument("--max-bytes", type=parse_bytes, required=True,
@@ -625,7 +635,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"tierstore gc: refusing {escape(root)}: {rep.refused}", file=sys.stderr)
             return 8
         if args.json:
-            print(json.dumps(asdict(rep)), flush=True)
+            print(json.dumps(report_json(rep)), flush=True)
         elif rep.lease_problem:
             print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", file=sys.stderr, flush=True)
         elif rep.busy:
