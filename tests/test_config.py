@@ -226,18 +226,18 @@ def test_local_root_apart_from_root(local: str, relation: str) -> None:
     assert relation in str(e.value) and "LRU eviction" in str(e.value) and "gc" in str(e.value)
 
 
-def test_local_root_is_compared_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Relative paths and symlinks are resolved (the paths need not exist); siblings, and a
+def test_local_root_is_compared_as_an_absolute_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative paths and ``..`` are normalised, without touching the file system (the paths need
+    not exist, and ``root`` may be a hung mount: a symlink alias is not resolved); siblings, and a
     name that only shares a prefix, are apart."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    (tmp_path / "alias").symlink_to(shared)
     monkeypatch.chdir(tmp_path)
-    for local in ("shared", str(tmp_path / "alias"), str(tmp_path / "alias" / "not-yet" / "local")):
+    for local in ("shared", str(tmp_path / "x" / ".." / "shared"), str(shared / "not-yet" / "local")):
         with pytest.raises(ConfigError, match='setting "local_root"'):
             TierStoreConfig.from_dict({"root": str(shared), "local_root": local})
     with pytest.raises(ConfigError, match="the same directory"):
-        TierStoreConfig.from_dict({"root": "alias", "local_root": str(shared)})
+        TierStoreConfig.from_dict({"root": "shared", "local_root": str(shared)})
     for local in ("local", str(tmp_path / "shared2"), str(tmp_path / "missing" / "local")):
         assert TierStoreConfig.from_dict({"root": str(shared), "local_root": local}).local_root == local
     assert TierStoreConfig.from_dict({"root": str(shared), "local_root": ""}).local_root == ""  # off, as before
@@ -267,3 +267,18 @@ def test_valid_configs_as_the_repository_writes_them() -> None:
     ]:
         TierStoreConfig.from_dict(d)
     assert TierStoreConfig(root=Path("/mnt/kvcache"), io_threads=2).replace(io_threads=3).io_threads == 3  # type: ignore[arg-type]
+
+
+def test_validating_a_config_does_not_touch_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``root`` may be a hung NFS mount at engine start: resolving it (a stat per component)
+    blocked config validation in uninterruptible sleep. Validation calls no stat at all."""
+    import os as os_mod
+
+    def no_stat(*a: object, **kw: object) -> None:
+        raise AssertionError("config validation touched the file system")
+
+    for name in ("stat", "lstat"):
+        monkeypatch.setattr(os_mod, name, no_stat)
+    cfg = TierStoreConfig.from_dict({"root": str(tmp_path / "nfs"), "local_root": str(tmp_path / "nvme"),
+                                     "max_bytes": "500G"})
+    assert cfg.max_bytes == 500 << 30

@@ -127,11 +127,10 @@ def _read_sizes(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _resolved(path: str | os.PathLike[str]) -> Path:
-    """The absolute path with symlinks resolved as far as it exists (it need not exist)."""
-    try:
-        return Path(path).resolve()
-    except (OSError, RuntimeError):  # a symlink loop: compare the absolute, normalised path
-        return Path(os.path.abspath(path))
+    """The absolute, normalised path, computed without touching the file system: ``root`` may be
+    a hung NFS mount, and validating a config must not block on it (a symlink that makes two
+    written paths one directory is not seen here)."""
+    return Path(os.path.abspath(path))
 
 
 def _tiers_overlap(root: str | os.PathLike[str], local_root: str | os.PathLike[str]) -> str | None:
