@@ -56,17 +56,13 @@ from typing import Any, TextIO
 
 from tierstore.admin.adaptive_gate import AdaptiveGate
 from tierstore.errors import GONE_ERRNOS, ConfigError, PageError, PageIOError, PageMissing
-from tierstore.format.identity import MANIFEST_NAME, GroupSpec, Namespace
+from tierstore.format.identity import MANIFEST_NAME, GroupSpec, Namespace, page_file_size
 from tierstore.format.page import (
     FORMAT_VERSION,
     HEADER_ALIGN,
-    Codec,
     PageHeader,
     PageLayout,
-    PageMeta,
-    SectionEntry,
     decode_header,
-    encode_header,
     header_len_of,
 )
 from tierstore.fs import safefs
@@ -532,10 +528,7 @@ def _estimated_page_bytes(ns: Namespace, group_index: int, rank: int, key_len: i
     """Bytes of an uncompressed page file of this group (header + payload; ``layout``: a head
     slice's); 0 if unknown."""
     try:
-        lay = layout if layout is not None else ns.groups[group_index].layout
-        meta = PageMeta(ns.digest_bytes, b"\0" * key_len, group_index, ns.groups[group_index].kind, 0, rank)
-        entries = [SectionEntry(sec, off, sec.nbytes, 0) for sec, off in zip(lay.sections, lay.offsets, strict=True)]
-        return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
+        return page_file_size(ns, group_index, key_len, rank, layout)
     except Exception:  # noqa: BLE001 - an odd manifest: no estimate rather than no stats
         return 0
 

@@ -29,7 +29,16 @@ from typing import Any
 import xxhash
 
 from tierstore.errors import ConfigError
-from tierstore.format.page import FORMAT_VERSION, GroupKind, PageLayout, SectionSpec
+from tierstore.format.page import (
+    FORMAT_VERSION,
+    Codec,
+    GroupKind,
+    PageLayout,
+    PageMeta,
+    SectionEntry,
+    SectionSpec,
+    encode_header,
+)
 from tierstore.fs import safefs
 from tierstore.fs.mapper import host_tag
 
@@ -243,3 +252,14 @@ def read_manifest(path: str | os.PathLike[str]) -> Namespace:
         return Namespace.from_manifest(json.loads(raw))
     except Exception as exc:  # noqa: BLE001 - one bad manifest is a finding, never a crash
         raise ConfigError(f"unreadable manifest {os.fsdecode(path)}: {type(exc).__name__}: {exc}") from exc
+
+
+def page_file_size(namespace: Namespace, group_index: int, key_len: int = 32, rank: int = 0,
+                   layout: PageLayout | None = None) -> int:
+    """Bytes of an uncompressed page file of this group (header + payload; ``layout``: a head
+    slice's instead of the group's): the one rule of the local tier's reservations and the
+    inventory's estimates."""
+    lay = layout if layout is not None else namespace.groups[group_index].layout
+    meta = PageMeta(namespace.digest_bytes, b"\0" * key_len, group_index, namespace.groups[group_index].kind, 0, rank)
+    entries = [SectionEntry(s, o, s.nbytes, 0) for s, o in zip(lay.sections, lay.offsets, strict=True)]
+    return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes

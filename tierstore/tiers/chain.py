@@ -48,14 +48,14 @@ from typing import Any
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageMissing, PageTimeout
-from tierstore.format.identity import Namespace
+from tierstore.format.identity import Namespace, page_file_size
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry, default_registry
 from tierstore.rootstore.engine import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.backlog import SHARED_BACKLOG_MAX, SharedBacklog
 from tierstore.tiers.host import HostStore, HostTier
-from tierstore.tiers.local import LocalTier, page_file_size
+from tierstore.tiers.local import LocalTier
 from tierstore.tiers.promotion import NO_SLOT_KIND, Promotion
 from tierstore.tiers.shared import SharedTier
 from tierstore.tiers.tier import ChainTier

@@ -26,7 +26,6 @@ from typing import Any
 from tierstore.config import TierStoreConfig
 from tierstore.errors import BAD_CONTENT_KINDS, ConfigError
 from tierstore.format.identity import Namespace
-from tierstore.format.page import Codec, PageMeta, SectionEntry, encode_header
 from tierstore.index import page_index
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import TierMetrics
@@ -36,15 +35,6 @@ from tierstore.tiers.admission import LocalAdmission
 from tierstore.tiers.tier import EngineTier, TierJob
 
 log = logging.getLogger(__name__)
-
-
-def page_file_size(namespace: Namespace, group_index: int, key_len: int = 32, rank: int = 0) -> int:
-    """Bytes of an uncompressed page file of this group (header + payload)."""
-    group = namespace.groups[group_index]
-    lay = group.layout
-    meta = PageMeta(namespace.digest_bytes, b"\0" * key_len, group_index, group.kind, 0, rank)
-    entries = [SectionEntry(s, o, s.nbytes, 0) for s, o in zip(lay.sections, lay.offsets, strict=True)]
-    return len(encode_header(meta, Codec.NONE, entries, lay.nbytes)) + lay.nbytes
 
 
 class LocalTier(EngineTier):
