@@ -177,7 +177,7 @@ class TierStoreConfig:
     # loads read in one GIL-free call; 1 = one page per wake-up (docs/measurements/scaling.md).
     io_batch_pages: int = 8
     # "native": the common page loads and stores run on compiled threads that never return to
-    # Python (native_lane.py); "python": every job on the Python I/O threads.
+    # Python (rootstore/lane.py); "python": every job on the Python I/O threads.
     io_loop: str = "native"
     fsync: bool = False  # fsync each page before publishing it
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"

@@ -1,8 +1,8 @@
 """The numbers the compiled kernels are built with: result codes, scratch slots, the native
 lane's shared-array layout and its fault-injection points. A leaf: it imports nothing.
 
-Contract: ``native_kernels`` compiles these values into machine code that numba caches on disk,
-keyed on ``native_kernels.py`` alone. So ``native_kernels.ABI_DIGEST`` records ``digest()`` of
+Contract: ``native/kernels.py`` compiles these values into machine code that numba caches on disk,
+keyed on ``native/kernels.py`` alone. So ``native.kernels.ABI_DIGEST`` records ``digest()`` of
 this module, and the kernels refuse to load (the Python path serves, ``native.failure()`` says
 why) when the two differ: a change here must come with a new ``ABI_DIGEST`` there, and that
 edit renews numba's cache. ``tests/test_native_lane_races.py`` checks the pair.
@@ -49,7 +49,7 @@ DEADLINE_NS_MAX = 1 << 62
 
 # ----------------------------------------------------------------- fault injection (tests)
 # Points where a lane thread pauses in a kernel built with TIERSTORE_LANE_FAULTS set
-# (native_kernels.LANE_FAULTS); the faults array holds FAULT_FIELDS per point: pause every
+# (native.kernels.LANE_FAULTS); the faults array holds FAULT_FIELDS per point: pause every
 # Nth pass (0: never), for this many ns, and a pass counter.
 FAULT_CLAIM = 0  # inside claim: between reading the ring cell and taking it (the CAS of head)
 FAULT_BEFORE_RUNNING = 1  # between the claim and the RUNNING mark
@@ -66,7 +66,7 @@ cache_kernels = True
 
 
 def digest() -> str:
-    """A digest of every upper-case constant here (``native_kernels.ABI_DIGEST`` keeps the one
+    """A digest of every upper-case constant here (``native.kernels.ABI_DIGEST`` keeps the one
     it was built against)."""
     items = sorted((k, v) for k, v in globals().items() if k.isupper() and isinstance(v, int))
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]

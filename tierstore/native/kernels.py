@@ -18,7 +18,7 @@ compiled hash against ``xxhash.xxh3_64_intdigest`` before any use. The declarati
 ctypes prototypes used before: ``openat`` always gets its mode argument (0 unless creating).
 
 numba's cache is keyed on this file (its path, size and time stamp) and the CPU. The constants
-compiled in come from ``native_abi`` alone, and ``ABI_DIGEST`` below ties that module to this
+compiled in come from ``native/abi.py`` alone, and ``ABI_DIGEST`` below ties that module to this
 file: a changed constant without a new digest here stops the import (the Python path serves).
 A fault build (``TIERSTORE_LANE_FAULTS``, tests only) compiles the lane's kernels for its own
 process, outside the cache.
@@ -497,7 +497,7 @@ def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: in
     return names.shape[0]
 
 
-# ----------------------------------------------------------------- the native I/O loop (native_lane.py)
+# ----------------------------------------------------------------- the native I/O loop (rootstore/lane.py)
 # Atomics on one element of a 1-D integer array (sequentially consistent): the lane's rings,
 # states and futex words are shared by its threads and the Python side.
 def _operands(context: Any, builder: Any, sig: Any, args: Any) -> tuple[Any, list[Any]]:

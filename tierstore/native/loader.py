@@ -7,7 +7,7 @@ threads (docs/measurements/scaling.md). Here the steps run in compiled calls tha
 (numba ``nogil=True``), calling the same functions as the Python path: ``XXH3_64bits`` of the
 loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's
 ``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
-- ``native_page.load_page`` / ``store_page`` / ``load_pages`` (compiled in ``native_kernels``,
+- ``native_page.load_page`` / ``store_page`` / ``load_pages`` (compiled in ``native/kernels.py``,
   with the others, and cached on disk): a warm load or a store of one page file, header checks
   and header fill included, in one call each, or a batch of loads in one call;
 - ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file;
@@ -24,7 +24,7 @@ on the Python path, which names the error. Buffers are passed by address: the ca
 them alive and C-contiguous for the call.
 
 Threading: ``start()`` compiles on one daemon thread (numba's import and compile take ~6 s of
-CPU on the 2-core machine, loading ``native_kernels`` from numba's on-disk cache ~0.6 s; kept
+CPU on the 2-core machine, loading ``native/kernels.py`` from numba's on-disk cache ~0.6 s; kept
 off the engine's start-up path and out of processes that never load a page, such as the CLI);
 until it finishes ``ready()`` is False. After that the compiled functions are safe from
 any number of threads at once (they touch only the buffers they are given).
@@ -62,7 +62,7 @@ MIN_NATIVE_BYTES = 64 << 10
 # Python open and fstat, and still read and hash in one call).
 _STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
-# native_kernels compiles with numba's on-disk cache unless this is False (set when numba
+# native/kernels.py compiles with numba's on-disk cache unless this is False (set when numba
 # finds no writable cache directory).
 cache_kernels = True
 _lock = threading.Lock()
@@ -157,7 +157,7 @@ def _shield_llvmlite_from_module_scans() -> None:
 
 
 def _build() -> Any:
-    """Compile the kernels (``native_kernels``; loaded from numba's on-disk cache after the
+    """Compile the kernels (``native/kernels.py``; loaded from numba's on-disk cache after the
     first process) and check them against xxhash; raise if anything differs."""
     _shield_llvmlite_from_module_scans()  # before numba's import: no window for a scan
     import numpy as np
@@ -165,7 +165,7 @@ def _build() -> Any:
     import xxhash._xxhash as ext
     from llvmlite import binding
 
-    # The kernels call XXH3 by symbol (native_kernels._xxh3_symbol): make the loaded extension's symbols visible to
+    # The kernels call XXH3 by symbol (native.kernels._xxh3_symbol): make the loaded extension's symbols visible to
     # LLVM (at compile and at cache load) before the kernels' module is imported.
     binding.load_library_permanently(ext.__file__)
     global cache_kernels
@@ -274,7 +274,7 @@ def page_kernels() -> tuple[Any, Any, Any, Any, Any] | None:
 
 
 def lane_kernels() -> tuple[Any, Any, Any, Any, Any] | None:
-    """The compiled (serve, publish, await, stop, cancel) of ``native_lane``'s I/O loop, or None where
+    """The compiled (serve, publish, await, stop, cancel) of ``rootstore/lane.py``'s I/O loop, or None where
     ``page_kernels`` is None."""
     if page_kernels() is None:
         return None

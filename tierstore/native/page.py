@@ -1,6 +1,6 @@
 """Whole-page loads and stores in one GIL-free call each, header included (issue 16).
 
-``native.py`` compiles these kernels with the others (``build``) and says when they are ready;
+``native/loader.py`` compiles these kernels with the others (``build``) and says when they are ready;
 this module holds what is specific to one page file:
 - ``PageShape``: the arrays every page of one writer shares (the header template's blank
   bytes, constant ranges and field offsets, the section spans and alignment gaps, the warm

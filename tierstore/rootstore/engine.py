@@ -2,7 +2,7 @@
 
 The engine is policy; the mechanisms are its parts, each with its own contract:
 ``ioqueue.JobQueue`` (queues, I/O threads, deadlines, results; loads before stores, a store
-never starved), ``staging.StagingPool`` (the page buffers), ``page_files.PageFiles`` (the
+never starved), ``staging.StagingPool`` (the page buffers), ``rankdir.PageFiles`` (the
 store, load and removal of this rank directory's page files, on I/O threads; built on
 ``pagefile``'s flat functions, each with its failure policy), ``mapper.FileMapper`` (every file
 name) and ``format.HeaderTemplate`` (the exact header of our pages). What the engine decides:
@@ -134,7 +134,7 @@ class IOEngine:
         else:
             self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root,
                                                                 namespace, self.mapper)
-        native.start()  # one GIL release per page once compiled (native.py), off this thread
+        native.start()  # one GIL release per page once compiled (native/loader.py), off this thread
         advice = io_threads_advice(self.config.io_threads)
         if advice:
             logger.warning(advice)
@@ -175,7 +175,7 @@ class IOEngine:
 
     @property
     def warm_piece_bytes(self) -> int:
-        """The piece size of a warm load (``page_files.WARM_PIECE_BYTES``)."""
+        """The piece size of a warm load (``pageops.WARM_PIECE_BYTES``)."""
         return self.files.warm_piece_bytes
 
     @warm_piece_bytes.setter

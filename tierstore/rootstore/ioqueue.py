@@ -21,7 +21,7 @@ Contract:
   wake-up, a contended lock, a native call) costs a scheduler wake-up while the GIL sits idle,
   and a batch pays them once for several pages (docs/measurements/scaling.md). A queue no
   deeper than the threads still runs one job per thread.
-- A native lane (``lane``, ``native_lane.NativeLane``): ``submit`` offers each job to it
+- A native lane (``lane``, ``lane.NativeLane``): ``submit`` offers each job to it
   first; a job it takes runs on its compiled threads, which never return to Python, and comes
   back through ``harvest`` (called by ``poll`` and by the lane's harvest thread), completed
   here like any other, or, for anything but the common case, queued for the Python threads,
@@ -140,7 +140,7 @@ class _Watchers:
 
 
 class Lane(Protocol):
-    """Compiled I/O threads that take jobs off the Python threads (``native_lane.NativeLane``);
+    """Compiled I/O threads that take jobs off the Python threads (``lane.NativeLane``);
     ``offer``, ``harvest``, ``queued`` and ``hurry`` are called with the queue's lock held."""
 
     def attach(self, on_ready: Callable[[], None]) -> None: ...

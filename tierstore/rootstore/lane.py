@@ -4,7 +4,7 @@ Why: every return of an I/O thread to Python is a request for the GIL. Beside a 
 thread (vLLM's worker, or the GPU pipeline's driver, busy 85-93% of a transfer) such a request
 waits for the holder, and with one return per page the engine's stores lost 41% of their
 speed (docs/measurements/scaling.md). Here the I/O threads run a compiled loop
-(``native_kernels.lane_serve``, numba ``nogil``) that takes jobs from shared rings, runs
+(``native.kernels.lane_serve``, numba ``nogil``) that takes jobs from shared rings, runs
 ``store_page`` / ``load_page`` on them and marks them done: they never hold the GIL, from the
 engine's start to its close.
 
@@ -37,7 +37,7 @@ Threading: the lane's arrays are shared. Entries (one per staging slot: a job ho
 the lane never fills) go FREE -> READY (``offer``, the queue's lock held) -> RUNNING (a CAS by
 the thread that claimed its ring position) -> DONE (that thread) -> FREE (``harvest``, the lock
 held), or READY -> FREE (``stop``'s CAS, for entries no thread marked RUNNING). A thread reads
-its ring cell before the CAS that claims it (``native_kernels.claim`` says why that order is
+its ring cell before the CAS that claims it (``native.kernels.claim`` says why that order is
 the safe one). Every shared transition is a sequentially consistent atomic. Idle lane threads sleep on a futex word the publisher bumps. One harvest thread waits,
 also without the GIL (``lane_await``), until some entry has stayed done and unharvested for
 ``harvest_delay_s``; only then does it take the GIL and the queue's lock (``on_ready``): a
@@ -189,7 +189,7 @@ class NativeLane:
         self.sums = np.zeros((cap, sections), dtype=np.uint64)
         self.header_sums = np.zeros((cap, sections), dtype=np.uint64)
         self.scratch = np.zeros((cap, SCRATCH_LEN), dtype=np.int64)
-        # Pauses at native_abi.FAULT_* points, read only by a fault build's kernels (tests).
+        # Pauses at native.abi.FAULT_* points, read only by a fault build's kernels (tests).
         self.faults = np.zeros(FAULT_POINTS * FAULT_FIELDS, dtype=np.int64)
         self._won = np.zeros(cap, dtype=np.int64)
         self._seen = np.zeros(2 * cap, dtype=np.int64)

@@ -503,7 +503,7 @@ def read_own_page(fd: int, tmpl: HeaderTemplate, file_buf: memoryview, page: mem
     if not already_read:
         fused = native.read_and_hash(fd, file_buf, hl, plan, layout.spans)
         if fused is not None and fused[0] == plan[-1][1]:
-            # One GIL release for the whole page (native.py); a short or failed read falls
+            # One GIL release for the whole page (native/loader.py); a short or failed read falls
             # through to the piece-by-piece path below, which names the error.
             sums = tmpl.parse(file_buf[:hl], key)
             if sums is None:
