@@ -37,7 +37,7 @@ from tierstore.testing.pages import (
 
 
 def _engine(root: Path, ns: Namespace, group: int = 0, **cfg: object) -> IOEngine:
-    extra = {k: cfg.pop(k) for k in ("staging_slots", "deadline_s", "rank", "tier_name") if k in cfg}
+    extra = {k: cfg.pop(k) for k in ("staging_slots", "deadline_s", "rank", "tier_name", "file_ops") if k in cfg}
     config = TierStoreConfig.from_dict({"root": str(root), **cfg})
     return IOEngine(root, ns, group, config=config, **extra)  # type: ignore[arg-type]
 
@@ -238,7 +238,7 @@ def _block_worker(eng: IOEngine, op: str, gate: threading.Event, started: thread
     """Make the engine's ``op`` block on ``gate`` (a stuck syscall); returns the call log."""
     assert eng.config.io_loop == "python", "the native lane never calls the wrapped file operation"
     calls: list[str] = []
-    real = getattr(eng, f"_do_{op}")
+    real = getattr(eng.ops, {"load": "load", "store": "store"}[op])
 
     def blocked(*a: object) -> object:
         calls.append(op)
@@ -246,7 +246,7 @@ def _block_worker(eng: IOEngine, op: str, gate: threading.Event, started: thread
         gate.wait(30)
         return real(*a)
 
-    setattr(eng, f"_do_{op}", blocked)
+    setattr(eng.ops, op, blocked)
     return calls
 
 
@@ -353,7 +353,7 @@ def test_loads_are_served_before_stores(root: Path) -> None:
         assert store_data(eng, page_key(100 + i), page_bytes(layout, page_key(100 + i))).ok
     gate, started = threading.Event(), threading.Event()
     order: list[str] = []
-    real_load, real_loads, real_store, real_stores = eng._do_load, eng._do_loads, eng._do_store, eng._do_stores
+    real_load, real_loads, real_store, real_stores = eng.ops.load, eng.ops.load_many, eng.ops.store, eng.ops.store_many
 
     def rec_load(*a: object) -> int:
         order.append("load")
@@ -374,8 +374,8 @@ def test_loads_are_served_before_stores(root: Path) -> None:
         order.extend(["store"] * len(items))
         return real_stores(items)
 
-    eng._do_load, eng._do_loads, eng._do_store = rec_load, rec_loads, rec_store  # type: ignore[method-assign]
-    eng._do_stores = rec_stores  # type: ignore[method-assign]
+    eng.ops.load, eng.ops.load_many, eng.ops.store = rec_load, rec_loads, rec_store  # type: ignore[method-assign]
+    eng.ops.store_many = rec_stores  # type: ignore[method-assign]
     ids = _submit_stores_behind_a_blocked_first(eng, layout, 4, started)
     ids += [eng.submit_load(page_key(100 + i)) for i in range(3)]
     gate.set()
@@ -752,7 +752,7 @@ def test_engine_found_damage_removes_only_the_file_it_read(root: Path, monkeypat
     path = eng.mapper.path_for(key)
     good = path.read_bytes()
     corrupt_flip_bit(path, -1)
-    real_load = eng._do_load
+    real_load = eng.ops.load
 
     def load_then_republish(*a: object) -> object:
         try:
@@ -762,10 +762,57 @@ def test_engine_found_damage_removes_only_the_file_it_read(root: Path, monkeypat
             tmp.write_bytes(good)
             os.replace(tmp, path)
 
-    monkeypatch.setattr(eng, "_do_load", load_then_republish)
+    monkeypatch.setattr(eng.ops, "load", load_then_republish)
     res, got = load_page(eng, key)
     assert not res.ok and res.error is not None and res.error.kind == "checksum" and got is None
     assert path.read_bytes() == good and eng.stats["bad_pages_discarded"] == 0
     monkeypatch.undo()
     assert load_page(eng, key)[1] == data
     eng.close()
+
+
+class _RecordingFiles:
+    """File operations a test passes to the engine: every call recorded, then the real one."""
+
+    def __init__(self, files: object) -> None:
+        self.files, self.calls = files, []
+
+    def store(self, *a: object) -> tuple[bool, int]:
+        self.calls.append("store")
+        return self.files.store(*a)  # type: ignore[attr-defined]
+
+    def store_many(self, items: list) -> list:
+        self.calls.extend(["store"] * len(items))
+        return self.files.store_many(items)  # type: ignore[attr-defined]
+
+    def load(self, *a: object) -> object:
+        self.calls.append("load")
+        return self.files.load(*a)  # type: ignore[attr-defined]
+
+    def load_many(self, items: list) -> list:
+        self.calls.extend(["load"] * len(items))
+        return self.files.load_many(items)  # type: ignore[attr-defined]
+
+
+def test_injected_file_operations_see_every_job_even_where_the_native_lane_would_run(root: Path) -> None:
+    """``IOEngine(file_ops=...)``: the engine's I/O threads call what the caller passed, and the
+    native lane (compiled, it would bypass them) is not started, whatever ``io_loop`` says."""
+    ns = simple_namespace()
+    layout = ns.groups[0].layout
+    made: list[_RecordingFiles] = []
+
+    def wrap(files: object) -> _RecordingFiles:
+        made.append(_RecordingFiles(files))
+        return made[0]
+
+    eng = _engine(root, ns, io_loop="native", file_ops=wrap)
+    try:
+        for i in range(6):
+            assert store_data(eng, page_key(i), page_bytes(layout, page_key(i))).ok
+        for i in range(6):
+            assert load_page(eng, page_key(i))[1] == page_bytes(layout, page_key(i))
+        assert made and eng.ops is made[0]
+        assert made[0].calls.count("store") == 6 and made[0].calls.count("load") == 6
+        assert eng.stats["jobs_native_loop"] == 0
+    finally:
+        eng.close()

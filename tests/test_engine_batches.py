@@ -39,14 +39,14 @@ def _hold_threads(eng: IOEngine, threads: int) -> threading.Event:
     submitted next queue up and each thread then takes a batch of them."""
     gate = threading.Event()
     started = threading.Semaphore(0)
-    real = eng._do_store
+    real = eng.ops.store
 
     def held(*args: object) -> tuple[bool, int]:
         started.release()
         assert gate.wait(30)
         return real(*args)  # type: ignore[arg-type]
 
-    eng._do_store = held  # type: ignore[method-assign]
+    eng.ops.store = held  # type: ignore[method-assign]
     for i in range(threads):
         slot = eng.acquire_slot(timeout=5)
         assert slot is not None
@@ -55,7 +55,7 @@ def _hold_threads(eng: IOEngine, threads: int) -> threading.Event:
         eng.submit_store(key, slot, 128)
     for _ in range(threads):
         assert started.acquire(timeout=30)
-    eng._do_store = real  # type: ignore[method-assign]
+    eng.ops.store = real  # type: ignore[method-assign]
     return gate
 
 

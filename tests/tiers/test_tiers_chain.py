@@ -15,7 +15,6 @@ from tierstore.errors import ConfigError, PageTimeout
 from tierstore.fs.deadline import DeadlineRunner
 from tierstore.fs.mapper import FileMapper
 from tierstore.metrics import Histogram, MetricsRegistry, default_registry
-from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import simple_namespace
 from tierstore.tiers import TierChain, close_shared_state, open_group_store
 from tierstore.tiers.host import HostTier
@@ -29,10 +28,10 @@ def cfg(tmp_path: Path, **kw) -> TierStoreConfig:
     return TierStoreConfig.from_dict({k: v for k, v in base.items() if v is not None})
 
 
-def test_factory_single_tier_is_a_plain_engine(tmp_path: Path) -> None:
+def test_factory_single_tier_is_a_chain_of_one(tmp_path: Path) -> None:
     st = open_group_store(TierStoreConfig(root=str(tmp_path)), NS, 0)
     try:
-        assert isinstance(st, IOEngine)
+        assert isinstance(st, TierChain) and [t.name for t in st.tiers] == ["root"]
         assert store(st, key(1)).ok and load(st, key(1))[2] == expected(st, key(1))
     finally:
         st.close()
@@ -224,7 +223,7 @@ def test_unverified_hit_counts_once_the_caller_confirms_it(tmp_path: Path) -> No
             bad = _load_unverified(st, key(2))
             assert good.ok and bad.ok and not good.verified and not bad.verified
             assert m.get("hits") == hits  # nobody has checked them yet
-            assert good.tier == bad.tier == ("local" if local else "shared")
+            assert good.tier == bad.tier == ("local" if local else "root")  # a lone root: a chain of one
             st.settle(good, True)
             st.settle(bad, False, "test: the caller's check failed")
             st.release_slot(good.slot)

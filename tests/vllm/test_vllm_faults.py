@@ -84,10 +84,10 @@ def test_damaged_page_is_recomputed_counted_and_logged(stored, tmp_path: Path, c
 
 
 def test_timed_out_loads_are_recomputed(stored, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierstore.rootstore.engine import IOEngine
+    from tierstore.rootstore.rankdir import PageFiles
 
     root, ids, cold, _ = stored("gemma3")
-    slow_load, slow_loads = IOEngine._do_load, IOEngine._do_loads
+    slow_load, slow_loads = PageFiles.load, PageFiles.load_many
 
     def stalled(self, *a):  # a file system that hangs longer than the deadline
         time.sleep(0.3)
@@ -97,10 +97,10 @@ def test_timed_out_loads_are_recomputed(stored, tmp_path: Path, monkeypatch: pyt
         time.sleep(0.3)
         return slow_loads(self, items)
 
-    monkeypatch.setattr(IOEngine, "_do_load", stalled)
-    monkeypatch.setattr(IOEngine, "_do_loads", stalled_batch)
+    monkeypatch.setattr(PageFiles, "load", stalled)  # every engine the connector builds
+    monkeypatch.setattr(PageFiles, "load_many", stalled_batch)
     run = run_engine("gemma3", copy_root(root, tmp_path / "r"), [{"prompt_token_ids": ids}],
-                     extra={"deadline_ms": 50, "io_loop": "python"}, **DENSE_RETENTION)  # stalls wrap the Python path
+                     extra={"deadline_s": 0.05, "io_loop": "python"}, **DENSE_RETENTION)  # stalls wrap the Python path
     assert run.outputs[0].tokens == cold
     assert failures(run.worker).get("timeout", 0) >= 1, run.worker
     assert run.outputs[0].cached == 0  # timed-out keys are skipped on the retry

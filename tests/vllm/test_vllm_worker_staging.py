@@ -41,20 +41,20 @@ def _setup(root: Path, slots: int, store_delay_s: float, monkeypatch: pytest.Mon
     engine = IOEngine(root, ns, 0, config=TierStoreConfig.from_dict({"root": str(root), "io_loop": loop}),
                       staging_slots=slots)
     if store_delay_s:
-        real = engine._do_store  # a slow disk: every page write takes store_delay_s
+        real = engine.ops.store  # a slow disk: every page write takes store_delay_s
 
         def slow(*a, **kw):  # noqa: ANN002, ANN003, ANN202
             time.sleep(store_delay_s)
             return real(*a, **kw)
 
-        real_many = engine._do_stores
+        real_many = engine.ops.store_many
 
         def slow_many(items):  # noqa: ANN001, ANN202 - a batch: each page takes store_delay_s
             time.sleep(store_delay_s * len(items))
             return real_many(items)
 
-        monkeypatch.setattr(engine, "_do_store", slow)
-        monkeypatch.setattr(engine, "_do_stores", slow_many)
+        monkeypatch.setattr(engine.ops, "store", slow)
+        monkeypatch.setattr(engine.ops, "store_many", slow_many)
     group = WorkerGroup(index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=1,
                         kernel_ratio=1, device=torch.device("cpu"), tokens_per_page=N)
     return TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0), copier, engine, layout

@@ -42,8 +42,9 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
 
 Threading: public methods may be called from any thread. Lock order: the job queue's lock,
 then the staging pool's, then the engine's stats lock (the last two are leaves). I/O threads
-run ``PageFiles`` operations holding no lock; zstd compressors and cachestat arguments are per
-thread there. ``PageFiles`` counts into the engine's stats through ``_count`` (the stats lock).
+run ``PageFiles`` operations (or those of the wrapper passed as ``file_ops``) holding no lock;
+zstd compressors and cachestat arguments are per thread there. ``PageFiles`` counts into the
+engine's stats through ``_count`` (the stats lock).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -101,16 +102,36 @@ def io_batch_for(io_batch_pages: int, page_bytes: int) -> int:
     return max(1, min(io_batch_pages, IO_BATCH_BYTES // max(1, page_bytes)))
 
 
+class PageFileOps(Protocol):
+    """The file operations the engine's Python I/O threads call (``PageFiles``'s, or a wrapper's
+    passed as ``IOEngine(file_ops=...)``): each raises or returns as ``PageFiles`` documents."""
+
+    def store(self, key: bytes, slot: StagingSlot, token_count: int,
+              sums: tuple[int, ...] | None) -> tuple[bool, int]: ...
+
+    def store_many(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
+                   ) -> list[tuple[bool, int] | PageError]: ...
+
+    def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]: ...
+
+    def load_many(self, items: list[tuple[bytes, StagingSlot, bool]],
+                  ) -> list[tuple[int, tuple[int, ...] | None] | PageError]: ...
+
+
 class IOEngine:
     """Loads and stores pages of one KV-cache group (and rank) under one root."""
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, group_index: int, *, rank: int = 0,
                  head_start: int = 0, head_count: int = 0, config: TierStoreConfig | None = None,
                  staging_slots: int | None = None, pin: bool = False, deadline_s: float | None = None,
-                 tier_name: str = "disk", rank_dir: str | None = None, layout: PageLayout | None = None) -> None:
+                 tier_name: str = "disk", rank_dir: str | None = None, layout: PageLayout | None = None,
+                 file_ops: Callable[[PageFiles], PageFileOps] | None = None) -> None:
         """``rank_dir``/``layout``: a head slice's directory (``h<start>-<count>``, header rank
         ``start // count``) and layout, from the caller (docs/DESIGN.md §9); by default
-        ``r<rank>`` and the namespace group's layout."""
+        ``r<rank>`` and the namespace group's layout. ``file_ops``: wraps the engine's
+        ``PageFiles`` in the file operations its I/O threads call (a test's recorder, stall or
+        fault); with it every job runs on the Python I/O threads (the native lane runs the stock
+        file operations in compiled code, so it is not started)."""
         self.root = Path(root)
         self.config = config if config is not None else TierStoreConfig(root=str(root))
         if not 0 <= group_index < len(namespace.groups):
@@ -151,12 +172,14 @@ class IOEngine:
                                direct_loads=self.odirect and cachestat_available(), count=self.counters.count,
                                layout=self.layout)
         self.geometry: FrameGeometry = self.files.geometry
+        # what the Python I/O threads call: the files themselves, or what a caller wrapped them in
+        self.ops: PageFileOps = file_ops(self.files) if file_ops is not None else self.files
         with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
             self.files._dirs.rank_fd()  # (a missing directory: the first store makes it)
         self._pool = StagingPool(self.geometry, n_slots, self.pinned)
         self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
         lane = None
-        if self.config.io_loop == "native" and native.enabled_by_env():
+        if self.config.io_loop == "native" and native.enabled_by_env() and file_ops is None:
             lane = NativeLane(self.files, self._pool, threads=self.config.io_threads, name=f"tierstore-io-g{group_index}")
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
@@ -294,10 +317,10 @@ class IOEngine:
     def _run(self, job: Job) -> tuple[bool, int]:
         """In an I/O thread: the job's file operation; (stored, bytes)."""
         if job.op == "store":
-            return self._do_store(job.key, job.slot, job.token_count, job.sums)
+            return self.ops.store(job.key, job.slot, job.token_count, job.sums)
         job.slot.source = None
         try:
-            nbytes, job.sums = self._do_load(job.key, job.slot, job.verify)
+            nbytes, job.sums = self.ops.load(job.key, job.slot, job.verify)
         except PageError as exc:
             if exc.kind in BAD_CONTENT_KINDS:
                 self._remove_damaged(job.key, job.slot.source, exc)
@@ -309,10 +332,10 @@ class IOEngine:
         ``PageFiles.load_many`` and stores written by ``PageFiles.store_many`` (one GIL-free
         call each for the common case)."""
         if jobs[0].op == "store":
-            return self._do_stores([(job.key, job.slot, job.token_count, job.sums) for job in jobs])
+            return self.ops.store_many([(job.key, job.slot, job.token_count, job.sums) for job in jobs])
         for job in jobs:
             job.slot.source = None
-        got = self._do_loads([(job.key, job.slot, job.verify) for job in jobs])
+        got = self.ops.load_many([(job.key, job.slot, job.verify) for job in jobs])
         results: list[tuple[bool, int] | PageError] = []
         for job, r in zip(jobs, got, strict=True):
             if isinstance(r, PageError):
@@ -337,7 +360,8 @@ class IOEngine:
         self.counters.finished(job.id, job.op, None if error is None else error.kind, stored, nbytes, seconds,
                                Served(job.key, job.slot.source, nbytes, seconds) if unverified else None)
         return IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds,
-                        verified=not unverified, sums=job.sums if unverified else None, tier=self.tier_name)
+                        verified=not unverified, sums=job.sums if unverified else None, tier=self.tier_name,
+                        io_seconds=job.io_seconds)
 
     def _after_run(self, job: Job, accepted: bool, error: PageError | None) -> None:
         """The I/O thread owned the slot: back to the pool unless the caller got it with a page."""
@@ -355,24 +379,6 @@ class IOEngine:
             with self._removals_lock:
                 self._removals = [r for r in self._removals if r.is_alive()] + [t]
             t.start()
-
-    # ----------------------------------------------------------------- file operations (PageFiles)
-    # The Python I/O threads reach the files through these, so a test can wrap one of them (a
-    # test that must see every load wraps ``_do_load`` and ``_do_loads``, the batch one; every
-    # store, ``_do_store`` and ``_do_stores``) on an engine with ``io_loop`` "python": the
-    # native lane runs its jobs in compiled code and never calls them.
-    def _do_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
-        return self.files.store(key, slot, token_count, sums)
-
-    def _do_stores(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
-                   ) -> list[tuple[bool, int] | PageError]:
-        return self.files.store_many(items)
-
-    def _do_load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
-        return self.files.load(key, slot, verify)
-
-    def _do_loads(self, items: list[tuple[bytes, StagingSlot, bool]]) -> list[tuple[int, tuple[int, ...] | None] | PageError]:
-        return self.files.load_many(items)
 
     def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
         self.files.remove_damaged(key, source, error)

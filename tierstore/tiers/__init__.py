@@ -1,15 +1,14 @@
 """Tiers: host memory -> local disk -> shared export, and the factory the adapter calls.
 
 ``open_group_store(config, namespace, group_index, rank=0, **engine_kwargs)`` returns the
-``PageStore`` (``tierstore/store.py``) of one (namespace, KV-cache group, rank):
-
-- only ``root`` set (no ``local_root``, ``host_bytes`` 0): a plain ``IOEngine`` over ``root``;
-- otherwise a ``TierChain`` (chain.py) driving a list of tiers, fastest first: ``HostStore``
-  (host.py: host memory, ``host_bytes``), ``LocalTier`` (local.py: the local disk,
-  ``local_root`` + ``local_max_bytes``, admitted by ``LocalAdmission``, admission.py) and
-  ``SharedTier`` (shared.py: ``root``, with health, deadlines, background open and
-  touch-on-hit). Beside the chain: ``Promotion`` (promotion.py) and ``SharedBacklog``
-  (backlog.py). The engine tiers share ``EngineTier`` (tier.py).
+``PageStore`` (``tierstore/store.py``) of one (namespace, KV-cache group, rank): a ``TierChain``
+(chain.py) driving the tiers the config asks for, fastest first, built from specs by
+factory.py: ``HostStore`` (host.py: host memory, ``host_bytes``), ``LocalTier`` (local.py: the
+local disk, ``local_root`` + ``local_max_bytes``, admitted by ``LocalAdmission``, admission.py)
+and ``SharedTier`` (shared.py: ``root``, with health, deadlines, background open and
+touch-on-hit). With only ``root`` set the chain has one tier, named ``root`` (its deadline
+``deadline_s``). Beside the chain: ``Promotion`` (promotion.py) and ``SharedBacklog``
+(backlog.py). The engine tiers share ``EngineTier`` (tier.py).
 
 Every chain of one process shares one ``HostTier`` (so ``host_bytes`` caps the whole process)
 and one ``LocalIndex`` per local root. With ``max_bytes`` and ``gc_interval_s`` set, one
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     from tierstore.config import TierStoreConfig
     from tierstore.format.identity import Namespace
     from tierstore.index.local_index import LocalIndex
-    from tierstore.rootstore.engine import IOEngine
     from tierstore.tiers.chain import TierChain
     from tierstore.tiers.host import HostTier
 
@@ -97,19 +95,17 @@ def open_group_store(
     *,
     metrics: MetricsRegistry | None = None,
     **engine_kwargs: Any,
-) -> IOEngine | TierChain:
-    """The page store of one (namespace, group, rank): an IOEngine or a TierChain."""
-    from tierstore.rootstore.engine import IOEngine
+) -> TierChain:
+    """The page store of one (namespace, group, rank): a ``TierChain`` of the tiers the config
+    asks for (``tiers.factory.tier_specs``; a lone root is a chain of one)."""
     from tierstore.tiers.chain import TierChain
+    from tierstore.tiers.factory import root_tier_name
 
     reg = metrics if metrics is not None else default_registry()
-    lone = not config.local_root and config.host_bytes <= 0
     if config.gc_interval_s and config.max_bytes:  # the one place the root's gc daemon starts
         from tierstore.tiers.gc import GcDaemon
 
-        GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier("root" if lone else "shared"))
-    if lone:
-        return IOEngine(config.root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
+        GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier(root_tier_name(config)))
     return TierChain(config, namespace, group_index, rank=rank, host=_host_tier(config, reg),
                      local_index=_local_index(config), metrics=reg, **engine_kwargs)
 

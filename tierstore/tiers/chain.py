@@ -47,17 +47,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import PageError, PageMissing, PageTimeout
+from tierstore.errors import PageError, PageMissing
 from tierstore.format.identity import Namespace, page_file_size
 from tierstore.index.local_index import LocalIndex
-from tierstore.metrics import MetricsRegistry, default_registry
+from tierstore.metrics import MetricsRegistry, TierMetrics, default_registry
 from tierstore.rootstore.engine import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.backlog import SHARED_BACKLOG_MAX, SharedBacklog
-from tierstore.tiers.host import HostStore, HostTier
-from tierstore.tiers.local import LocalTier
+from tierstore.tiers.factory import build_tiers, tier_specs
+from tierstore.tiers.host import HostTier
 from tierstore.tiers.promotion import NO_SLOT_KIND, Promotion
-from tierstore.tiers.shared import SharedTier
 from tierstore.tiers.tier import ChainTier
 
 __all__ = ["TierChain", "page_file_size", "SHARED_BACKLOG_MAX"]
@@ -92,23 +91,14 @@ class TierChain:
         self.group_index = group_index
         self.rank = rank
         self.metrics = reg = metrics if metrics is not None else default_registry()
-        self.m_host, self.m_local, self.m_shared = reg.tier("host"), reg.tier("local"), reg.tier("shared")
         self.tokens_per_page = namespace.groups[group_index].tokens_per_chunk
-        self.local = (LocalTier(config, namespace, group_index, rank, self.m_local, local_index, **engine_kwargs)
-                      if config.local_root else None)
-        self.shared = SharedTier(config, namespace, group_index, rank, self.m_shared, **engine_kwargs) if shared else None
-        front = self.local or self.shared
-        if front is None:
-            raise ValueError("a TierChain needs local_root or the shared root")
-        if front.engine() is None:  # host + shared only: callers fill shared slots
-            raise PageTimeout(f"the shared root {config.root} did not open within the deadline "
-                              'and there is no local tier to stage pages; set "local_root"')
-        self._front = front
-        # The host tier's keys: this chain's directory (``r<rank>``, or a head slice's ``h<s>-<c>``).
-        self.scope = "/".join(front.mapper.dir_parts)
-        self.host = (HostStore(host, self.scope, front, self.m_host, self.tokens_per_page)
-                     if host is not None and config.host_bytes > 0 else None)
-        self.tiers: list[ChainTier] = [t for t in (self.host, self.local, self.shared) if t is not None]
+        # The tiers, fastest first, from the config's specs (tiers/factory.py): a lone root is a
+        # chain of one ("root"); ``shared=False`` leaves the root out (tests of the local tier).
+        built = build_tiers(tier_specs(config, with_root=shared), config, namespace, group_index, rank, reg,
+                            host=host, local_index=local_index, **engine_kwargs)
+        self.host, self.local, self.shared = built.host, built.local, built.root
+        self._front = built.front
+        self.tiers: list[ChainTier] = built.tiers
         self._by_name = {t.name: t for t in self.tiers}
         self.promotion = Promotion()
         self._lock = threading.Lock()
@@ -122,6 +112,15 @@ class TierChain:
                         if self.local is not None and self.shared is not None else None)
 
     # ------------------------------------------------------------------ views
+    @property
+    def m_local(self) -> TierMetrics:
+        return self.metrics.tier("local")
+
+    @property
+    def m_shared(self) -> TierMetrics:
+        """The root's tier metrics ("shared", or "root" for a lone root)."""
+        return self.shared.metrics if self.shared is not None else self.metrics.tier("shared")
+
     @property
     def layout(self) -> Any:
         return self._front.layout

@@ -10,7 +10,9 @@
   finished transfer. Started transfers complete in start order, so a pipeline sees its own
   completions in order too.
 - ``kernel_rows``/``max_batch``: block ids of pages as the transfer wants them.
-- ``count_result``: the per-tier metrics of a plain engine (a ``TierChain`` counts its own).
+
+The page store counts its own results in the per-tier metrics (every store is a ``TierChain``,
+a lone root a chain of one): the worker counts only its adapter counters.
 
 Threading: the vLLM worker thread (or a benchmark's driving thread) only. Imports nothing
 from vLLM.
@@ -26,9 +28,7 @@ import torch
 
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
-from tierstore.metrics import TierMetrics
-from tierstore.store import IOResult, PageStore
-from tierstore.tiers.tier import count_result as tier_count_result
+from tierstore.store import PageStore
 
 
 @dataclass
@@ -38,16 +38,15 @@ class WorkerGroup:
     index: int  # tierstore group index (position among offloaded groups)
     vllm_group_id: int
     copier: GroupCopier
-    engine: PageStore  # the group's page store (IOEngine, TierChain, ...; a chain records its own metrics)
+    engine: PageStore  # the group's page store (a TierChain, a HeadSliceStore around one, a test double)
     blocks_per_chunk: int  # scheduler blocks per page (1 for Mamba)
     kernel_ratio: int  # kernel blocks per scheduler block
     device: torch.device
     fixup: Any = None  # in-place page fix-up (after_gather / before_scatter), see spec.KTransposeFixup
     tokens_per_page: int = 0
-    # Per-tier metrics for a plain IOEngine (a TierChain records its own): the "root" tier.
-    root_metrics: TierMetrics | None = None
     # Cache <-> staging slot copies; None: the worker builds a PageTransfer with default scratch.
     transfer: PageTransfer | Any = None
+    stores_pages: bool = True  # False: another rank writes this group's files (a replicated MLA latent)
 
     def release(self, slots: list[Any]) -> None:
         for slot in slots:
@@ -70,13 +69,6 @@ def max_batch(g: WorkerGroup, n: int, limit: int | None = None) -> int:
     cap = int(getattr(g.transfer, "capacity", 0) or 0)
     n = min(n, cap) if cap > 0 else n
     return min(n, limit) if limit else n
-
-
-def count_result(g: WorkerGroup, res: IOResult) -> None:
-    """Count a page store's result in the root tier's metrics (plain engine only). An
-    unverified load is counted once the GPU has checked it (``LoadPipeline``)."""
-    if g.root_metrics is not None:
-        tier_count_result(g.root_metrics, res, g.tokens_per_page)  # the chain's rule, one owner
 
 
 @dataclass

@@ -38,7 +38,6 @@ from tierstore.vllm.group import (
     StartedTransfer,
     TransferPoller,
     WorkerGroup,
-    count_result,
     max_batch,
 )
 from tierstore.vllm.jobs import JobTracker
@@ -94,7 +93,6 @@ class LoadPipeline:
             if res.slot is not None:
                 g.engine.release_slot(res.slot)
             return
-        count_result(g, res)
         if not (res.ok and res.slot is not None):
             err = res.error
             self.jobs.page_failed(page.job_id, g.index, res.key, err.kind if err else "error", str(err))
@@ -176,11 +174,6 @@ class LoadPipeline:
     def _settle(self, res: IOResult, ok: bool) -> None:
         g = self.g
         reason = "" if ok else "section checksum mismatch after the copy to the device"
-        if g.root_metrics is not None:  # a plain engine: the worker keeps its tier metrics
-            if ok:
-                g.root_metrics.hit(g.tokens_per_page, res.nbytes, res.seconds)
-            else:
-                g.root_metrics.failure("checksum")
         g.engine.settle(res, ok, reason)
 
     # ------------------------------------------------------------ shutdown

@@ -39,7 +39,6 @@ from tierstore.vllm.group import (
     StartedTransfer,
     TransferPoller,
     WorkerGroup,
-    count_result,
     max_batch,
 )
 from tierstore.vllm.jobs import JobTracker
@@ -187,7 +186,6 @@ class StorePipeline:
         page = self._by_store_job.pop(res.job_id, None)
         if page is None:
             return
-        count_result(self.g, res)
         if res.ok:
             self.counters["store_pages_ok" if res.stored else "store_pages_existing"] += 1
             self.counters["store_bytes"] += res.nbytes if res.stored else 0
