@@ -146,8 +146,10 @@ def test_kv_caches_with_scales_beside_the_bytes_are_refused(mode: str) -> None:
 def test_mla_and_sparse_mla_are_refused_naming_the_spec() -> None:
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
-    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match=r"MLAAttentionSpec\(block_size=64.*head_size=576.*MLA latent cache"):
+    # dense MLA is stored (tests/vllm/test_vllm_mla.py); sparse MLA / DSA is refused
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                           is_index_group_leader=True)
+    with pytest.raises(ConfigError, match=r"MLAAttentionSpec\(block_size=64.*head_size=576.*sparse MLA / DSA"):
         validate_engine(*setup([mla]), cfg())
     swa_mla = SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
                                    sliding_window=128)

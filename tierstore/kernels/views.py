@@ -8,6 +8,10 @@ view ``[nb, H, Nk, 2*D]`` (any stride order: LBHNC, LBNHC, LHBNC, BLHNC, ...) in
 real backing tensors in each layout (tests and benchmarks). Canonical section shape is
 ``[H, blocks_per_page * Nk, 2, D]`` with concat dim 1.
 
+MLA: ``mla_view`` turns a dense latent cache (vLLM 0.32/0.33's logical ``[nb, 1, N, C]``, one
+latent "head" per token; CPU_MLA and the CUDA MLA backends alike, any block stride) into the
+copier's ``[nb, N, C]``; canonical section ``[blocks_per_page * N, C]`` with concat dim 0.
+
 Mamba/GDN: ``mamba_state_views`` slices each block's raw (possibly padded) page bytes into
 the named states, unpadded, and transposes a conv state stored ``(state_len, dim)`` ("SD")
 to the canonical ``(dim, state_len)`` orientation (``layout.CONV_ORIENTATION``).
@@ -31,6 +35,19 @@ def attention_view(cache: torch.Tensor, head_size: int) -> torch.Tensor:
     if cache.dim() != 4 or cache.shape[-1] != 2 * head_size:
         raise ValueError(f"expected [num_blocks, H, N, 2*{head_size}], got {tuple(cache.shape)}")
     return cache.unflatten(-1, (2, head_size))
+
+
+def mla_view(cache: torch.Tensor, latent_size: int) -> torch.Tensor:
+    """A dense MLA latent cache ``[nb, 1, N, C]`` (or ``[nb, N, C]``) -> ``[nb, N, C]``.
+
+    Raises ValueError for any other shape, or a token row that is not contiguous (the copier
+    reads each token's C elements as one run)."""
+    if cache.dim() == 4 and cache.shape[1] == 1:
+        cache = cache[:, 0]
+    if cache.dim() != 3 or cache.shape[-1] != latent_size or cache.stride(-1) != 1:
+        raise ValueError(f"expected an MLA cache [num_blocks, 1, N, {latent_size}] with contiguous latents, "
+                         f"got {tuple(cache.shape)} strides {cache.stride()}")
+    return cache
 
 
 def split_kv_view(cache: torch.Tensor, order: str) -> torch.Tensor:

@@ -7,7 +7,9 @@ that vLLM and transformers load with ``HF_HUB_OFFLINE=1``. Nothing is downloaded
 Kinds: ``llama``, ``qwen3`` (dense), ``gemma3`` (sliding window + full attention),
 ``qwen3next`` (Gated DeltaNet + full attention; linear head dim 128, the only size vLLM 0.32's
 CPU kernels take), ``gptoss`` (sliding window + full, MoE), ``gemma4``, ``granitehybrid``
-(Mamba2 + full attention, MoE: Granite 4.0-H's shape), ``lfm2`` (short conv + full attention). Sizes: ``size="tiny"`` (default:
+(Mamba2 + full attention, MoE: Granite 4.0-H's shape), ``lfm2`` (short conv + full attention),
+``deepseekv2`` (MLA: latent 512 + rope 64 = the 576-wide cache vLLM 0.32's CPU_MLA backend
+takes; small nope/value heads, no q LoRA, dense MLPs: DeepSeek-V2/V3's and Kimi K2's attention). Sizes: ``size="tiny"`` (default:
 hidden 128, head dim 32, the smallest head size vLLM 0.32's CPU attention takes) or
 ``size="small"`` (hidden 1024 x 8 layers, head dim 64: the 4k-token prefill measurement). Any other override is a
 config field (``num_hidden_layers=4``) or one of ``seed``, ``dtype``, ``vocab_size``.
@@ -34,7 +36,7 @@ from typing import Any
 
 BUILDER_VERSION = 1
 STAMP_NAME = "tierstore-tiny.json"
-KINDS = ("llama", "qwen3", "gemma3", "qwen3next", "gptoss", "gemma4", "granitehybrid", "lfm2")
+KINDS = ("llama", "qwen3", "gemma3", "qwen3next", "gptoss", "gemma4", "granitehybrid", "lfm2", "deepseekv2")
 SIZES = ("tiny", "small")
 DEFAULT_VOCAB = 1024
 DEFAULT_SEED = 0
@@ -118,6 +120,18 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
         cfg.update(num_hidden_layers=max(4, cfg["num_hidden_layers"]), conv_dim=cfg["hidden_size"], conv_L_cache=3,
                    block_dim=cfg["hidden_size"],
                    conv_bias=False, block_auto_adjust_ff_dim=False)
+    elif kind == "deepseekv2":
+        cls = "DeepseekV2Config"
+        # MLA (DeepSeek-V2/V3, Kimi K2): the cache holds one latent per token, kv_lora_rank 512
+        # plus the 64-wide rope key (576: the only width vLLM 0.32's CPU_MLA decode kernel
+        # takes). Small per-head nope/value dims; every layer dense (first_k_dense_replace =
+        # layers): vLLM-CPU's MoE path is not what this model is for.
+        cfg.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                   head_dim=64, q_lora_rank=None, num_key_value_heads=cfg["num_attention_heads"],
+                   n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                   moe_intermediate_size=cfg["intermediate_size"] // 4,
+                   rope_interleave=True)
+        cfg["first_k_dense_replace"] = fields.get("num_hidden_layers", cfg["num_hidden_layers"])
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {KINDS}")
     cfg.update(fields)
@@ -146,6 +160,7 @@ _MODEL_CLASSES = {
     "Qwen3NextConfig": "Qwen3NextForCausalLM",
     "GraniteMoeHybridConfig": "GraniteMoeHybridForCausalLM",
     "Lfm2Config": "Lfm2ForCausalLM",
+    "DeepseekV2Config": "DeepseekV2ForCausalLM",
 }
 
 

@@ -16,6 +16,11 @@ divisible by it, states sharded another way) keeps its TP in the namespace. A qu
 float8_e5m2, also the sections' dtype and the namespace dtype) and what fixes its per-layer
 scales (``kv_scales``: "unit" or a digest of the checkpoint's scale tensors), so fp8 and bf16
 pages, or pages quantized with other scales, never share a namespace. Other KV quantization modes are refused at startup.
+A dense MLA latent (DeepSeek-V2/V3, Kimi K2: vLLM's ``MLAAttentionSpec``) is an MLA group, one
+``[T, kv_lora_rank + rope]`` section per layer (``mla_refusal`` names what is refused: sparse
+MLA / DSA and its indexer cache, DeepSeek-V4, quantized or padded latents). The latent is
+replicated on every TP rank, so an all-MLA model's namespace records ``tp_size`` 1 at any TP
+(``mla_replicated``): one ``r0`` file per page, written by rank 0, read by every rank.
 
 Mamba/GDN states are described in the canonical orientation (conv state ``(dim, state_len)``)
 whatever ``VLLM_SSM_CONV_STATE_LAYOUT`` the engine uses; ``MambaStates`` tells the worker how
@@ -39,7 +44,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
 from tierstore.format.head_slices import rank_heads, slice_layout, slice_units
 from tierstore.format.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
-from tierstore.format.layout import attention_layout, mamba_layout
+from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
 from tierstore.format.page import GroupKind, PageLayout, SectionSpec
 
 if TYPE_CHECKING:
@@ -106,9 +111,6 @@ REFUSED_SPECS: dict[str, str] = {
     "SlidingWindowMLASpec": "a sliding-window MLA latent cache (DeepSeek-V4): latent [T, C] pages "
                             "and the window's block rules are not implemented",
     "HiddenStateCacheSpec": "a hidden-state cache (extract_hidden_states), not a KV cache",
-    "MLAAttentionSpec": "an MLA latent cache (DeepSeek-V2/V3, Kimi, GLM-5 DSA): one [T, C] latent "
-                        "section per layer (and, for sparse MLA/DSA, the indexer's key cache) "
-                        "is not implemented",
     "CircularBufferSpec": "a compressor ring buffer (DeepSeek-V4 sparse attention): its state is "
                           "not addressed by token blocks",
     "HiSparseHotSpec": "a HiSparse hot cache: per-request, not prefix-cacheable",
@@ -130,11 +132,45 @@ def describe_spec(spec: Any) -> str:
     return f"{type(spec).__name__}({', '.join(parts)})"
 
 
+def mla_refusal(spec: Any) -> str | None:
+    """Why tierstore cannot store an ``MLAAttentionSpec`` (None: a dense MLA latent it can).
+
+    Stored: DeepSeek-V2/V3's and Kimi K2's dense latent cache, one ``[T, C]`` section per layer
+    (C = kv_lora_rank + rope dim, ``head_size``), one latent per token, model dtype. Refused,
+    naming what is missing: sparse MLA / DSA (DeepSeek-V3.2, GLM-5: the lightning indexer's key
+    cache would have to sit in the same page), DeepSeek-V4's latent (``model_version``,
+    compressed states), backend-packed or quantized latents (fp8_ds_mla and per-token modes keep
+    scales inside the bytes), aligned/padded pages and DCP-sharded tokens: none proven yet."""
+    if getattr(getattr(spec, "cache_role", None), "value", "sparse") == "indexer":
+        return ("the lightning indexer's key cache of sparse MLA / DSA (DeepSeek-V3.2, GLM-5): "
+                "<layer>.indexer pages beside the latent are not implemented")
+    if getattr(spec, "is_index_group_leader", False):
+        return ("a sparse MLA / DSA latent (DeepSeek-V3.2, GLM-5): its indexer's key cache would "
+                "have to be stored in the same page, which is not implemented")
+    if getattr(spec, "model_version", None) is not None:
+        return (f"an MLA cache of model_version={spec.model_version!r} (DeepSeek-V4: compressed "
+                "latents and their window rules) is not implemented")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        return "a compressed MLA cache (several tokens per stored latent) is not implemented"
+    if spec.num_kv_heads != 1 or getattr(spec, "num_head_slots", None) is not None:
+        return f"an MLA cache of {spec.num_kv_heads} latent heads (dense MLA keeps one) is not implemented"
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if (quant != "NONE" or getattr(spec, "state_content_bytes", None) is not None
+            or str(getattr(spec, "cache_dtype_str", None) or "auto") != "auto"):
+        return (f"a quantized MLA latent (kv_cache_dtype={getattr(spec, 'cache_dtype_str', None)}, "
+                f"kv_quant_mode={quant}) is not proven: use kv_cache_dtype=auto")
+    if getattr(spec, "page_size_padded", None) is not None or getattr(spec, "alignment", None) is not None:
+        return "an MLA cache with padded (aligned) blocks is not proven"
+    return None
+
+
 def refusal(spec: Any) -> str | None:
     """Why tierstore cannot store a KV-cache spec (None: it can)."""
     for cls in type(spec).__mro__:
         if cls.__name__ in REFUSED_SPECS:
             return REFUSED_SPECS[cls.__name__]
+        if cls.__name__ == "MLAAttentionSpec":  # after its refused subclasses (V4 window, hidden states)
+            return mla_refusal(spec)
     if not hasattr(spec, "num_kv_heads"):  # Mamba/GDN: states, no attention fields
         return None
     if getattr(spec, "sink_len", None):
@@ -153,10 +189,17 @@ def refusal(spec: Any) -> str | None:
     return None
 
 
+def is_mla(spec: Any) -> bool:
+    """Whether a KV-cache spec is (derives from) vLLM's ``MLAAttentionSpec``."""
+    return any(cls.__name__ == "MLAAttentionSpec" for cls in type(spec).__mro__)
+
+
 def group_kind(spec: KVCacheSpec) -> GroupKind:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     why = refusal(spec)
+    if why is None and is_mla(spec):
+        return GroupKind.MLA
     if why is None and isinstance(spec, MambaSpec):
         return GroupKind.MAMBA
     if why is None and isinstance(spec, SlidingWindowSpec):
@@ -165,9 +208,9 @@ def group_kind(spec: KVCacheSpec) -> GroupKind:
         return GroupKind.ATTENTION
     raise ConfigError(
         f"tierstore cannot store this model's KV cache {describe_spec(spec)}: "
-        f"{why or 'an unknown KV-cache spec'}. Supported: full attention, sliding window and "
-        "Mamba/GDN groups, in the model dtype or per-tensor fp8. Remove the kv_transfer_config "
-        "(TierStoreConnector) for this model; README 'Supported models and refusals' lists the rest"
+        f"{why or 'an unknown KV-cache spec'}. Supported: full attention, sliding window, "
+        "Mamba/GDN groups (model dtype or per-tensor fp8) and dense MLA latents (model dtype). "
+        "Remove the kv_transfer_config (TierStoreConnector) for this model; README 'Supported models and refusals' lists the rest"
     )
 
 
@@ -197,6 +240,8 @@ def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chu
         st = mamba_states(spec)
         states = [(n, sh, dtype_name(dt)) for n, sh, dt in zip(st.names, st.canonical_shapes, st.dtypes, strict=True)]
         return kind, mamba_layout(layer_names, states)
+    if kind == GroupKind.MLA:  # one latent per token, replicated on every TP rank
+        return kind, mla_layout(layer_names, tokens_per_chunk, spec.head_size, dtype_name(spec.dtype))  # type: ignore[attr-defined]
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     dtype = dtype_name(spec.dtype)  # type: ignore[attr-defined]
     if kv_dtype is not None and quant != "NONE":
@@ -373,6 +418,16 @@ def head_sliced(full_layouts: list[PageLayout], rank_layouts: list[PageLayout], 
     return True
 
 
+def mla_replicated(kinds: list[GroupKind], parallel: Any) -> bool:
+    """Whether every offloaded group is a dense MLA latent and nothing but TP splits the cache:
+    the latent is then replicated on every TP rank, so a page is TP-independent. Such a
+    namespace records ``tp_size`` 1; every rank reads the one ``r0`` file of a page, and only
+    rank 0 writes it (``TierStoreOffloadingSpec``: the other ranks' store pages are skipped)."""
+    others = (parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
+              getattr(parallel, "prefill_context_parallel_size", 1))
+    return bool(kinds) and all(k == GroupKind.MLA for k in kinds) and all(n == 1 for n in others)
+
+
 class _With:
     """``obj`` with some attributes replaced (read-only view)."""
 
@@ -448,7 +503,7 @@ def build_namespace(
     tp1_shapes = tp1_mamba_shapes(vllm_config) if tp > 1 and GroupKind.MAMBA in kinds else None
     full_layouts: list[PageLayout] = []
     for vg, g, n, kind, mine in zip(vgroups, offloading_config.groups, chunks, kinds, rank_layouts, strict=True):
-        if tp == 1:
+        if tp == 1 or kind == GroupKind.MLA:  # the MLA latent is the same on every rank
             full_layouts.append(mine)
         elif kind == GroupKind.MAMBA:
             full_layouts.append(full_mamba_layout(vg.kv_cache_spec, tuple(g.layer_names), tp1_shapes)
@@ -456,6 +511,7 @@ def build_namespace(
         else:
             full_layouts.append(group_layout(vg.kv_cache_spec, tuple(g.layer_names), n, kv_dtype, total_heads)[1])
     sliced = head_sliced(full_layouts, rank_layouts, kinds, par)
+    replicated = mla_replicated(kinds, par)
     groups = []
     for vg, g, n, kind, mine, full in zip(vgroups, offloading_config.groups, chunks, kinds, rank_layouts, full_layouts,
                                           strict=True):
@@ -494,7 +550,8 @@ def build_namespace(
         hash_algo=hash_algo,
         hash_stable=stable,
         parallel=ParallelLayout(
-            tp_size=1 if sliced else par.tensor_parallel_size,  # head slices: every TP shares it
+            # head slices or a replicated MLA latent: every TP shares the namespace
+            tp_size=1 if sliced or replicated else par.tensor_parallel_size,
             pp_size=par.pipeline_parallel_size,
             dcp_size=par.decode_context_parallel_size,
             pcp_size=getattr(par, "prefill_context_parallel_size", 1),

@@ -5,8 +5,8 @@ The spec is built by ``TierStoreConnector`` (not through vLLM's spec factory) fr
 Namespace. ``get_manager`` (scheduler process) needs only paths; ``build_worker`` (worker
 process) turns vLLM's registered per-layer KV tensors into strided views in canonical order
 (``tierstore.kernels.views``) and opens one page store per group with
-``tierstore.tiers.open_group_store`` (a plain ``IOEngine`` over ``root``, or a ``TierChain``
-host -> ``local_root`` -> ``root`` when a faster tier is configured).
+``tierstore.tiers.open_group_store`` (a ``TierChain``: host -> ``local_root`` -> ``root``, or
+``root`` alone, a chain of one).
 
 Staging slots per group (``staging_slots_for``): enough for two scheduler steps' worth of
 chunks at ``max_num_batched_tokens`` (so a step's stores never wait for a slot), at least
@@ -57,9 +57,7 @@ from tierstore.index.indexed_lookup import SliceGroup
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.scratch import transfer_scratch_pages
 from tierstore.kernels.transfer import PageTransfer
-from tierstore.kernels.views import attention_view, mamba_state_views
-from tierstore.metrics import default_registry
-from tierstore.rootstore.engine import IOEngine
+from tierstore.kernels.views import attention_view, mamba_state_views, mla_view
 from tierstore.tiers import open_group_store
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
 from tierstore.vllm.manager import TierStoreManager
@@ -199,8 +197,9 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                     have = tuple(tp_slices(full))
                     slices.append(SliceGroup(have, tuple(rank_heads(full, tp, r) for r in range(tp))))
             else:
-                mappers = [[FileMapper(self.ts_config.root, digest, i, r) for r in range(tp)] for i in range(n)]
-                local_mappers = ([[FileMapper(local, digest, i, r) for r in range(tp)] for i in range(n)]
+                ranks = range(self.namespace.parallel.tp_size)  # 1: a replicated MLA latent's r0
+                mappers = [[FileMapper(self.ts_config.root, digest, i, r) for r in ranks] for i in range(n)]
+                local_mappers = ([[FileMapper(local, digest, i, r) for r in ranks] for i in range(n)]
                                  if local else None)
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
@@ -215,7 +214,9 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         rank's slice directory and layout wrapped in a ``HeadSliceStore`` that assembles the
         rank's heads from other TPs' slices on a miss."""
         if not self.head_sliced:
-            return open_group_store(self.ts_config, self.namespace, i, rank=self.rank, head_start=heads[0],
+            # a TP-independent namespace (MLA latent replicated on every rank): every rank reads r0
+            rank = 0 if self.namespace.parallel.tp_size == 1 else self.rank
+            return open_group_store(self.ts_config, self.namespace, i, rank=rank, head_start=heads[0],
                                     head_count=heads[1], staging_slots=slots, pin=pin)
         full_layout = self.namespace.groups[i].layout
         full = self._units(i)
@@ -259,6 +260,11 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         if gspec.kind == GroupKind.MAMBA:
             sources, concat = self._mamba_sources(gspec, vspec, kv_caches)
             ratio, k_transposed_tokens, bpp = 1, None, 1
+        elif gspec.kind == GroupKind.MLA:  # [nb, N, C] latents, concatenated along tokens
+            sources = [mla_view(kv_caches[n], layout.sections[0].shape[1]) for n in gspec.layer_names]
+            concat, k_transposed_tokens = [0] * len(sources), None
+            ratio = sources[0].shape[0] // self.kv_cache_config.num_blocks
+            bpp = self.blocks_per_chunk * ratio
         else:
             sources, concat, ratio, k_transposed_tokens = self._attention_sources(gspec, layout, vspec, kv_caches)
             bpp = self.blocks_per_chunk * ratio
@@ -267,7 +273,9 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         slots = staging_slots_for(self.vllm_config.scheduler_config.max_num_batched_tokens,
                                   gspec.tokens_per_chunk, layout.nbytes, self.ts_config.io_threads,
                                   self.staging_slots_override)
-        if gspec.kind != GroupKind.MAMBA:
+        if gspec.kind == GroupKind.MLA:  # the latent is replicated: every rank's page is the whole one
+            heads = (0, 0)
+        elif gspec.kind != GroupKind.MAMBA:
             heads = kv_head_range(total_heads, tp, self.rank)
         elif self.head_sliced and tp > 1:  # a Mamba/GDN slice: its units (TP=1 and per-TP: 0/0)
             heads = (mine.start, mine.count)
@@ -287,7 +295,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
                     "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
                     len(gspec.layer_names),
-                    layout.nbytes, getattr(engine, "inner", engine).mapper.base,
+                    layout.nbytes, self.ts_config.root,
                     f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
                     copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
         return WorkerGroup(
@@ -296,9 +304,9 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             kernel_ratio=ratio, device=device,
             fixup=KTransposeFixup(layout, k_transposed_tokens) if k_transposed_tokens else None,
             tokens_per_page=gspec.tokens_per_chunk,
-            root_metrics=(default_registry().tier("root") if isinstance(getattr(engine, "inner", engine), IOEngine)
-                          else None),
             transfer=transfer,
+            # a replicated MLA latent: rank 0 writes the one file, every rank reads it
+            stores_pages=not (gspec.kind == GroupKind.MLA and self.rank > 0),
         )
 
     def _mamba_sources(self, gspec: Any, vspec: Any, kv_caches: dict[str, torch.Tensor],

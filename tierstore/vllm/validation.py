@@ -5,8 +5,13 @@ cannot work, logs warnings for setups that work badly, and returns the chunk siz
 It runs in every process that builds the connector, before anything touches the disk.
 
 Checks:
-- every offloaded group's KV-cache spec is one tierstore can store (``namespace.refusal``: MLA,
-  sparse MLA/DSA, packed or per-token-quantized caches and the rest are refused, naming the spec);
+- every offloaded group's KV-cache spec is one tierstore can store (``namespace.refusal``:
+  sparse MLA/DSA, DeepSeek-V4's latents, quantized MLA, packed or per-token-quantized caches and
+  the rest are refused, naming the spec; a dense MLA latent is stored);
+- a dense MLA model runs with no parallelism but TP (its pages are TP-independent: PP, DCP and
+  PCP split the latent in ways not proven);
+- an MLA model on vLLM-CPU with the in-place rotary custom op on gets a warning naming the
+  flag that turns it off (the op leaves MLA keys un-rotated: restored prefixes diverge);
 - a Mamba/GDN hybrid needs prefix caching in "align" mode (states exist only at block ends);
 - ``chunk_tokens`` must be a multiple of the unified block size N (every group's block), and
   equal to N when the model has sliding-window or Mamba layers (their loads and stores cover
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
+from tierstore.format.page import GroupKind
 from tierstore.vllm.namespace import group_kind, hash_seed_marker, representative_spec
 
 if TYPE_CHECKING:
@@ -39,11 +45,28 @@ logger = logging.getLogger("tierstore.vllm")
 
 
 def _is_full_attention(spec: object) -> bool:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    """Full attention or a dense MLA latent: every token's KV kept, so a page may span blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     inner = getattr(spec, "kv_cache_specs", None)
     specs = list(inner.values()) if inner else [spec]
-    return all(type(s) is FullAttentionSpec for s in specs)
+    return all(type(s) in (FullAttentionSpec, MLAAttentionSpec) for s in specs)
+
+
+def cpu_rotary_op_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether a CPU engine runs vLLM's in-place rotary custom op (``custom_ops`` "all" or
+    "+rotary_embedding", not "-rotary_embedding"); False off CPU or when unknown."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+    except ImportError:
+        return False
+    ops = list(getattr(getattr(vllm_config, "compilation_config", None), "custom_ops", None) or [])
+    if "-rotary_embedding" in ops:
+        return False
+    return "+rotary_embedding" in ops or "all" in ops
 
 
 def offloaded_block_sizes(kv_cache_config: KVCacheConfig) -> dict[int, int]:
@@ -58,8 +81,17 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
 
     cache = vllm_config.cache_config
     groups = kv_cache_config.kv_cache_groups
-    for gid in kv_cache_config.prefix_cacheable_group_ids:  # refusals first: one clear error
-        group_kind(representative_spec(groups[gid].kv_cache_spec))
+    kinds = [group_kind(representative_spec(groups[gid].kv_cache_spec))  # refusals first: one clear error
+             for gid in kv_cache_config.prefix_cacheable_group_ids]
+    par = getattr(vllm_config, "parallel_config", None)
+    split = {name: getattr(par, name, 1) for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                                                      "prefill_context_parallel_size")}
+    if GroupKind.MLA in kinds and any(n != 1 for n in split.values()):
+        raise ConfigError(
+            f"tierstore stores an MLA latent with tensor parallelism only; this engine sets "
+            f"{', '.join(f'{k}={v}' for k, v in split.items() if v != 1)}: set them to 1, or remove "
+            "the kv_transfer_config (TierStoreConnector)"
+        )
     mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
     for g in mamba:
         mode = getattr(g.kv_cache_spec, "mamba_cache_mode", "none")
@@ -70,7 +102,19 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
                 f"{cache.enable_prefix_caching}): start vLLM with --enable-prefix-caching "
                 "(it selects mamba_cache_mode='align'), or remove the kv_transfer_config"
             )
-    if not cache.enable_prefix_caching:
+    if GroupKind.MLA in kinds and cpu_rotary_op_enabled(vllm_config):
+        logger.warning(
+            "tierstore: vLLM-CPU's in-place rotary op mangles MLA keys (it assumes contiguous k_pe "
+            "rows): the cached KV then depends on how a prompt was split into steps, so a restored "
+            "prefix continues differently from a cold run. Start vLLM with --compilation-config "
+            "'{\"custom_ops\": [\"-rotary_embedding\"]}' (tests/vllm/test_vllm_mla.py shows why)"
+        )
+    if not cache.enable_prefix_caching and GroupKind.MLA in kinds:
+        logger.info(
+            "tierstore: prefix caching is off (vLLM-CPU turns it off for MLA models): every prefix "
+            "shared between requests, in this engine too, is loaded from tierstore's pages"
+        )
+    elif not cache.enable_prefix_caching:
         logger.warning(
             "tierstore: prefix caching is off (--enable-prefix-caching not set); pages are "
             "still stored and restored, but vLLM will not reuse restored blocks between requests"

@@ -87,7 +87,7 @@ class TierStoreWorker(OffloadingWorker):
         pages = self._pages_by_group(dst_spec)
         for p, (block_ids, _first) in zip(self.pipelines, self._split(src_spec), strict=True):
             g, todo = p.g, pages.get(p.g.index, [])
-            if not todo:
+            if not todo or not g.stores_pages:  # no pages, or another rank writes them
                 continue
             if len(block_ids) != len(todo) * g.blocks_per_chunk:
                 for key, _ in todo:
