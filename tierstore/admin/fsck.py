@@ -87,12 +87,14 @@ from tierstore.admin.inventory import (
 )
 from tierstore.errors import PageError
 from tierstore.format.identity import MANIFEST_NAME
+from tierstore.format.mac import PageMac
 from tierstore.format.page import (
     FORMAT_VERSION,
     check_stored_gaps,
     decode_header_any_version,
 )
 from tierstore.fs import display, safefs
+from tierstore.fs.mapper import unknown_format
 
 EXIT_CLEAN = 0
 EXIT_REPAIRED = 1
@@ -126,6 +128,7 @@ class FsckOptions:
     deep: bool = False  # also check values (NaN/Inf) and older trees' gap bytes (deep_check_page)
     group_access: bool | None = None  # pages may be 0660 (None: when their namespace dir has group bits)
     budget_bytes: int = 1 << 30  # page buffers of all threads together (fsck_read.BufferPool)
+    mac_key_file: str | os.PathLike[str] | None = None  # the fleet key: check every page's MAC tag
 
 
 @dataclass
@@ -439,13 +442,18 @@ def run_fsck(options: FsckOptions) -> FsckReport:
     verifier: PageVerifier | None = None
     try:
         root = check_root(options.root)
+        refusal = unknown_format(root) if options.repair else None
+        if refusal is not None:  # a newer tierstore's layouts: not this version's to repair
+            report.error = f"refusing to repair {display.escape(str(root))}: {refusal}"
+            return report
         # Default: as many pages at once as pay off, up to READS_IN_FLIGHT (adaptive_gate.py):
         # from all of them on a slow mount, from 1 elsewhere (a cached tree settles at 1-4,
         # where 64 threads only fight for the GIL). An explicit --jobs is kept as given.
         first_limit = jobs if root_latency_s(root) > SLOW_ROOT_S else 1
         gate = AdaptiveGate(jobs, adaptive=options.jobs is None, start=first_limit)
+        mac = PageMac.from_key_file(options.mac_key_file) if options.mac_key_file is not None else None
         verifier = PageVerifier(root, deep=options.deep, budget_bytes=options.budget_bytes,
-                                group_access=options.group_access)
+                                group_access=options.group_access, mac=mac)
         inv: Inventory = walk_root(
             root, visitor=verifier, namespace=options.namespace, jobs=jobs,
             tmp_age=options.tmp_age, progress=progress, gate=gate,

@@ -9,15 +9,22 @@ Contract:
 - ``Health`` is "up" or "down". ``mark_down`` (after a timeout) starts one probe thread that
   runs ``probe()`` every ``interval_s`` under the deadline until it succeeds, then marks the
   tier up again: a mount that comes back brings its tier back without a restart.
+- ``SpaceBackoff`` is a tier's "full" state: after ENOSPC/EDQUOT (``note_full``) the tier is
+  ``full`` for ``first_s`` (30 s), doubling per further refusal up to ``max_s``, so stores to
+  it are skipped instead of each failing on the file system; loads are not its business. One
+  warning per episode (from the first refusal until a store goes through, ``note_stored``, or
+  gc frees space under its root, ``note_space_freed``) names the root and what to do.
 
-Threading: both classes are thread-safe.
+Threading: all three classes are thread-safe; ``note_space_freed`` may be called from any thread.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -127,3 +134,71 @@ class Health:
                 return
             except Exception:
                 time.sleep(self.interval_s)
+
+
+FULL_BACKOFF_S = 30.0  # the first skip after ENOSPC/EDQUOT; doubles per further refusal
+FULL_BACKOFF_MAX_S = 480.0
+_BACKOFFS: weakref.WeakSet[SpaceBackoff] = weakref.WeakSet()
+_BACKOFFS_LOCK = threading.Lock()
+
+
+class SpaceBackoff:
+    """The "full" state of one tier's root (see the module docstring)."""
+
+    def __init__(self, name: str, root: str | os.PathLike[str], first_s: float | None = None,
+                 max_s: float | None = None) -> None:
+        self.name, self.root = name, os.path.abspath(root)
+        self.first_s = first_s if first_s is not None else FULL_BACKOFF_S
+        self.max_s = max_s if max_s is not None else FULL_BACKOFF_MAX_S
+        self._lock = threading.Lock()
+        self._until = 0.0  # monotonic end of the current skip; 0.0: no episode
+        self._next_s = self.first_s
+        self.episodes = 0
+        with _BACKOFFS_LOCK:
+            _BACKOFFS.add(self)
+
+    @property
+    def full(self) -> bool:
+        """Stores to this root are skipped now (lock-free read)."""
+        until = self._until
+        return until > 0.0 and time.monotonic() < until
+
+    def note_full(self, detail: str) -> None:
+        """A store was refused for space (ENOSPC/EDQUOT, ``detail`` the error): skip stores for
+        the next back-off; the first refusal of an episode logs one warning."""
+        with self._lock:
+            now = time.monotonic()
+            if self._until > now:
+                return  # a store that was in flight when the episode began
+            first = self._until == 0.0
+            wait = self._next_s
+            self._until = now + wait
+            self._next_s = min(wait * 2, self.max_s)
+            if first:
+                self.episodes += 1
+        if first:
+            log.warning("tierstore %s tier: %s is full (%s); its stores are skipped for %.0f s at a time (doubling) "
+                        "until space is freed, loads go on: lower max_bytes, run `tierstore gc %s --max-bytes N`, "
+                        "or grow the export or its quota", self.name, self.root, detail, wait, self.root)
+
+    def note_stored(self) -> None:
+        """A store went through: the episode, if any, is over."""
+        if self._until:
+            self._clear()
+
+    def _clear(self) -> None:
+        with self._lock:
+            ended = self._until != 0.0
+            self._until, self._next_s = 0.0, self.first_s
+        if ended:
+            log.warning("tierstore %s tier: %s has room again; stores resume", self.name, self.root)
+
+
+def note_space_freed(root: str | os.PathLike[str]) -> None:
+    """gc freed space under ``root``: every tier of this process on it stores again at once."""
+    where = os.path.abspath(root)
+    with _BACKOFFS_LOCK:
+        backoffs = [b for b in _BACKOFFS if b.root == where]
+    for b in backoffs:
+        if b._until:
+            b._clear()

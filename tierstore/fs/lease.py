@@ -1,11 +1,20 @@
 """A lease file with an expiry: "one evictor at a time" on a shared export, without locks.
 
-Contract: ``ROOT/.tierstore-gc.lease`` holds JSON ``{"owner", "expires", "host", "pid"}``
-(``expires`` in Unix seconds). It is only ever replaced atomically (temp file + rename), so a
-reader sees a whole lease or none. To take the lease a node reads it (open + read: NFS
-close-to-open gives the server's current content), and if it is absent, unparsable, its own,
-or expired for longer than ``skew_s`` (clock skew between nodes), publishes its own, waits
-``settle_s`` and reads it back: only a node that reads its own owner id holds the lease.
+Contract: ``ROOT/.tierstore-gc.lease`` holds JSON ``{"owner", "ttl", "expires", "host",
+"pid"}``. It is only ever replaced atomically (temp file + rename), so a reader sees a whole
+lease or none. To take the lease a node reads it (open + read: NFS close-to-open gives the
+server's current content), and if it is absent, unparsable, its own, or expired, publishes its
+own, waits ``settle_s`` and reads it back: only a node that reads its own owner id holds the
+lease.
+
+Expiry is judged by the server's clock, never a client's: a lease lives until its file's mtime
+(set by the file server when the holder published or renewed it) plus its ``ttl`` plus
+``skew_s`` (mtime granularity, a slow rename), compared with the server's "now": the mtime of a
+file this node has just written under the root (``server_now``: a probe file, created, written,
+fstat'ed and removed). A node whose clock lags or runs ahead therefore neither takes a live
+lease nor keeps a dead one. ``expires`` (the writer's clock) is still written for older
+tierstore versions; a lease without ``ttl`` (written by one of them) is judged by it against
+this node's clock, as they judge it.
 
 This is advisory, not a lock: NFS gives no mutual exclusion that survives every race (two
 nodes may both publish, a paused holder may outlive its expiry). Eviction is designed to be
@@ -15,8 +24,10 @@ renews before ``ttl/3`` has passed and stops evicting as soon as a renewal fails
 
 Hostile content (the root is untrusted): the lease is read through a checked fd
 (safefs: no symlink, no FIFO, at most ``MAX_LEASE_BYTES``); an expiry that is not a finite
-number or lies beyond now + ttl + skew (year 3000, ``Infinity``) is garbage; a holder on this
-host whose pid is out of range or no longer alive is dead; all of these count as absent. A
+number or lies beyond now + ttl + skew (year 3000, ``Infinity``), a ``ttl`` that is not a finite
+number in (0, ``MAX_TTL_S``], and a file mtime beyond the server's now + ttl + skew are garbage;
+a holder on this host whose pid is out of range or no longer alive is dead; all of these count
+as absent. A
 directory (or anything that cannot be replaced by a file) at the lease path is reported in
 ``problem`` and the lease is not taken (``acquire`` returns False with ``problem`` set).
 
@@ -25,6 +36,7 @@ Threading: a ``Lease`` object belongs to one thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,6 +51,28 @@ from tierstore.fs.stale_temps import PID_LIMIT, process_alive
 
 LEASE_NAME = ".tierstore-gc.lease"
 MAX_LEASE_BYTES = 4096
+MAX_TTL_S = 86400.0  # a lease claiming longer is garbage (a holder renews every ttl/3)
+_CLOCK_PREFIX = f"{LEASE_NAME}.clock."  # the server-clock probe files (reserved names: walks skip them)
+
+
+def server_now(root_fd: int) -> float | None:
+    """The file server's clock now: the mtime of a probe file just created and written under
+    the root (the server sets it), which is then removed. None when no file can be written
+    there (the caller falls back to this node's clock; it cannot publish a lease either)."""
+    name = f"{_CLOCK_PREFIX}{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        fd = safefs.create_file(name, root_fd)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b"t")
+        return os.fstat(fd).st_mtime_ns / 1e9  # NFS flushes the write first: the server's mtime
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=root_fd)
 
 
 def _reject_constant(name: str) -> float:
@@ -58,9 +92,16 @@ class Lease:
         self.problem: str | None = None  # what was wrong with the lease path, for reports
         self._renewed_at = 0.0
 
-    def _read_raw(self, root_fd: int) -> bytes | None:
+    def _read_raw(self, root_fd: int) -> tuple[bytes, float] | None:
+        """The lease file's bytes and mtime (the server's clock when it was published)."""
         try:
-            return safefs.read_small(LEASE_NAME, root_fd, MAX_LEASE_BYTES)
+            fd, st = safefs.open_regular(LEASE_NAME, root_fd)
+            try:
+                if st.st_size > MAX_LEASE_BYTES:
+                    raise safefs.UnsafeEntry("too_large", LEASE_NAME, f"{st.st_size} bytes, more than {MAX_LEASE_BYTES}")
+                return safefs.read_fd_capped(fd, MAX_LEASE_BYTES, LEASE_NAME), st.st_mtime_ns / 1e9
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             return None
         except safefs.UnsafeEntry as exc:
@@ -77,15 +118,29 @@ class Lease:
                 return None
             raise
 
-    def _valid(self, data: object) -> dict | None:
+    def _valid(self, data: object, mtime: float, root_fd: int) -> dict | None:
         if not isinstance(data, dict) or not isinstance(data.get("owner"), str):
             return None
-        expires = data.get("expires")
-        if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires):
-            return None
-        if expires > time.time() + self.ttl_s + self.skew_s:
-            self.problem = f"{self.path} expires at {expires:.0f}, beyond now + ttl + skew: garbage, taken over"
-            return None
+        if "ttl" in data:  # judged by the server's clock (module docstring)
+            ttl = data["ttl"]
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
+                return None
+            if data["owner"] == self.owner:  # our own: its liveness is not asked (no probe)
+                return {**data, "live_until": mtime + ttl + self.skew_s, "server_now": mtime}
+            now = server_now(root_fd)
+            now = time.time() if now is None else now
+            if mtime > now + ttl + self.skew_s:
+                self.problem = f"{self.path} was written in the file server's future: garbage, taken over"
+                return None
+            data = {**data, "live_until": mtime + ttl + self.skew_s, "server_now": now}
+        else:  # an older tierstore's lease: its writer's clock, as it judges it
+            expires = data.get("expires")
+            if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires):
+                return None
+            if expires > time.time() + self.ttl_s + self.skew_s:
+                self.problem = f"{self.path} expires at {expires:.0f}, beyond now + ttl + skew: garbage, taken over"
+                return None
+            data = {**data, "live_until": expires + self.skew_s, "server_now": time.time()}
         pid, host = data.get("pid"), data.get("host")
         dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_LIMIT or not process_alive(pid)
         if host == socket.gethostname() and data["owner"] != self.owner and dead_pid:
@@ -93,23 +148,26 @@ class Lease:
         return data
 
     def read(self) -> dict | None:
-        """The current lease, or None if absent, garbage or held by a dead process here."""
+        """The current lease, or None if absent, garbage or held by a dead process here; with
+        ``live_until`` and ``server_now`` added (one clock: the server's, for a lease of this
+        version)."""
         try:
             root_fd = safefs.open_root(self.root)
         except OSError:
             return None
         try:
-            raw = self._read_raw(root_fd)
+            got = self._read_raw(root_fd)
+            if got is None:
+                return None
+            raw, mtime = got
+            try:
+                return self._valid(json.loads(raw, parse_constant=_reject_constant), mtime, root_fd)
+            except (ValueError, RecursionError):
+                return None
         except OSError:
             return None
         finally:
             os.close(root_fd)
-        if raw is None:
-            return None
-        try:
-            return self._valid(json.loads(raw, parse_constant=_reject_constant))
-        except (ValueError, RecursionError):
-            return None
 
     def _blocked(self) -> bool:
         """Whether something that a file cannot replace sits at the lease path."""
@@ -119,7 +177,7 @@ class Lease:
             return False
 
     def _publish(self) -> None:
-        body = {"owner": self.owner, "expires": time.time() + self.ttl_s,
+        body = {"owner": self.owner, "ttl": self.ttl_s, "expires": time.time() + self.ttl_s,
                 "host": socket.gethostname(), "pid": os.getpid()}
         root_fd = safefs.open_root(self.root)
         try:
@@ -132,7 +190,7 @@ class Lease:
         """Take or renew the lease; True if this owner holds it afterwards."""
         self.problem = None
         cur = self.read()
-        if cur is not None and cur["owner"] != self.owner and time.time() < cur["expires"] + self.skew_s:
+        if cur is not None and cur["owner"] != self.owner and cur["server_now"] < cur["live_until"]:
             self.held = False
             return False
         if self._blocked():

@@ -255,3 +255,101 @@ class FileMapper:
 
     def __repr__(self) -> str:
         return f"FileMapper({self.base})"
+
+
+# ----------------------------------------------------------------- the root's format marker
+# ``ROOT/.tierstore-format``: a small JSON object a writer leaves at the root on its first store,
+# {"format": 1, "layouts": [...], "writer": "tierstore"}, naming the directory kinds it writes.
+# A tool that repairs or evicts (fsck --repair, gc) reads it and refuses a root whose marker
+# names a format or a layout it does not know: a newer tierstore's tree is not its to change.
+# A root without a marker is an older writer's and is treated as before.
+FORMAT_MARKER_NAME = ".tierstore-format"
+FORMAT_MARKER_VERSION = 1
+LAYOUT_RANK_DIRS = "rank_dirs"  # ROOT/<ns>/g<g>/r<rank>/<aa>/<key>.kvp
+LAYOUT_HEAD_SLICE_DIRS = "head_slice_dirs"  # ROOT/<ns>/g<g>/h<start>-<count>/<aa>/<key>.kvp
+KNOWN_LAYOUTS = (LAYOUT_RANK_DIRS, LAYOUT_HEAD_SLICE_DIRS)
+_MARKER_MAX_BYTES = 4096
+
+
+def _parse_marker(data: bytes) -> tuple[int, list[str]] | None:
+    """(format, layouts) of a marker's bytes, or None when it is not a marker this code can read."""
+    import json
+
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    version, layouts = doc.get("format"), doc.get("layouts")
+    if (not isinstance(version, int) or isinstance(version, bool) or not isinstance(layouts, list)
+            or not all(isinstance(x, str) for x in layouts)):
+        return None
+    return version, layouts
+
+
+def read_format_marker(root: str | os.PathLike[str]) -> tuple[int, list[str]] | None:
+    """The root's marker as (format, layouts); None when there is none. Raises ``ValueError``
+    naming the file when one exists but cannot be read as a marker (too large, not a regular
+    file, not the JSON object above), OSError for other failures."""
+    where = os.path.join(os.fsdecode(root), FORMAT_MARKER_NAME)
+    root_fd = safefs.open_root(root)
+    try:
+        data = safefs.read_small(FORMAT_MARKER_NAME, root_fd, _MARKER_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except safefs.UnsafeEntry as exc:
+        raise ValueError(f"{where} is not tierstore's format marker ({exc})") from None
+    finally:
+        os.close(root_fd)
+    got = _parse_marker(data)
+    if got is None:
+        raise ValueError(f"{where} is not a format marker this tierstore can read")
+    return got
+
+
+def unknown_format(root: str | os.PathLike[str]) -> str | None:
+    """Why a tool of this version must not repair or evict under ``root`` (its marker names a
+    newer format or a layout this version does not know, or cannot be read), or None (no
+    marker, or one this version knows). The message says what to do."""
+    try:
+        got = read_format_marker(root)
+    except (OSError, ValueError) as exc:
+        return f"{exc}; run a newer tierstore here (this root's writer may be newer), or remove the file"
+    if got is None:
+        return None
+    version, layouts = got
+    unknown = sorted(set(layouts) - set(KNOWN_LAYOUTS))
+    if version <= FORMAT_MARKER_VERSION and not unknown:
+        return None
+    what = f"layouts {unknown}" if unknown else f"format {version}"
+    return (f"a newer tierstore wrote this root ({FORMAT_MARKER_NAME} names {what}, which this version does not "
+            "know); use that version's fsck --repair and gc here")
+
+
+def write_format_marker(root: str | os.PathLike[str], layouts: tuple[str, ...] = KNOWN_LAYOUTS,
+                        perms: safefs.Perms = safefs.PRIVATE) -> bool:
+    """Leave the marker at ``root`` (temp + rename, through the root's fd) unless one there
+    already names every layout of ``layouts``; a marker naming more (a newer writer) keeps its
+    layouts and format. True if written. Raises OSError (the caller's policy decides; a store
+    never fails for it)."""
+    try:
+        got = read_format_marker(root)
+    except ValueError:
+        got = None  # unreadable: replaced by ours
+    if got is not None and set(layouts) <= set(got[1]):
+        return False
+    import json
+
+    version = max(FORMAT_MARKER_VERSION, got[0] if got is not None else 0)
+    names = sorted(set(layouts) | set(got[1] if got is not None else ()))
+    data = json.dumps({"format": version, "layouts": names, "writer": "tierstore"}).encode()
+    tmp = f"{FORMAT_MARKER_NAME}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
+    root_fd = safefs.open_root(root)
+    try:
+        safefs.write_file_atomic(FORMAT_MARKER_NAME, root_fd, data, tmp, perms)
+        if perms.file_mode & 0o070:  # a fleet sharing a group reads it too (not left to the umask)
+            os.chmod(FORMAT_MARKER_NAME, perms.file_mode, dir_fd=root_fd, follow_symlinks=False)
+    finally:
+        os.close(root_fd)
+    return True

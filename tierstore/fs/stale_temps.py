@@ -52,17 +52,20 @@ class TempWriter:
 
 
 def temp_writer(name: str) -> TempWriter | None:
-    """The writer named in a tierstore temp file name, or None if ``name`` is no such temp."""
+    """The writer named in a tierstore temp file name, or None if ``name`` is no such temp.
+    A name whose pid is not a possible process id (``pid_possible``) is no tierstore temp:
+    every caller (gc, the start-up sweep, the local scan) leaves it alone, as fsck and ``ls``
+    report it as foreign."""
     page = parse_temp_name(name)
     if page is not None:
-        return TempWriter(page.host, page.pid)
-    m = MANIFEST_TEMP_RE.match(name)
-    if m:
-        return TempWriter(m.group(1), int(m.group(2)))
-    m = _PROBE_TEMP_RE.match(name)
-    if m:
-        return TempWriter(None, int(m.group(1)))
-    return None
+        writer = TempWriter(page.host, page.pid)
+    elif m := MANIFEST_TEMP_RE.match(name):
+        writer = TempWriter(m.group(1), int(m.group(2)))
+    elif m := _PROBE_TEMP_RE.match(name):
+        writer = TempWriter(None, int(m.group(1)))
+    else:
+        return None
+    return writer if pid_possible(writer.pid) else None
 
 
 def _boot_time() -> float | None:
@@ -80,6 +83,13 @@ def _boot_time() -> float | None:
 PID_LIMIT = 1 << 22
 
 
+def pid_possible(pid: int) -> bool:
+    """The one pid rule: whether ``pid`` (from a temp name or a lease) could be a process id;
+    one that cannot (0, negative, a 20-digit number that would overflow ``os.kill``) was not
+    written by tierstore."""
+    return 0 < pid <= PID_LIMIT
+
+
 def process_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists on this host and can still write (a zombie cannot;
     EPERM: it exists, someone else's; unknown counts as alive). The one liveness rule of
@@ -91,6 +101,8 @@ def _process_state(pid: int) -> tuple[bool, float | None]:
     """(alive, start time as a Unix time or None if unknown) of ``pid`` on this host."""
     if pid <= 0:
         return True, None  # os.kill(0, ...) would signal our own process group: treat as alive
+    if pid > PID_LIMIT:
+        return False, None  # no such process can exist (and os.kill would overflow)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

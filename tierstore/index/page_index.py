@@ -44,6 +44,7 @@ is never built from an array that is no longer current.
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import os
 import threading
@@ -74,25 +75,40 @@ def list_fingerprints(directory: str | os.PathLike[str], fanout_index: int) -> m
     """Sorted fingerprints of the page files in one fan-out directory (one readdir, no stat).
 
     Temp files, foreign names and pages filed under the wrong directory are skipped (a load
-    would never look for them there). A missing directory is empty. Other ``OSError`` raise."""
+    would never look for them there). A missing directory is empty; so is one that stays
+    ESTALE on a second try (NFS: removed by another node, e.g. ``rm -rf`` of the namespace; the
+    retry is a fresh lookup of the path, which finds a directory made again). Other ``OSError``
+    raise."""
+    for attempt in range(2):
+        try:
+            return _list_once(directory, fanout_index)
+        except FileNotFoundError:
+            break
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                raise
+            if attempt:
+                break
+    return memoryview(np.zeros(0, dtype=np.uint64)).cast("B").cast("Q")
+
+
+def _list_once(directory: str | os.PathLike[str], fanout_index: int) -> memoryview:
+    """``list_fingerprints`` without the rule for a vanished directory (raises its OSError)."""
     fps: list[int] = []
     append = fps.append
     fromhex = bytes.fromhex
     digest = xxhash.xxh3_64_intdigest
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                name = entry.name
-                if not name.endswith(PAGE_SUFFIX) or name[0] == ".":
-                    continue
-                try:
-                    fp = digest(fromhex(name[:-_SUFFIX_LEN]))
-                except ValueError:
-                    continue
-                if fp >> 56 == fanout_index:
-                    append(fp)
-    except FileNotFoundError:
-        pass
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(PAGE_SUFFIX) or name[0] == ".":
+                continue
+            try:
+                fp = digest(fromhex(name[:-_SUFFIX_LEN]))
+            except ValueError:
+                continue
+            if fp >> 56 == fanout_index:
+                append(fp)
     arr = np.array(fps, dtype=np.uint64)
     arr.sort()
     return memoryview(arr).cast("B").cast("Q")  # keeps the array alive

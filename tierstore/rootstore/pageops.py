@@ -9,8 +9,8 @@ docstring. Shared rules:
   ``PageMissing``, anything else ``PageIOError`` with the errno. A failed write is a
   ``PageStoreError``, whose kind comes from the errno (``enospc``, ``readonly``, ...).
 - Publishing is atomic (``publish``): a reader sees a whole page under a final name or none.
-- Functions do not log, except ``publish``'s O_DIRECT fallback (a condition an operator should
-  know about).
+- Functions do not log, except ``publish``'s O_DIRECT fallback and ``RankDir``'s reopen of a
+  removed or replaced directory (conditions an operator should know about).
 - A root others can write to (issue 17): page files are opened ``O_NOFOLLOW|O_NONBLOCK`` and
   served only if ``fstat`` says regular file with one link (else ``PageUnsafe``, never removed:
   a FIFO fails at once instead of blocking an I/O thread); temps are created ``O_EXCL|O_NOFOLLOW``
@@ -44,9 +44,12 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from tierstore.errors import (
     PageCorrupt,
@@ -318,22 +321,43 @@ def open_page(path: str | Path, key: bytes | None, *, dir_fd: int | None = None,
     return fd, st
 
 
+# How often the held rank directory fd is checked against its path (a directory removed and made
+# again, or replaced, by another node: NFS gives no notice), and the least time between two
+# reopens of a stale fd (a flapping export never turns every call into a reopen).
+RANK_DIR_CHECK_S = 2.0
+RANK_DIR_REOPEN_MIN_S = 1.0
+
+
 class RankDir:
     """The directory of one (namespace, group, rank): an fd opened from the root component by
     component without following a symlink (safefs.open_dir_path), and its fan-out directories
     opened per operation relative to it (``fanout``), so no name under the root is ever
     followed out of it. A symlinked component raises ``PageUnsafe``.
 
-    The fd is opened at first use and again when its directory has been removed (``st_nlink``
-    0: the tree was deleted and made again); superseded fds stay open until ``close`` (another
-    thread may be using one). Threading: safe from any thread.
+    The fd is opened at first use and reopened when it has gone stale: ESTALE (NFS: the
+    directory was removed, e.g. ``rm -rf ROOT/<namespace>`` by an operator, and maybe made
+    again by another node), ENOENT in a directory with ``st_nlink`` 0 (the same on a local file
+    system), or, checked at most every ``RANK_DIR_CHECK_S`` on a call of ``rank_fd``, a path
+    that now names another directory (st_dev/st_ino differ: replaced). A stale fd is reopened at
+    most once per ``RANK_DIR_REOPEN_MIN_S``; the call that found it retries once on the new fd,
+    and where the reopen is not allowed yet (or fails) it is answered ``PageMissing``; the next
+    call uses the new fd. ``reopens`` counts reopens (``on_reopen`` is called after each, with
+    no lock held). Superseded fds stay open until ``close`` (another thread, or the native
+    lane, may be using one). ``held_fd`` answers -1 while a check is due, so fd users that must
+    not touch the file system (the lane, under the queue's lock) leave the job to a thread that
+    calls ``fanout``/``rank_fd`` and runs the check. Threading: safe from any thread.
     """
 
-    def __init__(self, root: str | os.PathLike[str], parts: tuple[str, ...], perms: safefs.Perms = safefs.PRIVATE):
+    def __init__(self, root: str | os.PathLike[str], parts: tuple[str, ...], perms: safefs.Perms = safefs.PRIVATE,
+                 on_reopen: Callable[[], None] | None = None):
         self.root, self.parts, self.perms = os.fspath(root), parts, perms
         self._fd = -1
         self._old: list[int] = []
         self._lock = threading.Lock()
+        self._on_reopen = on_reopen
+        self._next_check = 0.0  # monotonic time of the next identity check of the held fd
+        self._reopened_at = -RANK_DIR_REOPEN_MIN_S  # monotonic time of the last reopen of a stale fd
+        self.reopens = 0
 
     def _reopen(self, create: bool, stale: int) -> int:
         with self._lock:
@@ -347,44 +371,119 @@ class RankDir:
             if self._fd >= 0:
                 self._old.append(self._fd)
             self._fd = fd
+            self._next_check = time.monotonic() + RANK_DIR_CHECK_S
             return fd
 
+    def _reopen_stale(self, create: bool, stale: int) -> int:
+        """Reopen the stale fd ``stale`` (module rule: at most once per ``RANK_DIR_REOPEN_MIN_S``):
+        the fd to use, or -1 when not allowed yet. Raises what ``_reopen`` raises."""
+        with self._lock:
+            if self._fd != stale:
+                return self._fd
+            now = time.monotonic()
+            if now - self._reopened_at < RANK_DIR_REOPEN_MIN_S:
+                return -1
+            self._reopened_at = now
+        fd = self._reopen(create, stale)
+        if fd != stale:
+            self.reopens += 1
+            logger.warning("tierstore: the directory %s was removed or replaced (stale handle); reopened it",
+                           os.path.join(self.root, *self.parts))
+            if self._on_reopen is not None:
+                self._on_reopen()
+        return fd
+
+    def _replaced(self, fd: int) -> bool:
+        """Whether the held ``fd`` no longer is the directory its path names (removed, stale or
+        replaced). A path that cannot be checked counts as not replaced."""
+        try:
+            held = os.fstat(fd)
+        except OSError as exc:
+            return exc.errno == errno.ESTALE
+        if held.st_nlink == 0:
+            return True
+        try:
+            now = os.lstat(os.path.join(self.root, *self.parts))
+        except OSError:
+            return False  # nothing newer to open (or the path is unreadable: the calls say why)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
     def rank_fd(self, create: bool = False) -> int:
-        """The held fd of the rank directory (do not close it)."""
+        """The held fd of the rank directory (do not close it); checks it against its path at
+        most every ``RANK_DIR_CHECK_S`` (class docstring). Raises ``PageMissing`` when it is
+        stale and may not be reopened yet; OSError from opening."""
         fd = self._fd
-        return fd if fd >= 0 else self._reopen(create, fd)
+        if fd < 0:
+            return self._reopen(create, fd)
+        if time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + RANK_DIR_CHECK_S
+            if self._replaced(fd):
+                fd = self._reopen_stale(create, fd)
+                if fd < 0:
+                    raise PageMissing("the page's directory was removed or replaced (stale handle); it is "
+                                      "reopened within a second", path=os.path.join(self.root, *self.parts))
+        return fd
 
     def held_fd(self) -> int:
-        """The held fd of the rank directory, or -1 when it is not open yet; never opens
-        anything (callers that hold a lock must not wait on the file system)."""
-        return self._fd
+        """The held fd of the rank directory, or -1 when it is not open yet or a check of it is
+        due; never touches the file system (callers that hold a lock must not wait on it)."""
+        return self._fd if time.monotonic() < self._next_check else -1
+
+    def _is_stale(self, fd: int, exc: OSError) -> bool:
+        """Whether ``exc``, raised by a call relative to ``fd``, says ``fd`` itself is stale."""
+        if exc.errno == errno.ESTALE:
+            return True
+        if exc.errno != errno.ENOENT:
+            return False
+        try:
+            return os.fstat(fd).st_nlink == 0  # the rank directory itself was removed
+        except OSError as err:
+            return err.errno == errno.ESTALE
+
+    def _open_fanout(self, name: str, fd: int, create: bool) -> int:
+        try:
+            return safefs.open_dir(name, fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, self.perms.dir_mode, dir_fd=fd)
+            if self.perms.dir_mode & 0o070:
+                os.chmod(name, self.perms.dir_mode, dir_fd=fd, follow_symlinks=False)
+        return safefs.open_dir(name, fd)
 
     def fanout(self, name: str, *, create: bool = False, where: str = "", key: bytes | None = None) -> int:
         """An fd of the fan-out directory ``name`` (the caller closes it); ``create``: make it
-        (and the chain above it) when missing. Raises ``PageUnsafe`` for a symlinked or
-        non-directory component, ``PageMissing`` when absent and not ``create``, OSError else."""
+        (and the chain above it) when missing. A stale rank directory fd is reopened (class
+        docstring) and the call retried once. Raises ``PageUnsafe`` for a symlinked or
+        non-directory component, ``PageMissing`` when absent and not ``create`` or when the
+        stale fd may not be reopened yet; another OSError (permission denied, I/O) is raised as
+        it is with ``create`` (the store names it), else as ``PageIOError`` naming the
+        directory and the fix (``directory_error``)."""
         try:
             fd = self.rank_fd(create)
-            for attempt in range(2):
-                try:
-                    return safefs.open_dir(name, fd)
-                except FileNotFoundError:
-                    if attempt == 0 and os.fstat(fd).st_nlink == 0:  # the rank dir was removed
-                        fd = self._reopen(create, fd)
-                        continue
-                    if not create:
-                        raise
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, self.perms.dir_mode, dir_fd=fd)
-                        if self.perms.dir_mode & 0o070:
-                            os.chmod(name, self.perms.dir_mode, dir_fd=fd, follow_symlinks=False)
-                    return safefs.open_dir(name, fd)
-            raise FileNotFoundError(errno.ENOENT, "fan-out directory missing")  # pragma: no cover
+            try:
+                return self._open_fanout(name, fd, create)
+            except OSError as exc:
+                if not self._is_stale(fd, exc):
+                    raise
+            fd = self._reopen_stale(create, fd)
+            if fd < 0:
+                raise PageMissing("the page's directory was removed or replaced (stale handle); it is reopened "
+                                  "within a second", path=where, key=key)
+            return self._open_fanout(name, fd, create)
         except safefs.UnsafeEntry as exc:
             raise PageUnsafe(f"a directory on the way to the page is not one tierstore made ({exc}); "
                              "nothing under it is read or written", path=where, key=key) from None
         except FileNotFoundError as exc:
             raise PageMissing("no such page (its directory is missing)", path=where, key=key) from exc
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:
+                raise PageMissing("the page's directory went stale again right after it was reopened",
+                                  path=where, key=key) from exc
+            if create:
+                raise  # the store names it (PageStoreError, its kind from the errno)
+            raise PageIOError(directory_error(exc, where), errno=exc.errno, path=where, key=key) from exc
 
     def remove_damaged(self, fanout_name: str, name: str, served: FileIdentity, *, where: str = "",
                        key: bytes | None = None) -> bool:
@@ -407,6 +506,16 @@ class RankDir:
                     with contextlib.suppress(OSError):
                         os.close(fd)
             self._fd, self._old = -1, []
+
+
+def directory_error(exc: OSError, where: str) -> str:
+    """What to tell an operator about a directory on the way to the page ``where`` that could
+    not be opened (permission denied, an I/O error): which directory, and what to do."""
+    directory = os.path.dirname(where) if where else "the page's directory"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"cannot open the directory {directory}: {exc.strerror}; give the user running tierstore read "
+                "and execute permission on it (the whole path under the root), or run `tierstore fsck ROOT`")
+    return f"cannot open the directory {directory}: {exc.strerror}; check the file system (`tierstore fsck ROOT`)"
 
 
 def file_identity(st: os.stat_result) -> FileIdentity:
@@ -610,6 +719,43 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
     except OSError as exc:
         raise read_error(exc, "read", path, key) from exc
     return header
+
+
+def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, path: str, buf: memoryview) -> bool:
+    """Verify the payload of a codec-none page whose header was decoded and checked (every
+    section checksum, every alignment gap zero), reading it through ``buf`` a piece at a time:
+    memory stays ``len(buf)`` whatever size the page declares (fsck of a huge page with no
+    manifest). False, with nothing read, where this does not apply (another codec, a file not
+    exactly the header's size, a payload that is not the layout's buffer): the caller reads the
+    page whole (``read_page_fd``), which names any problem.
+
+    Failure policy: ``PageCorrupt`` (bad section or gap), ``PageTruncated``; other OSErrors are
+    mapped by ``read_error``."""
+    trailer = MAC_TRAILER_LEN if header.has_mac else 0
+    if (header.codec != Codec.NONE or header.payload_len != header.layout.nbytes
+            or st.st_size != header.header_len + header.payload_len + trailer or not len(buf)):
+        return False
+    key, base = header.meta.key, header.header_len
+    try:
+        for e in header.sections:
+            hasher = xxhash.xxh3_64()
+            pos, end = e.stored_offset, e.stored_offset + e.spec.nbytes
+            while pos < end:
+                piece = buf[:min(len(buf), end - pos)]
+                readinto_exact(fd, piece, base + pos, path)
+                hasher.update(piece)
+                pos += len(piece)
+            if hasher.intdigest() != e.checksum:
+                raise PageCorrupt(f"section {e.spec.name!r} checksum mismatch", path=path, key=key)
+        for a, b in header.layout.gaps:
+            gap = buf[:b - a]
+            readinto_exact(fd, gap, base + a, path)
+            if any(gap):
+                raise PageCorrupt(f"non-zero bytes in the alignment gap at page bytes {a}..{b}: not a canonical "
+                                  "format-3 page; it is not served", path=path, key=key)
+    except OSError as exc:
+        raise read_error(exc, "read", path, key) from exc
+    return True
 
 
 def read_page(path: Path, expect: PageExpectation | None, out: memoryview,

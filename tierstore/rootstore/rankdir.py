@@ -69,7 +69,13 @@ from tierstore.format.page import (
 )
 from tierstore.fs import safefs
 from tierstore.fs.directio import CachestatArgs, FrameGeometry, cachestat_pages
-from tierstore.fs.mapper import MAX_KEY_BYTES, FileMapper, fanout
+from tierstore.fs.mapper import (
+    FORMAT_MARKER_NAME,
+    MAX_KEY_BYTES,
+    FileMapper,
+    fanout,
+    write_format_marker,
+)
 from tierstore.index import page_index
 from tierstore.native import page as native_page
 from tierstore.rootstore import pageops as pagefile
@@ -82,6 +88,32 @@ __all__ = ["WARM_PIECE_BYTES", "PageFiles"]
 logger = logging.getLogger("tierstore.engine")  # the engine's log: what operators filter on
 
 ReadPlan = list[tuple[int, int, int, int]]
+
+
+_MARKED_ROOTS: set[str] = set()  # roots whose format marker this process wrote or tried
+_MARKED_LOCK = threading.Lock()
+
+
+def mark_root_soon(root: str | os.PathLike[str], perms: safefs.Perms) -> None:
+    """Leave ``ROOT/.tierstore-format`` (``mapper.write_format_marker``) once per root and
+    process, on a thread of its own: the caller may hold the I/O queue's lock, and a hung mount
+    must not stall it. Failure policy: a marker that cannot be written is logged once and
+    never fails a store (tools then treat the root as an older writer's)."""
+    where = os.path.abspath(root)
+    with _MARKED_LOCK:
+        if where in _MARKED_ROOTS:
+            return
+        _MARKED_ROOTS.add(where)
+
+    def write() -> None:
+        try:
+            write_format_marker(where, perms=perms)
+        except OSError as exc:
+            logger.warning("tierstore: cannot write the format marker %s (%s); stores go on, but older "
+                           "tierstore tools cannot tell which layouts this root holds",
+                           os.path.join(where, FORMAT_MARKER_NAME), exc.strerror or exc)
+
+    threading.Thread(target=write, name="tierstore-format-marker", daemon=True).start()
 
 
 class _ThreadState(threading.local):
@@ -121,7 +153,9 @@ class PageFiles(NativeFileCalls):
         self._slabs: dict[int, tuple[memoryview, Any, int]] = {}  # id(slot frame) -> (frame, slab array, offset)
         self._slab_arrays: dict[int, tuple[Any, Any]] = {}  # id(buffer owner) -> (owner, its uint8 array)
         self._local = _ThreadState()
-        self._dirs = pagefile.RankDir(mapper.root, mapper.dir_parts, perms)
+        self._marked = False  # the root's format marker asked for (first store)
+        self._dirs = pagefile.RankDir(mapper.root, mapper.dir_parts, perms,
+                                      on_reopen=lambda: count("rank_dir_reopens"))
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
 
@@ -141,8 +175,7 @@ class PageFiles(NativeFileCalls):
         try:
             dir_fd = self._dirs.fanout(fanout(key), create=True, where=final, key=key)
         except OSError as exc:
-            raise PageStoreError(f"cannot open the page's directory: {exc.strerror}", errno=exc.errno, path=final,
-                                 key=key) from exc
+            raise PageStoreError(pagefile.directory_error(exc, final), errno=exc.errno, path=final, key=key) from exc
         try:
             result = self._store_in(dir_fd, name, final, key, slot, token_count, sums)
         finally:
@@ -187,8 +220,12 @@ class PageFiles(NativeFileCalls):
 
     def _note_stored(self, key: bytes) -> None:
         """The one place a store tells the page index (this process's own pages: never a stale
-        miss), whichever path wrote it (Python, a native call, the lane)."""
+        miss), whichever path wrote it (Python, a native call, the lane); the first store also
+        leaves the root's format marker (``mark_root_soon``)."""
         page_index.note_stored(self.mapper.base, key)
+        if not self._marked:
+            self._marked = True
+            mark_root_soon(self.mapper.root, self.perms)
 
     def store_many(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
                    ) -> list[tuple[bool, int] | PageError]:

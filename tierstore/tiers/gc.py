@@ -24,7 +24,8 @@ The plan is the real pass's result when nothing is hit or removed in between.
 
 A ROOT holding entries but no namespace directory is refused (``refused``), as fsck refuses
 it: it is probably not a cache directory, and gc would otherwise write its lease and trash
-there.
+there. So is a ROOT whose format marker (``ROOT/.tierstore-format``, ``mapper.unknown_format``)
+names a format or layout this version does not know: a newer tierstore wrote it.
 
 Scale (docs/measurements/fsck.md): the scan keeps about 70 bytes per page in packed arrays
 (``_ScanTable``; a list of objects took about 450). Victims are taken in LRU order, batch by
@@ -41,7 +42,7 @@ Hostile roots (anything under ROOT is untrusted input): every directory is opene
 that was checked, after re-checking the victim's (device, inode, mtime) (safefs.py): a symlinked
 trash, namespace or fan-out directory, even one swapped in between scan and eviction, is
 reported in ``unsafe`` and never followed. The walk is iterative with the layout's depth. The
-cap counts only bytes gc can free: allocated blocks (``st_blocks * 512``) of regular,
+cap counts only bytes gc can free: file bytes (``st_size``, the meaning every command's bytes have) of regular,
 single-link pages at their place, temps and trash entries; everything else (a 1 TiB sparse
 foreign file, hard-linked pages) is counted in ``other_bytes`` and warned about, never a reason
 to evict. A lease problem (a directory at the lease path) is reported in ``lease_problem``.
@@ -54,26 +55,25 @@ Threading: ``collect`` is a plain function (it evicts on a private pool of ``evi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import stat
-import sys
 import threading
 import time
 import uuid
 from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierstore.errors import GONE_ERRNOS
 from tierstore.fs import safefs
+from tierstore.fs.deadline import note_space_freed
 from tierstore.fs.display import escape, parse_size
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import (
+    FORMAT_MARKER_NAME,
     NAMESPACE_DIR_RE,
     PAGE_SUFFIX,
     fanout,
@@ -81,6 +81,7 @@ from tierstore.fs.mapper import (
     parse_index_dir,
     parse_page_name,
     parse_rank_dir,
+    unknown_format,
 )
 from tierstore.fs.stale_temps import temp_writer, writer_gone
 from tierstore.metrics import TierMetrics
@@ -123,14 +124,14 @@ class GcReport:
 
 class _ScanTable:
     """The pages the scan found, packed in arrays (about 70 bytes a page): directory index,
-    key bytes, (device, inode), allocated size, mtime stamp. Threading: one thread."""
+    key bytes, (device, inode), file size, mtime stamp. Threading: one thread."""
 
     def __init__(self) -> None:
         self.dirs: list[tuple[str, ...]] = []  # directory parts under the root
         self._dir_ids: dict[tuple[str, ...], int] = {}
         self.dir_of = array("I")
         self.stamp = array("q")  # mtime in ns: the LRU stamp
-        self.size = array("q")  # allocated bytes: what evicting it frees
+        self.size = array("q")  # file bytes (st_size): what evicting it frees
         self.dev = array("Q")
         self.ino = array("Q")
         self._key_off = array("Q")
@@ -147,7 +148,7 @@ class _ScanTable:
             self.dirs.append(parts)
         self.dir_of.append(d)
         self.stamp.append(st.st_mtime_ns)
-        self.size.append(_allocated(st))
+        self.size.append(_file_bytes(st))
         self.dev.append(st.st_dev)
         self.ino.append(st.st_ino)
         self._key_off.append(len(self._keys))
@@ -165,8 +166,11 @@ class _ScanTable:
         yield from (int(i) for i in np.argsort(np.frombuffer(self.stamp, dtype=np.int64), kind="stable"))
 
 
-def _allocated(st: os.stat_result) -> int:
-    return st.st_blocks * 512
+def _file_bytes(st: os.stat_result) -> int:
+    """A file's bytes as every tierstore command counts them: ``st_size`` (what ``stat`` and
+    ``ls -l`` report, and what ``tierstore stats`` sums), not its allocated blocks, which
+    depend on the file system (4 KiB rounding on ext4, compression on ZFS, the server on NFS)."""
+    return st.st_size
 
 
 def _page_key(parts: tuple[str, ...], name: str) -> bytes | None:
@@ -203,7 +207,7 @@ def _sweep_trash(trash_fd: int, grace_s: float, rep: GcReport) -> None:
             continue
         born_text = name.split(".", 1)[0]  # names start with the eviction time in ns
         born = int(born_text) if born_text.isascii() and born_text.isdigit() and len(born_text) <= 20 else 0
-        size = _allocated(st)
+        size = _file_bytes(st)
         if now - born >= grace_s * 1e9:
             try:
                 if not dry:
@@ -247,10 +251,10 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
             if key is not None:
                 if st.st_nlink != 1:
                     _unsafe(rep, where, f"a page with {st.st_nlink} links (counted as foreign)")
-                    rep.other_bytes += _allocated(st)
+                    rep.other_bytes += _file_bytes(st)
                     continue
                 pages.add(d.parts, key, st)
-                rep.page_bytes += _allocated(st)
+                rep.page_bytes += _file_bytes(st)
             elif (writer := temp_writer(name)) is not None:
                 if writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
                     try:
@@ -260,9 +264,9 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
                         continue
                     except OSError:
                         pass
-                rep.temp_bytes += _allocated(st)
+                rep.temp_bytes += _file_bytes(st)
             else:
-                rep.other_bytes += _allocated(st)
+                rep.other_bytes += _file_bytes(st)
     rep.pages = len(pages)
     return pages
 
@@ -346,7 +350,7 @@ def _open_trash(root_fd: int, rep: GcReport) -> int | None:
         raise
 
 
-_OWN_ROOT_ENTRIES = frozenset({LEASE_NAME, TRASH_DIR})
+_OWN_ROOT_ENTRIES = frozenset({LEASE_NAME, TRASH_DIR, FORMAT_MARKER_NAME})
 
 
 def not_a_cache(root_fd: int) -> str | None:
@@ -396,6 +400,8 @@ def collect(
         rep.refused = not_a_cache(root_fd)
     finally:
         os.close(root_fd)
+    if not rep.refused and not dry_run:  # a newer tierstore's layouts: not this version's to evict
+        rep.refused = unknown_format(root)
     if rep.refused:
         log.warning("tierstore gc %s: refused: %s", root, rep.refused)
         rep.seconds = time.monotonic() - t0
@@ -420,6 +426,8 @@ def collect(
     if metrics is not None and not dry_run:
         metrics.evicted(rep.evicted, rep.evicted_bytes)
         metrics.set_capacity(rep.total_after, max_bytes)
+    if rep.evicted and not dry_run:
+        note_space_freed(root)  # this process's tiers on the root stop skipping stores
     rep.seconds = time.monotonic() - t0
     return rep
 
@@ -582,77 +590,3 @@ class GcDaemon:
             if GcDaemon._running.get(self.root) is self:
                 del GcDaemon._running[self.root]
 
-
-# ---------------------------------------------------------------------------- CLI
-def report_json(rep: GcReport) -> dict[str, object]:
-    """A pass's report as ``--json`` prints it: a schema version first, the report's fields,
-    and its start and end also as ISO 8601 UTC (``started_at``, ``finished_at``)."""
-    def iso(t: float) -> str | None:
-        return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds") if t else None
-
-    return {"tierstore_gc": 1, **asdict(rep), "started_at": iso(rep.started), "finished_at": iso(rep.finished)}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", help="the shared cache root (the directory given as \"root\")")
-    parser.add_argument("--max-bytes", type=parse_bytes, required=True,
-                        help="cap for everything under ROOT (e.g. 500G); gc evicts when above it")
-    parser.add_argument("--low-watermark", type=float, default=0.9,
-                        help="evict down to this fraction of --max-bytes (default 0.9)")
-    parser.add_argument("--trash-grace", type=float, default=0.0, metavar="SECONDS",
-                        help=f"keep evicted files in ROOT/{TRASH_DIR} this long before unlinking "
-                        "(helps NFSv3 readers that already opened them; default 0)")
-    parser.add_argument("--temp-max-age", type=float, default=3600.0, metavar="SECONDS",
-                        help="remove temp files older than this (abandoned writes; default 3600)")
-    parser.add_argument("--lease-ttl", type=float, default=60.0, metavar="SECONDS",
-                        help=f"expiry of the evictor lease {LEASE_NAME} (default 60)")
-    parser.add_argument("--loop", type=float, default=0.0, metavar="SECONDS",
-                        help="keep running, one pass every SECONDS (background mode); default: one pass")
-    parser.add_argument("--evict-threads", type=int, default=EVICT_THREADS, metavar="N",
-                        help=f"unlinks in flight while evicting (default {EVICT_THREADS}; each waits on the file "
-                        "system: a round trip on NFS, a discard on ext4 mounted with -o discard)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="change nothing under ROOT; report what a real pass would evict and remove")
-    parser.add_argument("--json", action="store_true", help="print each pass's report as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run gc as the CLI asked; 0 on success (also when another node holds the lease)."""
-    root = Path(args.root)
-    if not 0 < args.low_watermark <= 1:
-        print("tierstore gc: --low-watermark must be in (0, 1]", file=sys.stderr)
-        return 2
-    if not root.is_dir():  # as fsck, ls and stats: an operational error, exit 8
-        print(f"tierstore gc: {escape(root)} is not a directory (pass the cache root given as \"root\")",
-              file=sys.stderr)
-        return 8
-    lease = Lease(root, ttl_s=args.lease_ttl)
-    while True:
-        rep = collect(root, args.max_bytes, low_watermark=args.low_watermark,
-                      trash_grace_s=args.trash_grace, temp_max_age_s=args.temp_max_age,
-                      lease=lease, dry_run=args.dry_run, evict_threads=args.evict_threads)
-        if rep.refused:
-            print(f"tierstore gc: refusing {escape(root)}: {rep.refused}", file=sys.stderr)
-            return 8
-        if args.json:
-            print(json.dumps(report_json(rep)), flush=True)
-        elif rep.lease_problem:
-            print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", file=sys.stderr, flush=True)
-        elif rep.busy:
-            print(f"tierstore gc: another node holds the gc lease ({root / LEASE_NAME}); nothing done")
-        elif args.dry_run:
-            print(f"tierstore gc: {rep.pages} pages, {rep.total_before} bytes (cap {args.max_bytes}); a real "
-                  f"pass would evict {rep.evicted} pages / {rep.evicted_bytes} bytes (leaving {rep.total_after}), "
-                  f"remove {rep.temps_removed} stale temps and {rep.trash_removed} trash entries "
-                  "[dry run: nothing changed]", flush=True)
-        else:
-            print(f"tierstore gc: {rep.pages} pages, {rep.total_before} bytes before, {rep.total_after} after "
-                  f"(cap {args.max_bytes}); evicted {rep.evicted} pages / {rep.evicted_bytes} bytes, "
-                  f"removed {rep.temps_removed} stale temps, {rep.trash_removed} trash entries in {rep.seconds:.2f} s",
-                  flush=True)
-        if not args.json:
-            for line in rep.unsafe:
-                print(f"tierstore gc: refused {line}", flush=True)
-        if args.loop <= 0:
-            return 8 if rep.lease_problem else 0  # an operational error, as in every command
-        time.sleep(args.loop)

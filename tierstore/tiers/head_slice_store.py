@@ -19,31 +19,44 @@ Contract:
   once per page. The store's result comes back through ``poll``/``wait`` like any store's.
 - A covering file that fails verification (bad content) is removed, that file only (its
   identity as read), like an engine's own damaged pages: ``slice_damaged_removed``.
+- Deadline (the fallback reads the shared root, which may hang: a ``hard`` NFS mount blocks a
+  thread until the server returns): each fallback has ``deadline_s`` (default: the inner
+  store's ``shared_deadline_s``) from the moment the own load came back ``missing``. One not finished by then is handed
+  to the caller as a typed ``timeout`` at the deadline (``poll``/``wait``), its thread left to
+  finish on its own (a slot it took then goes back to the inner store), and the fallback is
+  marked down (``health``, ``fs.deadline.Health``: a probe of the group directory under the
+  deadline brings it back). While down, or while ``threads`` fallbacks are unfinished and
+  ``threads`` more wait, a ``missing`` own load is handed out as it is (no fallback): later
+  loads never queue behind hung ones. A fallback that waited in the queue past its deadline
+  returns ``timeout`` without touching the file system.
 - ``stats`` adds ``slice_loads`` (served from other slices), ``slice_bytes_read``,
   ``slice_bytes_scattered``, ``slice_files``, ``slice_failures`` and ``slice_stored_back``:
-  the measured cost of serving across a TP change (docs/DESIGN.md §9).
+  the measured cost of serving across a TP change (docs/DESIGN.md §9); ``slice_timeouts``
+  (fallbacks past their deadline) and ``slice_skipped`` (misses not tried: down or full).
 
 ``DirectorySlices`` is the ``SliceSource`` of one group directory: it lists ``g<g>/`` once in
 a background thread (and again every ``refresh_s``) for ``h<start>-<count>`` directories (and
 ``r0``, the full head range of a TP=1 writer).
 
 Threading: every method may be called from any thread (one lock guards the job table); the
-fallback reads run on the pool; ``close`` stops it.
+fallback reads run on the pool (``threads`` threads, at most as many queued); ``close`` stops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any, Protocol
 
-from tierstore.errors import PageError
+from tierstore.errors import PageError, PageTimeout
 from tierstore.format.head_slices import (
     HeadRange,
     cover,
@@ -53,6 +66,7 @@ from tierstore.format.head_slices import (
     split_dir_name,
 )
 from tierstore.format.page import PageExpectation, PageLayout
+from tierstore.fs.deadline import Health
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
 from tierstore.index import page_index
 from tierstore.rootstore import pageops as pagefile
@@ -68,6 +82,26 @@ class SliceSource(Protocol):
     def available(self) -> Sequence[HeadRange]: ...
 
     def locate(self, heads: HeadRange, key: bytes) -> tuple[Path, PageExpectation]: ...
+
+
+# The fallback's deadline when neither the caller nor the inner store's config gives one (the
+# default ``shared_deadline_s``).
+DEFAULT_FALLBACK_DEADLINE_S = 5.0
+
+
+def _inner_deadline(inner: PageStore) -> float:
+    """The inner store's ``shared_deadline_s`` (an engine or a chain carries its config)."""
+    value = getattr(getattr(inner, "config", None), "shared_deadline_s", None)
+    return float(value) if isinstance(value, int | float) and value > 0 else DEFAULT_FALLBACK_DEADLINE_S
+
+
+class _Fallback:
+    """One fallback in flight: its future, the original miss and its deadline (monotonic)."""
+
+    __slots__ = ("deadline", "future", "missing")
+
+    def __init__(self, future: Future[IOResult], missing: IOResult, deadline: float) -> None:
+        self.future, self.missing, self.deadline = future, missing, deadline
 
 
 class DirectorySlices:
@@ -125,7 +159,8 @@ class HeadSliceStore:
     """The rank's store, plus loads assembled from other head slices; see the module docstring."""
 
     def __init__(self, inner: PageStore, heads: HeadRange, full_layout: PageLayout, slices: SliceSource,
-                 threads: int = 2, slot_wait_s: float = 1.0, store_back: bool = True) -> None:
+                 threads: int = 2, slot_wait_s: float = 1.0, store_back: bool = True,
+                 deadline_s: float | None = None) -> None:
         self.inner = inner
         self.store_back = store_back
         self.layout = inner.layout
@@ -133,14 +168,19 @@ class HeadSliceStore:
         if slice_layout(full_layout, heads) != inner.layout:
             raise ValueError(f"the inner store's layout is not heads {split_dir_name(heads)} of the group")
         self.slot_wait_s = slot_wait_s
+        self.deadline_s = deadline_s if deadline_s is not None else _inner_deadline(inner)
+        self._max_unfinished = 2 * threads  # running plus queued: beyond it a miss stays a miss
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierstore-slices")
+        self.health = Health("head-slices", self._probe, self.deadline_s)
         self._lock = threading.Lock()
         self._loads: set[int] = set()  # inner load job ids not finished yet
-        self._fallbacks: dict[int, Future[IOResult]] = {}
+        self._fallbacks: dict[int, _Fallback] = {}
+        self._unfinished = 0  # fallbacks submitted whose thread has not returned (abandoned ones too)
         self._own_stores: set[int] = set()  # store-backs: their results are not the caller's
         self._counters = {"slice_loads": 0, "slice_bytes_read": 0, "slice_bytes_scattered": 0, "slice_files": 0,
                           "slice_failures": 0, "slice_stored_back": 0,
-                          "slice_store_back_failures": 0, "slice_damaged_removed": 0}
+                          "slice_store_back_failures": 0, "slice_damaged_removed": 0,
+                          "slice_timeouts": 0, "slice_skipped": 0}
 
     # ------------------------------------------------------------ delegated
     def acquire_slot(self, timeout: float | None = 0) -> Any:
@@ -202,15 +242,66 @@ class HeadSliceStore:
                 ours = r.job_id in self._loads
                 self._loads.discard(r.job_id)
                 if ours and not r.ok and r.error is not None and r.error.kind == "missing":
-                    self._fallbacks[r.job_id] = self._pool.submit(self._from_slices, r)
-                    continue
+                    if self.health.up and self._unfinished < self._max_unfinished:
+                        deadline = time.monotonic() + self.deadline_s
+                        self._unfinished += 1
+                        future = self._pool.submit(self._run_fallback, r, deadline)
+                        self._fallbacks[r.job_id] = _Fallback(future, r, deadline)
+                        continue
+                    self._counters["slice_skipped"] += 1
             out.append(r)
         return out
 
+    def _run_fallback(self, missing: IOResult, deadline: float) -> IOResult:
+        """On a pool thread: ``_from_slices``, then one fewer fallback unfinished."""
+        try:
+            return self._from_slices(missing, deadline)
+        finally:
+            with self._lock:
+                self._unfinished -= 1
+
     def _done_fallbacks(self, only: set[int] | None = None) -> list[IOResult]:
+        """Finished fallbacks, and those past their deadline as ``timeout`` results (module
+        docstring); of ``only`` when given."""
+        now = time.monotonic()
+        out: list[IOResult] = []
+        late: list[_Fallback] = []
         with self._lock:
-            done = [j for j, f in self._fallbacks.items() if f.done() and (only is None or j in only)]
-            return [self._fallbacks.pop(j).result() for j in done]
+            for j, fb in list(self._fallbacks.items()):
+                if only is not None and j not in only:
+                    continue
+                if fb.future.done():
+                    del self._fallbacks[j]
+                    out.append(fb.future.result())
+                elif now >= fb.deadline:
+                    del self._fallbacks[j]
+                    late.append(fb)
+                    self._counters["slice_timeouts"] += 1
+        for fb in late:
+            fb.future.add_done_callback(self._release_abandoned)
+            m = fb.missing
+            err = PageTimeout(f"reading the page from other head slices took longer than {self.deadline_s:.3f} s "
+                              "(the shared root is not answering); recomputed", key=m.key)
+            self.health.mark_down(str(err))
+            out.append(IOResult(m.job_id, "load", m.key, False, err, None, False, 0,
+                                m.seconds + self.deadline_s, tier=m.tier))
+        return out
+
+    def _release_abandoned(self, future: Future[IOResult]) -> None:
+        """The late result of a fallback handed out as ``timeout``: its slot goes back."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        late = future.result()
+        if late.slot is not None:
+            self.inner.release_slot(late.slot)
+
+    def _probe(self) -> None:
+        """The fallback's health probe (under its deadline): a fresh name under the group
+        directory, which no attribute or negative cache can answer for the server."""
+        group_dir = getattr(self.slices, "group_dir", None)
+        if group_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.stat(Path(group_dir) / f".tierstore-probe-{uuid.uuid4().hex}")
 
     def poll(self) -> list[IOResult]:
         return self._route(self.inner.poll()) + self._done_fallbacks()
@@ -223,8 +314,12 @@ class HeadSliceStore:
             inner_ids = ids - self._fallbacks.keys()
         out = self._route(self.inner.wait(inner_ids, timeout)) if inner_ids else []
         with self._lock:
-            futures = [f for j, f in self._fallbacks.items() if j in ids]
-        wait_futures(futures, timeout=None if end is None else max(0.0, end - time.monotonic()))
+            pending = [f for j, f in self._fallbacks.items() if j in ids]
+        if pending:  # until each is done or past its deadline (or the caller's timeout)
+            until = max(f.deadline for f in pending)
+            if end is not None:
+                until = min(until, end)
+            wait_futures([f.future for f in pending], timeout=max(0.0, until - time.monotonic()))
         return out + self._done_fallbacks(ids)
 
     def _remove_damaged(self, path: Path, identity: Any, key: bytes, error: PageError) -> None:
@@ -261,10 +356,15 @@ class HeadSliceStore:
             self._own_stores.add(job_id)
         return 1
 
-    def _from_slices(self, missing: IOResult) -> IOResult:
-        """On a pool thread: the rank's page of ``missing.key`` from the other slices."""
+    def _from_slices(self, missing: IOResult, deadline: float) -> IOResult:
+        """On a pool thread: the rank's page of ``missing.key`` from the other slices; a
+        ``timeout`` without touching the file system when it waited past ``deadline``."""
         t0 = time.perf_counter()
         key = missing.key
+        if time.monotonic() >= deadline:
+            return IOResult(missing.job_id, "load", key, False,
+                            PageTimeout("waited past its deadline behind slower reads of other head slices", key=key),
+                            None, False, 0, missing.seconds, tier=missing.tier)
         have = [h for h in self.slices.available() if h != self.heads and self.slices.locate(h, key)[0].exists()]
         plan = cover(self.heads, have)
         if plan is None:

@@ -2,8 +2,8 @@
 
 Contract (``EngineTier`` plus):
 - Deadlines: every shared operation (load, store, ``contains``, touch) has the
-  ``shared_deadline_ms`` deadline (the engine's own for loads and stores, a ``DeadlineRunner``
-  for the rest). A timeout marks the tier down (``health``): from then on it is not
+  ``shared_deadline_s`` deadline (a lone root, the tier named ``root``: ``deadline_s``; the
+  engine's own for loads and stores, a ``DeadlineRunner`` for the rest). A timeout marks the tier down (``health``): from then on it is not
   ``available``, so the chain skips it at once (no call blocks), until a probe (``stat`` of a
   fresh name under the root, under the deadline) succeeds again.
 - Background open: the engine is built in a thread, so a mount that hangs at start-up does not
@@ -62,13 +62,15 @@ class SharedTier(EngineTier):
     """The shared export: health, deadlines, background open, touch-on-hit; see module docstring."""
 
     def __init__(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
-                 metrics: TierMetrics, **engine_kwargs: Any) -> None:
-        super().__init__("shared", None, metrics, namespace.groups[group_index].tokens_per_chunk)
+                 metrics: TierMetrics, *, name: str = "shared", deadline_s: float | None = None,
+                 **engine_kwargs: Any) -> None:
+        # name "root": a lone root (a chain of one, tiers/factory.py), with its own deadline
+        super().__init__(name, None, metrics, namespace.groups[group_index].tokens_per_chunk)
         self.root = Path(config.root)
-        self.deadline_s = config.shared_deadline_ms / 1000.0
+        self.deadline_s = deadline_s if deadline_s is not None else config.shared_deadline_s
         self.touch_interval_s = config.shared_touch_interval_s
         self._listeners: list[Callable[[bool], None]] = []
-        self.health = Health("shared", self._probe, self.deadline_s, on_change=self._health_changed)
+        self.health = Health(name, self._probe, self.deadline_s, on_change=self._health_changed)
         self._stat_runner = DeadlineRunner("shared-stat", max_inflight=4)
         self._touch_runner = DeadlineRunner("shared-touch", max_inflight=2)
         self._touched: dict[bytes, float] = {}
@@ -107,7 +109,7 @@ class SharedTier(EngineTier):
         with contextlib.suppress(FileNotFoundError):
             os.stat(self.root / f".tierstore-probe-{uuid.uuid4().hex}")
         if self.engine() is None:
-            raise PageTimeout("shared engine still opening")
+            raise PageTimeout(f"the {self.name} engine is still opening")
 
     def engine(self) -> IOEngine | None:
         return self._engine if self._opened.is_set() else None
@@ -118,7 +120,7 @@ class SharedTier(EngineTier):
 
     def refuse(self, key: bytes) -> PageError:
         self.metrics.failure("down")
-        return PageTimeout(f"shared tier is down ({self.health.reason or 'still opening'}); skipped", key=key)
+        return PageTimeout(f"{self.name} tier is down ({self.health.reason or 'still opening'}); skipped", key=key)
 
     # ------------------------------------------------------------------ EngineTier hooks
     def _note_timeout(self, r: IOResult) -> None:

@@ -16,6 +16,10 @@ Contract: a ``PageStore`` (``tierstore/store.py``) whose results carry ``tier=se
   ``failures["unsafe"]``); the tier forgets the key and never marks itself down for it. Kind
   ``mac`` (a fleet key is configured and the page has no valid tag) is bad content like a
   checksum failure (``errors.BAD_CONTENT_KINDS``).
+- A full root (a store failed ENOSPC/EDQUOT: ``fs.deadline.SpaceBackoff``): stores to the tier
+  are skipped for a back-off (30 s, doubling) or until gc frees space under its root, each
+  completed at once as ``enospc`` and counted as ``failures["full"]``; loads go on. One
+  warning per episode names the root and what to do.
 - Hooks for subclasses: ``admit`` (how a store reaches the engine), ``on_load``/``on_store``
   (per-result bookkeeping after the counting here), ``available`` and ``refuse``.
 
@@ -26,7 +30,9 @@ outside it. Metrics and subclass hooks run outside it. Lock order: tier, then en
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -34,7 +40,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tierstore.errors import PageError, PageQueueFull, PageUnsafe
+from tierstore.errors import PageError, PageQueueFull, PageStoreError, PageUnsafe
+from tierstore.fs.deadline import SpaceBackoff
 from tierstore.metrics import TierMetrics
 from tierstore.rootstore.engine import IOEngine, StagingSlot
 from tierstore.store import IOResult, PageStore
@@ -52,7 +59,7 @@ def count_result(metrics: TierMetrics, r: IOResult, tokens: int) -> None:
     if r.op == "load":
         if r.ok:
             if r.verified:
-                metrics.hit(tokens, r.nbytes, r.seconds)
+                metrics.hit(tokens, r.nbytes, r.seconds, r.io_seconds if r.io_seconds > 0 else None)
         elif kind in MISS_KINDS:
             metrics.miss(tokens)
             if kind != "missing":
@@ -117,6 +124,7 @@ class EngineTier:
         # page key -> the engine's unverified result (its job id is what the engine settles by)
         self._unverified: OrderedDict[bytes, IOResult] = OrderedDict()
         self._done: dict[int, IOResult] = {}  # results completed without the engine
+        self.space: SpaceBackoff | None = None  # made at the first ENOSPC/EDQUOT (the root is full)
 
     # ------------------------------------------------------------------ what subclasses change
     def engine(self) -> IOEngine | None:
@@ -212,6 +220,9 @@ class EngineTier:
         if not self.available:
             self.release_slot(slot)
             self.complete_now(job, self.refuse(key), count=False)
+        elif self.space is not None and self.space.full:
+            self.release_slot(slot)
+            self.complete_now(job, self._skip_full(key), count=False)
         else:
             self.admit(job, slot, sums)
         return job.id
@@ -221,9 +232,9 @@ class EngineTier:
         """Store a copy of ``page`` (the caller keeps its buffer): a write-through or a
         promotion. No free slot right now completes the job with ``queue_full``, counted as
         ``no_slot``."""
-        if not self.available:
+        if not self.available or (self.space is not None and self.space.full):
             job = self._new_job("store", key, token_count)
-            self.complete_now(job, self.refuse(key), count=False)
+            self.complete_now(job, self.refuse(key) if not self.available else self._skip_full(key), count=False)
             return job.id
         slot = self.acquire_slot(0)
         if slot is None:
@@ -234,6 +245,29 @@ class EngineTier:
             return job.id
         slot.view[:] = page
         return self.submit_store(key, slot, token_count, sums)
+
+    def _skip_full(self, key: bytes) -> PageError:
+        """The error of a store skipped while the root is full; counted as ``full``."""
+        self.metrics.failure("full")
+        return PageStoreError(f"the {self.name} tier's root is full; store skipped (see the warning in the log)",
+                              errno=errno.ENOSPC, key=key)
+
+    def _note_space(self, r: IOResult) -> None:
+        """A store's result in the tier's "full" state (ENOSPC/EDQUOT start or extend it)."""
+        if r.ok:
+            if self.space is not None:
+                self.space.note_stored()
+            return
+        err = r.error
+        if err is None or err.kind != "enospc":
+            return
+        if self.space is None:
+            eng = self.engine()
+            root = getattr(getattr(eng, "mapper", None), "root", None)
+            if root is None:
+                return
+            self.space = SpaceBackoff(self.name, root)
+        self.space.note_full(err.message if err.errno is None else os.strerror(err.errno))
 
     def to_engine(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
         """Submit a store held back by ``admit`` (any thread)."""
@@ -269,7 +303,8 @@ class EngineTier:
                 while len(self._unverified) > _UNVERIFIED_MAX:  # a caller that never settles
                     self._unverified.popitem(last=False)
             out.append((job, IOResult(job.id, r.op, r.key, r.ok, r.error, r.slot, r.stored, r.nbytes,
-                                      time.monotonic() - job.submitted, r.verified, r.sums, tier=self.name)))
+                                      time.monotonic() - job.submitted, r.verified, r.sums, tier=self.name,
+                                      io_seconds=r.io_seconds)))
         return out
 
     def _count(self, r: IOResult, job: TierJob) -> None:
@@ -283,6 +318,7 @@ class EngineTier:
                     self.forget(r.key)  # never served from here: lookups must not point at it
                 self.on_load(r)
             else:
+                self._note_space(r)
                 self.on_store(r, job)
         return [r for _, r in taken]
 
@@ -319,7 +355,8 @@ class EngineTier:
         if raw is not None and eng is not None:  # the engine counts it, and removes a bad file once
             eng.settle(raw, ok, reason or "the caller's checksum check failed")
         if ok:
-            self.metrics.hit(self.tokens_per_page, result.nbytes, result.seconds)
+            self.metrics.hit(self.tokens_per_page, result.nbytes, result.seconds,
+                             result.io_seconds if result.io_seconds > 0 else None)
             return
         self.metrics.failure("checksum")
         self.forget(result.key)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import copy
 import logging
+import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -64,20 +65,70 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
 from vllm.v1.outputs import KVConnectorOutput
 
 from tierstore.config import TierStoreConfig
-from tierstore.format.identity import write_manifest
+from tierstore.format.identity import page_file_size, write_manifest
 from tierstore.metrics import default_registry
+from tierstore.tiers.factory import root_tier_name
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.scheduler import TierStoreConnectorScheduler
 from tierstore.vllm.siblings import start_check
 from tierstore.vllm.spec import TierStoreOffloadingSpec
-from tierstore.vllm.stats import TierDeltas, TierStorePromMetrics, accumulate, add_adapter_counters
+from tierstore.vllm.stats import (
+    TierDeltas,
+    TierStorePromMetrics,
+    accumulate,
+    add_adapter_counters,
+    add_index_residency,
+)
 from tierstore.vllm.stop import stop_warnings, sweep_at_start
 from tierstore.vllm.validation import offloaded_block_sizes, validate_engine
 from tierstore.vllm.worker import TierStoreWorker
 
 logger = logging.getLogger("tierstore.vllm")
 
+
+
+def start_root_chores(root: str, namespace: Any, local_root: str | None, deadline_s: float) -> threading.Thread:
+    """The scheduler's start-up writes under the root, on a daemon thread (a hung export must
+    not keep vLLM from starting): the namespace manifest (``write_manifest``), then the sweep of
+    stale temps (``sweep_at_start``, a walk of the namespace). Waits up to ``deadline_s`` (the
+    shared tier's ``shared_deadline_s``) for the manifest: an error within it is raised here, as
+    before (a root that is not ours, a symlinked directory); past it vLLM starts and its
+    lookups miss until the indexes have listed the root (as during any index loading), the
+    thread going on alone and logging what happens. The sweep never waits and never raises."""
+    manifest_done = threading.Event()
+    waited_out = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            write_manifest(root, namespace)
+        except Exception as exc:  # handed to the constructor, or logged once it gave up waiting
+            failure.append(exc)
+            manifest_done.set()
+            if waited_out.is_set():
+                logger.warning("tierstore: writing the namespace manifest under %s failed: %s", root, exc)
+            return
+        manifest_done.set()
+        if waited_out.is_set():
+            logger.warning("tierstore: the root %s answers again: namespace manifest written", root)
+        try:
+            sweep_at_start(root, namespace.digest, local_root)
+        except Exception as exc:  # noqa: BLE001 - a sweep is housekeeping, never a failed start
+            logger.warning("tierstore: the start-up sweep of stale temp files under %s failed: %s", root, exc)
+
+    thread = threading.Thread(target=run, name="tierstore-root-start", daemon=True)
+    thread.start()
+    if not manifest_done.wait(deadline_s):
+        waited_out.set()
+        if not manifest_done.is_set():
+            logger.warning("tierstore: the root %s did not answer within %.1f s (shared_deadline_s) while writing the "
+                           "namespace manifest; vLLM starts anyway, its lookups miss until the root answers", root,
+                           deadline_s)
+            return thread
+    if failure:
+        raise failure[0]
+    return thread
 
 
 @dataclass
@@ -204,15 +255,16 @@ class TierStoreConnector(OffloadingConnector):
                 logger.info("tierstore: setting kv_load_failure_policy='recompute' (was %r)",
                             kv_transfer_config.kv_load_failure_policy)
                 kv_transfer_config.kv_load_failure_policy = "recompute"
-            write_manifest(self.ts_config.root, self.namespace)
             for warning in stop_warnings(vllm_config, self.ts_config.flush_timeout_s):
                 logger.warning(warning)
-            sweep_at_start(self.ts_config.root, self.namespace.digest, self.ts_config.local_root)
+            start_root_chores(self.ts_config.root, self.namespace, self.ts_config.local_root,
+                              self.ts_config.shared_deadline_s)
             # other namespaces of this model under the root (a fleet whose nodes differ in a
             # setting shares no pages): said once, from a daemon thread (siblings.py)
             start_check(self.ts_config.root, self.namespace)
             self.connector_scheduler = TierStoreConnectorScheduler(spec, vllm_config, kv_cache_config)
             self._reported_sched: Counter[str] = Counter()
+            self._reported_resident: dict[str, list[int]] = {}
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = TierStoreConnectorWorker(spec, vllm_config, kv_cache_config)
         logger.info("tierstore: %s side, namespace %s under %s, %d groups, %d tokens per page",
@@ -286,6 +338,11 @@ class TierStoreConnector(OffloadingConnector):
             delta = now - self._reported_sched
             self._reported_sched = now
             add_adapter_counters(out, delta)
+            resident = self.ts_manager.pages.resident  # replaced after each listing of the page index
+            if resident is not self._reported_resident:
+                self._reported_resident = resident
+                sizes = [page_file_size(self.namespace, i) for i in range(len(self.namespace.groups))]
+                add_index_residency(out, resident, sizes, {"shared": root_tier_name(self.ts_config)})
         else:
             add_adapter_counters(out, self.ts_worker.stats_delta())
             self._tier_deltas.add_to(out, default_registry().snapshot())

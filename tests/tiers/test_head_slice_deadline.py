@@ -1,0 +1,104 @@
+"""HeadSliceStore's fallback under a hung shared root (issue 33, defect 1): a read of other head
+slices that does not return yields a typed ``timeout`` at the shared deadline, at most the
+pool's threads block, and later misses are not queued behind the hung reads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tierstore.config import TierStoreConfig
+from tierstore.format.head_slices import HeadRange, slice_layout, split_dir_name
+from tierstore.rootstore.engine import IOEngine
+from tierstore.testing.pages import layout_namespace, page_key, simple_namespace
+from tierstore.tiers import head_slice_store
+from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+
+H = HeadRange
+DEADLINE_S = 0.4
+
+
+def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = simple_namespace("bfloat16", num_kv_heads=2)
+    full_layout = ns.groups[0].layout
+    need = H(0, 1)
+    group_dir = tmp_path / "shared" / ns.digest / "g0"
+    (group_dir / split_dir_name(H(0, 2))).mkdir(parents=True)  # another TP's slice directory
+    slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
+    assert slices.listed.wait(5)
+    # Every covering file "exists" (the stat answered from the attribute cache) and every read
+    # of one blocks, as on a hard NFS mount whose server stopped.
+    monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
+    (tmp_path / "README").write_bytes(b"")
+    hung = threading.Event()
+    entered: list[bytes] = []
+
+    def hung_assemble(*args: object, **kwargs: object) -> object:
+        entered.append(b"")
+        hung.wait(30)
+        raise AssertionError("served after the hang")
+
+    monkeypatch.setattr(head_slice_store, "assemble", hung_assemble)
+    monkeypatch.setattr(HeadSliceStore, "_probe", lambda self: hung.wait(30), raising=False)  # the mount hangs
+    layout = slice_layout(full_layout, need)
+    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=8,
+                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"),
+                                                     "shared_deadline_ms": int(DEADLINE_S * 1000)}))
+    store = HeadSliceStore(own, need, full_layout, slices, store_back=False)  # the deadline: the config's
+    try:
+        t0 = time.monotonic()
+        first = [store.submit_load(page_key(i)) for i in range(2)]
+        got = store.wait(first, 10)
+        waited = time.monotonic() - t0
+        assert sorted(r.job_id for r in got) == sorted(first)
+        assert all(not r.ok and r.error is not None and r.error.kind == "timeout" for r in got), got
+        assert DEADLINE_S * 0.9 <= waited < DEADLINE_S + 1.5, waited
+        # The fallback is down now: the next misses are answered at once, nothing queued.
+        t1 = time.monotonic()
+        # (six of the eight slots are free: each hung read holds one)
+        later = store.wait([store.submit_load(page_key(i)) for i in range(2, 8)], 10)
+        assert time.monotonic() - t1 < DEADLINE_S
+        assert [r.error.kind if r.error else "ok" for r in later] == ["missing"] * 6
+        assert len(entered) == 2  # only the two hung threads ever read
+        st = store.stats
+        assert st["slice_timeouts"] == 2 and st["slice_skipped"] == 6
+    finally:
+        hung.set()
+        store.close()
+        slices.close()
+
+
+def test_queued_fallbacks_are_bounded_while_threads_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any deadline passes: two reads hang on the pool's two threads, two more wait;
+    every miss after that is handed out as a miss at once instead of joining the queue."""
+    ns = simple_namespace("bfloat16", num_kv_heads=2)
+    full_layout = ns.groups[0].layout
+    need = H(0, 1)
+    group_dir = tmp_path / "shared" / ns.digest / "g0"
+    (group_dir / split_dir_name(H(0, 2))).mkdir(parents=True)
+    slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
+    assert slices.listed.wait(5)
+    monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
+    (tmp_path / "README").write_bytes(b"")
+    hung = threading.Event()
+    monkeypatch.setattr(head_slice_store, "assemble", lambda *a, **k: hung.wait(30))
+    layout = slice_layout(full_layout, need)
+    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=16,
+                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_ms": 30_000}))
+    store = HeadSliceStore(own, need, full_layout, slices, store_back=False)
+    try:
+        jobs = [store.submit_load(page_key(i)) for i in range(10)]
+        t0 = time.monotonic()
+        got = store.wait(jobs, 1.0)
+        assert time.monotonic() - t0 < 2.0
+        assert len(got) == 6 and all(r.error is not None and r.error.kind == "missing" for r in got)
+        assert store.stats["slice_skipped"] == 6
+    finally:
+        hung.set()
+        store.close()
+        slices.close()
+
