@@ -81,7 +81,7 @@ def running_at_close(root: Path) -> dict[str, object]:
     0.2 s timeout. The engine must keep its directory fds open for that thread: a second
     engine opened meanwhile (on another root, likely given the closed fd's number) must get no
     page, and the late store lands under the first root."""
-    eng = _engine(root / "a", deadline_ms=100)
+    eng = _engine(root / "a", deadline_s=0.1)
     _store(eng, page_key(1))
     _pause(eng, FAULT_BEFORE_IO, 800)
     key = page_key(2)
@@ -108,7 +108,7 @@ def running_at_close(root: Path) -> dict[str, object]:
 def fork(root: Path) -> dict[str, object]:
     """A child forked after the lane started: its engine refuses jobs at once, naming the fork,
     instead of taking them into a lane with no threads (each would time out, its slot lost)."""
-    eng = _engine(root, deadline_ms=3000)
+    eng = _engine(root, deadline_s=3.0)
     key = page_key(1)
     _store(eng, key)
     assert eng._queue._lane.started

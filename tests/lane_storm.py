@@ -145,7 +145,7 @@ def main() -> int:
             assert res.ok, res
     sums = {k: list(section_checksums(seeder.layout, memoryview(d))) for k, d in pages.items()}
 
-    cfg = TierStoreConfig(root=str(root), odirect="off", io_threads=a.threads, deadline_ms=a.deadline_ms)
+    cfg = TierStoreConfig(root=str(root), odirect="off", io_threads=a.threads, deadline_s=a.deadline_ms / 1000)
     eng = IOEngine(root, ns, GROUP, config=cfg, staging_slots=a.slots)
     first = eng.wait([eng.submit_load(next(iter(pages)))], 30)  # starts the lane
     eng.release_slot(first[0].slot)

@@ -45,7 +45,7 @@ def main() -> int:
     file_size = page_file_size(namespace(), 0)
     cfg = TierStoreConfig.from_dict({"root": a.root, "local_root": a.local,
                                      "local_max_bytes": a.local_pages * file_size,
-                                     "shared_deadline_ms": 5000, "shared_touch_interval_s": 0.5})
+                                     "shared_deadline_s": 5.0, "shared_touch_interval_s": 0.5})
     st = TierChain(cfg, namespace(), 0, metrics=reg)
     rng = random.Random(a.seed)
     c = {"loads": 0, "hits": 0, "cross_node_hits": 0, "wrong": 0, "misses": 0, "load_failures": {},

@@ -52,6 +52,8 @@ def test_io_threads_far_past_the_knee_are_warned_about() -> None:
     ({"io_threads": 0}, "io_threads"),
     ({"queue_depth": 2.5}, "queue_depth"),
     ({"deadline_ms": -1}, "deadline_ms"),
+    ({"deadline_s": -1}, "deadline_s"),
+    ({"shared_deadline_s": 0}, "shared_deadline_s"),
     ({"max_bytes": 0}, "max_bytes"),
     ({"local_root": "/nvme", "local_max_bytes": -5}, "local_max_bytes"),
     ({"local_max_bytes": 1 << 30}, "local_root"),  # a cap needs the tier's directory
@@ -256,11 +258,11 @@ def test_valid_configs_as_the_repository_writes_them() -> None:
     """The forms tests, tools and the adapter pass: ints for sizes and counts, JSON booleans,
     float seconds, None for optional settings, Path roots built directly."""
     for d in [
-        {**ROOT, "local_root": "/nvme/kv", "local_max_bytes": 64 << 20, "shared_deadline_ms": 5000,
+        {**ROOT, "local_root": "/nvme/kv", "local_max_bytes": 64 << 20, "shared_deadline_s": 5,
          "shared_touch_interval_s": 0.5},
         {**ROOT, "max_bytes": 6 * 8192 + 4096, "gc_interval_s": 0.2},
         {**ROOT, "host_bytes": 1 << 16, "local_root": None, "local_max_bytes": None},
-        {**ROOT, "deadline_ms": 10**13, "io_loop": "python", "io_batch_pages": 1, "odirect": "on"},
+        {**ROOT, "deadline_s": 1e10, "io_loop": "python", "io_batch_pages": 1, "odirect": "on"},
         {**ROOT, "fsync": False, "trust_shared_root": True, "shared_group_access": False, "mac_key_file": "/k"},
         {**ROOT, "chunk_tokens": None, "staging_slots": None, "transfer_scratch_mib": None, "model_id": "m"},
         {**ROOT, "index_refresh_s": 0, "flush_timeout_s": 0.0, "gc_interval_s": 0},
@@ -282,3 +284,79 @@ def test_validating_a_config_does_not_touch_root(tmp_path: Path, monkeypatch: py
     cfg = TierStoreConfig.from_dict({"root": str(tmp_path / "nfs"), "local_root": str(tmp_path / "nvme"),
                                      "max_bytes": "500G"})
     assert cfg.max_bytes == 500 << 30
+
+
+# ------------------------------------------------------------ durations in seconds (issue 34, item 5)
+
+DEADLINES = [("deadline_s", "deadline_ms", 10.0), ("shared_deadline_s", "shared_deadline_ms", 5.0)]
+
+
+def test_deadlines_are_seconds_with_the_old_defaults() -> None:
+    cfg = TierStoreConfig.from_dict(dict(ROOT))
+    assert (cfg.deadline_s, cfg.shared_deadline_s) == (10.0, 5.0)
+    assert (cfg.deadline_ms, cfg.shared_deadline_ms) == (10_000, 5_000)  # read-only, for internal callers
+    cfg = TierStoreConfig.from_dict({**ROOT, "deadline_s": 0.25, "shared_deadline_s": 3})
+    assert (cfg.deadline_s, cfg.shared_deadline_s, cfg.deadline_ms, cfg.shared_deadline_ms) == (0.25, 3, 250, 3000)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.deadline_ms = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("new", "old", "default"), DEADLINES)
+def test_old_millisecond_names_are_read_with_one_warning(new: str, old: str, default: float,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="tierstore.config"):
+        cfg = TierStoreConfig.from_dict({**ROOT, old: 2500})
+    assert getattr(cfg, new) == 2.5 and getattr(cfg, old) == 2500
+    assert cfg == TierStoreConfig.from_dict({**ROOT, new: 2.5})
+    warnings = [r for r in caplog.records if r.name == "tierstore.config"]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+    assert f'"{old}": 2500 read as "{new}": 2.5' in warnings[0].getMessage()
+    assert "deprecated" in warnings[0].getMessage()
+
+
+def test_both_old_names_give_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="tierstore.config"):
+        cfg = TierStoreConfig.from_dict({**ROOT, "deadline_ms": 100, "shared_deadline_ms": 50})
+    assert (cfg.deadline_s, cfg.shared_deadline_s) == (0.1, 0.05)
+    (warning,) = [r for r in caplog.records if r.name == "tierstore.config"]
+    assert '"deadline_s"' in warning.getMessage() and '"shared_deadline_s"' in warning.getMessage()
+
+
+def test_new_names_log_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="tierstore.config"):
+        TierStoreConfig.from_dict({**ROOT, "deadline_s": 1, "shared_deadline_s": 1})
+    assert not [r for r in caplog.records if r.name == "tierstore.config"]
+
+
+@pytest.mark.parametrize(("new", "old", "default"), DEADLINES)
+def test_old_and_new_name_together_are_refused(new: str, old: str, default: float) -> None:
+    for first, second in ((old, new), (new, old)):
+        with pytest.raises(ConfigError, match=f'settings "{old}" and "{new}" are both given') as e:
+            TierStoreConfig.from_dict({**ROOT, first: 1000, second: 1})
+        assert f'keep only "{new}", in seconds' in str(e.value)
+
+
+@pytest.mark.parametrize(("new", "old", "default"), DEADLINES)
+@pytest.mark.parametrize(("value", "why"), [(True, "true/false"), (False, "true/false"), ("5", "a string"),
+                                            (-1, ""), (-0.5, ""), (0, ""), (0.0, ""), (float("inf"), ""),
+                                            (float("nan"), ""), (None, ""), ([5], "")])
+def test_bad_deadlines_are_refused_naming_the_setting_and_the_form(new: str, old: str, default: float,
+                                                                   value: Any, why: str) -> None:
+    with pytest.raises(ConfigError, match=f'setting "{new}" must be a finite number of seconds > 0') as e:
+        TierStoreConfig.from_dict({**ROOT, new: value})
+    assert why in str(e.value)
+    with pytest.raises(ConfigError, match=f'setting "{old}" \\(deprecated: write "{new}" in seconds') as e:
+        TierStoreConfig.from_dict({**ROOT, old: value})
+    assert "a finite number of milliseconds > 0" in str(e.value) and why in str(e.value)
+
+
+def test_replace_reads_the_old_names_too(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = TierStoreConfig.from_dict(dict(ROOT))
+    assert cfg.replace(deadline_s=2).deadline_s == 2
+    with caplog.at_level("WARNING", logger="tierstore.config"):
+        assert cfg.replace(deadline_ms=300).deadline_s == 0.3
+        assert cfg.replace(shared_deadline_ms=1500).shared_deadline_s == 1.5
+    assert len([r for r in caplog.records if r.name == "tierstore.config"]) == 2
+    for bad in ({"deadline_s": float("inf")}, {"deadline_ms": "10"}, {"deadline_ms": 1, "deadline_s": 1}):
+        with pytest.raises(ConfigError, match="deadline"):
+            cfg.replace(**bad)

@@ -6,8 +6,9 @@ Checked by parsing the files:
   the mounts, probes, Prometheus annotations, the CronJob's policy;
 - every connector JSON (Dockerfile CMD/ENTRYPOINT, Deployment args and env): the connector and
   module names, and ``kv_connector_extra_config`` through ``TierStoreConfig.from_dict``;
-- every ``tierstore ...`` command line (CronJob, systemd unit, Dockerfile RUN) through
-  tierstore's own parsers (``tierstore.tiers.gc.add_arguments`` for gc, ``cli.build_parser``);
+- every ``tierstore ...`` command line (CronJob, the Deployment's doctor init container, systemd
+  unit, Dockerfile RUN) through tierstore's own parsers (``admin.gc_command.add_arguments`` for gc,
+  ``cli.build_parser`` for the rest);
 - the stop settings wherever ``vllm serve`` runs (README, "Stopping without losing stores");
 - the systemd unit as an INI file (configparser, strict=False).
 """
@@ -24,9 +25,8 @@ from typing import Any
 
 import pytest
 
-from tierstore.admin import cli
+from tierstore.admin import cli, gc_command
 from tierstore.config import TierStoreConfig
-from tierstore.tiers import gc
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -123,7 +123,7 @@ def _tierstore(argv: list[str], where: str) -> tuple[str, argparse.Namespace | N
     args = argv[1:]
     if args and args[0] == "gc":
         parser = argparse.ArgumentParser(prog="tierstore gc")
-        gc.add_arguments(parser)
+        gc_command.add_arguments(parser)
         return "gc", _parse(parser, args[1:], where)
     assert not (args and args[0] in cli.DELEGATED), f"{where}: add a parser for `tierstore {args[0]}` here"
     assert not (args[:1] == ["bench"] and args[1:2] and args[1] in cli.BENCH), f"{where}: {args}"
@@ -375,6 +375,32 @@ def test_cronjob_gc_parses_and_runs_on_the_engines_root(yaml: Any) -> None:
     assert args.root == cfg.root
     assert pod["securityContext"]["runAsUser"] == dpod["securityContext"]["runAsUser"]
     assert container["image"] == dcontainer["image"]
+
+
+def test_deployment_runs_doctor_before_vllm_on_the_engines_root(yaml: Any) -> None:
+    """The init container runs `tierstore doctor` (a command the CLI has) on the engines' root,
+    against the gc CronJob's cap, and lets only exit 0 and 16 (warnings) through."""
+    _, pod, container = _deployment(yaml)
+    (init,) = [c for c in pod.get("initContainers", []) if c["name"] == "tierstore-doctor"]
+    argv = [*init.get("command", []), *init.get("args", [])]
+    assert argv[:2] == ["sh", "-c"], argv
+    lines = [cmd for cmd in _shell_commands(argv[2]) if Path(cmd[0]).name == "tierstore"]
+    assert len(lines) == 1, argv
+    command, args = _tierstore(lines[0], "vllm-deployment.yaml initContainers")
+    assert command == "doctor" and args is not None
+    (cfg,) = _connector_jsons(container["args"])
+    assert args.root == cfg.root
+    mounts = _pod_volumes(pod, init)
+    assert mounts[args.root] == _pod_volumes(pod, container)[cfg.root]  # the same volume as vLLM's root
+    _, _, cj_container = _cronjob(yaml)
+    parser = argparse.ArgumentParser()
+    gc_command.add_arguments(parser)
+    gc_args = parser.parse_args([*cj_container.get("command", []), *cj_container.get("args", [])][2:])
+    assert args.max_bytes == gc_args.max_bytes, "doctor checks the space against gc's cap"
+    assert init["image"] == container["image"]
+    shell = argv[2]
+    assert '[ "$rc" -eq 0 ] || [ "$rc" -eq 16 ]' in shell, "exit 4 (a check failed) must stop the pod"
+    assert cli.EXIT_WARNINGS == 16 and "16   doctor: warnings only" in cli.EXIT_TABLE
 
 
 # ----------------------------------------------------------------------------- systemd

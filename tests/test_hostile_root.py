@@ -15,6 +15,7 @@ import pytest
 import zstandard
 from hostile_helpers import nested_dirs, snapshot, swap_for_link, traced_peak, within, zstd_bomb
 
+from tierstore.admin import gc_command
 from tierstore.errors import ConfigError, PageCorrupt
 from tierstore.format import page as format
 from tierstore.format import safe_zstd
@@ -146,8 +147,8 @@ def test_lease_directory_is_reported_not_a_crash(root: Path, capsys: pytest.Capt
     assert rep.evicted == 0 and all(p.exists() for p in paths)
     import argparse
     parser = argparse.ArgumentParser()
-    gc.add_arguments(parser)
-    assert gc.run(parser.parse_args([str(root), "--max-bytes", "1"])) == 8  # operational error, as every command
+    gc_command.add_arguments(parser)
+    assert gc_command.run(parser.parse_args([str(root), "--max-bytes", "1"])) == 8  # operational error, as every command
     assert "directory" in capsys.readouterr().err  # errors on stderr, as every command
 
 

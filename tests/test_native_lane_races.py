@@ -141,7 +141,7 @@ def test_an_engine_with_a_huge_deadline_stores_loads_and_flushes(tmp_path: Path,
     """deadline_ms 1e13 (accepted by validation): int(deadline * 1e9) overflowed int64 inside
     the lane's submit, after the entry was taken (the store raised, its job and slot leaked,
     flush never succeeded); a Condition's wait refuses such a timeout on the Python path."""
-    eng = _engine(tmp_path, io_loop=loop, deadline_ms=10**13)
+    eng = _engine(tmp_path, io_loop=loop, deadline_s=1e10)
     keys = [page_key(i) for i in range(4)]
     for key in keys:
         res = store_data(eng, key, page_bytes(eng.layout, key, 2))

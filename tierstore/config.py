@@ -4,14 +4,18 @@ Built from vLLM's ``kv_connector_extra_config`` dict or from CLI options with
 ``TierStoreConfig.from_dict``. Unknown keys and bad values raise ``ConfigError`` naming the
 setting and what to do; nothing is silently ignored or coerced: booleans are JSON true/false,
 integers never true/false, floats or strings, byte sizes an integer or a size string as
-``tierstore gc --max-bytes`` reads it ("500G"; a float is refused), and ``local_root`` is a
-directory apart from ``root``. Defaults are documented here and in
-README.md. Immutable once built; safe to share between threads.
+``tierstore gc --max-bytes`` reads it ("500G"; a float is refused), durations are seconds
+(``*_s``, a finite number), and ``local_root`` is a directory apart from ``root``. The renamed
+settings ``deadline_ms`` and ``shared_deadline_ms`` are still read (converted to ``deadline_s``
+and ``shared_deadline_s``, with one logged deprecation warning per config read). Defaults are
+documented here, in README.md (one line each) and docs/SETTINGS.md (forms, units, rationale).
+Immutable once built; safe to share between threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -20,6 +24,8 @@ from typing import Any
 
 from tierstore.errors import ConfigError
 from tierstore.fs.display import parse_size
+
+logger = logging.getLogger("tierstore.config")
 
 _CODECS = ("none", "zstd")
 
@@ -65,8 +71,6 @@ _INTEGERS: dict[str, tuple[int, int | None, str, str]] = {
     "io_threads": (1, None, "I/O threads per KV-cache group and tier", ""),
     "queue_depth": (1, None, "jobs in each of the load and store queues", ""),
     "io_batch_pages": (1, None, "pages one I/O thread takes at once", ""),
-    "deadline_ms": (1, None, "milliseconds", ""),
-    "shared_deadline_ms": (1, None, "milliseconds", ""),
     "zstd_level": (1, 22, "the zstd compression level", ""),
     "chunk_tokens": (1, None, "tokens per stored page", "leave it unset for the engine's block size"),
     "staging_slots": (2, None, "page buffers per KV-cache group",
@@ -84,7 +88,16 @@ _BYTE_SIZES: dict[str, tuple[int, str]] = {
 _SIZE_FORMS = ('an integer number of bytes (e.g. 536870912000) or a string as "tierstore gc --max-bytes" '
                'takes it: a number with an optional binary unit K, M, G or T (2^10 .. 2^40) and an optional '
                '"B" or "iB", e.g. "512M", "500G", "500GiB", "1.5T"')
-_SECONDS = ("gc_interval_s", "shared_touch_interval_s", "index_refresh_s", "flush_timeout_s")
+_SECONDS = ("gc_interval_s", "shared_touch_interval_s", "index_refresh_s", "flush_timeout_s", "deadline_s",
+            "shared_deadline_s")
+# Seconds that must be above 0: a deadline of 0 would fail every operation.
+_POSITIVE_SECONDS = ("deadline_s", "shared_deadline_s")
+# Renamed settings still read: old name -> (new name, old units per second). Durations were
+# milliseconds in these two and seconds everywhere else (issue 34): one convention now.
+_RENAMED: dict[str, tuple[str, int]] = {
+    "deadline_ms": ("deadline_s", 1000),
+    "shared_deadline_ms": ("shared_deadline_s", 1000),
+}
 _PATHS = ("root", "local_root", "mac_key_file")
 _CHOICES = {"codec": _CODECS, "odirect": _ODIRECT, "io_loop": _IO_LOOPS}
 _NAMES = ("model_id", "namespace_tag")  # free-form strings
@@ -119,6 +132,33 @@ def _byte_size(name: str, v: object) -> int | None:
         raise ConfigError(f'setting "{name}" must be at least {least} byte{"s" if least != 1 else ""} '
                           f"({unset}), got {v}")
     return v
+
+
+def _read_renamed(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with each renamed setting (``_RENAMED``) converted to its new name and unit,
+    and one deprecation warning logged for the lot. Refused, naming the setting: the old and the
+    new name together (which one counts would be a guess), and an old value that is not a
+    finite number of milliseconds above 0."""
+    renamed = [old for old in _RENAMED if old in values]
+    if not renamed:
+        return values
+    out = dict(values)
+    notes = []
+    for old in renamed:
+        new, per_second = _RENAMED[old]
+        if new in values:
+            raise ConfigError(f'settings "{old}" and "{new}" are both given: "{old}" is the old name of "{new}" '
+                              f'(milliseconds then, seconds now); keep only "{new}", in seconds')
+        v = out.pop(old)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f'setting "{old}" (deprecated: write "{new}" in seconds, e.g. "{new}": 5) must be '
+                              f"a finite number of milliseconds > 0, got {v!r}"
+                              f"{_why_not(v) if isinstance(v, (bool, str)) else ''}")
+        out[new] = v / per_second
+        notes.append(f'"{old}": {v!r} read as "{new}": {out[new]!r}')
+    logger.warning("deprecated tierstore setting(s): %s; write the seconds settings instead (the millisecond "
+                   "names will be removed)", "; ".join(notes))
+    return out
 
 
 def _read_sizes(values: dict[str, Any]) -> dict[str, Any]:
@@ -181,8 +221,8 @@ class TierStoreConfig:
     io_loop: str = "native"
     fsync: bool = False  # fsync each page before publishing it
     odirect: str = "auto"  # "auto": probe, fall back to buffered I/O (logged); "on"/"off"
-    deadline_ms: int = 10_000  # per operation on a lone root (local or NFS) and on the local tier
-    shared_deadline_ms: int = 5_000  # per operation on root as the shared tier, and scheduler lookups
+    deadline_s: float = 10.0  # per operation on a lone root (local or NFS) and on the local tier
+    shared_deadline_s: float = 5.0  # per operation on root as the shared tier, and scheduler lookups
     index_refresh_s: float = 30.0  # re-list the tiers' directories for the scheduler's page index; 0 = never
     flush_timeout_s: float = 30.0  # how long shutdown waits for queued stores
     # Identity.
@@ -204,7 +244,7 @@ class TierStoreConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known))
+        unknown = sorted(set(d) - set(known) - set(_RENAMED))
         if unknown:
             raise ConfigError(
                 f"unknown tierstore setting(s) {unknown}; known settings: {sorted(known)}"
@@ -214,7 +254,7 @@ class TierStoreConfig:
                 'tierstore needs a cache directory: set "root" in kv_connector_extra_config '
                 '(for example {"root": "/mnt/kvcache"})'
             )
-        cfg = cls(**_read_sizes(d))
+        cfg = cls(**_read_sizes(_read_renamed(d)))
         cfg.validate()
         return cfg
 
@@ -249,9 +289,11 @@ class TierStoreConfig:
             _byte_size(name, v)
         for name in _SECONDS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f'setting "{name}" must be a finite number of seconds >= 0, got {v!r}'
-                                  f"{_why_not(v) if isinstance(v, (bool, str)) else ''}")
+            least = "> 0" if name in _POSITIVE_SECONDS else ">= 0"
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                    or (v == 0 and name in _POSITIVE_SECONDS)):
+                raise ConfigError(f'setting "{name}" must be a finite number of seconds {least} (e.g. 5 or 0.5), '
+                                  f"got {v!r}{_why_not(v) if isinstance(v, (bool, str)) else ''}")
         if self.local_max_bytes is not None and self.local_root is None:
             raise ConfigError('setting "local_max_bytes" needs "local_root" (the local tier\'s directory)')
         if self.local_root:
@@ -268,7 +310,19 @@ class TierStoreConfig:
     def root_path(self) -> Path:
         return Path(self.root)
 
+    @property
+    def deadline_ms(self) -> float:
+        """``deadline_s`` in milliseconds, for callers written against the old setting."""
+        return self.deadline_s * 1000.0
+
+    @property
+    def shared_deadline_ms(self) -> float:
+        """``shared_deadline_s`` in milliseconds, for callers written against the old setting."""
+        return self.shared_deadline_s * 1000.0
+
     def replace(self, **changes: Any) -> TierStoreConfig:
-        cfg = dataclasses.replace(self, **_read_sizes(changes))
+        """A validated copy with ``changes``; size strings and the renamed millisecond settings
+        are read as ``from_dict`` reads them."""
+        cfg = dataclasses.replace(self, **_read_sizes(_read_renamed(changes)))
         cfg.validate()
         return cfg

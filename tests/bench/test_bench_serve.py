@@ -69,9 +69,10 @@ def test_ratios_of_a_partial_invocation() -> None:
 
 
 def test_counter_deltas_sum_labels() -> None:
-    before = {"vllm:external_prefix_cache_hits_total": 10.0, "tierstore_load_bytes_total": 0.0}
-    after = {"vllm:external_prefix_cache_hits_total": 4106.0, "tierstore_load_bytes_total": 2.0**20,
-             "tierstore_load_failed_total{kind=checksum}": 1.0, "tierstore_load_failed_total{kind=timeout}": 2.0}
+    before = {"vllm:external_prefix_cache_hits_total": 10.0, "tierstore_page_bytes_total{op=load}": 0.0}
+    after = {"vllm:external_prefix_cache_hits_total": 4106.0, "tierstore_page_bytes_total{op=load}": 2.0**20,
+             "tierstore_page_bytes_total{op=store}": 0.0, "tierstore_page_loads_total{result=failed}": 3.0,
+             "tierstore_page_loads_total{result=ok}": 9.0}
     d = bench.counter_deltas(before, after)
     assert d["hit_tokens"] == 4096 and d["load_bytes"] == 2**20 and d["load_failed"] == 3 and d["store_bytes"] == 0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tierstore.admin import gc_command
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import FileMapper
 from tierstore.testing.pages import fill_pages, simple_namespace
@@ -119,17 +120,17 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     paths = fill(tmp_path, 8)
     size = paths[0].stat().st_size
     parser = argparse.ArgumentParser()
-    gc.add_arguments(parser)
+    gc_command.add_arguments(parser)
     args = parser.parse_args([str(tmp_path), "--max-bytes", str(4 * size), "--json"])
-    assert gc.run(args) == 0
+    assert gc_command.run(args) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["evicted"] >= 4 and rep["total_after"] <= 4 * size
-    assert rep["tierstore_gc"] == 1 and rep["started_at"].endswith("+00:00")  # a schema version, ISO times
+    assert rep["tierstore_gc"] == 2 and rep["started_at"].endswith("Z")  # a schema version, ISO times
     assert gc.parse_bytes("10G") == 10 << 30 and gc.parse_bytes("512MiB") == 512 << 20
     for bad in ("lots", "inf", "1e999", "1.5e9", "-5G", "0"):  # "inf" raised OverflowError (a traceback)
         with pytest.raises(argparse.ArgumentTypeError):
             gc.parse_bytes(bad)
-    assert gc.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 8  # as fsck, ls, stats
+    assert gc_command.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 8  # as fsck, ls, stats
 
 
 @pytest.mark.parametrize("threads", [1, 8])
@@ -210,8 +211,8 @@ def test_a_dry_run_changes_nothing_and_predicts_the_real_pass(tmp_path: Path, gr
     assert plans[0].evicted > 0 and plans[0].temps_removed == 1
     assert plans[1].trash_removed == (plans[0].evicted if plans[0].trash_bytes else 0)
     parser = argparse.ArgumentParser()
-    gc.add_arguments(parser)
-    assert gc.run(parser.parse_args([str(tmp_path), "--max-bytes", "1", "--dry-run"])) == 0
+    gc_command.add_arguments(parser)
+    assert gc_command.run(parser.parse_args([str(tmp_path), "--max-bytes", "1", "--dry-run"])) == 0
     assert "nothing changed" in capsys.readouterr().out
 
 
@@ -223,8 +224,8 @@ def test_gc_refuses_a_directory_that_is_not_a_cache(tmp_path: Path, capsys: pyte
     assert rep.refused and "not a cache" in rep.refused and rep.evicted == 0
     assert sorted(os.listdir(home)) == ["alice"]  # no lease, no trash written there
     parser = argparse.ArgumentParser()
-    gc.add_arguments(parser)
-    assert gc.run(parser.parse_args([str(home), "--max-bytes", "1"])) == 8
+    gc_command.add_arguments(parser)
+    assert gc_command.run(parser.parse_args([str(home), "--max-bytes", "1"])) == 8
     err = capsys.readouterr().err
     assert "refusing" in err and "root" in err
     empty = tmp_path / "empty"  # a cache not written yet is fine

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,9 @@ def test_two_nodes_store_and_load_concurrently_with_gc(two_nodes: TwoNodeMount, 
     # one gc per node, both looping: the lease keeps them to one evictor at a time
     gcs = [
         subprocess.Popen([sys.executable, "-c",
-                          "import sys; from tierstore.tiers import gc; import argparse;"
-                          "p = argparse.ArgumentParser(); gc.add_arguments(p);"
-                          "sys.exit(gc.run(p.parse_args(sys.argv[1:])))",
+                          "import sys; from tierstore.admin import gc_command; import argparse;"
+                          "p = argparse.ArgumentParser(); gc_command.add_arguments(p);"
+                          "sys.exit(gc_command.run(p.parse_args(sys.argv[1:])))",
                           str(root), "--max-bytes", str(cap), "--loop", "0.3", "--json", "--lease-ttl", "5"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for root in (fs.a, fs.b)
@@ -102,7 +103,7 @@ def test_two_nodes_store_and_load_concurrently_with_gc(two_nodes: TwoNodeMount, 
     assert summary["gc"]["evicted"] > 0
     assert len(active) >= 1
     # one evictor at a time: no two passes that held the lease overlap in time
-    spans = sorted((p["started"], p["finished"]) for p in active)
+    spans = sorted((datetime.fromisoformat(p["started_at"]), datetime.fromisoformat(p["finished_at"])) for p in active)
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:], strict=False)), spans
     # The cap holds after every pass, except one that skipped pages hit since its scan (in use:
     # gc leaves them); how many are hit during a pass depends on its speed (a loaded machine).
@@ -222,7 +223,7 @@ def test_hostile_mount_checksums_catch_torn_and_stale_pages(two_nodes_stale: Two
 
 def _chain(local: Path, shared: Path, deadline_ms: int) -> TierChain:
     cfg = TierStoreConfig.from_dict({"root": str(shared), "local_root": str(local), "local_max_bytes": 64 << 20,
-                                     "shared_deadline_ms": deadline_ms})
+                                     "shared_deadline_s": deadline_ms / 1000})
     return TierChain(cfg, simple_namespace(), 0, metrics=MetricsRegistry())
 
 

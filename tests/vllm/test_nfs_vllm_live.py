@@ -141,8 +141,8 @@ def test_live_engine_b_sees_refreshes_deletions_and_survives_a_hung_mount(
         two_nodes: TwoNodeMount, tmp_path: Path) -> None:
     fs = two_nodes
     model = cached_tiny_model("llama")
-    cfg_b = {"root": str(fs.b), "index_refresh_s": REFRESH_S, "shared_deadline_ms": DEADLINE_MS,
-             "deadline_ms": DEADLINE_MS, "flush_timeout_s": 15}
+    cfg_b = {"root": str(fs.b), "index_refresh_s": REFRESH_S, "shared_deadline_s": DEADLINE_MS / 1000,
+             "deadline_s": DEADLINE_MS / 1000, "flush_timeout_s": 15}
     report: dict[str, Any] = {}
     t0 = time.monotonic()
     timeline: dict[str, float] = {}

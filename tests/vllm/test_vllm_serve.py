@@ -243,10 +243,10 @@ def test_documented_stop_flags_keep_queued_stores(served: dict[str, Any]) -> Non
 def test_restart_hits_come_from_tierstore_and_carry_the_right_kv(served: dict[str, Any]) -> None:
     metric, delta = served["metric"], served["warm_delta"]
     assert metric(delta, "vllm:external_prefix_cache_hits_total") >= 2 * PREFIX_TOKENS
-    assert metric(delta, "tierstore_lookup_hits_total") > 0
-    assert metric(delta, "tierstore_load_pages_ok_total") > 0
-    assert metric(delta, "tierstore_tier_hits_total") > 0
-    assert metric(delta, "tierstore_load_failed_total") == 0
+    assert metric(delta, "tierstore_lookups_total{result=hit}") > 0
+    assert metric(delta, "tierstore_page_loads_total{result=ok}") > 0
+    assert metric(delta, "tierstore_tier_loads_total{result=hit,tier=root}") > 0
+    assert metric(delta, "tierstore_page_loads_total{result=failed}") == 0
     assert kv_mismatches(served["cold_top"], served["warm_top"]) == []
 
 
@@ -259,13 +259,13 @@ def test_default_stop_warns_at_start_and_next_start_leaves_fsck_clean(served: di
 
 def test_wrong_kv_in_valid_pages_is_caught_by_the_logprob_check(served: dict[str, Any]) -> None:
     metric, delta = served["metric"], served["wrong_delta"]
-    assert metric(delta, "tierstore_load_pages_ok_total") > 0  # the wrong pages were used
-    assert metric(delta, "tierstore_load_failed_total") == 0  # and passed every check on disk
+    assert metric(delta, "tierstore_page_loads_total{result=ok}") > 0  # the wrong pages were used
+    assert metric(delta, "tierstore_page_loads_total{result=failed}") == 0  # and passed every check on disk
     assert len(kv_mismatches(served["cold_top"], served["wrong_top"])) >= N_REQUESTS // 2
 
 
 def test_metrics_counters_never_negative_nor_decreasing(served: dict[str, Any]) -> None:
-    assert any(k.startswith("tierstore_store_pages_ok_total") for k in served["cold_samples"][-1])
+    assert any(k.startswith("tierstore_page_stores_total{result=written}") for k in served["cold_samples"][-1])
     for samples in (served["cold_samples"], served["warm_samples"]):
         assert len(samples) >= 2
         names = {k for s in samples for k in s

@@ -107,8 +107,8 @@ def test_recipe_serves_and_hits_tierstore(family: str, tmp_path: Path) -> None:
         return metric(after, name) - metric(before, name)
 
     assert delta("vllm:external_prefix_cache_hits_total") > 0, server.log_tail()
-    assert delta("tierstore_load_pages_ok_total") > 0
-    assert delta("tierstore_load_failed_total") == 0
+    assert delta("tierstore_page_loads_total{result=ok}") > 0
+    assert delta("tierstore_page_loads_total{result=failed}") == 0
     a, b = _first_top(first), _first_top(second)
     common = a.keys() & b.keys()
     assert len(common) >= 3 and max(abs(a[t] - b[t]) for t in common) <= LOGPROB_TOL, (a, b)

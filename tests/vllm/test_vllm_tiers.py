@@ -3,7 +3,7 @@
 Engine 1 (local tier A + shared root) stores; a fresh engine on local tier B (same shared root)
 restores from the shared tier with identical tokens; with the shared root renamed away, a fresh
 engine on local tier A still restores from its local tier. vLLM's connector stats hook carries
-the per-tier hits/stores (``tierstore_tier_*{tier}``) next to the adapter counters.
+the per-tier loads/stores (``tierstore_tier_*_total{tier}``) next to the adapter counters.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.vllm
 from vllm_helpers import failures, prompt_ids, run_engine  # noqa: E402
 
 
-def _tier(reported: dict, metric: str, tier: str) -> float:
-    return reported.get(f"tierstore_tier_{metric}:{(tier,)}", 0)
+def _tier(reported: dict, family: str, tier: str, *labels: str) -> float:
+    return reported.get(f"tierstore_tier_{family}_total:{(tier, *labels)}", 0)
 
 
 def test_local_tier_in_front_of_shared_root(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_local_tier_in_front_of_shared_root(tmp_path: Path) -> None:
     assert first.outputs[0].cached == 0
     r = first.reported
     assert _tier(r, "stores", "local") > 0 and _tier(r, "stores", "shared") > 0, r
-    assert r.get("tierstore_store_pages_ok", 0) > 0, r
+    assert r.get("tierstore_page_stores_total:('written',)", 0) > 0, r
     assert any(local_a.rglob("*.kvp")) and any(shared.rglob("*.kvp"))
 
     # another node's local tier, same shared root: served by the shared tier
@@ -39,9 +39,9 @@ def test_local_tier_in_front_of_shared_root(tmp_path: Path) -> None:
     assert second.outputs[0].tokens == first.outputs[0].tokens
     assert second.outputs[0].cached > 0 and not failures(second.worker), second.worker
     r = second.reported
-    assert _tier(r, "hits", "shared") > 0 and _tier(r, "hit_tokens", "shared") > 0, r
-    assert _tier(r, "hits", "local") == 0, r
-    assert r.get("tierstore_load_pages_ok", 0) == _tier(r, "hits", "shared"), r
+    assert _tier(r, "loads", "shared", "hit") > 0 and _tier(r, "load_tokens", "shared", "hit") > 0, r
+    assert _tier(r, "loads", "local", "hit") == 0, r
+    assert r.get("tierstore_page_loads_total:('ok',)", 0) == _tier(r, "loads", "shared", "hit"), r
 
     # shared root gone: the first node's local tier still serves the prefix
     shared.rename(tmp_path / "shared-away")
@@ -49,7 +49,7 @@ def test_local_tier_in_front_of_shared_root(tmp_path: Path) -> None:
     assert third.outputs[0].tokens == first.outputs[0].tokens
     assert third.outputs[0].cached == second.outputs[0].cached, (third.outputs[0].cached, second.outputs[0].cached)
     r = third.reported
-    assert _tier(r, "hits", "local") > 0 and _tier(r, "hits", "shared") == 0, r
+    assert _tier(r, "loads", "local", "hit") > 0 and _tier(r, "loads", "shared", "hit") == 0, r
     assert third.worker.get("load_jobs_ok", 0) == 1 and not failures(third.worker), third.worker
 
 
@@ -77,7 +77,7 @@ def test_tier_metrics_reach_prometheus() -> None:
     reg.tier("local").hit(128, 4096, 0.002)
     reg.tier("shared").miss(128)
     reg.tier("shared").failure("timeout")
-    reg.tier("local").set_capacity(1000, 2000)
+    reg.tier("local").set_capacity(1000, 2000, pages=3)
     stats = OffloadingConnectorStats()
     assert deltas.add_to(stats, reg.snapshot())
     add_adapter_counters(stats, {"load_pages_ok": 1, "load_failed:checksum": 2, "not_declared": 5})
@@ -86,8 +86,8 @@ def test_tier_metrics_reach_prometheus() -> None:
     totals: dict = {}
     accumulate(totals, stats)
     accumulate(totals, stats)
-    assert totals["tierstore_tier_hits:('local',)"] == 2  # counters add up
-    assert totals["tierstore_tier_used_bytes:('local',)"] == 1000  # gauges keep the latest
+    assert totals["tierstore_tier_loads_total:('local', 'hit')"] == 2  # counters add up
+    assert totals["tierstore_tier_resident_bytes:('local',)"] == 1000  # gauges keep the latest
     assert totals["tierstore_tier_load_seconds:('local',)_count"] == 2
 
     registry = prom.CollectorRegistry()
@@ -99,13 +99,16 @@ def test_tier_metrics_reach_prometheus() -> None:
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"engine": "0", **labels})
 
-    assert value("tierstore_tier_hits_total", tier="local") == 1
-    assert value("tierstore_tier_hit_tokens_total", tier="local") == 128
-    assert value("tierstore_tier_misses_total", tier="shared") == 1
-    assert value("tierstore_tier_failures_total", tier="shared", kind="timeout") == 1
-    assert value("tierstore_tier_used_bytes", tier="local") == 1000
+    assert value("tierstore_tier_loads_total", tier="local", result="hit") == 1
+    assert value("tierstore_tier_load_tokens_total", tier="local", result="hit") == 128
+    assert value("tierstore_tier_loads_total", tier="shared", result="miss") == 1
+    assert value("tierstore_tier_errors_total", tier="shared", kind="timeout") == 1
+    assert value("tierstore_tier_resident_bytes", tier="local") == 1000
+    assert value("tierstore_tier_resident_pages", tier="local") == 3
+    assert value("tierstore_tier_capacity_bytes", tier="local") == 2000
     assert value("tierstore_tier_load_seconds_count", tier="local") == 1
     assert value("tierstore_tier_load_seconds_bucket", tier="local", le="0.001") == 0
     assert value("tierstore_tier_load_seconds_bucket", tier="local", le="0.0025") == 1
-    assert value("tierstore_load_pages_ok_total") == 1
-    assert value("tierstore_load_failed_total", kind="checksum") == 2
+    assert value("tierstore_page_loads_total", result="ok") == 1
+    assert value("tierstore_page_loads_total", result="failed") == 2
+    assert value("tierstore_page_failures_total", op="load", kind="checksum") == 2

@@ -1,14 +1,20 @@
-"""The ``tierstore`` command line: fsck, stats, ls, gc, bench io|kernels, demo.
+"""The ``tierstore`` command line: fsck, stats, ls, doctor, gc, bench io|kernels|..., demo.
 
 Contract: ``main(argv) -> int`` (the exit status; the console script passes it to
-``sys.exit``). ``fsck``, ``stats`` and ``ls`` live in this package's light modules and import
-neither torch nor vLLM; neither does ``gc``. ``gc``, ``bench io``, ``bench kernels`` and ``demo`` are implemented
-elsewhere: each module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is
-imported only when its command runs, so a missing or broken one fails with a clear message
-and never slows down the others.
+``sys.exit``). ``fsck``, ``stats``, ``ls``, ``doctor`` and ``gc`` live in this package's light
+modules and import neither torch nor vLLM. ``gc`` (gc_command.py), the benches and ``demo``
+expose ``add_arguments(parser)`` and ``run(args) -> int`` and are imported only when their
+command runs, so a missing or broken one fails with a clear message and never slows down the
+others.
 
-Exit codes: fsck follows e2fsck (0 clean, 1 all repaired, 4 errors left, 8 operational error,
-32 interrupted); other commands return 0 on success and 8 on an operational error.
+One grammar for every command: the exit statuses of ``EXIT_TABLE`` (fsck's follow e2fsck);
+errors on stderr, naming what to do; a closed output pipe ends the command quietly (141);
+``--json`` prints one document whose first key names its schema and version
+(``tierstore_<command>``: ls lists rows, stats summarises); in JSON, sizes are exact file
+bytes (``st_size``; gc counts the same bytes) and times ISO 8601 UTC, durations in seconds
+(keys ``seconds`` or ``*_s``); in text, sizes are human-readable (KiB, MiB, ...);
+``--progress/--no-progress`` everywhere (default: a bar with rate and ETA when stderr is a
+terminal; tqdm, see inventory.progress_bar).
 Threading: runs on the main thread.
 """
 
@@ -25,22 +31,30 @@ from typing import Any
 
 from tierstore.errors import TierStoreError
 
+EXIT_OK = 0
+EXIT_REPAIRED = 1
+EXIT_USAGE = 2
+EXIT_PROBLEMS = 4
 EXIT_OPERATIONAL = 8
-EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
+EXIT_WARNINGS = 16
 EXIT_CANCELLED = 32
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 EXIT_TABLE = """exit status, every command:
-  0    done (fsck: clean; gc: also when another node holds the lease)
+  0    done (fsck: clean; doctor: every check passed; gc: also when another node holds the lease)
   1    fsck: problems found, all repaired
   2    usage error (a bad option or value)
-  4    fsck: problems left
+  4    problems left: fsck: damage not repaired; doctor: a check failed (do not use ROOT as is)
   8    operational error: ROOT missing, not a cache directory, unreadable; a bad lease path
+  16   doctor: warnings only (ROOT works; a setting costs speed or safety)
   32   interrupted
   141  the output pipe was closed (tierstore ... | head)
-errors go to stderr."""
+errors go to stderr. --json: one document, first key tierstore_<command> (schema version);
+sizes in exact file bytes (st_size, the same in every command), times ISO 8601 UTC,
+durations in seconds. Text: human-readable sizes."""
 
 # command -> (module, one-line help). Imported lazily by _run_delegated.
 DELEGATED: dict[str, tuple[str, str]] = {
-    "gc": ("tierstore.tiers.gc", "evict pages until a tier is under its byte cap"),
+    "gc": ("tierstore.admin.gc_command", "evict pages until a tier is under its byte cap"),
     "demo": ("tierstore.demo", "store model-shaped pages, reload them in a new process, fsck, print figures"),
 }
 BENCH: dict[str, tuple[str, str]] = {
@@ -59,6 +73,13 @@ def _add_root(p: argparse.ArgumentParser) -> None:
                    help="threads listing and reading files (default: fsck up to 64, as many at once as pay "
                         "off, measured as it goes; stats/ls 8; on NFS more threads hide latency)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON report on stdout")
+    add_progress_flag(p)
+
+
+def add_progress_flag(p: argparse.ArgumentParser) -> None:
+    """``--progress/--no-progress``, the same on every command."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr with rate and ETA (default: only when stderr is a terminal)")
 
 
 def _positive_int(text: str) -> int:
@@ -108,13 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tmp-age", type=_non_negative_float, default=3600.0, metavar="SECONDS",
                    help="a temp file older than this is stale (default 3600); a temp of this host whose "
                    "writer process is gone is stale at once")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress line on stderr (default: only when stderr is a terminal)")
     p.add_argument("--group-access", action="store_true",
                    help="pages of a fleet sharing a service group (shared_group_access): 0660 is not a finding")
     p.add_argument("--deep", action="store_true",
                    help="also recompute each page's content checks: zero alignment gaps, no NaN/Inf in "
                    "floating-point sections; and count non-canonical pages in trees of older page formats")
+    p.add_argument("--mac-key-file", metavar="PATH", default=None,
+                   help="the fleet key (setting mac_key_file): every page must carry a valid MAC tag")
 
     p = sub.add_parser("stats", help="per namespace and group: files, bytes, token coverage, age",
                        description="Answers from the directory listing (one readdir per fan-out directory, "
@@ -131,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_root(p)
     p.add_argument("--exact", action="store_true",
                    help="exact bytes and ages: stat every page (slow at millions of pages)")
+
+    from tierstore.admin import doctor
+
+    p = sub.add_parser("doctor", help="check a file system before a fleet uses it as ROOT (NFS advice, "
+                       "O_DIRECT, renames, clock skew, space, modes, latency, GB/s)",
+                       description=(doctor.__doc__ or "").split("\n\n")[0], epilog=EXIT_TABLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_arguments(p)
+    add_progress_flag(p)
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -157,11 +187,27 @@ def _import_delegate(module: str, command: str) -> ModuleType:
 
 def _run_delegated(module: str, command: str, argv: Sequence[str]) -> int:
     mod = _import_delegate(module, command)
-    parser = argparse.ArgumentParser(prog=f"tierstore {command}", description=(mod.__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"tierstore {command}", description=(mod.__doc__ or "").split("\n\n")[0],
+                                     epilog=EXIT_TABLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_arguments(parser)
+    if not any("--progress" in a.option_strings for a in parser._actions):
+        add_progress_flag(parser)  # one grammar: accepted everywhere (a bench prints its steps on stderr)
     args = parser.parse_args(list(argv))
     rc = mod.run(args)
     return int(rc or 0)
+
+
+# The schema key and version of each command's --json document.
+SCHEMAS = {"ls": ("tierstore_ls", 1), "stats": ("tierstore_stats", 1), "fsck": ("tierstore_fsck", 1),
+           "gc": ("tierstore_gc", 2), "doctor": ("tierstore_doctor", 1),
+           **{f"bench {name}": (f"tierstore_bench_{name}", 1) for name in BENCH}}
+
+
+def print_error_document(command: str, message: str, exit_code: int) -> None:
+    """With --json, an error is also a document on stdout (a consumer always gets one): the
+    command's schema key, ``error`` and ``exit_code``. The message is on stderr as well."""
+    key, version = SCHEMAS.get(command, (f"tierstore_{command.replace(' ', '_')}", 1))
+    _print_json({key: version, "error": message, "exit_code": exit_code})
 
 
 def _print_json(data: Any) -> None:
@@ -169,25 +215,53 @@ def _print_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
+def refuse_not_a_cache(root: str) -> None:
+    """Raise ``TierStoreError`` (exit 8) when ``root`` holds entries but no namespace directory:
+    every command refuses such a directory alike (gc's rule, tiers/gc.not_a_cache)."""
+    from tierstore.admin.inventory import check_root
+    from tierstore.fs import safefs
+    from tierstore.tiers.gc import not_a_cache
+
+    path = check_root(root)
+    fd = safefs.open_root(path)
+    try:
+        why = not_a_cache(fd)
+    finally:
+        os.close(fd)
+    if why:
+        raise TierStoreError(f"refusing {path}: {why}")
+
+
 def _cmd_fsck(args: argparse.Namespace) -> int:
+    """fsck reports a directory that is not a cache as foreign entries (exit 4) and refuses
+    to ``--repair`` it (exit 8): it checks a tree, so it does not refuse to look."""
     from tierstore.admin.fsck import FsckOptions, run_fsck
 
     report = run_fsck(FsckOptions(
         root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
         tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
-        group_access=True if args.group_access else None,
+        group_access=True if args.group_access else None, mac_key_file=args.mac_key_file,
     ))
+    if report.error:
+        print(f"tierstore fsck: {report.error}", file=sys.stderr)
     if args.json:
         _print_json(report.to_json())
-    else:
-        print(report.format_text(), file=sys.stderr if report.error else sys.stdout)
+    elif not report.error:
+        print(report.format_text())
     return report.exit_code
 
 
 def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
-    from tierstore.admin.inventory import Progress, collect_stats, format_listing, format_stats
+    from tierstore.admin.inventory import (
+        Progress,
+        collect_stats,
+        format_listing,
+        format_stats,
+        listing_json,
+    )
 
-    progress = Progress("stats" if not listing else "ls")
+    refuse_not_a_cache(args.root)
+    progress = Progress("stats" if not listing else "ls", enabled=args.progress)
     try:
         stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs or 8,
                               read_headers=not listing and not args.no_headers, progress=progress,
@@ -195,10 +269,17 @@ def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
     finally:
         progress.close()
     if args.json:
-        _print_json(stats)
+        doc = listing_json(stats) if listing else stats
+        _print_json({**doc, "tierstore_version": package_version()})
     else:
         print(format_listing(stats) if listing else format_stats(stats))
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from tierstore.admin import doctor
+
+    return doctor.run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_fsck(args)
         if args.command in ("stats", "ls"):
             return _cmd_stats(args, listing=args.command == "ls")
+        if args.command == "doctor":
+            return _cmd_doctor(args)
         raise AssertionError(f"unhandled command {args.command}")  # argparse enforces the choices
     except BrokenPipeError:
         # The reader closed the pipe (``tierstore stats ROOT | head``): no message, and the exit
@@ -221,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_CLOSED_PIPE
     except (TierStoreError, OSError) as exc:
-        print(f"tierstore: {exc}", file=sys.stderr)
+        command = " ".join(argv[:2] if argv[:1] == ["bench"] else argv[:1])
+        print(f"tierstore {command}: {exc}" if command else f"tierstore: {exc}", file=sys.stderr)
+        if "--json" in argv and command:
+            print_error_document(command, str(exc), EXIT_OPERATIONAL)
         return EXIT_OPERATIONAL
     except KeyboardInterrupt:
         print("tierstore: interrupted", file=sys.stderr)

@@ -38,7 +38,6 @@ from pool threads and must be thread-safe. Results are merged on the calling thr
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import errno
 import json
 import os
@@ -66,7 +65,7 @@ from tierstore.format.page import (
     header_len_of,
 )
 from tierstore.fs import safefs
-from tierstore.fs.display import escape
+from tierstore.fs.display import escape, iso_utc
 from tierstore.fs.mapper import (
     NAMESPACE_DIR_RE,
     PAGE_NAME_RE,
@@ -288,23 +287,33 @@ class Inventory:
 
 
 class Progress:
-    """A one-line progress display on a terminal (stderr); silent elsewhere.
-
-    Hand-written (a dozen lines) so that tierstore does not depend on tqdm.
-    """
+    """The walk's progress bar on stderr (tqdm): fan-out directories done of all, with the rate
+    and the time left (ETA), and files, bytes and problems seen; silent unless enabled
+    (default: only when the stream is a terminal). ``total_dirs`` may be set after creation
+    (the walk knows it once it has listed the namespaces). Threading: ``advance`` from any
+    thread (a lock; tqdm itself is not thread-safe for concurrent updates)."""
 
     def __init__(self, label: str, stream: TextIO | None = None, enabled: bool | None = None):
         self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.enabled = _is_terminal(self.stream) if enabled is None else enabled
         self.label = label
-        self.total_dirs = 0
         self.dirs = 0
         self.files = 0
         self.nbytes = 0
         self.problems = 0
         self._lock = threading.Lock()
-        self._last = 0.0
-        self._start = time.monotonic()
+        self._bar = progress_bar(label, unit="dir", stream=self.stream, enabled=self.enabled)
+
+    @property
+    def total_dirs(self) -> int:
+        return int(self._bar.total or 0)
+
+    @total_dirs.setter
+    def total_dirs(self, n: int) -> None:
+        with self._lock:
+            self._bar.total = n
+            self._bar.bar_format = KNOWN_TOTAL_FORMAT
+            self._bar.refresh()
 
     def advance(self, *, files: int = 0, nbytes: int = 0, dirs: int = 0, problems: int = 0) -> None:
         with self._lock:
@@ -312,27 +321,38 @@ class Progress:
             self.nbytes += nbytes
             self.dirs += dirs
             self.problems += problems
-            now = time.monotonic()
-            if self.enabled and (now - self._last >= 0.2 or (dirs and self.dirs == self.total_dirs)):
-                self._last = now
-                self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        frac = self.dirs / self.total_dirs if self.total_dirs else 0.0
-        bar = ("#" * int(frac * 20)).ljust(20)
-        rate = self.files / max(now - self._start, 1e-9)
-        self.stream.write(
-            f"\r{self.label} [{bar}] {frac * 100:5.1f}%  {self.files} files  "
-            f"{human_bytes(self.nbytes)}  {rate:.0f} files/s  {self.problems} problems "
-        )
-        self.stream.flush()
+            if self.enabled:
+                self._bar.set_postfix_str(f"{self.files} files, {human_bytes(self.nbytes)}, "
+                                          f"{self.problems} problems", refresh=False)
+                self._bar.update(dirs)
 
     def close(self) -> None:
-        if self.enabled:
-            with self._lock:
-                self._draw(time.monotonic())
-                self.stream.write("\n")
-                self.stream.flush()
+        with self._lock:
+            self._bar.close()
+
+
+# tqdm's default with one decimal of percentage: "fsck:  42.5%|####      | 17/40 [00:03<00:04, 5.6dir/s, ...]".
+KNOWN_TOTAL_FORMAT = "{desc}: {percentage:5.1f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or fake stream
+        return False
+
+
+def progress_bar(label: str, *, total: int | None = None, unit: str = "it", stream: TextIO | None = None,
+                 enabled: bool | None = None) -> Any:
+    """A tqdm bar on ``stream`` (stderr): rate and ETA when ``total`` is known, the rate alone
+    otherwise; disabled (every call a no-op) unless ``enabled``, by default when the stream is
+    a terminal. Every long walk of the CLI (fsck, stats, ls, gc) draws through this one style."""
+    from tqdm import tqdm  # imported only where a command runs: a library import stays light
+
+    out = stream or sys.stderr
+    on = _is_terminal(out) if enabled is None else enabled
+    return tqdm(total=total, desc=label, unit=unit, file=out, disable=not on, leave=True, dynamic_ncols=True,
+                mininterval=0.2, smoothing=0.1, bar_format=KNOWN_TOTAL_FORMAT if total else None)
 
 
 def human_bytes(n: float) -> str:
@@ -842,9 +862,10 @@ def check_root(root: str | os.PathLike[str]) -> Path:
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise ConfigError(f"ROOT {root} is not accessible: {exc.strerror}") from exc
+        raise ConfigError(f"ROOT {escape(root)} is not accessible: {exc.strerror} "
+                          "(pass the cache directory given as \"root\")") from exc
     if not _stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"ROOT {root} is not a directory")
+        raise ConfigError(f"ROOT {escape(root)} is not a directory (pass the cache directory given as \"root\")")
     return path
 
 
@@ -928,9 +949,7 @@ def read_header_tokens(ref: PageRef) -> PageVerdict:
 
 
 def _iso(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return iso_utc(t)
 
 
 def collect_stats(
@@ -1034,6 +1053,26 @@ def stats_from_inventory(inv: Inventory) -> dict[str, Any]:
         },
         "other": {"temps_active": inv.temps_active, **counts},
     }
+
+
+def listing_json(stats: dict[str, Any]) -> dict[str, Any]:
+    """``tierstore ls --json``: one row per namespace and group (what ``format_listing`` prints),
+    schema key ``tierstore_ls``; ``bytes`` are file bytes (st_size) or, where ``bytes_source`` is
+    "layout", the uncompressed page file size x files (exact for uncompressed pages)."""
+    rows = []
+    for ns in stats["namespaces"]:
+        if not ns["groups"]:  # a namespace whose manifest is unreadable: one row, as in the text
+            rows.append({"namespace": ns["namespace"], "model": ns["model"], "dtype": ns["dtype"], "group": None,
+                         "kind": None, "files": ns["files"], "bytes": ns["bytes"],
+                         "bytes_source": ns["bytes_source"], "tokens": ns["tokens"], "tokens_source": None,
+                         "newest": ns["newest"]})
+        for g in ns["groups"]:
+            rows.append({"namespace": ns["namespace"], "model": ns["model"], "dtype": ns["dtype"],
+                         "group": g["group"], "kind": g["kind"], "files": g["files"], "bytes": g["bytes"],
+                         "bytes_source": g["bytes_source"], "tokens": g["tokens"],
+                         "tokens_source": g["tokens_source"], "newest": g["newest"]})
+    return {"tierstore_ls": 1, "root": stats["root"], "generated_at": stats["generated_at"], "rows": rows,
+            "totals": stats["totals"]}
 
 
 def _table(rows: Iterable[list[str]], header: list[str]) -> str:

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:  # against the per-page path at the same --jobs, measured in this run
         b = base.get(r["jobs"])
         r["vs_python"] = round(r["pages_per_s"] / b, 2) if b else None
-    out = {"target": f"latency {args.latency_ms:g} ms" if args.latency_ms else "local", "tree_seconds": round(made, 1),
+    out = {"tierstore_bench_fsck": 1, "target": f"latency {args.latency_ms:g} ms" if args.latency_ms else "local", "tree_seconds": round(made, 1),
            "cpus": os.cpu_count(), "native_compile_s": compile_s, "rows": rows}
     if args.json:
         print(json.dumps(out, indent=2))

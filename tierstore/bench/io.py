@@ -403,7 +403,7 @@ def _bench_size(root: Path, page_mib: int, args: argparse.Namespace, dropper: Ca
     src_t = seed.repeat(-(-n_src // 4), 1)[:n_src].clone()
     sources = [memoryview(src_t[i].numpy()).cast("B") for i in range(n_src)]
     cfg = TierStoreConfig(root=str(root), io_threads=args.threads, odirect=args.odirect,
-                          codec=args.codec, fsync=False, deadline_ms=600_000,
+                          codec=args.codec, fsync=False, deadline_s=600.0,
                           **({} if args.io_batch_pages is None else {"io_batch_pages": args.io_batch_pages}),
                           **({} if args.io_loop is None else {"io_loop": args.io_loop}))
     systems = [s for s in SYSTEMS if s != "vllm_fs" or vio is not None]
@@ -592,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
                                           "load_vs_vllm_fs")}
     result["overhead_per_page"] = {k: v["overhead_per_page"] for k, v in per_size.items()}
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({"tierstore_bench_io": 1, **result}, indent=2))
     else:
         for k, v in per_size.items():
             log(f"{k}: " + json.dumps(v["gbps"]))

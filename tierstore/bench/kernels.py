@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda"
     native.start(wait=True)  # measure the engine's settled path, not its compile second
     rep: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "tierstore_bench_kernels": 1, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "host": platform.node(), "kernels": [], "transfer": [],
         "native": "on" if native.ready() else f"off ({native.failure() or 'TIERSTORE_NATIVE=0'})",
     }

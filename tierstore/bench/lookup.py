@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         with mounted(target, args.work) as (root, freeze):
             results.append(bench_target(target, root, args.pages, args.keys, n_slow, freeze, args.kv_heads))
     if args.json:
-        print(json.dumps({"memory": memory, "results": results}, indent=2))
+        print(json.dumps({"tierstore_bench_lookup": 1, "memory": memory, "results": results}, indent=2))
     else:
         print_table(results, memory)
     return 0

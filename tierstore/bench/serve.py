@@ -48,9 +48,9 @@ STOP_ENV = {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "100"}
 SCRAPED = {
     "hit_tokens": "vllm:external_prefix_cache_hits_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
-    "load_bytes": "tierstore_load_bytes_total",
-    "store_bytes": "tierstore_store_bytes_total",
-    "load_failed": "tierstore_load_failed_total",
+    "load_bytes": "tierstore_page_bytes_total{op=load}",
+    "store_bytes": "tierstore_page_bytes_total{op=store}",
+    "load_failed": "tierstore_page_loads_total{result=failed}",
 }
 
 
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             runs[name] = run_one(args, name, args.model, None if name == "no-connector" else root)
     r = ratios(runs)
     if args.json:
-        print(json.dumps({"runs": {k: asdict(v) for k, v in runs.items()}, "ratios": r,
+        print(json.dumps({"tierstore_bench_serve": 1, "runs": {k: asdict(v) for k, v in runs.items()}, "ratios": r,
                           "targets": verdicts(r)}, indent=2))
     else:
         print(format_table(runs, r))

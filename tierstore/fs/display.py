@@ -9,11 +9,14 @@ separators and lone surrogates become ``\\uXXXX``; a backslash becomes ``\\\\`` 
 unambiguous. Printable text (any script) is unchanged. Use it for text output only: JSON output
 keeps the raw value (json.dumps escapes by itself).
 
+``iso_utc(epoch)``: the one time format of the command line's output (ISO 8601, UTC, ``Z``).
+
 Threading: pure functions; safe from any thread.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import re
 import unicodedata
@@ -65,3 +68,10 @@ def parse_size(text: str) -> int:
     if n <= 0:
         raise ValueError(f"byte count must be positive: {text!r}")
     return n
+
+
+def iso_utc(epoch: float | None, timespec: str = "seconds") -> str | None:
+    """``epoch`` as ISO 8601 UTC with a ``Z`` (None or 0: None); ``timespec`` as ``isoformat``'s."""
+    if not epoch:
+        return None
+    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")

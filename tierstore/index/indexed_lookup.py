@@ -169,6 +169,9 @@ class IndexedLookup:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.first_load_s: float | None = None  # seconds the first full listing took
+        # Residency (metrics): index tier name -> page files per group, summed over ranks and
+        # slices, as of the last full listing (``_count_resident``); replaced, never mutated.
+        self.resident: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ lifecycle
     def start(self, load: bool = True) -> IndexedLookup:
@@ -341,7 +344,7 @@ class IndexedLookup:
             f.cancel()
         self.counters[counter] += 1
         assert tier.health is not None
-        tier.health.mark_down(f"{what} took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
+        tier.health.mark_down(f"{what} took longer than {self.deadline_s:.3f} s (shared_deadline_s)")
 
     # ------------------------------------------------------------ loader thread
     def _load_loop(self) -> None:
@@ -349,12 +352,24 @@ class IndexedLookup:
         self.list_all()
         self._every = self._may_hold()  # one assignment: the scheduler sees the old or the new
         self.first_load_s = time.monotonic() - t0
+        self._count_resident()
         log.info("tierstore: page index loaded in %.2f s (%s)", self.first_load_s,
                  ", ".join(f"{t.name}: {sum(len(ix) for ix in t.all_indexes())} files" for t in self.tiers))
         while self.refresh_s > 0 and not self._stop.wait(self.refresh_s):
             self.list_all()
             self._every = self._may_hold()
             self.counters["refreshes"] += 1
+            self._count_resident()
+
+    # ------------------------------------------------------------ residency (metrics)
+    def _count_resident(self) -> None:
+        """``resident`` from the listings just made (loader thread; one assignment). A tier that
+        is down keeps its last counts."""
+        counts = dict(self.resident)
+        for tier in self.tiers:
+            if tier.health is None or tier.health.up:
+                counts[tier.name] = [sum(len(ix) for ix in ranks) for ranks in tier.indexes]
+        self.resident = counts
 
     def list_all(self) -> None:
         """List every fan-out directory of every index once (this thread; shared on the pool)."""
@@ -377,7 +392,7 @@ class IndexedLookup:
         try:
             return self._list_pool.submit(os.path.isdir, index.base).result(timeout=self.deadline_s)
         except FutureTimeout:
-            tier.health.mark_down(f"a stat took longer than {self.deadline_s:.3f} s (shared_deadline_ms)")
+            tier.health.mark_down(f"a stat took longer than {self.deadline_s:.3f} s (shared_deadline_s)")
             return True
 
     def _list_index(self, tier: TierIndexes, index: PageIndex) -> None:

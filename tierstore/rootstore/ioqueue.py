@@ -74,7 +74,7 @@ class Job:
     """One queued page operation; fields after ``deadline`` belong to the queue."""
 
     __slots__ = ("id", "op", "key", "slot", "token_count", "sums", "verify", "submitted", "deadline",
-                 "queued", "started", "done")
+                 "queued", "started", "done", "io_seconds")
 
     def __init__(self, job_id: int, op: str, key: bytes, *, slot: Any = None, token_count: int = 0,
                  sums: tuple[int, ...] | None = None, verify: bool = True, submitted: float, deadline: float) -> None:
@@ -90,12 +90,13 @@ class Job:
         self.queued = False  # counted in ClassQueues.waiting
         self.started = False  # a thread owns the job's resources from here until it returns
         self.done = False
+        self.io_seconds = 0.0  # time an I/O thread spent on it (IOResult.io_seconds)
 
     def expired_in_queue(self) -> PageTimeout:
         """The error of a job found past its deadline before any thread started it (the queue's
         Python threads and the native lane both report it so)."""
         return PageTimeout(f"{self.op} waited in the queue past its {self.deadline - self.submitted:.3f} s deadline "
-                           "(deadline_ms setting)", key=self.key)
+                           "(deadline_s setting)", key=self.key)
 
 
 Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
@@ -439,6 +440,7 @@ class JobQueue:
                 outcome = (PageCancelled("the engine was closed before this job ran", key=job.key), False, 0)
             self.jobs_run += 1
             self.native_loop_jobs += 1
+            job.io_seconds = seconds
             accepted = self._complete_locked(job, *outcome)
             self._after_run(job, accepted, outcome[0])
 
@@ -463,7 +465,7 @@ class JobQueue:
         for job in expired:
             self._complete_locked(job, PageTimeout(
                 f"{job.op} did not finish within {self.deadline_s:.3f} s "
-                "(deadline_ms setting); the file system may be stalled", path=self._where(job.key), key=job.key))
+                "(deadline_s setting); the file system may be stalled", path=self._where(job.key), key=job.key))
 
     def _complete_locked(self, job: Job, error: PageError | None, stored: bool = False, nbytes: int = 0) -> bool:
         """Complete ``job`` once; False if it was already completed (a late result, dropped)."""
@@ -519,6 +521,8 @@ class JobQueue:
                 continue  # the token of a job completed while queued
             started = time.perf_counter()
             outcomes = self._runner.batch(jobs) if len(jobs) > 1 else [self._runner.one(jobs[0])]
+            for job in jobs:  # its share of the thread's time (IOResult.io_seconds)
+                job.io_seconds = (time.perf_counter() - started) / len(jobs)
             with self._lock:
                 accepted = [self._complete_locked(job, *outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
                 self.busy_s += time.perf_counter() - started

@@ -38,7 +38,7 @@ class HostTier:
 
     def _publish_capacity(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_capacity(self._used, self.cap_bytes)
+            self.metrics.set_capacity(self._used, self.cap_bytes, pages=len(self._pages))
 
     def get(self, scope: str, key: bytes) -> bytes | None:
         with self._lock:
@@ -70,10 +70,11 @@ class HostTier:
             self._pages[(scope, key)] = data
             self._used += n
             used = self._used
+            held = len(self._pages)  # residency gauge (tierstore_tier_resident_pages)
         if self.metrics is not None:
             if evicted:
                 self.metrics.evicted(evicted, evicted_bytes)
-            self.metrics.set_capacity(used, self.cap_bytes)
+            self.metrics.set_capacity(used, self.cap_bytes, pages=held)
         return True
 
     def discard(self, scope: str, key: bytes) -> None:

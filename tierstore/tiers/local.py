@@ -26,6 +26,7 @@ from typing import Any
 from tierstore.config import TierStoreConfig
 from tierstore.errors import BAD_CONTENT_KINDS, ConfigError
 from tierstore.format.identity import Namespace
+from tierstore.fs.mounts import is_network, mount_of
 from tierstore.index import page_index
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import TierMetrics
@@ -37,12 +38,29 @@ from tierstore.tiers.tier import EngineTier, TierJob
 log = logging.getLogger(__name__)
 
 
+def refuse_network_local_root(local_root: str | os.PathLike[str]) -> None:
+    """Raise ``ConfigError`` when ``local_root`` lies on a network file system (mounts.py).
+
+    The local tier's sqlite index relies on POSIX locks and on writes being seen in order,
+    which NFS and FUSE mounts do not give (a corrupt or locked index), and its LRU cap assumes
+    nobody else writes there. Checked where the tier opens, never in config validation (which
+    must not touch the file system); an unknown mount table (not Linux) passes."""
+    mount = mount_of(local_root)
+    if mount is not None and is_network(mount):
+        raise ConfigError(
+            f'setting "local_root" {os.fspath(local_root)!r} is on a network file system ({mount.fstype} '
+            f"{mount.source} mounted at {mount.mount_point}): the local tier's sqlite index breaks there. "
+            'Point "local_root" at a local disk (NVMe, a local SSD or an emptyDir), put the shared '
+            'export in "root", or unset "local_root" to run without a local tier')
+
+
 class LocalTier(EngineTier):
     """The local disk: engine + index admission; see the module docstring."""
 
     def __init__(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
                  metrics: TierMetrics, index: LocalIndex | None = None, **engine_kwargs: Any) -> None:
         assert config.local_root
+        refuse_network_local_root(config.local_root)
         engine = IOEngine(config.local_root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
         super().__init__("local", engine, metrics, namespace.groups[group_index].tokens_per_chunk)
         self.config = config
@@ -77,10 +95,11 @@ class LocalTier(EngineTier):
         self._capacity_at = time.monotonic()
         try:
             used = self.index.used_bytes()
+            pages = self.index.count()  # residency gauge (tierstore_tier_resident_pages)
         except sqlite3.Error as exc:
             self.index_failed("used_bytes", exc)
             return
-        self.metrics.set_capacity(used, self.config.local_max_bytes)
+        self.metrics.set_capacity(used, self.config.local_max_bytes, pages=pages)
 
     def relpath(self, key: bytes) -> str:
         """The page's path relative to local_root (the local index's key)."""

@@ -1,27 +1,35 @@
 """tierstore's metrics in vLLM's connector stats and Prometheus exporter.
 
 Contract: every metric tierstore puts into vLLM's ``OffloadingConnectorStats`` is declared in
-``metric_definitions()`` (name, type, label names); ``TierStorePromMetrics`` (vLLM's
-``OffloadPromMetrics`` plus these definitions) exports them. Two sources:
+``metric_definitions()`` (name, type, label names; docs/METRICS.md is the reference and
+``tests/test_metrics_names.py`` keeps the two equal); ``TierStorePromMetrics`` (vLLM's
+``OffloadPromMetrics`` plus these definitions) exports them. Names follow Prometheus'
+conventions: base units (seconds, bytes), the unit last, counters declared with ``_total``
+(prometheus_client exposes it once), one family per concept with labels. Three sources:
 
 - adapter counters (``TierStoreWorker.counters`` / ``TierStoreManager.counters``, keys
-  ``name`` or ``name:label``) -> ``tierstore_<name>`` counters (``kind`` / ``reason`` label);
-- per-tier metrics (``tierstore.metrics`` registry snapshots: host / local / shared / root) ->
-  ``tierstore_tier_<counter>{tier}``, ``tierstore_tier_failures{tier,kind}``, gauges
-  ``tierstore_tier_used_bytes{tier}`` / ``tierstore_tier_cap_bytes{tier}`` and histograms
-  ``tierstore_tier_{load,store}_seconds{tier}``. ``TierDeltas`` turns successive snapshots into
-  increments. Histogram increments are replayed as one sample per observation at its bucket's
-  upper bound (the registry keeps bucket counts, not samples): bucket counts are exact, the
-  exported ``_sum`` is an upper bound.
+  ``name`` or ``name:label``) -> the families of ``add_adapter_counters`` (``ADAPTER_FAMILIES``);
+- per-tier metrics (``tierstore.metrics`` registry snapshots) -> ``tierstore_tier_*{tier}``
+  through ``TierDeltas``, which turns successive snapshots into increments. Histogram
+  increments are replayed per bucket as that bucket's new samples, each at their mean
+  (``Histogram`` keeps per-bucket sums): bucket counts and ``_sum`` are exact (up to float
+  rounding), with no samples kept;
+- the scheduler's page index (``IndexedLookup.resident``) -> the residency gauges of the
+  root tier ("root", or "shared" in a chain) through ``add_index_residency``.
 
-Only the worker side reports tier metrics (an in-process engine shares one registry between
-both roles; reporting it twice would double count). Threading: called from vLLM's threads of
-one role; ``TierDeltas`` is not shared between threads.
+Who reports what (no double counting): counters and histograms of the registry come from the
+worker side only (an in-process engine shares one registry between both roles; reporting it
+twice would double count). Gauges are values, not increments: the residency and capacity of a
+tier are set by exactly one owner - host and local by the worker (its host tier, its local
+index: ``RESIDENCY_FROM_WORKER``), root/shared by the scheduler's page index (pages of this
+engine's namespace; bytes as pages x the group's uncompressed page file size, exact for codec
+"none", an upper bound with zstd). The capacity of every tier comes from the worker. Threading:
+called from vLLM's threads of one role; ``TierDeltas`` is not shared between threads.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -35,74 +43,174 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-from tierstore.metrics import COUNTER_NAMES, LATENCY_BUCKETS
+from tierstore.metrics import LATENCY_BUCKETS
 
 PREFIX = "tierstore_"
 
-# Adapter counters: name -> (label name or None, documentation).
-ADAPTERCOUNTER_NAMES: dict[str, tuple[str | None, str]] = {
-    "lookups": (None, "Scheduler page lookups (answered from the in-memory page index)."),
-    "lookup_hits": (None, "Scheduler page lookups that found the page."),
-    "skipped_failed": (None, "Lookups answered as a miss because the page failed to load before."),
-    "lookup_retries": (None, "Lookups answered 'ask again next step' (index still loading, or a store being confirmed)."),
-    "lookup_probes": (None, "Keys looked up on disk by the background prober (one stat per tier)."),
-    "load_pages_ok": (None, "Pages loaded, verified and copied into KV blocks."),
-    "load_bytes": (None, "Page bytes loaded."),
-    "load_jobs_ok": (None, "Load jobs (requests) restored completely."),
-    "load_jobs_failed": (None, "Load jobs with a failed page (the request is recomputed)."),
-    "load_failed": ("kind", "Failed page loads by error kind."),
-    "store_pages_ok": (None, "Pages written."),
-    "store_pages_existing": (None, "Pages not written because an identical page existed."),
-    "store_bytes": (None, "Page bytes written."),
-    "store_failed": ("kind", "Failed page stores by error kind."),
-    "store_dropped": ("reason", "Store pages dropped before they were written, by reason."),
-    "store_batches": (None, "Gathers of KV blocks into staging slots."),
-    "store_deferrals": (None, "Store pages put off to a later step for want of a free staging slot."),
+# Adapter families: exported name -> (label names, documentation).
+LOOKUPS = PREFIX + "lookups_total"
+LOOKUP_PROBES = PREFIX + "lookup_probes_total"
+PAGE_LOADS = PREFIX + "page_loads_total"
+PAGE_STORES = PREFIX + "page_stores_total"
+PAGE_FAILURES = PREFIX + "page_failures_total"
+STORES_DROPPED = PREFIX + "page_stores_dropped_total"
+PAGE_BYTES = PREFIX + "page_bytes_total"
+LOAD_JOBS = PREFIX + "load_jobs_total"
+STORE_BATCHES = PREFIX + "store_batches_total"
+STORE_DEFERRALS = PREFIX + "store_deferrals_total"
+
+ADAPTER_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
+    LOOKUPS: (("result",), "Scheduler page lookups by answer: hit (load it), miss (compute it), retry "
+              "(ask again next step: index still loading or a store being confirmed), skipped_failed "
+              "(a miss because the page failed to load before). A key is asked again each step a "
+              "request waits, so these count answers, not pages."),
+    LOOKUP_PROBES: ((), "Keys looked up on disk by the background prober (one stat per tier)."),
+    PAGE_LOADS: (("result",), "Pages the worker loaded into KV blocks: ok (verified and copied) or failed "
+                 "(the request recomputes them; kinds in tierstore_page_failures_total)."),
+    PAGE_STORES: (("result",), "Pages the worker was asked to store: written, existing (an identical page was "
+                  "there), failed (kinds in tierstore_page_failures_total) or dropped (reasons in "
+                  "tierstore_page_stores_dropped_total)."),
+    PAGE_FAILURES: (("op", "kind"), "Failed page loads and stores the engine saw, by op (load, store) and "
+                    "error kind (checksum, timeout, enospc, io, down, ...): each cost a recompute or a lost "
+                    "page. Faults a tier had that another tier covered are in tierstore_tier_errors_total."),
+    STORES_DROPPED: (("reason",), "Store pages dropped before they were written, by reason."),
+    PAGE_BYTES: (("op",), "Page payload bytes moved between the engine and tierstore, by op (load, store)."),
+    LOAD_JOBS: (("result",), "Load jobs (one per request restored): ok (every page loaded) or failed "
+                "(a page failed; the request recomputes)."),
+    STORE_BATCHES: ((), "Gathers of KV blocks into staging slots."),
+    STORE_DEFERRALS: ((), "Store pages put off to a later step for want of a free staging slot."),
 }
 
-TIER_COUNTER_DOCS: dict[str, str] = {
-    "hits": "Pages found in the tier.",
-    "misses": "Pages looked for and not found in the tier.",
-    "hit_tokens": "Tokens of the pages found in the tier.",
-    "miss_tokens": "Tokens of the pages not found in the tier.",
-    "stores": "Pages written to the tier.",
-    "stored_bytes": "File bytes written to the tier.",
-    "bytes_read": "Page bytes served from the tier.",
-    "evictions": "Pages evicted to keep the tier under its cap.",
-    "evicted_bytes": "Bytes evicted to keep the tier under its cap.",
-    "promotions": "Pages copied into the tier from a slower one.",
-    "backlog_uploads": "Pages uploaded to the shared tier after it was down or busy when they were stored.",
+# Adapter counter key (``name`` or ``name:label``) -> [(family, label values)]; "{}" is the key's label.
+_ADAPTER_KEYS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "lookup_hits": ((LOOKUPS, ("hit",)),),
+    "lookup_retries": ((LOOKUPS, ("retry",)),),
+    "skipped_failed": ((LOOKUPS, ("skipped_failed",)),),
+    "lookup_probes": ((LOOKUP_PROBES, ()),),
+    "load_pages_ok": ((PAGE_LOADS, ("ok",)),),
+    "load_failed": ((PAGE_LOADS, ("failed",)), (PAGE_FAILURES, ("load", "{}"))),
+    "store_pages_ok": ((PAGE_STORES, ("written",)),),
+    "store_pages_existing": ((PAGE_STORES, ("existing",)),),
+    "store_failed": ((PAGE_STORES, ("failed",)), (PAGE_FAILURES, ("store", "{}"))),
+    "store_dropped": ((PAGE_STORES, ("dropped",)), (STORES_DROPPED, ("{}",))),
+    "load_bytes": ((PAGE_BYTES, ("load",)),),
+    "store_bytes": ((PAGE_BYTES, ("store",)),),
+    "load_jobs_ok": ((LOAD_JOBS, ("ok",)),),
+    "load_jobs_failed": ((LOAD_JOBS, ("failed",)),),
+    "store_batches": ((STORE_BATCHES, ()),),
+    "store_deferrals": ((STORE_DEFERRALS, ()),),
 }
+
+# Tier families (registry snapshot -> exported), all labelled ``tier`` first.
+TIER_LOADS = PREFIX + "tier_loads_total"
+TIER_LOAD_TOKENS = PREFIX + "tier_load_tokens_total"
+TIER_STORES = PREFIX + "tier_stores_total"
+TIER_PAGE_BYTES = PREFIX + "tier_page_bytes_total"
+TIER_ERRORS = PREFIX + "tier_errors_total"
+TIER_EVICTIONS = PREFIX + "tier_evictions_total"
+TIER_EVICTED_BYTES = PREFIX + "tier_evicted_bytes_total"
+TIER_PROMOTIONS = PREFIX + "tier_promotions_total"
+TIER_BACKLOG_UPLOADS = PREFIX + "tier_backlog_uploads_total"
+TIER_RESIDENT_PAGES = PREFIX + "tier_resident_pages"
+TIER_RESIDENT_BYTES = PREFIX + "tier_resident_bytes"
+TIER_CAPACITY_BYTES = PREFIX + "tier_capacity_bytes"
+TIER_LOAD_SECONDS = PREFIX + "tier_load_seconds"
+TIER_LOAD_READ_SECONDS = PREFIX + "tier_load_read_seconds"
+TIER_STORE_SECONDS = PREFIX + "tier_store_seconds"
+
+# registry counter -> (family, extra label values after ``tier``)
+_TIER_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hits": (TIER_LOADS, ("hit",)),
+    "misses": (TIER_LOADS, ("miss",)),
+    "hit_tokens": (TIER_LOAD_TOKENS, ("hit",)),
+    "miss_tokens": (TIER_LOAD_TOKENS, ("miss",)),
+    "stores": (TIER_STORES, ()),
+    "bytes_read": (TIER_PAGE_BYTES, ("read",)),
+    "stored_bytes": (TIER_PAGE_BYTES, ("write",)),
+    "evictions": (TIER_EVICTIONS, ()),
+    "evicted_bytes": (TIER_EVICTED_BYTES, ()),
+    "promotions": (TIER_PROMOTIONS, ()),
+    "backlog_uploads": (TIER_BACKLOG_UPLOADS, ()),
+}
+_TIER_HISTOGRAMS: dict[str, str] = {
+    "load_seconds": TIER_LOAD_SECONDS, "load_read_seconds": TIER_LOAD_READ_SECONDS,
+    "store_seconds": TIER_STORE_SECONDS,
+}
+
+TIER_FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {  # name -> (type, labels, documentation)
+    TIER_LOADS: ("counter", ("tier", "result"), "Page loads asked of the tier: hit (it served a verified page) "
+                 "or miss (it has no such page; a chain asks the next tier)."),
+    TIER_LOAD_TOKENS: ("counter", ("tier", "result"), "Tokens of the pages of tierstore_tier_loads_total."),
+    TIER_STORES: ("counter", ("tier",), "Pages written to the tier (new files)."),
+    TIER_PAGE_BYTES: ("counter", ("tier", "op"), "Page payload bytes (file header not counted) the tier served "
+                      "(op=read) or wrote (op=write)."),
+    TIER_ERRORS: ("counter", ("tier", "kind"), "Faults inside the tier by kind (checksum, timeout, enospc, down, "
+                  "queue_full, index, ...), including ones another tier covered; a miss is not an error."),
+    TIER_EVICTIONS: ("counter", ("tier",), "Pages evicted to keep the tier under its cap."),
+    TIER_EVICTED_BYTES: ("counter", ("tier",), "File bytes evicted to keep the tier under its cap."),
+    TIER_PROMOTIONS: ("counter", ("tier",), "Pages copied into the tier from a slower one."),
+    TIER_BACKLOG_UPLOADS: ("counter", ("tier",), "Pages uploaded to the shared tier after it was down or busy "
+                           "when they were stored."),
+    TIER_RESIDENT_PAGES: ("gauge", ("tier",), "Page files the tier holds now (host, local: the whole tier; "
+                          "root/shared: this engine's namespace, as of the page index's last listing)."),
+    TIER_RESIDENT_BYTES: ("gauge", ("tier",), "File bytes the tier holds now (same scope as "
+                          "tierstore_tier_resident_pages; root/shared: pages x uncompressed page file size)."),
+    TIER_CAPACITY_BYTES: ("gauge", ("tier",), "The tier's cap in bytes (host_bytes, local_max_bytes, max_bytes)."),
+    TIER_LOAD_SECONDS: ("histogram", ("tier",), "Page load latency per tier, submit to verified page, seconds."),
+    TIER_LOAD_READ_SECONDS: ("histogram", ("tier",), "The part of each page load an I/O thread spent reading and "
+                             "checking the file (storage time; the rest of tierstore_tier_load_seconds is queue "
+                             "wait), seconds."),
+    TIER_STORE_SECONDS: ("histogram", ("tier",), "Page store latency per tier, submit to page on disk, seconds."),
+}
+
+# Tiers whose residency gauges the worker side owns (the scheduler's page index owns the root's).
+RESIDENCY_FROM_WORKER: frozenset[str] = frozenset({"host", "local"})
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """Every metric tierstore reports, for vLLM's Prometheus exporter."""
+    """Every metric tierstore reports through vLLM's Prometheus exporter."""
     out: dict[str, OffloadingMetricMetadata] = {}
-    for name, (label, doc) in ADAPTERCOUNTER_NAMES.items():
-        out[PREFIX + name] = OffloadingCounterMetadata(documentation=doc, labelnames=(label,) if label else ())
-    for name in COUNTER_NAMES:
-        out[f"{PREFIX}tier_{name}"] = OffloadingCounterMetadata(
-            documentation=TIER_COUNTER_DOCS.get(name, name), labelnames=("tier",))
-    out[f"{PREFIX}tier_failures"] = OffloadingCounterMetadata(
-        documentation="Typed failures per tier (checksum, timeout, enospc, down, ...).", labelnames=("tier", "kind"))
-    out[f"{PREFIX}tier_used_bytes"] = OffloadingGaugeMetadata(
-        documentation="Bytes the tier holds (its capacity accounting).", labelnames=("tier",))
-    out[f"{PREFIX}tier_cap_bytes"] = OffloadingGaugeMetadata(
-        documentation="Capacity of the tier in bytes.", labelnames=("tier",))
-    for op in ("load", "store"):
-        out[f"{PREFIX}tier_{op}_seconds"] = OffloadingHistogramMetadata(
-            documentation=f"Page {op} latency per tier, seconds.", labelnames=("tier",), buckets=LATENCY_BUCKETS)
+    for name, (labels, doc) in ADAPTER_FAMILIES.items():
+        out[name] = OffloadingCounterMetadata(documentation=doc, labelnames=labels)
+    for name, (kind, labels, doc) in TIER_FAMILIES.items():
+        if kind == "counter":
+            out[name] = OffloadingCounterMetadata(documentation=doc, labelnames=labels)
+        elif kind == "gauge":
+            out[name] = OffloadingGaugeMetadata(documentation=doc, labelnames=labels)
+        else:
+            out[name] = OffloadingHistogramMetadata(documentation=doc, labelnames=labels, buckets=LATENCY_BUCKETS)
     return out
 
 
-def add_adapter_counters(stats: OffloadingConnectorStats, delta: Counter[str]) -> None:
-    """Adapter counter increments (``name`` or ``name:label``) into ``stats``."""
+def add_adapter_counters(stats: OffloadingConnectorStats, delta: Mapping[str, int]) -> None:
+    """Adapter counter increments (``name`` or ``name:label``) into ``stats``. Lookup misses are
+    the lookups no other answer counted (``lookups`` minus hits, retries and skipped_failed)."""
     for key, value in delta.items():
         name, _, label = key.partition(":")
-        spec = ADAPTERCOUNTER_NAMES.get(name)
-        if spec is None or value <= 0:
-            continue  # undeclared: Prometheus could not export it
-        stats.increase_counter(PREFIX + name, value, (label or "other",) if spec[0] else ())
+        for family, labels in _ADAPTER_KEYS.get(name, ()):
+            if value > 0:  # undeclared keys are skipped: Prometheus could not export them
+                stats.increase_counter(family, value, tuple(label or "other" if v == "{}" else v for v in labels))
+    misses = delta.get("lookups", 0) - sum(delta.get(k, 0) for k in ("lookup_hits", "lookup_retries", "skipped_failed"))
+    if misses > 0:
+        stats.increase_counter(LOOKUPS, misses, ("miss",))
+
+
+def add_index_residency(stats: OffloadingConnectorStats, resident: Mapping[str, Sequence[int]],
+                        page_file_bytes: Sequence[int], names: Mapping[str, str]) -> bool:
+    """The page index's residency gauges: ``resident`` maps an index tier ("local", "shared") to
+    page files per group, ``page_file_bytes`` a group's uncompressed page file size, ``names``
+    an index tier to its metrics name ("shared" -> "root" for a lone root). Tiers whose
+    residency the worker owns (``RESIDENCY_FROM_WORKER``) are left out. True if any was set."""
+    added = False
+    for index_tier, per_group in resident.items():
+        tier = names.get(index_tier, index_tier)
+        if tier in RESIDENCY_FROM_WORKER:
+            continue
+        stats.set_gauge(TIER_RESIDENT_PAGES, sum(per_group), (tier,))
+        stats.set_gauge(TIER_RESIDENT_BYTES, sum(n * b for n, b in zip(per_group, page_file_bytes, strict=False)),
+                        (tier,))
+        added = True
+    return added
 
 
 def accumulate(totals: dict[str, float], stats: OffloadingConnectorStats) -> None:
@@ -119,55 +227,68 @@ def accumulate(totals: dict[str, float], stats: OffloadingConnectorStats) -> Non
 
 
 class TierDeltas:
-    """Increments between successive ``MetricsRegistry.snapshot()`` results."""
+    """Increments between successive ``MetricsRegistry.snapshot()`` results (worker side)."""
 
-    def __init__(self, baseline: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(self, baseline: dict[str, dict[str, Any]] | None = None,
+                 residency_tiers: frozenset[str] = RESIDENCY_FROM_WORKER) -> None:
         # baseline: the registry when reporting starts (a process-wide registry may already hold
         # the totals of an earlier engine in the same process)
         self._last: dict[str, dict[str, Any]] = dict(baseline or {})
+        self._residency_tiers = residency_tiers
 
     def add_to(self, stats: OffloadingConnectorStats, snapshot: dict[str, dict[str, Any]]) -> bool:
         """Add what changed since the previous call to ``stats``; True if anything was added."""
         added = False
         for tier, now in snapshot.items():
             before = self._last.get(tier, {})
-            for name in COUNTER_NAMES:
+            for name, (family, labels) in _TIER_COUNTERS.items():
                 inc = int(now.get(name, 0)) - int(before.get(name, 0))
                 if inc > 0:
-                    stats.increase_counter(f"{PREFIX}tier_{name}", inc, (tier,))
+                    stats.increase_counter(family, inc, (tier, *labels))
                     added = True
             old_f = before.get("failures", {})
             for kind, n in now.get("failures", {}).items():
                 inc = int(n) - int(old_f.get(kind, 0))
                 if inc > 0:
-                    stats.increase_counter(f"{PREFIX}tier_failures", inc, (tier, str(kind)))
+                    stats.increase_counter(TIER_ERRORS, inc, (tier, str(kind)))
                     added = True
-            for gauge in ("used_bytes", "cap_bytes"):
-                value = now.get(gauge)
-                if value is not None and value != before.get(gauge):
-                    stats.set_gauge(f"{PREFIX}tier_{gauge}", value, (tier,))
+            gauges = [("cap_bytes", TIER_CAPACITY_BYTES)]
+            if tier in self._residency_tiers:
+                gauges += [("used_bytes", TIER_RESIDENT_BYTES), ("resident_pages", TIER_RESIDENT_PAGES)]
+            for key, family in gauges:
+                value = now.get(key)
+                if value is not None and value != before.get(key):
+                    stats.set_gauge(family, value, (tier,))
                     added = True
-            for op in ("load", "store"):
-                added = self._histogram(stats, f"{PREFIX}tier_{op}_seconds", tier,
-                                        now.get(f"{op}_seconds", {}), before.get(f"{op}_seconds", {})) or added
+            for key, family in _TIER_HISTOGRAMS.items():
+                added = replay_histogram(stats, family, (tier,), now.get(key, {}), before.get(key, {})) or added
             self._last[tier] = now
         return added
 
-    @staticmethod
-    def _histogram(stats: OffloadingConnectorStats, name: str, tier: str, now: dict[str, Any],
-                   before: dict[str, Any]) -> bool:
-        cum_now = now.get("buckets", {})
-        cum_before = before.get("buckets", {})
-        prev_now = prev_before = 0
-        added = False
-        for le, c in cum_now.items():
-            inc = (c - prev_now) - (cum_before.get(le, 0) - prev_before)
-            prev_now, prev_before = c, cum_before.get(le, 0)
-            bound = float(le) if le != "+Inf" else LATENCY_BUCKETS[-1] * 2
-            for _ in range(max(inc, 0)):
-                stats.observe_histogram(name, bound, (tier,))
-                added = True
-        return added
+
+def replay_histogram(stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...], now: dict[str, Any],
+                     before: dict[str, Any]) -> bool:
+    """The samples a ``Histogram.to_dict`` gained since ``before``, as observations: per bucket,
+    its new count of samples at their mean (clamped into the bucket), so the exported bucket
+    counts and ``_sum`` equal the registry's. True if any was added."""
+    cum_now, cum_before = now.get("buckets", {}), before.get("buckets", {})
+    sums_now, sums_before = now.get("bucket_sums", {}), before.get("bucket_sums", {})
+    prev_now = prev_before = 0
+    lower = 0.0
+    added = False
+    for le, c in cum_now.items():
+        b = cum_before.get(le, 0)
+        inc = (c - prev_now) - (b - prev_before)
+        prev_now, prev_before = c, b
+        upper = float(le) if le != "+Inf" else float("inf")
+        if inc > 0:
+            mean = (float(sums_now.get(le, 0.0)) - float(sums_before.get(le, 0.0))) / inc
+            mean = min(max(mean, lower), upper)  # float rounding must not move it to a neighbour
+            for _ in range(inc):
+                stats.observe_histogram(name, mean, labels)
+            added = True
+        lower = upper
+    return added
 
 
 class TierStorePromMetrics(OffloadPromMetrics):
@@ -188,3 +309,4 @@ class TierStorePromMetrics(OffloadPromMetrics):
         # vLLM 0.32's OffloadPromMetrics.observe calls self.reset(), which no base class defines
         # (an AttributeError on the first non-empty stats); Prometheus metrics keep no interval state.
         return
+
