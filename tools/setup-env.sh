@@ -69,5 +69,18 @@ setup_sshfs() {
   fi
 }
 
+# optional "what it does" COMMAND...: as try, but say so on stderr when it fails (its tests skip).
+optional() {
+  local what=$1 rc=0
+  shift
+  printf '\n== %s (optional)\n+ %s\n' "$what" "$*" >>"$LOG"
+  "$@" >>"$LOG" 2>&1 || rc=$?
+  [ "$rc" -eq 0 ] || say "$what failed (exit $rc, see $LOG); the tests that need it will be skipped"
+}
+
 setup_venv
 setup_sshfs
+# Debian's prometheus (server, promtool) for the metrics tests; a QEMU guest with a kernel NFS
+# server and clients for the real-NFS tests (cached under ~/.cache/tierstore/nfs-guest).
+optional "install prometheus" bash tools/prometheus-setup.sh
+optional "build the kernel-NFS guest" bash tools/nfs-guest.sh
