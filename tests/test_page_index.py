@@ -212,3 +212,64 @@ def test_fingerprints_of_offload_keys_leave_the_suffix_out(compiled: bool, monke
     assert page_index.fingerprints(mixed, 4).tolist() == [fingerprint(k[:-4]) for k in mixed]
     assert page_index.fingerprints(keys[:3]).tolist() == [fingerprint(k) for k in keys[:3]]
     assert page_index.fingerprints([], 4).tolist() == []
+
+
+def _age(directory: Path, seconds: float = 10.0) -> None:
+    """Make a directory's mtime ``seconds`` old (as if nothing changed in it since)."""
+    t = os.stat(directory).st_mtime - seconds
+    os.utime(directory, (t, t))
+
+
+def test_an_unchanged_directory_is_answered_by_a_stat_until_it_changes(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refresh stats each fan-out directory and lists only those whose (inode, mtime, ctime)
+    moved since a listing made when the mtime was already settled; every FULL_RELIST_EVERY-th
+    refresh lists anyway. A page another node creates changes the mtime: it is seen."""
+    monkeypatch.setattr(page_index, "FULL_RELIST_EVERY", 3)
+    mapper = FileMapper(tmp_path, "ns", 0)
+    first = key_of(1)
+    make_pages(mapper, [first])
+    d = fingerprint(first) >> 56
+    directory = mapper.base / f"{d:02x}"
+    _age(directory)
+    index = PageIndex(mapper.base)
+    index.load_dir(d)
+    assert index.contains(first) and (index.listings, index.listings_skipped) == (1, 0)
+    index.load_dir(d)
+    index.load_dir(d)
+    assert (index.listings, index.listings_skipped) == (1, 2)  # two stats, no readdir
+    index.load_dir(d)  # the third refresh lists anyway
+    assert (index.listings, index.listings_skipped) == (2, 2)
+    # another node's page: a new name in the directory changes its mtime and ctime
+    later = next(key_of(i) for i in range(3, 10_000) if fingerprint(key_of(i)) >> 56 == d)
+    os.close(os.open(mapper.path_for(later), os.O_WRONLY | os.O_CREAT, 0o644))
+    index.load_dir(d)
+    assert index.contains(later) and index.listings == 3
+
+
+def test_a_fresh_mtime_is_never_trusted(tmp_path: Path) -> None:
+    """A directory listed within SETTLED_S of its last change is listed again at every refresh:
+    a change in the same clock tick as the listing could leave its mtime as it was."""
+    mapper = FileMapper(tmp_path, "ns", 0)
+    make_pages(mapper, [key_of(1)])
+    d = fingerprint(key_of(1)) >> 56
+    index = PageIndex(mapper.base)
+    for _ in range(3):
+        index.load_dir(d)
+    assert (index.listings, index.listings_skipped) == (3, 0)
+
+
+def test_refresh_of_an_unchanged_tree_reads_a_tenth_of_the_entries(tmp_path: Path) -> None:
+    """``tierstore bench lookup``'s refresh figure: an unchanged tree costs one stat per fan-out
+    directory per refresh plus a full listing every FULL_RELIST_EVERY-th refresh, against a
+    readdir of every directory each time."""
+    from tierstore.bench.lookup import NS, make_tree, refresh_cost
+
+    mapper = make_tree(tmp_path / "export", 3000)
+    for d in mapper.base.iterdir():
+        _age(d)
+    f = refresh_cost(FileMapper(tmp_path / "export", NS, 0).base)
+    every = page_index.FULL_RELIST_EVERY
+    assert f["list_all_readdir"] == 256 and f["list_all_entries"] == 3000
+    assert f["changed_only_stat"] == 256 and f["changed_only_readdir"] == 256 / every
+    assert f["changed_only_entries"] == 3000 / every

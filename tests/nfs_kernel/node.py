@@ -431,7 +431,9 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
            "outcomes_during_outage": during, "recovered_after_restart_s": recovered,
            "threads_stuck": sum(t.is_alive() for t in threads),
            "nodes": {n.name: n.summary() for n in (a, b)},
-           "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in (a, b)}}
+           "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in (a, b)},
+           # down/up changes of each shared tier: 2 per outage when its probe tells the truth
+           "health_transitions": {n.name: n.store_.shared.health.transitions for n in (a, b)}}
     for n in (a, b):
         n.close()
     return out

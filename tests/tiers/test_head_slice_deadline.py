@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.config import TierStoreConfig
+from tierstore.errors import PageMissing
 from tierstore.format.head_slices import HeadRange, slice_layout, split_dir_name
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import layout_namespace, page_key, simple_namespace
@@ -73,8 +74,9 @@ def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
 
 
 def test_queued_fallbacks_are_bounded_while_threads_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before any deadline passes: two reads hang on the pool's two threads, two more wait;
-    every miss after that is handed out as a miss at once instead of joining the queue."""
+    """Before any deadline passes: two reads hang on the pool's two threads; once both have
+    been at it for STALL_S, every later miss is handed out as a miss at once instead of
+    joining the queue."""
     ns = simple_namespace("bfloat16", num_kv_heads=2)
     full_layout = ns.groups[0].layout
     need = H(0, 1)
@@ -85,20 +87,60 @@ def test_queued_fallbacks_are_bounded_while_threads_hang(tmp_path: Path, monkeyp
     monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
     (tmp_path / "README").write_bytes(b"")
     hung = threading.Event()
-    monkeypatch.setattr(head_slice_store, "assemble", lambda *a, **k: hung.wait(30))
+    entered: list[int] = []
+    monkeypatch.setattr(head_slice_store, "assemble", lambda *a, **k: entered.append(1) or hung.wait(30))
     layout = slice_layout(full_layout, need)
     own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=16,
-                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_ms": 30_000}))
+                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_s": 30}))
     store = HeadSliceStore(own, need, full_layout, slices, store_back=False)
     try:
-        jobs = [store.submit_load(page_key(i)) for i in range(10)]
+        first = [store.submit_load(page_key(i)) for i in range(2)]
+        assert not store.wait(first, head_slice_store.STALL_S + 0.3)  # both hang on the pool's threads
+        assert len(entered) == 2
+        jobs = [store.submit_load(page_key(i)) for i in range(2, 10)]
         t0 = time.monotonic()
         got = store.wait(jobs, 1.0)
         assert time.monotonic() - t0 < 2.0
-        assert len(got) == 6 and all(r.error is not None and r.error.kind == "missing" for r in got)
-        assert store.stats["slice_skipped"] == 6
+        assert len(got) == 8 and all(r.error is not None and r.error.kind == "missing" for r in got)
+        assert store.stats["slice_skipped"] == 8 and len(entered) == 2
     finally:
         hung.set()
         store.close()
         slices.close()
 
+
+
+def test_a_burst_of_misses_on_a_healthy_root_is_assembled_in_full(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TP change misses every page of a prompt at once: none of them is given up as long as
+    the pool's threads make progress (a bound of 2 x threads queued fallbacks recomputed 5 of 7
+    pages of every cross-TP prompt in the vLLM tests)."""
+    ns = simple_namespace("bfloat16", num_kv_heads=2)
+    full_layout = ns.groups[0].layout
+    need = H(0, 1)
+    group_dir = tmp_path / "shared" / ns.digest / "g0"
+    (group_dir / split_dir_name(H(0, 2))).mkdir(parents=True)
+    slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
+    assert slices.listed.wait(5)
+    monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
+    (tmp_path / "README").write_bytes(b"")
+    tried: list[int] = []
+
+    def slow_assemble(*a: object, **k: object) -> None:  # a healthy root: 20 ms a read, then "gone"
+        tried.append(1)
+        time.sleep(0.02)
+        raise PageMissing("not in any slice either")
+
+    monkeypatch.setattr(head_slice_store, "assemble", slow_assemble)
+    layout = slice_layout(full_layout, need)
+    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=16,
+                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_s": 30}))
+    store = HeadSliceStore(own, need, full_layout, slices, store_back=False)
+    try:
+        jobs = [store.submit_load(page_key(i)) for i in range(12)]
+        got = store.wait(jobs, 10)
+        assert len(got) == 12 and len(tried) == 12  # every miss was tried on the other slices
+        assert store.stats["slice_skipped"] == 0
+    finally:
+        store.close()
+        slices.close()

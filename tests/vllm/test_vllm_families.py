@@ -54,7 +54,7 @@ def test_restart_hits_with_identical_tokens_and_windows_load_only_their_pages(tm
     kinds = {g["kind"] for g in groups}
     assert kinds == {"sliding_window", "attention"}, kinds
     for i, g in enumerate(groups):
-        loaded = second.worker["engines"][f"g{i}"]["loads_ok"]
+        loaded = second.worker["engines"][f"g{i}"]["root_engine"]["loads_ok"]  # a lone root: a chain of one
         stored = len(list((namespace_dir(root) / f"g{i}").rglob("*.kvp")))
         if g["kind"] == "sliding_window":
             assert g["sliding_window"] < g["tokens_per_chunk"]

@@ -154,6 +154,8 @@ def bench_target(name: str, root: Path, pages: int, n_keys: int, n_slow: int,
                            "hits": hits, "keys": len(keys), "index-1st": first, "index-again": again,
                            "request_32k": request, "shared_up": manager.pages.shared_up}
     manager.shutdown()
+    if freeze is None and not kv_heads:
+        out["refresh"] = refresh_cost(mapper.base)
     ways = []
     if freeze is None:
         slow = keys[: n_slow // 2] + keys[half : half + n_slow // 2]
@@ -260,6 +262,56 @@ def _stat(path: Path) -> None:
         os.stat(path)
 
 
+def refresh_cost(base: Path, refresh_s: float = 30.0) -> dict[str, float]:
+    """The index's metadata load on the file server when nothing changed: a refresh that lists
+    every fan-out directory (``FULL_RELIST_EVERY`` 1: the code before the unchanged-directory
+    rule) against one that stats them and lists only those that changed. Per refresh, averaged
+    over ``FULL_RELIST_EVERY`` refreshes (so the periodic full listing is in): readdirs,
+    directory entries read, stats, and the median seconds; per minute at ``index_refresh_s`` =
+    ``refresh_s``."""
+    from tierstore.index import page_index
+
+    counts = {"readdir": 0, "entries": 0, "stat": 0}
+    real_list, real_sig = page_index.list_fingerprints, page_index._dir_signature
+
+    def counted_list(directory: Any, fanout_index: int) -> memoryview:
+        counts["readdir"] += 1
+        out = real_list(directory, fanout_index)
+        counts["entries"] += len(out)
+        return out
+
+    def counted_sig(directory: str) -> Any:
+        counts["stat"] += 1
+        return real_sig(directory)
+
+    out: dict[str, float] = {}
+    page_index.list_fingerprints, page_index._dir_signature = counted_list, counted_sig  # type: ignore[assignment]
+    every = rounds = page_index.FULL_RELIST_EVERY
+    try:
+        for way, relist_every in (("list_all", 1), ("changed_only", every)):
+            page_index.FULL_RELIST_EVERY = relist_every
+            index = PageIndex(base)
+            index.load_all()  # the first listing (engine start), not counted
+            times = []
+            for k in counts:
+                counts[k] = 0
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                index.load_all()
+                times.append(time.perf_counter() - t0)
+            per = {k: v / rounds for k, v in counts.items()}
+            out.update({f"{way}_{k}": v for k, v in per.items()})
+            out[f"{way}_s"] = statistics.median(times)
+            # the code before the rule listed every directory and stat'ed none
+            ops = per["readdir"] + (per["stat"] if way == "changed_only" else 0)
+            out[f"{way}_ops_per_min"] = ops * 60 / refresh_s
+            out[f"{way}_entries_per_min"] = per["entries"] * 60 / refresh_s
+    finally:
+        page_index.list_fingerprints, page_index._dir_signature = real_list, real_sig  # type: ignore[assignment]
+        page_index.FULL_RELIST_EVERY = every
+    return out
+
+
 def index_memory(root: Path) -> dict[str, float]:
     """Bytes the loaded index holds per page (tracemalloc: arrays and Python objects)."""
     tracemalloc.start()
@@ -342,6 +394,14 @@ def print_table(results: list[dict[str, Any]], memory: dict[str, float] | None) 
         print(f"{r['target']:8}   {SHORT_PREFIX} stored pages then a new document, first sight, ms (wall / CPU): "
               f"per-key {q['perkey_short_ms']:.3f} / {q['perkey_short_cpu_ms']:.3f}, batched "
               f"{q['batched_short_ms']:.3f} / {q['batched_short_cpu_ms']:.3f}")
+        f = r.get("refresh")
+        if f:
+            print(f"{r['target']:8} index refresh of an unchanged tree (per refresh; per minute at 30 s): list all "
+                  f"{f['list_all_readdir']:.0f} readdirs, {f['list_all_entries']:,.0f} "
+                  f"entries, {f['list_all_s'] * 1000:.1f} ms ({f['list_all_ops_per_min']:.0f} ops/min); changed only "
+                  f"{f['changed_only_readdir']:.0f} readdirs + {f['changed_only_stat']:.0f} stats, "
+                  f"{f['changed_only_entries']:,.0f} entries, {f['changed_only_s'] * 1000:.1f} ms "
+                  f"({f['changed_only_ops_per_min']:.0f} ops/min)")
         down = "" if r["shared_up"] else "; shared tier down (MISS at once)"
         print(f"{r['target']:8} index ready (constructor) {r['index_ready_s'] * 1000:.1f} ms, first load "
               f"{r['index_load_s']:.2f} s at {r['pages']:,} pages; hits {r['hits']}/{r['keys']}{down}")

@@ -25,9 +25,11 @@ Contract:
   to the caller as a typed ``timeout`` at the deadline (``poll``/``wait``), its thread left to
   finish on its own (a slot it took then goes back to the inner store), and the fallback is
   marked down (``health``, ``fs.deadline.Health``: a probe of the group directory under the
-  deadline brings it back). While down, or while ``threads`` fallbacks are unfinished and
-  ``threads`` more wait, a ``missing`` own load is handed out as it is (no fallback): later
-  loads never queue behind hung ones. A fallback that waited in the queue past its deadline
+  deadline brings it back). While down, or while every pool thread has been reading one
+  fallback for ``STALL_S`` or more (the shared root stalls), or with ``MAX_UNFINISHED``
+  fallbacks unfinished, a ``missing`` own load is handed out as it is (no fallback): later
+  loads never queue behind hung ones, while a burst of misses on a healthy root (a TP change:
+  every page of a prompt at once) is assembled in full. A fallback that waited in the queue past its deadline
   returns ``timeout`` without touching the file system.
 - ``stats`` adds ``slice_loads`` (served from other slices), ``slice_bytes_read``,
   ``slice_bytes_scattered``, ``slice_files``, ``slice_failures`` and ``slice_stored_back``:
@@ -44,12 +46,10 @@ fallback reads run on the pool (``threads`` threads, at most as many queued); ``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -72,6 +72,7 @@ from tierstore.index import page_index
 from tierstore.rootstore import pageops as pagefile
 from tierstore.store import IOResult, PageStore
 from tierstore.tiers.assembly import assemble
+from tierstore.tiers.shared import probe_root
 
 logger = logging.getLogger("tierstore.slices")
 
@@ -155,6 +156,10 @@ class DirectorySlices:
         self._stop.set()
 
 
+STALL_S = 1.0  # every pool thread on one fallback this long: the shared root stalls (at most deadline / 4)
+MAX_UNFINISHED = 256  # fallbacks running or queued at most
+
+
 class HeadSliceStore:
     """The rank's store, plus loads assembled from other head slices; see the module docstring."""
 
@@ -169,7 +174,9 @@ class HeadSliceStore:
             raise ValueError(f"the inner store's layout is not heads {split_dir_name(heads)} of the group")
         self.slot_wait_s = slot_wait_s
         self.deadline_s = deadline_s if deadline_s is not None else _inner_deadline(inner)
-        self._max_unfinished = 2 * threads  # running plus queued: beyond it a miss stays a miss
+        self._threads = threads
+        self._stall_s = min(STALL_S, self.deadline_s / 4)
+        self._running: dict[int, float] = {}  # job id -> when its pool thread started it
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierstore-slices")
         self.health = Health("head-slices", self._probe, self.deadline_s)
         self._lock = threading.Lock()
@@ -242,7 +249,7 @@ class HeadSliceStore:
                 ours = r.job_id in self._loads
                 self._loads.discard(r.job_id)
                 if ours and not r.ok and r.error is not None and r.error.kind == "missing":
-                    if self.health.up and self._unfinished < self._max_unfinished:
+                    if self.health.up and not self._stalled_locked():
                         deadline = time.monotonic() + self.deadline_s
                         self._unfinished += 1
                         future = self._pool.submit(self._run_fallback, r, deadline)
@@ -252,13 +259,25 @@ class HeadSliceStore:
             out.append(r)
         return out
 
+    def _stalled_locked(self) -> bool:
+        """Whether a new fallback would only queue behind hung ones (the lock held): every pool
+        thread on one for ``_stall_s`` or more, or ``MAX_UNFINISHED`` unfinished."""
+        if self._unfinished >= MAX_UNFINISHED:
+            return True
+        if len(self._running) < self._threads:
+            return False
+        return time.monotonic() - max(self._running.values()) >= self._stall_s
+
     def _run_fallback(self, missing: IOResult, deadline: float) -> IOResult:
         """On a pool thread: ``_from_slices``, then one fewer fallback unfinished."""
+        with self._lock:
+            self._running[missing.job_id] = time.monotonic()
         try:
             return self._from_slices(missing, deadline)
         finally:
             with self._lock:
                 self._unfinished -= 1
+                self._running.pop(missing.job_id, None)
 
     def _done_fallbacks(self, only: set[int] | None = None) -> list[IOResult]:
         """Finished fallbacks, and those past their deadline as ``timeout`` results (module
@@ -296,12 +315,11 @@ class HeadSliceStore:
             self.inner.release_slot(late.slot)
 
     def _probe(self) -> None:
-        """The fallback's health probe (under its deadline): a fresh name under the group
-        directory, which no attribute or negative cache can answer for the server."""
+        """The fallback's health probe (under its deadline): a create and unlink under the group
+        directory, which the file server must answer (``shared.probe_root``)."""
         group_dir = getattr(self.slices, "group_dir", None)
         if group_dir is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.stat(Path(group_dir) / f".tierstore-probe-{uuid.uuid4().hex}")
+            probe_root(Path(group_dir))
 
     def poll(self) -> list[IOResult]:
         return self._route(self.inner.poll()) + self._done_fallbacks()

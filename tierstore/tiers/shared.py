@@ -30,6 +30,7 @@ them up).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -105,9 +106,7 @@ class SharedTier(EngineTier):
             callback(up)
 
     def _probe(self) -> None:
-        # a name nobody has looked up: no attribute or negative cache can answer for the server
-        with contextlib.suppress(FileNotFoundError):
-            os.stat(self.root / f".tierstore-probe-{uuid.uuid4().hex}")
+        probe_root(self.root)
         if self.engine() is None:
             raise PageTimeout(f"the {self.name} engine is still opening")
 
@@ -195,3 +194,27 @@ def touch_page(dirs: pagefile.RankDir, key: bytes, path: str) -> None:
         raise pagefile.read_error(exc, "read", path, key) from exc
     finally:
         os.close(fd)
+
+
+# errnos with which the server answered a probe's create (a missing directory, a read-only or full
+# export, another owner's directory): it is up, whatever it refused
+_PROBE_ANSWERED = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOSPC, errno.EDQUOT})
+
+
+def probe_root(root: Path) -> None:
+    """Raise unless the file server behind ``root`` answers now: create and remove a fresh name.
+
+    A ``stat`` of a fresh name was answered while a kernel NFS server was stopped (the real-NFS
+    test's outage: the tier came back 32 times in 30 s, each return costing another timeout);
+    an exclusive create is a CREATE the server itself must answer, on every NFS version and any
+    attribute or lookup caching. A refusal (``_PROBE_ANSWERED``) is an answer too."""
+    name = root / f".tierstore-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno in _PROBE_ANSWERED:
+            return
+        raise
+    os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
