@@ -157,6 +157,16 @@ def test_progress_bar_has_rate_and_eta_and_can_be_turned_off(command: str, tmp_p
     assert unit not in err
 
 
+def test_gc_dry_run_draws_its_bar_and_still_changes_nothing(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    root = _make("healthy", tmp_path)
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    assert cli.main([*COMMANDS["gc"](root), "--max-bytes", "1", "--dry-run", "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "dir/s" in err and "<" in err, err
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before  # no lease, no trash
+
+
 def test_gc_and_stats_count_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One meaning (file bytes, st_size): gc's page bytes are stats' exact bytes, also for zstd
     pages whose allocated blocks are more than their size; for uncompressed pages the default

@@ -33,7 +33,7 @@ from tierstore.admin.inventory import human_bytes, progress_bar
 from tierstore.fs.display import escape, iso_utc
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import NAMESPACE_DIR_RE
-from tierstore.tiers.gc import EVICT_THREADS, TRASH_DIR, GcReport, collect, parse_bytes
+from tierstore.tiers.gc import EVICT_THREADS, TRASH_DIR, DryLease, GcReport, collect, parse_bytes
 
 EXIT_USAGE = 2
 EXIT_OPERATIONAL = 8
@@ -108,7 +108,7 @@ class _ProgressLease:
     directory it scans and once per eviction batch, so the bar follows the pass without a
     hook in the gc logic. Threading: gc's calling thread."""
 
-    def __init__(self, lease: Lease, bar: Any, scan_dirs: int) -> None:
+    def __init__(self, lease: Lease | DryLease, bar: Any, scan_dirs: int) -> None:
         self.lease, self.bar, self.scan_dirs, self.ticks = lease, bar, scan_dirs, 0
 
     @property
@@ -132,14 +132,14 @@ class _ProgressLease:
 
 def one_pass(args: argparse.Namespace, root: Path, lease: Lease) -> GcReport:
     """One gc pass as the command line asked (with its progress bar)."""
-    # A dry run takes no lease, so nothing would tick the bar: none is drawn.
-    bar = progress_bar("gc scan (dirs)", unit="dir", enabled=False if args.dry_run else args.progress)
+    # A dry run takes no lease: the bar ticks on a lease that writes nothing (tiers.gc.DryLease).
+    bar = progress_bar("gc scan (dirs)", unit="dir", enabled=args.progress)
     try:
-        used: Any = lease
-        if not bar.disable and not args.dry_run:
+        used: Any = DryLease() if args.dry_run else lease
+        if not bar.disable:
             scan_dirs = count_scan_dirs(root)
             bar.reset(total=scan_dirs)
-            used = _ProgressLease(lease, bar, scan_dirs)
+            used = _ProgressLease(used, bar, scan_dirs)
         return collect(root, args.max_bytes, low_watermark=args.low_watermark, trash_grace_s=args.trash_grace,
                        temp_max_age_s=args.temp_max_age, lease=used, dry_run=args.dry_run,
                        evict_threads=args.evict_threads)

@@ -364,7 +364,7 @@ def not_a_cache(root_fd: int) -> str | None:
             "directory; pass the directory given as \"root\" (fsck refuses it too)")
 
 
-class _DryLease:
+class DryLease:
     """The lease of a dry run: taken without writing anything (a dry run changes nothing)."""
 
     problem: str | None = None
@@ -406,7 +406,9 @@ def collect(
         log.warning("tierstore gc %s: refused: %s", root, rep.refused)
         rep.seconds = time.monotonic() - t0
         return rep
-    lease = _DryLease() if dry_run else (lease or Lease(root))  # type: ignore[assignment]
+    if dry_run and (lease is None or isinstance(lease, Lease)):
+        lease = DryLease()  # type: ignore[assignment]  # never the real one: it writes its file
+    lease = lease or Lease(root)
     if not lease.acquire():
         rep.lease_problem = lease.problem
         rep.busy = lease.problem is None
