@@ -22,8 +22,11 @@ H = HeadRange
 DEADLINE_S = 0.4
 
 
-def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _over_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, assemble: object, deadline_s: float,
+                 slots: int = 16) -> tuple[HeadSliceStore, DirectorySlices]:
+    """A rank's store (head 0 of 2) over a group directory where every covering file "exists"
+    (as a stat answered from the attribute cache says) and every read of one is ``assemble``;
+    the fallback's deadline: the config's ``shared_deadline_s``."""
     ns = simple_namespace("bfloat16", num_kv_heads=2)
     full_layout = ns.groups[0].layout
     need = H(0, 1)
@@ -31,25 +34,27 @@ def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
     (group_dir / split_dir_name(H(0, 2))).mkdir(parents=True)  # another TP's slice directory
     slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
     assert slices.listed.wait(5)
-    # Every covering file "exists" (the stat answered from the attribute cache) and every read
-    # of one blocks, as on a hard NFS mount whose server stopped.
     monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
     (tmp_path / "README").write_bytes(b"")
+    monkeypatch.setattr(head_slice_store, "assemble", assemble)
+    layout = slice_layout(full_layout, need)
+    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=slots,
+                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_s": deadline_s}))
+    return HeadSliceStore(own, need, full_layout, slices, store_back=False), slices
+
+
+def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hung = threading.Event()
     entered: list[bytes] = []
 
-    def hung_assemble(*args: object, **kwargs: object) -> object:
+    def hung_assemble(*args: object, **kwargs: object) -> object:  # a hard NFS mount, its server stopped
         entered.append(b"")
         hung.wait(30)
         raise AssertionError("served after the hang")
 
-    monkeypatch.setattr(head_slice_store, "assemble", hung_assemble)
     monkeypatch.setattr(HeadSliceStore, "_probe", lambda self: hung.wait(30), raising=False)  # the mount hangs
-    layout = slice_layout(full_layout, need)
-    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=8,
-                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"),
-                                                     "shared_deadline_ms": int(DEADLINE_S * 1000)}))
-    store = HeadSliceStore(own, need, full_layout, slices, store_back=False)  # the deadline: the config's
+    store, slices = _over_slices(tmp_path, monkeypatch, hung_assemble, DEADLINE_S, slots=8)
     try:
         t0 = time.monotonic()
         first = [store.submit_load(page_key(i)) for i in range(2)]
@@ -77,22 +82,9 @@ def test_queued_fallbacks_are_bounded_while_threads_hang(tmp_path: Path, monkeyp
     """Before any deadline passes: two reads hang on the pool's two threads; once both have
     been at it for STALL_S, every later miss is handed out as a miss at once instead of
     joining the queue."""
-    ns = simple_namespace("bfloat16", num_kv_heads=2)
-    full_layout = ns.groups[0].layout
-    need = H(0, 1)
-    group_dir = tmp_path / "shared" / ns.digest / "g0"
-    (group_dir / split_dir_name(H(0, 2))).mkdir(parents=True)
-    slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
-    assert slices.listed.wait(5)
-    monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
-    (tmp_path / "README").write_bytes(b"")
     hung = threading.Event()
     entered: list[int] = []
-    monkeypatch.setattr(head_slice_store, "assemble", lambda *a, **k: entered.append(1) or hung.wait(30))
-    layout = slice_layout(full_layout, need)
-    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=16,
-                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_s": 30}))
-    store = HeadSliceStore(own, need, full_layout, slices, store_back=False)
+    store, slices = _over_slices(tmp_path, monkeypatch, lambda *a, **k: entered.append(1) or hung.wait(30), 30)
     try:
         first = [store.submit_load(page_key(i)) for i in range(2)]
         assert not store.wait(first, head_slice_store.STALL_S + 0.3)  # both hang on the pool's threads
@@ -115,15 +107,6 @@ def test_a_burst_of_misses_on_a_healthy_root_is_assembled_in_full(tmp_path: Path
     """A TP change misses every page of a prompt at once: none of them is given up as long as
     the pool's threads make progress (a bound of 2 x threads queued fallbacks recomputed 5 of 7
     pages of every cross-TP prompt in the vLLM tests)."""
-    ns = simple_namespace("bfloat16", num_kv_heads=2)
-    full_layout = ns.groups[0].layout
-    need = H(0, 1)
-    group_dir = tmp_path / "shared" / ns.digest / "g0"
-    (group_dir / split_dir_name(H(0, 2))).mkdir(parents=True)
-    slices = DirectorySlices(group_dir, ns.digest_bytes, 0, full_layout, refresh_s=0)
-    assert slices.listed.wait(5)
-    monkeypatch.setattr(DirectorySlices, "locate", lambda self, h, key: (tmp_path / "README", None))
-    (tmp_path / "README").write_bytes(b"")
     tried: list[int] = []
 
     def slow_assemble(*a: object, **k: object) -> None:  # a healthy root: 20 ms a read, then "gone"
@@ -131,11 +114,7 @@ def test_a_burst_of_misses_on_a_healthy_root_is_assembled_in_full(tmp_path: Path
         time.sleep(0.02)
         raise PageMissing("not in any slice either")
 
-    monkeypatch.setattr(head_slice_store, "assemble", slow_assemble)
-    layout = slice_layout(full_layout, need)
-    own = IOEngine(tmp_path / "own", layout_namespace(layout, 16, model="own"), 0, staging_slots=16,
-                   config=TierStoreConfig.from_dict({"root": str(tmp_path / "own"), "shared_deadline_s": 30}))
-    store = HeadSliceStore(own, need, full_layout, slices, store_back=False)
+    store, slices = _over_slices(tmp_path, monkeypatch, slow_assemble, 30)
     try:
         jobs = [store.submit_load(page_key(i)) for i in range(12)]
         got = store.wait(jobs, 10)

@@ -37,6 +37,8 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+from vllm_helpers import reset_prefix_cache  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
 SERVER_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
@@ -53,17 +55,6 @@ def _get(url: str, timeout: float = 10.0) -> Any:
 
 def _query(prom_url: str, expr: str) -> dict[str, Any]:
     return _get(f"{prom_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-
-
-def _reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            if json.loads(r.read()).get("success"):
-                return
-        time.sleep(0.5)
-    raise TimeoutError("vLLM kept refusing /reset_prefix_cache")
 
 
 def _expressions() -> dict[str, str]:
@@ -160,7 +151,7 @@ def test_real_prometheus_evaluates_every_dashboard_and_alert_expression(tmp_path
             warm.complete(new, max_tokens=2)
             warm.complete(cold_prompt, max_tokens=2)
             time.sleep(3)  # scrapes between the rounds: rate() sees the counters move
-            _reset_prefix_cache(warm.url)
+            reset_prefix_cache(warm.url)
         after = warm.metrics()
         hits = metric(after, "tierstore_page_loads_total{result=ok}") - metric(before, "tierstore_page_loads_total{result=ok}")
         assert hits > 0, warm.log_tail()  # the restart hit came from tierstore

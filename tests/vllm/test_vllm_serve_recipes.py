@@ -16,16 +16,15 @@ engine tests, not here (their tiny models' CPU kernels are slower to start).
 
 from __future__ import annotations
 
-import json
 import re
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from vllm_helpers import reset_prefix_cache  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 STOP_FLAGS = ["--shutdown-timeout", "45"]
@@ -64,18 +63,6 @@ def _first_top(resp: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in resp["choices"][0]["logprobs"]["top_logprobs"][0].items()}
 
 
-def _reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
-    """vLLM refuses while blocks are held by in-flight offloads (our stores): retry."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            if json.loads(r.read()).get("success"):
-                return
-        time.sleep(0.5)
-    raise TimeoutError("vLLM kept refusing /reset_prefix_cache")
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(RECIPES))
@@ -95,7 +82,7 @@ def test_recipe_serves_and_hits_tierstore(family: str, tmp_path: Path) -> None:
     server.start()
     try:
         first = server.complete(prompt, max_tokens=2, logprobs=5)
-        _reset_prefix_cache(server.url)
+        reset_prefix_cache(server.url)
         before = server.metrics()
         second = server.complete(prompt, max_tokens=2, logprobs=5)
         after = server.metrics()

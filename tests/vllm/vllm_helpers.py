@@ -221,3 +221,18 @@ def damage_rank(root: Path, rank: int) -> int:
         path.write_bytes(bytes(data))
         n += 1
     return n
+
+
+def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Empty a `vllm serve`'s prefix cache; vLLM refuses while blocks are held by in-flight
+    offloads (our stores): retry until it succeeds or ``timeout_s`` passes."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if json.loads(r.read()).get("success"):
+                return
+        time.sleep(0.5)
+    raise TimeoutError("vLLM kept refusing /reset_prefix_cache")
