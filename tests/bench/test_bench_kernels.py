@@ -27,25 +27,32 @@ def test_median_run_pairs_ratios_and_keeps_the_spread() -> None:
     assert out["repeats"] == 3 and [r["store_ratio"] for r in out["per_repeat"]] == [0.5, 0.9, 0.7]
 
 
-def test_worker_pipelines_store_and_load_a_case_on_the_cpu(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["attention", "mla"])
+def test_worker_pipelines_store_and_load_a_case_on_the_cpu(tmp_path, kind: str) -> None:
     """The transfer benchmark drives the vLLM worker's pipelines; on the CPU (torch copier, no
-    scratch) a store then a load into poisoned blocks gives back the gathered pages."""
+    scratch) a store then a load into poisoned blocks gives back the gathered pages (an MLA
+    latent case too: vLLM's [nb, 1, N, C] caches through ``mla_view``)."""
     import torch
 
     from tierstore.bench import kernels as kern
     from tierstore.config import TierStoreConfig
+    from tierstore.format.identity import GroupKind
     from tierstore.kernels import GroupCopier
     from tierstore.kernels.transfer import PageTransfer
     from tierstore.rootstore.engine import IOEngine
     from tierstore.testing.pages import layout_namespace
 
-    shape = kern.AttnShape("tiny", 2, 2, 16, 16, 2, torch.float16, ("LBNHC",))
-    case = kern.build_attention(shape, "LBNHC", 6, "cpu")
+    if kind == "mla":
+        case = kern.build_mla(kern.MlaShape("tiny mla", 2, 24, 16, 2, torch.bfloat16), 6, "cpu")
+    else:
+        case = kern.build_attention(kern.AttnShape("tiny", 2, 2, 16, 16, 2, torch.float16, ("LBNHC",)),
+                                    "LBNHC", 6, "cpu")
     views, lay, bpp, cds = case.copier_args
     copier = GroupCopier(views, lay, bpp, cds, backend="torch")
     want = torch.zeros(6, lay.nbytes, dtype=torch.uint8)
     copier.gather(case.ids, want)
-    ns = layout_namespace(lay, 32)
+    assert want.any()
+    ns = layout_namespace(lay, 32, kind=GroupKind.MLA if kind == "mla" else GroupKind.ATTENTION)
     config = TierStoreConfig(root=str(tmp_path), io_threads=2, odirect="off")
     keys = [i.to_bytes(4, "little") * 4 for i in range(6)]
     with IOEngine(tmp_path, ns, 0, config=config, staging_slots=4) as engine:

@@ -2,7 +2,8 @@
 baselines measured in the same run.
 
 Needs a CUDA device. For page shapes of real models (a dense 8B-class model, a
-Qwen3.5-0.8B-class hybrid with 544-token unified blocks, a Gemma3-class sliding-window group):
+Qwen3.5-0.8B-class hybrid with 544-token unified blocks, a Gemma3-class sliding-window group,
+a DeepSeek-V3-class MLA latent group):
 
 - ``kernels``: GroupCopier gather (cache -> device pages) and scatter (pages -> cache) GB/s,
   Triton and the torch reference, against ``torch.index_select`` / ``index_copy_`` moving the
@@ -74,7 +75,20 @@ class MambaShape:
     page_padded: int  # bytes per block in the cache (the attention page it is padded to)
 
 
-def model_shapes() -> list[AttnShape | MambaShape]:
+@dataclass(frozen=True)
+class MlaShape:
+    name: str
+    layers: int
+    latent: int  # kv_lora_rank + the rope dims: one [N, C] row per token and layer
+    kernel_tokens: int
+    blocks_per_page: int
+    dtype: torch.dtype
+
+
+Shape = AttnShape | MambaShape | MlaShape
+
+
+def model_shapes() -> list[Shape]:
     # Qwen3.5-0.8B-class hybrid: 6 attention layers (2 KV heads x 256) + 18 GDN layers
     # (16 k/v heads x 128, conv kernel 4, fp32 SSM state) -> Mamba page 1,085,440 B; attention
     # needs 2,048 B/token/layer -> unified block 544 tokens (1,114,112 B, Mamba padded to it).
@@ -92,6 +106,8 @@ def model_shapes() -> list[AttnShape | MambaShape]:
                    16, 128, 128, torch.bfloat16, torch.float32, 544 * attn_token_bytes),
         AttnShape("gemma3-12B sliding window (8L, 8x256, 16-tok kernel blocks, 64-tok pages)", 8, 8, 256, 16, 4,
                   torch.bfloat16, ("LBNHC",)),
+        # DeepSeek-V3 / Kimi K2: 61 layers of a 512 + 64 latent, FlashMLA's 64-token blocks
+        MlaShape("deepseek-v3 MLA latent (61L, 576, 64-tok blocks and pages)", 61, 576, 64, 1, torch.bfloat16),
     ]
 
 
@@ -168,6 +184,30 @@ def build_mamba(shape: MambaShape, n_pages: int, device: str) -> Case:
     ids = torch.randperm(nb, generator=gen)[:n_pages].view(n_pages, 1).to(device)
     return Case(f"{shape.name} [raw int8 pages]", "mamba", (views, lay, 1, [None] * len(views)), lay, ids,
                 base, ids.reshape(-1))
+
+
+def build_mla(shape: MlaShape, n_pages: int, device: str) -> Case:
+    """MLA latent caches as vLLM hands them to the connector (``[nb, 1, N, C]`` per layer, read
+    through ``kernels.views.mla_view``); the baseline moves whole block rows of every layer."""
+    from tierstore.format.layout import mla_layout
+    from tierstore.kernels.views import mla_view
+
+    bpp = shape.blocks_per_page
+    nb = n_pages * bpp + 8
+    gen = torch.Generator().manual_seed(3)
+    views: list[torch.Tensor] = []
+    base: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(shape.layers):
+        raw = torch.empty(nb, 1, shape.kernel_tokens, shape.latent, dtype=shape.dtype, device=device)
+        raw.view(torch.uint8).random_(0, 256)
+        views.append(mla_view(raw, shape.latent))
+        rows = raw.view(torch.uint8).view(nb, -1)
+        base.append((rows, torch.empty(n_pages * bpp, rows.shape[1], dtype=torch.uint8, device=device)))
+    lay = mla_layout([f"mla.{i}" for i in range(shape.layers)], shape.kernel_tokens * bpp, shape.latent,
+                     str(shape.dtype).removeprefix("torch."))
+    ids = torch.randperm(nb, generator=gen)[: n_pages * bpp].view(n_pages, bpp).to(device)
+    return Case(f"{shape.name} [MLA]", "mla", (views, lay, bpp, [0] * shape.layers), lay, ids, base,
+                ids.reshape(-1))
 
 
 # ---------------------------------------------------------------------------- timing helpers
@@ -320,8 +360,10 @@ def _print_sweep(rep: dict[str, Any]) -> None:
               f"| {t.get('engine_only_store_io_busy')}/{t.get('engine_only_load_warm_io_busy')} |")
 
 
-def _per_page(shape: AttnShape | MambaShape) -> int:
+def _per_page(shape: Shape) -> int:
     """Payload bytes of one page of ``shape``."""
+    if isinstance(shape, MlaShape):
+        return shape.layers * shape.kernel_tokens * shape.blocks_per_page * shape.latent * 2
     if isinstance(shape, MambaShape):
         return shape.layers * (shape.conv_dim * shape.conv_len * 2 + shape.heads * shape.head_v * shape.head_k * 4)
     return shape.layers * shape.heads * shape.kernel_tokens * shape.blocks_per_page * 2 * shape.head_size * 2
@@ -333,6 +375,8 @@ def _kernel_cases(mib: int, device: str) -> list[Case]:
         n = max(4, mib * 2**20 // _per_page(shape))
         if isinstance(shape, MambaShape):
             cases.append(build_mamba(shape, n, device))
+        elif isinstance(shape, MlaShape):
+            cases.append(build_mla(shape, n, device))
         else:
             cases.extend(build_attention(shape, layout, n, device) for layout in shape.layouts)
     return cases
@@ -345,6 +389,8 @@ def _transfer_case_makers(mib: int, device: str) -> list[Callable[[], Case]]:
         n = max(8, mib * 2**20 // _per_page(shape))
         if isinstance(shape, MambaShape):
             makers.append(lambda s=shape, n=n: build_mamba(s, n, device))
+        elif isinstance(shape, MlaShape):
+            makers.append(lambda s=shape, n=n: build_mla(s, n, device))
         elif shape.blocks_per_page in (4, 17):
             layout = shape.layouts[-1] if shape.layouts[-1] != "SPLIT_NHD" else "LBNHC"
             makers.append(lambda s=shape, n=n, lo=layout: build_attention(s, lo, n, device))

@@ -319,8 +319,12 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     views, lay, bpp, cds = case.copier_args
     n = case.ids.shape[0]
     ids_cpu = case.ids.cpu()
-    tokens = lay.sections[0].shape[1] if case.layout_name != "mamba" else 1
-    kind = GroupKind.MAMBA if case.layout_name == "mamba" else GroupKind.ATTENTION
+    if case.layout_name == "mamba":
+        tokens, kind = 1, GroupKind.MAMBA
+    elif case.layout_name == "mla":  # [T, C] per layer
+        tokens, kind = lay.sections[0].shape[0], GroupKind.MLA
+    else:  # [H, T, 2, D] per layer
+        tokens, kind = lay.sections[0].shape[1], GroupKind.ATTENTION
     ns = layout_namespace(lay, tokens, kind=kind, model=f"bench/{case.label}")
     shutil.rmtree(root / "ts", ignore_errors=True)
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off",
