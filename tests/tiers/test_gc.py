@@ -231,3 +231,8 @@ def test_gc_refuses_a_directory_that_is_not_a_cache(tmp_path: Path, capsys: pyte
     empty = tmp_path / "empty"  # a cache not written yet is fine
     empty.mkdir()
     assert not gc.collect(empty, 1).refused
+    # ... also while tierstore's own entries are all it holds: a down tier's probe file (the
+    # tier went down before its engine made the namespace directory), the format marker
+    (empty / ".tierstore-probe-0123abcd").write_bytes(b"")
+    (empty / ".tierstore-format").write_text('{"format": 1, "layouts": ["rank_dirs"], "writer": "tierstore"}')
+    assert not gc.collect(empty, 1).refused

@@ -78,11 +78,13 @@ def test_two_nodes_store_and_load_concurrently_with_gc(two_nodes: TwoNodeMount, 
     finally:
         for g in gcs:
             g.terminate()
-    gc_outs = [g.communicate(timeout=30)[0] for g in gcs]
+    gc_runs = [g.communicate(timeout=30) for g in gcs]
+    gc_outs = [out for out, _err in gc_runs]
     for p, (_out, err) in zip(nodes, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
     passes = [json.loads(line) for out in gc_outs for line in out.splitlines() if line.startswith("{")]
+    assert all("busy" in p for p in passes), (passes, [err[-2000:] for _out, err in gc_runs])  # no error document
     active = [p for p in passes if not p["busy"]]
     summary = {
         "node_a": {k: a[k] for k in ("loads", "hits", "cross_node_hits", "misses", "wrong", "load_failures", "stores", "store_failures")},

@@ -94,7 +94,7 @@ from tierstore.format.page import (
     decode_header_any_version,
 )
 from tierstore.fs import display, safefs
-from tierstore.fs.mapper import unknown_format
+from tierstore.fs.mapper import RESERVED_PREFIX, unknown_format
 
 EXIT_CLEAN = 0
 EXIT_REPAIRED = 1
@@ -112,7 +112,6 @@ SLOW_ROOT_S = 0.001  # a root answering slower than this starts fsck's gate at R
 # TRASH_DIR, tiers/lease.py LEASE_NAME, tiers/local_index.py INDEX_DIR; tests check they agree;
 # not imported: the tiers package imports torch, fsck must stay light) -> whether a directory.
 RESERVED_ROOT_ENTRIES = {".tierstore-trash": True, ".tierstore-gc.lease": False, ".tierstore": True}
-RESERVED_PREFIX = ".tierstore"
 _DELETE = frozenset({BAD_PAGE, ORPHAN, STALE_TEMP, NFS_LEFTOVER})
 
 

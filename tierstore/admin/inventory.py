@@ -70,6 +70,7 @@ from tierstore.fs.mapper import (
     NAMESPACE_DIR_RE,
     PAGE_NAME_RE,
     PAGE_SUFFIX,
+    RESERVED_PREFIX,
     fanout,
     host_tag,
     is_fanout_name,
@@ -93,7 +94,6 @@ MANIFEST = "manifest"  # a namespace directory without a valid manifest
 UNREADABLE = "unreadable"  # a directory or file that could not be listed or stat'ed
 
 SKIP_EVERYWHERE = (".snapshot",)
-RESERVED_PREFIX = ".tierstore"
 SKIP_AT_ROOT = (".quarantine", "lost+found")
 QUARANTINE_DIR = ".quarantine"
 

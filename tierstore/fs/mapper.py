@@ -263,6 +263,9 @@ class FileMapper:
 # A tool that repairs or evicts (fsck --repair, gc) reads it and refuses a root whose marker
 # names a format or a layout it does not know: a newer tierstore's tree is not its to change.
 # A root without a marker is an older writer's and is treated as before.
+# Root entries named so are tierstore's own state (lease, trash, format marker, probes, the
+# local index): skipped by every walk, never taken for foreign content.
+RESERVED_PREFIX = ".tierstore"
 FORMAT_MARKER_NAME = ".tierstore-format"
 FORMAT_MARKER_VERSION = 1
 LAYOUT_RANK_DIRS = "rank_dirs"  # ROOT/<ns>/g<g>/r<rank>/<aa>/<key>.kvp

@@ -71,11 +71,11 @@ from tierstore.errors import GONE_ERRNOS
 from tierstore.fs import safefs
 from tierstore.fs.deadline import note_space_freed
 from tierstore.fs.display import escape, parse_size
-from tierstore.fs.lease import LEASE_NAME, Lease
+from tierstore.fs.lease import Lease
 from tierstore.fs.mapper import (
-    FORMAT_MARKER_NAME,
     NAMESPACE_DIR_RE,
     PAGE_SUFFIX,
+    RESERVED_PREFIX,
     fanout,
     host_tag,
     parse_index_dir,
@@ -350,13 +350,13 @@ def _open_trash(root_fd: int, rep: GcReport) -> int | None:
         raise
 
 
-_OWN_ROOT_ENTRIES = frozenset({LEASE_NAME, TRASH_DIR, FORMAT_MARKER_NAME})
 
 
 def not_a_cache(root_fd: int) -> str | None:
     """Why the directory ``root_fd`` is not a cache root (entries, none a namespace directory),
     or None (a cache root, or empty: a cache not written yet)."""
-    names = [name for name, _ in safefs._list(root_fd) if name not in _OWN_ROOT_ENTRIES]
+    # tierstore's own entries (a down tier's probe files too) say nothing about what the root is
+    names = [name for name, _ in safefs._list(root_fd) if not name.startswith(RESERVED_PREFIX)]
     if not names or any(NAMESPACE_DIR_RE.match(name) for name in names):
         return None
     shown = ", ".join(escape(n) for n in sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
