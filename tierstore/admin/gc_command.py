@@ -104,9 +104,9 @@ def count_scan_dirs(root: Path) -> int:
 
 
 class _ProgressLease:
-    """The real lease, ticking a progress bar at each renewal check: gc checks once per
-    directory it scans and once per eviction batch, so the bar follows the pass without a
-    hook in the gc logic. Threading: gc's calling thread."""
+    """A lease (the real one, or a dry run's ``DryLease``), ticking a progress bar at each
+    renewal check: gc checks once per directory it scans and once per eviction batch, so the
+    bar follows the pass without a hook in the gc logic. Threading: gc's calling thread."""
 
     def __init__(self, lease: Lease | DryLease, bar: Any, scan_dirs: int) -> None:
         self.lease, self.bar, self.scan_dirs, self.ticks = lease, bar, scan_dirs, 0

@@ -33,12 +33,11 @@ from tierstore.tiers.tier import ChainTier
 
 @dataclass(frozen=True)
 class TierSpec:
-    """One tier a configuration asks for: its kind and the metrics name it reports under."""
+    """One tier a configuration asks for: its kind (also the metrics name it reports under) and
+    its engine's per-operation deadline (directories and caps are the config's)."""
 
     kind: str  # "host", "local", "shared" (the root behind a faster tier) or "root" (a lone root)
-    directory: str | None  # its directory (None: host memory)
-    cap_bytes: int | None  # its byte cap (None: no cap, or kept by gc as the root's is)
-    deadline_s: float | None  # per-operation deadline of its engine (None: the engine's default)
+    deadline_s: float | None  # per-operation deadline of its engine (None: host memory, no engine)
 
     @property
     def name(self) -> str:
@@ -50,13 +49,12 @@ def tier_specs(config: TierStoreConfig, *, with_host: bool = True, with_root: bo
     tier or the root out (tests of one tier; a chain without a process-wide host tier)."""
     specs: list[TierSpec] = []
     if with_host and config.host_bytes > 0:
-        specs.append(TierSpec("host", None, config.host_bytes, None))
+        specs.append(TierSpec("host", None))
     if config.local_root:
-        specs.append(TierSpec("local", config.local_root, config.local_max_bytes, config.deadline_s))
+        specs.append(TierSpec("local", config.deadline_s))
     if with_root:
         lone = not specs
-        specs.append(TierSpec("root" if lone else "shared", config.root, config.max_bytes,
-                              config.deadline_s if lone else config.shared_deadline_s))
+        specs.append(TierSpec("root" if lone else "shared", config.deadline_s if lone else config.shared_deadline_s))
     return specs
 
 

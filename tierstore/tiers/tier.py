@@ -220,7 +220,7 @@ class EngineTier:
         if not self.available:
             self.release_slot(slot)
             self.complete_now(job, self.refuse(key), count=False)
-        elif self.space is not None and self.space.full:
+        elif self._full:
             self.release_slot(slot)
             self.complete_now(job, self._skip_full(key), count=False)
         else:
@@ -232,7 +232,7 @@ class EngineTier:
         """Store a copy of ``page`` (the caller keeps its buffer): a write-through or a
         promotion. No free slot right now completes the job with ``queue_full``, counted as
         ``no_slot``."""
-        if not self.available or (self.space is not None and self.space.full):
+        if not self.available or self._full:
             job = self._new_job("store", key, token_count)
             self.complete_now(job, self.refuse(key) if not self.available else self._skip_full(key), count=False)
             return job.id
@@ -245,6 +245,11 @@ class EngineTier:
             return job.id
         slot.view[:] = page
         return self.submit_store(key, slot, token_count, sums)
+
+    @property
+    def _full(self) -> bool:
+        """Stores to this tier are skipped now (its root is full: ``SpaceBackoff``)."""
+        return self.space is not None and self.space.full
 
     def _skip_full(self, key: bytes) -> PageError:
         """The error of a store skipped while the root is full; counted as ``full``."""
@@ -263,10 +268,9 @@ class EngineTier:
             return
         if self.space is None:
             eng = self.engine()
-            root = getattr(getattr(eng, "mapper", None), "root", None)
-            if root is None:
+            if eng is None:
                 return
-            self.space = SpaceBackoff(self.name, root)
+            self.space = SpaceBackoff(self.name, eng.root)
         self.space.note_full(err.message if err.errno is None else os.strerror(err.errno))
 
     def to_engine(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
