@@ -267,6 +267,8 @@ class FileMapper:
 # local index): skipped by every walk, never taken for foreign content.
 RESERVED_PREFIX = ".tierstore"
 FORMAT_MARKER_NAME = ".tierstore-format"
+# the marker being written: a writer killed before its rename leaves this at the root
+FORMAT_MARKER_TEMP_RE = re.compile(r"^\.tierstore-format\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 FORMAT_MARKER_VERSION = 1
 LAYOUT_RANK_DIRS = "rank_dirs"  # ROOT/<ns>/g<g>/r<rank>/<aa>/<key>.kvp
 LAYOUT_HEAD_SLICE_DIRS = "head_slice_dirs"  # ROOT/<ns>/g<g>/h<start>-<count>/<aa>/<key>.kvp
@@ -347,7 +349,7 @@ def write_format_marker(root: str | os.PathLike[str], layouts: tuple[str, ...] =
     version = max(FORMAT_MARKER_VERSION, got[0] if got is not None else 0)
     names = sorted(set(layouts) | set(got[1] if got is not None else ()))
     data = json.dumps({"format": version, "layouts": names, "writer": "tierstore"}).encode()
-    tmp = f"{FORMAT_MARKER_NAME}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
+    tmp = f"{FORMAT_MARKER_NAME}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}{TEMP_SUFFIX}"  # FORMAT_MARKER_TEMP_RE
     root_fd = safefs.open_root(root)
     try:
         safefs.write_file_atomic(FORMAT_MARKER_NAME, root_fd, data, tmp, perms)
