@@ -15,6 +15,7 @@ from test_crash_safety import crash_namespace, pattern
 from tierstore.config import TierStoreConfig
 from tierstore.native import loader as native
 from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.rankdir import settle_format_marker
 from tierstore.testing.pages import page_key
 
 GROUP = 0
@@ -219,6 +220,7 @@ def test_a_batch_of_stores_gives_each_page_its_own_result(tmp_path: Path, path: 
                 assert len(sizes) == q_.batches and sum(sizes) == q_.batched_jobs, (sizes, q_.batches)
         else:
             assert q_.batches == 0 and not sizes
+        assert settle_format_marker(root)  # the root's marker is written on a thread of its own
         assert not list(Path(root).rglob("*.tmp")), "a temp file was left"
         assert eng.free_slots == 40, "a staging slot was lost"
     finally:

@@ -390,8 +390,8 @@ def test_batched_native_stores_write_the_python_paths_bytes(tmp_path: Path, with
         if use_native:
             assert calls == [4]
         trees.append([eng.mapper.path_for(k).read_bytes() for k in keys])
+        eng.close()  # waits for the root's format marker, written on a thread of its own
         assert not list(root.rglob("*.tmp"))
-        eng.close()
     assert trees[0] == trees[1]
 
 

@@ -365,6 +365,36 @@ def test_first_store_leaves_the_format_marker_and_newer_layouts_stop_repair_and_
     assert gc.collect(root, max_bytes=1).evicted == 1
 
 
+def test_a_closed_engine_leaves_no_marker_temp_and_gc_sweeps_a_dead_writers(tmp_path: Path) -> None:
+    """The marker is written on a thread of its own; ``close()`` waits for it, so a closed engine
+    leaves no temp at the root. A writer killed mid-write leaves ``.tierstore-format.<host>.<pid>
+    .<rand>.tmp``: gc removes it once its pid is gone and keeps a live writer's."""
+    import subprocess
+    import sys
+
+    from tierstore.fs.mapper import FORMAT_MARKER_TEMP_RE, host_tag
+    from tierstore.tiers import gc
+
+    root = tmp_path / "root"
+    eng = _engine(root)
+    assert _store(eng, 0).ok
+    eng.close()
+    assert [p.name for p in root.iterdir() if FORMAT_MARKER_TEMP_RE.match(p.name)] == []
+    assert (root / ".tierstore-format").exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = root / f".tierstore-format.{host_tag()}.{dead.pid}.0a1b2c3d4e5f.tmp"
+    live = root / f".tierstore-format.{host_tag()}.{os.getpid()}.0a1b2c3d4e60.tmp"
+    for temp in (gone, live):
+        temp.write_bytes(b"{}")
+        assert FORMAT_MARKER_TEMP_RE.match(temp.name)
+    dry = gc.collect(root, max_bytes=1 << 30, dry_run=True)
+    assert dry.temps_removed == 1 and gone.exists()
+    rep = gc.collect(root, max_bytes=1 << 30)
+    assert rep.refused is None and rep.temps_removed == 1
+    assert not gone.exists() and live.exists()
+
+
 def test_a_marker_that_cannot_be_written_never_fails_a_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     import logging

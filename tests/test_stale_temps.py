@@ -29,10 +29,11 @@ def _temp(d: Path, host: str, pid: int, key: str = "ab" * 16, age_s: float = 0.0
     return p
 
 
-def test_names_of_all_three_temp_kinds_parse() -> None:
+def test_names_of_all_four_temp_kinds_parse() -> None:
     assert temp_writer(f".{'ab' * 8}.kvp.{host_tag()}.123.abcdef.tmp") == TempWriter(host_tag(), 123)
     assert temp_writer(".manifest.json.node-7.42.0a1b2c3d.tmp") == TempWriter("node-7", 42)
     assert temp_writer(".odirect-probe.99.140000.tmp") == TempWriter(None, 99)
+    assert temp_writer(".tierstore-format.node-7.43.0a1b2c3d4e5f.tmp") == TempWriter("node-7", 43)
     for other in ("abcd.kvp", "notes.tmp", ".nfs000123", "manifest.json"):
         assert temp_writer(other) is None
     # the temp name a mapper writes is recognised with this process as the writer

@@ -1,10 +1,12 @@
 """The one rule for leftover temp files, and a sweep that applies it.
 
-tierstore writes three kinds of temp files, all named after their writer:
+tierstore writes four kinds of temp files, all named after their writer:
 
 - pages:     ``.<key hex>.kvp.<host>.<pid>.<random>.tmp`` (``mapper.parse_temp_name``)
 - manifests: ``.manifest.json.<host>.<pid>.<random>.tmp`` (``identity.write_manifest``)
 - O_DIRECT probes: ``.odirect-probe.<pid>.<thread>.tmp`` (``engine.probe_odirect``; no host)
+- the root's format marker: ``.tierstore-format.<host>.<pid>.<random>.tmp``
+  (``mapper.write_format_marker``; gc sweeps it at the root, the only temp that lives there)
 
 The rule (``writer_gone``): a temp may be removed only if its writer is provably gone --
 
@@ -34,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierstore.errors import GONE_ERRNOS
-from tierstore.fs.mapper import host_tag, parse_temp_name
+from tierstore.fs.mapper import FORMAT_MARKER_TEMP_RE, host_tag, parse_temp_name
 
 logger = logging.getLogger("tierstore.stale_temps")
 
@@ -59,7 +61,7 @@ def temp_writer(name: str) -> TempWriter | None:
     page = parse_temp_name(name)
     if page is not None:
         writer = TempWriter(page.host, page.pid)
-    elif m := MANIFEST_TEMP_RE.match(name):
+    elif (m := MANIFEST_TEMP_RE.match(name)) or (m := FORMAT_MARKER_TEMP_RE.match(name)):
         writer = TempWriter(m.group(1), int(m.group(2)))
     elif m := _PROBE_TEMP_RE.match(name):
         writer = TempWriter(None, int(m.group(1)))

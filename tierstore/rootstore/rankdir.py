@@ -90,8 +90,9 @@ logger = logging.getLogger("tierstore.engine")  # the engine's log: what operato
 ReadPlan = list[tuple[int, int, int, int]]
 
 
-_MARKED_ROOTS: set[str] = set()  # roots whose format marker this process wrote or tried
+_MARKER_WRITES: dict[str, threading.Thread] = {}  # root -> the thread that writes (wrote) its marker
 _MARKED_LOCK = threading.Lock()
+MARKER_SETTLE_S = 2.0  # the longest close() waits for a marker write (a hung mount must not stall it)
 
 
 def mark_root_soon(root: str | os.PathLike[str], perms: safefs.Perms) -> None:
@@ -100,10 +101,6 @@ def mark_root_soon(root: str | os.PathLike[str], perms: safefs.Perms) -> None:
     must not stall it. Failure policy: a marker that cannot be written is logged once and
     never fails a store (tools then treat the root as an older writer's)."""
     where = os.path.abspath(root)
-    with _MARKED_LOCK:
-        if where in _MARKED_ROOTS:
-            return
-        _MARKED_ROOTS.add(where)
 
     def write() -> None:
         try:
@@ -113,7 +110,23 @@ def mark_root_soon(root: str | os.PathLike[str], perms: safefs.Perms) -> None:
                            "tierstore tools cannot tell which layouts this root holds",
                            os.path.join(where, FORMAT_MARKER_NAME), exc.strerror or exc)
 
-    threading.Thread(target=write, name="tierstore-format-marker", daemon=True).start()
+    with _MARKED_LOCK:
+        if where in _MARKER_WRITES:
+            return
+        thread = _MARKER_WRITES[where] = threading.Thread(target=write, name="tierstore-format-marker", daemon=True)
+        thread.start()
+
+
+def settle_format_marker(root: str | os.PathLike[str], timeout: float = MARKER_SETTLE_S) -> bool:
+    """Wait up to ``timeout`` for this process's marker write of ``root`` (``mark_root_soon``):
+    True when none is running, so the write's temp is renamed or removed. A process that exits
+    with the write unfinished (a daemon thread) would leave the temp for the stale-temp sweep."""
+    with _MARKED_LOCK:
+        thread = _MARKER_WRITES.get(os.path.abspath(root))
+    if thread is not None:
+        thread.join(timeout)
+        return not thread.is_alive()
+    return True
 
 
 class _ThreadState(threading.local):
@@ -160,7 +173,10 @@ class PageFiles(NativeFileCalls):
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
 
     def close(self) -> None:
-        """Close the directory fds (only once no I/O thread can still use them)."""
+        """Close the directory fds (only once no I/O thread can still use them) after the root's
+        format marker, if this rank directory asked for it, is written (up to MARKER_SETTLE_S)."""
+        if self._marked:
+            settle_format_marker(self.mapper.root)
         self._dirs.close()
 
     # ----------------------------------------------------------------- store

@@ -73,6 +73,7 @@ from tierstore.fs.deadline import note_space_freed
 from tierstore.fs.display import escape, parse_size
 from tierstore.fs.lease import Lease
 from tierstore.fs.mapper import (
+    FORMAT_MARKER_TEMP_RE,
     NAMESPACE_DIR_RE,
     PAGE_SUFFIX,
     RESERVED_PREFIX,
@@ -233,8 +234,11 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
 
     for d in safefs.walk(root_fd, max_depth=_PAGE_DEPTH, descend=descend, on_error=on_error):
         lease.renew_if_due()
-        if not d.parts:
-            continue  # the root: its files are the lease, config, ...: not gc's
+        if not d.parts:  # the root: its files are the lease, the marker...: only the marker's temps are gc's
+            for name, st in d.entries:
+                if FORMAT_MARKER_TEMP_RE.match(name) and stat.S_ISREG(st.st_mode):
+                    _sweep_temp(d.fd, name, st, temp_max_age_s, now, rep)
+            continue
         for name, st in d.entries:
             where = "/".join((*d.parts, name))
             if stat.S_ISDIR(st.st_mode):
@@ -255,20 +259,28 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
                     continue
                 pages.add(d.parts, key, st)
                 rep.page_bytes += _file_bytes(st)
-            elif (writer := temp_writer(name)) is not None:
-                if writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
-                    try:
-                        if not rep.dry_run:
-                            safefs.unlink_at(name, d.fd, safefs.identity(st))
-                        rep.temps_removed += 1
-                        continue
-                    except OSError:
-                        pass
-                rep.temp_bytes += _file_bytes(st)
+            elif temp_writer(name) is not None:
+                _sweep_temp(d.fd, name, st, temp_max_age_s, now, rep)
             else:
                 rep.other_bytes += _file_bytes(st)
     rep.pages = len(pages)
     return pages
+
+
+def _sweep_temp(dir_fd: int, name: str, st: os.stat_result, temp_max_age_s: float, now: float,
+                rep: GcReport) -> None:
+    """Remove the temp ``name`` if its writer is gone (``writer_gone``), else count its bytes.
+    Failure policy: a temp that cannot be removed is counted as kept."""
+    writer = temp_writer(name)
+    if writer is not None and writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
+        try:
+            if not rep.dry_run:
+                safefs.unlink_at(name, dir_fd, safefs.identity(st))
+            rep.temps_removed += 1
+            return
+        except OSError:
+            pass
+    rep.temp_bytes += _file_bytes(st)
 
 
 class _Evictor:
