@@ -37,6 +37,51 @@ def test_factory_single_tier_is_a_chain_of_one(tmp_path: Path) -> None:
         st.close()
 
 
+def test_a_lone_root_hung_at_start_starts_down_serves_misses_and_comes_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33, defect 2: a lone root whose export does not answer at start (the engine's
+    setup blocks) still starts within its deadline, lends staging slots, answers every load and
+    store at once as ``down`` (the engine recomputes), and serves once the export answers."""
+    from tierstore.tiers import shared
+
+    answers = threading.Event()
+    real_engine = shared.IOEngine
+
+    def hung_engine(*a: object, **k: object) -> object:
+        answers.wait(30)  # the export does not answer until released
+        return real_engine(*a, **k)
+
+    monkeypatch.setattr(shared, "IOEngine", hung_engine)
+    t0 = time.monotonic()
+    st = open_group_store(TierStoreConfig.from_dict({"root": str(tmp_path / "r"), "deadline_s": 0.3}), NS, 0)
+    try:
+        assert time.monotonic() - t0 < 2.0  # old code: PageTimeout, the engine did not start
+        t1 = time.monotonic()
+        assert [store(st, key(i)).error.kind for i in range(3)] == ["timeout"] * 3  # "down": skipped
+        assert [load(st, key(i))[1] for i in range(3)] == ["timeout"] * 3
+        assert time.monotonic() - t1 < 1.0  # at once, not a deadline each
+        assert st.m_shared.failures().get("down") == 6 and st.free_slots > 0
+        answers.set()
+        end = time.monotonic() + 10
+        while not st.tiers[-1].available and time.monotonic() < end:  # the health probe brings it up
+            time.sleep(0.05)
+        assert store(st, key(9)).ok and load(st, key(9))[2] == expected(st, key(9))
+    finally:
+        answers.set()
+        st.close()
+
+
+def test_a_lone_root_whose_open_fails_raises_the_error(tmp_path: Path) -> None:
+    """An open that fails at once (here: the group directory is a symlink) is the user's to fix:
+    the error is raised, not a root started down."""
+    group_dir = FileMapper(tmp_path / "r", NS.digest, 0, 0).base.parent
+    group_dir.parent.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    group_dir.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="symlink"):
+        open_group_store(TierStoreConfig(root=str(tmp_path / "r")), NS, 0)
+
+
 def test_read_path_promotes_shared_to_local_and_host(tmp_path: Path) -> None:
     reg = MetricsRegistry()
     st = open_group_store(cfg(tmp_path, host_bytes=1 << 16), NS, 0, metrics=reg)

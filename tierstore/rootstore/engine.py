@@ -118,6 +118,30 @@ class PageFileOps(Protocol):
                   ) -> list[tuple[int, tuple[int, ...] | None] | PageError]: ...
 
 
+def frame_geometry(namespace: Namespace, group_index: int, config: TierStoreConfig, *, rank: int = 0,
+                   head_start: int = 0, head_count: int = 0, rank_dir: str | None = None,
+                   layout: PageLayout | None = None) -> FrameGeometry:
+    """The staging frame of an ``IOEngine`` of these arguments, found without touching its root
+    (a ``PageFiles`` opens nothing until its first operation): a shared tier makes its staging
+    pool (``staging_pool``) before its root has answered, and hands it to the engine."""
+    mapper = FileMapper(config.root, namespace.digest, group_index, rank, rank_dir)
+    files = PageFiles(mapper, namespace, group_index, rank, head_start=head_start, head_count=head_count,
+                      config=config, codec=Codec.ZSTD if config.codec == "zstd" else Codec.NONE,
+                      perms=safefs.PRIVATE, mac=None, odirect=False, direct_loads=False,
+                      count=lambda _name: None, layout=layout)
+    return files.geometry
+
+
+def staging_pool(geometry: FrameGeometry, config: TierStoreConfig, staging_slots: int | None = None,
+                 pin: bool = False) -> StagingPool:
+    """The staging slots of an engine: ``staging_slots``, by default 2 per I/O thread plus 2;
+    pinned when asked and CUDA is there."""
+    n_slots = staging_slots if staging_slots is not None else 2 * config.io_threads + 2
+    if n_slots <= 0:
+        raise ConfigError(f"staging_slots must be positive, got {n_slots}")
+    return StagingPool(geometry, n_slots, bool(pin and torch.cuda.is_available()))
+
+
 class IOEngine:
     """Loads and stores pages of one KV-cache group (and rank) under one root."""
 
@@ -125,13 +149,15 @@ class IOEngine:
                  head_start: int = 0, head_count: int = 0, config: TierStoreConfig | None = None,
                  staging_slots: int | None = None, pin: bool = False, deadline_s: float | None = None,
                  tier_name: str = "disk", rank_dir: str | None = None, layout: PageLayout | None = None,
-                 file_ops: Callable[[PageFiles], PageFileOps] | None = None) -> None:
+                 file_ops: Callable[[PageFiles], PageFileOps] | None = None,
+                 staging: StagingPool | None = None) -> None:
         """``rank_dir``/``layout``: a head slice's directory (``h<start>-<count>``, header rank
         ``start // count``) and layout, from the caller (docs/DESIGN.md §9); by default
         ``r<rank>`` and the namespace group's layout. ``file_ops``: wraps the engine's
         ``PageFiles`` in the file operations its I/O threads call (a test's recorder, stall or
         fault); with it every job runs on the Python I/O threads (the native lane runs the stock
-        file operations in compiled code, so it is not started)."""
+        file operations in compiled code, so it is not started). ``staging``: the pool made
+        beforehand (``staging_pool``; ``staging_slots`` and ``pin`` are then its own)."""
         self.root = Path(root)
         self.config = config if config is not None else TierStoreConfig(root=str(root))
         if not 0 <= group_index < len(namespace.groups):
@@ -159,11 +185,6 @@ class IOEngine:
         advice = io_threads_advice(self.config.io_threads)
         if advice:
             logger.warning(advice)
-        n_slots = staging_slots if staging_slots is not None else 2 * self.config.io_threads + 2
-        if n_slots <= 0:
-            raise ConfigError(f"staging_slots must be positive, got {n_slots}")
-        self.pinned = bool(pin and torch.cuda.is_available())
-
         self.counters = EngineCounters()
         self._removals_lock = threading.Lock()
         self.files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
@@ -176,7 +197,10 @@ class IOEngine:
         self.ops: PageFileOps = file_ops(self.files) if file_ops is not None else self.files
         with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
             self.files._dirs.rank_fd()  # (a missing directory: the first store makes it)
-        self._pool = StagingPool(self.geometry, n_slots, self.pinned)
+        if staging is not None and staging.geometry != self.geometry:
+            raise ValueError(f"the staging pool's frames {staging.geometry} are not this engine's {self.geometry}")
+        self._pool = staging if staging is not None else staging_pool(self.geometry, self.config, staging_slots, pin)
+        self.pinned = self._pool.pinned
         self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
         lane = None
         if self.config.io_loop == "native" and native.enabled_by_env() and file_ops is None:

@@ -58,6 +58,8 @@ from tierstore.native.abi import MAX_BYPASS
 
 logger = logging.getLogger("tierstore.engine")
 LONGEST_WAIT_S = 3600.0  # one wait on the queue's conditions (_next_wake)
+# the settings a job's deadline comes from, named in its timeout
+DEADLINE_SETTINGS = "setting deadline_s; shared_deadline_s for a root behind a local tier"
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Job:
         """The error of a job found past its deadline before any thread started it (the queue's
         Python threads and the native lane both report it so)."""
         return PageTimeout(f"{self.op} waited in the queue past its {self.deadline - self.submitted:.3f} s deadline "
-                           "(deadline_s setting)", key=self.key)
+                           f"({DEADLINE_SETTINGS})", key=self.key)
 
 
 Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
@@ -465,7 +467,7 @@ class JobQueue:
         for job in expired:
             self._complete_locked(job, PageTimeout(
                 f"{job.op} did not finish within {self.deadline_s:.3f} s "
-                "(deadline_s setting); the file system may be stalled", path=self._where(job.key), key=job.key))
+                f"({DEADLINE_SETTINGS}); the file system may be stalled", path=self._where(job.key), key=job.key))
 
     def _complete_locked(self, job: Job, error: PageError | None, stored: bool = False, nbytes: int = 0) -> bool:
         """Complete ``job`` once; False if it was already completed (a late result, dropped)."""

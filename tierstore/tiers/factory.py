@@ -7,21 +7,22 @@ alone. ``build_tiers(specs, ...)`` builds them into a ``BuiltTiers``. A lone ``r
 of one: a ``SharedTier`` named ``root`` with the lone root's deadline (``deadline_s``), so a
 lone root is counted, reported, health-checked and gc'd by the same code as every chain.
 
-Failure policy: ``build_tiers`` raises ``PageTimeout`` when no durable tier can take pages (the
-root did not open within its deadline and there is no local tier), and whatever a tier's
-constructor raises (``ConfigError`` for a local index it cannot open); tiers built before the
-failure are closed first.
+Failure policy: a root in front (no local tier) that did not open within its deadline is
+logged and built down (its loads miss and its stores are skipped until it answers: an engine
+starts while the export hangs); one whose open failed within the deadline raises that error
+(``ConfigError``: a symlinked or untrusted root), as does any tier's constructor (a local index
+it cannot open); tiers built before the failure are closed first.
 Threading: call from one thread; no shared state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import PageTimeout
 from tierstore.format.identity import Namespace
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry
@@ -29,6 +30,8 @@ from tierstore.tiers.host import HostStore, HostTier
 from tierstore.tiers.local import LocalTier
 from tierstore.tiers.shared import SharedTier
 from tierstore.tiers.tier import ChainTier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,13 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
         front: ChainTier | None = local or root
         if front is None:
             raise ValueError("a chain needs a durable tier: local_root or the root")
-        if front.engine() is None:  # host + root only: callers fill the root's slots
-            setting = "deadline_s" if root is not None and root.name == "root" else "shared_deadline_s"
-            raise PageTimeout(f"the root {config.root} did not open within its deadline "
-                              f"({root.deadline_s if root else 0:.1f} s) and there is no local tier to stage "
-                              f'pages; check the mount, raise "{setting}", or set "local_root"')
+        if front is root and root.engine() is None:
+            if root.open_error is not None:  # it answered, with an error: the user's to fix
+                raise root.open_error
+            setting = "deadline_s" if root.name == "root" else "shared_deadline_s"
+            log.warning('tierstore: the root %s did not open within %s (%.1f s); starting with it down: '
+                        "every load misses and every store is skipped until it answers (check the mount)",
+                        config.root, setting, root.deadline_s)
     except BaseException:
         for tier in (local, root):
             if tier is not None:

@@ -7,7 +7,10 @@ Contract (``EngineTier`` plus):
   ``available``, so the chain skips it at once (no call blocks), until a probe (``stat`` of a
   fresh name under the root, under the deadline) succeeds again.
 - Background open: the engine is built in a thread, so a mount that hangs at start-up does not
-  hang the constructor; until it is open the tier is not available.
+  hang the constructor; until it is open the tier is not available. Its staging slots, layout
+  and file names are there from the constructor on (the pool is made first and handed to the
+  engine): a lone root that has not answered yet still lends slots, and refuses each job at
+  once as ``down``, so an engine starts while the export hangs and serves misses.
 - LRU stamp: a hit refreshes the file's mtime in the background, at most once per
   ``shared_touch_interval_s`` per page; ``tierstore gc`` evicts by it. The stamp is an
   fd-based ``utime`` (futimens) on the page opened like a load opens it (``touch_page``: the
@@ -47,7 +50,8 @@ from tierstore.fs.deadline import DeadlineRunner, Health
 from tierstore.fs.mapper import FileMapper, fanout
 from tierstore.metrics import TierMetrics
 from tierstore.rootstore import pageops as pagefile
-from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.engine import IOEngine, frame_geometry, staging_pool
+from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.tier import EngineTier, TierJob
 
@@ -79,13 +83,20 @@ class SharedTier(EngineTier):
         self._opened = threading.Event()
         # the touch's own directory fds (the engine's are its own): no symlink followed, and the
         # engine's directory (a head slice's h<start>-<count>, not r<rank>: FileMapper says which)
-        mapper = FileMapper(self.root, namespace.digest, group_index, rank, engine_kwargs.get("rank_dir"))
-        self._dirs = pagefile.RankDir(self.root, mapper.dir_parts)
+        self._mapper = FileMapper(self.root, namespace.digest, group_index, rank, engine_kwargs.get("rank_dir"))
+        self._dirs = pagefile.RankDir(self.root, self._mapper.dir_parts)
         kwargs = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ENGINE_KWARGS}
+        self._layout = kwargs.get("layout") or namespace.groups[group_index].layout
+        geometry = frame_geometry(namespace, group_index, config, rank=rank, head_start=kwargs.get("head_start", 0),
+                                  head_count=kwargs.get("head_count", 0), rank_dir=kwargs.get("rank_dir"),
+                                  layout=kwargs.get("layout"))
+        kwargs["staging"] = self._pool = staging_pool(geometry, config, kwargs.pop("staging_slots", None),
+                                                      bool(kwargs.pop("pin", False)))
+        self.open_error: BaseException | None = None  # why the engine could not be built (logged)
         threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
                          args=(config, namespace, group_index, rank, kwargs)).start()
         if not self._opened.wait(self.deadline_s):
-            self.health.mark_down(f"opening the shared root took longer than {self.deadline_s:.3f} s")
+            self.health.mark_down(f"opening {self.root} took longer than {self.deadline_s:.3f} s")
 
     def _open(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
               kwargs: dict[str, Any]) -> None:
@@ -93,7 +104,8 @@ class SharedTier(EngineTier):
             self._engine = IOEngine(config.root, namespace, group_index, rank=rank, config=config,
                                     deadline_s=self.deadline_s, **kwargs)
         except Exception as exc:
-            log.warning("tierstore shared tier could not be opened: %s", exc)
+            self.open_error = exc
+            log.warning("tierstore %s tier could not be opened: %s", self.name, exc)
         finally:
             self._opened.set()
 
@@ -116,6 +128,35 @@ class SharedTier(EngineTier):
     @property
     def available(self) -> bool:
         return self.health.up and self.engine() is not None
+
+    # the facade a caller uses before the engine is open: the same pool, layout and names
+    @property
+    def layout(self) -> Any:
+        return self._layout
+
+    @property
+    def mapper(self) -> Any:
+        return self._mapper
+
+    @property
+    def pinned(self) -> bool:
+        return self._pool.pinned
+
+    @property
+    def free_slots(self) -> int:
+        eng = self.engine()
+        return eng.free_slots if eng is not None else self._pool.free_count
+
+    def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
+        eng = self.engine()
+        return eng.acquire_slot(timeout) if eng is not None else self._pool.acquire(timeout)
+
+    def release_slot(self, slot: StagingSlot) -> None:
+        eng = self.engine()
+        if eng is not None:
+            eng.release_slot(slot)
+        else:
+            self._pool.release(slot)
 
     def refuse(self, key: bytes) -> PageError:
         self.metrics.failure("down")
