@@ -1,0 +1,110 @@
+"""How many of the package's modules one store and one load run through, worker to file.
+
+A profiler on every thread records the module of each Python function (and of each compiled
+function called from Python) that runs between ``submit_store``/``submit_load`` of vLLM's
+worker interface and the job's result, for one job of 6 pages through a lone root (a chain of
+one) on the CPU transfer path. The figures are a ratchet: the path may get shorter, never
+longer, without this test being changed on purpose. The floor plan asks for at most 10 modules
+each; today's counts are higher (the lists are printed with ``-s``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from kernel_cases import AttentionCase  # noqa: E402
+from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
+
+import tierstore.vllm.manager as manager_mod  # noqa: E402
+import tierstore.vllm.worker as worker_mod  # noqa: E402
+from tierstore.config import TierStoreConfig  # noqa: E402
+from tierstore.kernels import GroupCopier  # noqa: E402
+from tierstore.kernels.transfer import PageTransfer  # noqa: E402
+from tierstore.tiers import TierChain  # noqa: E402
+
+# 2026-11-27: 23 and 26 (worker, pipelines, jobs, transfer, kernels, chain, tier, engine, queue,
+# lane, ...), plus one for timing: which polls find a result first can add a module
+STORE_MODULES_MAX = 24
+LOAD_MODULES_MAX = 27
+
+
+def _modules_run(call: Any) -> dict[str, list[str]]:
+    """{tierstore module: functions of it that ran} while ``call()`` ran, on every thread."""
+    seen: dict[str, set[str]] = {}
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            module, name = frame.f_globals.get("__name__", ""), frame.f_code.co_name
+        elif event == "c_call":  # a compiled kernel (numba) called from Python counts too
+            module, name = getattr(arg, "__module__", None) or "", getattr(arg, "__name__", "?")
+        else:
+            return
+        if module.startswith("tierstore"):
+            seen.setdefault(module, set()).add(name)
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return {m: sorted(f) for m, f in sorted(seen.items())}
+
+
+def test_a_store_and_a_load_run_through_no_more_modules_than_today(tmp_path: Path) -> None:
+    case = AttentionCase("bfloat16", layers=2, heads=2, head_size=64, tokens=16, n_pages=6)
+    views, ids = case.build("LBHNC", 8, "cpu")
+    probe = case.engine(tmp_path, 8)  # only asked for its namespace
+    namespace = probe.namespace
+    probe.close()
+    chain = TierChain(TierStoreConfig(root=str(tmp_path)), namespace, 0, staging_slots=8)
+    copier = GroupCopier(views, case.layout, ids.shape[1], [1] * case.layers)
+    group = worker_mod.WorkerGroup(
+        index=0, vllm_group_id=0, copier=copier, engine=chain, blocks_per_chunk=ids.shape[1], kernel_ratio=1,
+        device=views[0].device, tokens_per_page=case.tokens,
+        transfer=PageTransfer(copier, views[0].device, scratch_pages=4))
+    worker = worker_mod.TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0)
+
+    def specs(rows: Any, keys: list[bytes]) -> tuple[Any, Any]:
+        flat = rows.reshape(-1).tolist()
+        return (GPULoadStoreSpec(flat, group_sizes=[len(flat)], block_indices=[0]),
+                manager_mod.TierStoreFileSpec(groups=[0] * len(keys), keys=keys, token_counts=[16] * len(keys)))
+
+    def finish(job_id: int) -> None:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if any(r.job_id == job_id and r.success for r in worker.get_finished()):
+                return
+            time.sleep(0.002)
+        raise AssertionError(f"job {job_id} did not succeed within 60 s")
+
+    try:
+        gpu, files = specs(ids[:1], [b"warm" * 4])  # first calls: compile, start threads
+        worker.submit_store(1, gpu, files)
+        finish(1)
+        worker.submit_load(2, files, gpu)
+        finish(2)
+        gpu, files = specs(ids, [(500 + i).to_bytes(4, "big") * 4 for i in range(case.n_pages)])
+        stored = _modules_run(lambda: (worker.submit_store(10, gpu, files), finish(10)))
+        loaded = _modules_run(lambda: (worker.submit_load(11, files, gpu), finish(11)))
+    finally:
+        worker.shutdown()
+        chain.close()
+    for what, mods in (("store", stored), ("load", loaded)):
+        print(f"{what}: {len(mods)} modules")
+        for module, functions in mods.items():
+            print(f"  {module}: {', '.join(functions)}")
+    assert "tierstore.rootstore.engine" in stored and "tierstore.kernels.transfer" in loaded  # the tracer saw the path
+    assert len(stored) <= STORE_MODULES_MAX, sorted(stored)
+    assert len(loaded) <= LOAD_MODULES_MAX, sorted(loaded)
