@@ -4,11 +4,15 @@ to import under emulation) is imported once for all of them.
 
 Each "node" is a TierChain on its own kernel NFS mount of one export: node A on an NFSv3 mount
 (``nosharecache``: its own superblock, so its own attribute, lookup and page caches), node B on an
-NFSv4.2 mount. Two mounts are two NFS clients as far as caching goes, whichever process uses them.
-Every loaded page is compared with the bytes it must have; each scenario writes
-RESULTS/<scenario>.json with its counts and timings (the test asserts on them).
+NFSv4.2 mount (scenario c adds C, hard v3, and D, soft v4.2). Two mounts are two NFS clients as
+far as caching goes, whichever process uses them. Every loaded page is compared with the bytes it
+must have; each scenario writes RESULTS/<scenario>.json with its counts and timings (the test
+asserts on them). Scenarios: a concurrent store/load with gc, b ``rm -rf`` of a namespace, c the
+server stopped (2 minutes), d a full export, e two gc nodes with skewed clocks, f head-sliced
+pages' LRU stamp and an old tool on a newer root, g the page index's server operations, h a
+user quota.
 
-    python tests/nfs_kernel/node.py --results DIR [--only a_concurrent,b_rmtree,...]
+    python tests/nfs_kernel/node.py --results DIR [--only a,b,c,...] [--outage SECONDS]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +43,15 @@ from tiers_helpers import expected, key  # noqa: E402
 
 from tierstore.config import TierStoreConfig  # noqa: E402
 from tierstore.errors import BAD_CONTENT_KINDS  # noqa: E402
+from tierstore.format.head_slices import HeadRange, slice_layout, split_dir_name  # noqa: E402
+from tierstore.fs.mapper import PAGE_SUFFIX, FileMapper, fanout  # noqa: E402
+from tierstore.index import page_index  # noqa: E402
 from tierstore.metrics import MetricsRegistry  # noqa: E402
 from tierstore.testing import nfs_guest  # noqa: E402
+from tierstore.testing.pages import page_bytes, page_key, simple_namespace  # noqa: E402
 from tierstore.tiers import TierChain  # noqa: E402
 from tierstore.tiers.chain import page_file_size  # noqa: E402
+from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore  # noqa: E402
 
 V3 = "vers=3,nosharecache,nolock"
 V42 = "vers=4.2,nosharecache"
@@ -50,11 +60,20 @@ CACHING = {"default": "", "lookupcache_positive": "lookupcache=positive", "actim
 DEADLINE_S = 2.0  # deadline_s of scenario c's engines (shared_deadline_s: they have a local tier)
 # the other scenarios' lone roots: the default deadline_s. Opening a lone root on a fresh export
 # (256 fan-out mkdirs over NFS) takes more than 2 s under emulation, and a lone root that does not
-# open within its deadline refuses to start.
+# open within its deadline starts down (its first calls refused), which is scenario c's case only.
 LONE_ROOT_DEADLINE_S = 10.0
 WAIT_S = 120.0  # how long a caller waits for one result: far past any deadline, to see overruns
+GC_LEASE_TTL_S = 5.0  # the gc processes' --lease-ttl
 RECOVERY_LIMIT_S = 45.0  # scenario d: how long stores may stay off once the export has space again
-PAGE_SEEDS = {"a": 10, "b": 20, "c": 30, "d": 40}  # disjoint key sets per scenario
+PAGE_SEEDS = {"a": 10, "b": 20, "c": 30, "d": 40, "e": 50, "f": 60, "g": 70, "h": 80}
+E_PAGES, E_SKEW_S, E_SECONDS = 48, 30.0, 30.0  # scenario e: pages first stored, clock skew, storing time
+F_PAGES = 16  # scenario f: head-sliced pages stored (half of them loaded again)
+G_PAGES = 10_000  # scenario g: page files of the index (10^5 takes minutes to create under emulation)
+G_REFRESHES = {"current": 10, "old": 5}  # scenario g: refreshes counted (current: one full re-list in them)
+# scenario f's TP=2 rank: KV head 1 of 2 of a small bf16 model
+SLICED_NS = simple_namespace("bfloat16", num_kv_heads=2)
+SLICED_FULL = SLICED_NS.groups[0].layout
+F_HEADS = HeadRange(1, 1)  # disjoint key sets per scenario
 
 
 def mounted(export: str, name: str, options: str) -> Path:
@@ -71,11 +90,12 @@ class Node:
     the shared tier then has its up/down health)."""
 
     def __init__(self, name: str, root: Path, local: Path | None = None, local_pages: int = 2,
-                 deadline_s: float = DEADLINE_S) -> None:
+                 deadline_s: float = DEADLINE_S, make_root: bool = True, extra: dict[str, Any] | None = None) -> None:
         self.name, self.root = name, root
-        root.mkdir(parents=True, exist_ok=True)
+        if make_root:  # not on a hung export: a mkdir there blocks (a hard mount: until the server is back)
+            root.mkdir(parents=True, exist_ok=True)
         self.deadline_s = deadline_s
-        cfg: dict[str, Any] = {"root": str(root), "deadline_s": deadline_s}
+        cfg: dict[str, Any] = {"root": str(root), "deadline_s": deadline_s, **(extra or {})}
         if local is not None:
             local.mkdir(parents=True, exist_ok=True)
             cfg.update(local_root=str(local), local_max_bytes=local_pages * page_file_size(namespace(), 0),
@@ -121,6 +141,8 @@ class Node:
         with self.lock:
             self.counts["stores"] += 1
             self.counts["stores_ok" if r and r.ok else "stores_failed"] += 1
+            if r is not None and r.ok:
+                self.counts[f"stored_on:{r.tier}"] += 1  # a chain's store: the first durable tier that took it
         if r is None:
             return False, "no_result"
         return r.ok, None if r.ok else r.error.kind
@@ -239,13 +261,22 @@ def visibility(a: Node, b: Node, seed: int, pages: int, limit_s: float, fast_s: 
 
 class GcProcess:
     """``tierstore gc ROOT`` looping every 0.3 s under ``cap``: a third process (it imports no
-    torch). Its JSON pass reports are collected by a reader thread."""
+    torch). Its JSON pass reports are collected by a reader thread, each with the monotonic
+    time it arrived (``at``: one clock for every gc process of the guest). ``skew_s`` runs it
+    with ``time.time`` that many seconds ahead: a node whose clock is wrong (file times still
+    come from the server)."""
 
-    def __init__(self, root: Path, cap: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierstore", "gc", str(root), "--max-bytes", str(cap),
-             "--loop", "0.3", "--json", "--lease-ttl", "5"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, root: Path, cap: int, skew_s: float = 0.0) -> None:
+        args = [str(root), "--max-bytes", str(cap), "--loop", "0.3", "--json", "--lease-ttl", str(GC_LEASE_TTL_S)]
+        if skew_s:
+            # patched before tierstore is imported, so every time.time() the gc and its lease make is skewed
+            argv = [sys.executable, "-c",
+                    f"import sys, time; real = time.time; time.time = lambda: real() + {skew_s!r}; "
+                    "from tierstore.admin.cli import main; raise SystemExit(main(['gc', *sys.argv[1:]]))", *args]
+        else:
+            argv = [sys.executable, "-m", "tierstore", "gc", *args]
+        self.skew_s = skew_s
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.passes: list[dict[str, Any]] = []
         self.first_pass = threading.Event()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -255,17 +286,22 @@ class GcProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("{"):
-                self.passes.append(json.loads(line))
+                self.passes.append(json.loads(line) | {"at": time.monotonic()})
                 self.first_pass.set()
+
+    def active(self) -> list[dict[str, Any]]:
+        """The passes that held the lease (not ``busy``) and did not fail."""
+        return [p for p in self.passes if not p.get("busy") and "error" not in p]
 
     def stop(self) -> dict[str, Any]:
         self.proc.terminate()  # the gc this scenario started
         _out, err = self.proc.communicate(timeout=60)
         self.reader.join(10)
-        active = [p for p in self.passes if not p.get("busy") and "error" not in p]
+        active = self.active()
         return {"passes": len(self.passes), "active": len(active), "rc": self.proc.returncode,
                 "evicted": sum(p.get("evicted", 0) for p in active),
                 "vanished": sum(p.get("vanished", 0) for p in active),
+                "lease_lost": sum(bool(p.get("lease_lost")) for p in active),
                 "max_total_after": max((p.get("total_after", 0) for p in active), default=0),
                 "errors": [p for p in self.passes if "error" in p][:3], "stderr_tail": err[-1500:]}
 
@@ -368,21 +404,71 @@ def scenario_b(results: Path) -> dict[str, Any]:
     return out
 
 
+# scenario c's clients: every pairing of NFS version and mount kind (node: mount name, options).
+# soft: a call the server does not answer fails after timeo (deciseconds) x retrans; hard: it
+# blocks until the server is back, so only the engine's deadline bounds it.
+C_MOUNTS = {"a": ("a3_soft", f"{V3},soft,timeo=10,retrans=1"), "b": ("b42_hard", f"{V42},hard"),
+            "c": ("c3_hard", f"{V3},hard"), "d": ("d42_soft", f"{V42},soft,timeo=10,retrans=1")}
+LATE_START_S = 10.0  # scenario c: new engines start this long into the outage
+LATE_CALLS = 5  # ... and each makes this many loads and this many stores while it lasts
+SERVE_LIMIT_S = 60.0  # ... and must serve within this long once the server is back
+
+
+def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, started: threading.Event,
+                  restarted: threading.Event, t0: float, out: dict[str, Any]) -> None:
+    """Scenario c's engines started while the export hangs: a fleet chain on the hard v4.2
+    mount and a lone root (deadline 2 s) on the hard v3 mount, on the root the other nodes use
+    (made before the outage: a mkdir on a hung mount would block). Each constructor's time,
+    LATE_CALLS loads of pages the other nodes stored before the outage and LATE_CALLS stores of
+    new pages during the outage, then, once the server is back, the time until it serves: the
+    chain a load from the shared tier (a page its empty local tier cannot have) and a store;
+    the lone root a store and a load of the page it stored. Results go into ``out``."""
+    started.wait()
+    nodes = {"new_chain": Node("new_chain", mounts["b"] / "c_root", local / "new_chain", make_root=False),
+             "new_root": Node("new_root", mounts["c"] / "c_root", make_root=False)}
+    out["nodes"] = nodes
+    out["started_at_s"] = round(time.monotonic() - t0, 2)
+    for k, (name, node) in enumerate(nodes.items()):
+        base = 5000 + 1000 * k
+        out["outage_loads"][name] = dict(Counter(node.load(i, seed) for i in range(LATE_CALLS)))
+        out["outage_stores"][name] = dict(Counter(node.store(base + i, seed)[1] or "ok" for i in range(LATE_CALLS)))
+        out["outage_stored_on"][name] = {k2: v for k2, v in node.summary()["counts"].items() if k2.startswith("stored_on:")}
+    out["outage_calls_done_at_s"] = round(time.monotonic() - t0, 2)
+    restarted.wait()
+    back = time.monotonic()
+    serve: dict[str, float | None] = {name: None for name in nodes}
+    attempt = 0
+    while time.monotonic() - back < SERVE_LIMIT_S and None in serve.values():
+        for k, (name, node) in enumerate(nodes.items()):
+            if serve[name] is not None:
+                continue
+            i = 5000 + 1000 * k + LATE_CALLS + attempt
+            ok, _kind = node.store(i, seed)
+            if name == "new_chain":  # a page of node a's, stored before the outage: only the shared tier has it
+                served = ok and node.load(attempt % own, seed) == "hit" and node.store_.shared.available
+            else:
+                served = ok and node.load(i, seed) == "hit"
+            if served:
+                serve[name] = round(time.monotonic() - back, 2)
+        attempt += 1
+        time.sleep(1.0)
+    out["serve_after_restart_s"] = serve
+
+
 def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
-    """The server stopped for ``outage_s`` under load: node A on a soft v3 mount, node B on a hard
-    v4.2 mount, each a fleet chain (local + shared tier). No call may return later than its
-    deadline + 1 s; failures typed; recovery time once the server is back."""
+    """The server stopped for ``outage_s`` under load, four nodes on four kinds of mount (A soft
+    v3, B hard v4.2, C hard v3, D soft v4.2), each a fleet chain (local + shared tier); two new
+    engines start LATE_START_S into the outage (``_late_engines``). No call may return later
+    than its deadline + 1 s; failures typed; recovery time once the server is back."""
     seed, own = PAGE_SEEDS["c"], 16
-    ma = mounted(nfs_guest.EXPORT, "a3_soft", f"{V3},soft,timeo=10,retrans=1")
-    mb = mounted(nfs_guest.EXPORT, "b42_hard", f"{V42},hard")
+    mounts = {n: mounted(nfs_guest.EXPORT, name, options) for n, (name, options) in C_MOUNTS.items()}
     local = Path("/var/tmp/nfs_kernel_local")
-    a = Node("a", ma / "c_root", local / "a")
-    b = Node("b", mb / "c_root", local / "b")
-    for i in range(own):
-        a.store(i, seed)
-        b.store(own + i, seed)
+    nodes = {n: Node(n, mounts[n] / "c_root", local / n) for n in C_MOUNTS}
+    for k, node in enumerate(nodes.values()):
+        for i in range(own):
+            node.store(k * own + i, seed)
     timeline: dict[str, float] = {}
-    events: dict[str, list[tuple[float, str, str]]] = {"a": [], "b": []}
+    events: dict[str, list[tuple[float, str, str]]] = {n: [] for n in nodes}
     stop = threading.Event()
     t0 = time.monotonic()
 
@@ -401,18 +487,26 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
             i += 1
             time.sleep(0.2)
 
-    threads = [threading.Thread(target=loads, args=(a, range(own, 2 * own))),
-               threading.Thread(target=loads, args=(b, range(own))),
-               threading.Thread(target=stores, args=(a, 1000)),
-               threading.Thread(target=stores, args=(b, 2000))]
-    for t in threads:
+    threads: dict[str, list[threading.Thread]] = {}
+    for k, (name, node) in enumerate(nodes.items()):
+        other = (k + 1) % len(nodes)  # each node loads the next one's pages: all from the shared tier
+        threads[name] = [threading.Thread(target=loads, args=(node, range(other * own, (other + 1) * own))),
+                         threading.Thread(target=stores, args=(node, 1000 * (k + 1)))]
+    late: dict[str, Any] = {"outage_loads": {}, "outage_stores": {}, "outage_stored_on": {}}
+    late_start, restarted = threading.Event(), threading.Event()
+    late_thread = threading.Thread(target=_late_engines, daemon=True,
+                                   args=(seed, own, mounts, local, late_start, restarted, t0, late))
+    for t in [*(t for ts in threads.values() for t in ts), late_thread]:
         t.start()
     time.sleep(5)
     timeline["stopped"] = time.monotonic() - t0
     nfs_guest.server_stop()
-    time.sleep(outage_s)
+    time.sleep(LATE_START_S)
+    late_start.set()
+    time.sleep(max(0.0, outage_s - LATE_START_S))
     timeline["restarted"] = time.monotonic() - t0
     nfs_guest.server_start()
+    restarted.set()
     recovered: dict[str, dict[str, float | None]] = {}
     limit = timeline["restarted"] + 60.0
     while time.monotonic() - t0 < limit:
@@ -423,20 +517,98 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
             break
         time.sleep(0.5)
     stop.set()
-    for t in threads:
+    for t in (t for ts in threads.values() for t in ts):
         t.join(WAIT_S)
+    late_thread.join(SERVE_LIMIT_S + 30)
     during = {n: dict(Counter(f"{op}:{what}" for t, op, what in ev
                               if timeline["stopped"] <= t <= timeline["restarted"])) for n, ev in events.items()}
-    out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "timeline": {k: round(v, 2) for k, v in timeline.items()},
+    new_nodes: dict[str, Node] = late.pop("nodes", {})
+    every = {**nodes, **new_nodes}
+    out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "mounts": {n: C_MOUNTS[n][1] for n in nodes},
+           "timeline": {k: round(v, 2) for k, v in timeline.items()},
            "outcomes_during_outage": during, "recovered_after_restart_s": recovered,
-           "threads_stuck": sum(t.is_alive() for t in threads),
-           "nodes": {n.name: n.summary() for n in (a, b)},
-           "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in (a, b)},
+           "threads_stuck": {n: sum(t.is_alive() for t in ts) for n, ts in threads.items()}
+           | {"new_engines": int(late_thread.is_alive())},
+           "new_engines": late | {"open_s": {n: round(node.open_s, 2) for n, node in new_nodes.items()},
+                                  "start_limit_s": DEADLINE_S + 2.0, "late_start_s": LATE_START_S},
+           "nodes": {n.name: n.summary() for n in every.values()},
+           "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in every.values()},
            # down/up changes of each shared tier: 2 per outage when its probe tells the truth
-           "health_transitions": {n.name: n.store_.shared.health.transitions for n in (a, b)}}
-    for n in (a, b):
+           "health_transitions": {n.name: n.store_.shared.health.transitions for n in every.values()}}
+    for n in every.values():
         n.close()
     return out
+
+
+def _wall_interval(p: dict[str, Any], skew_s: float) -> tuple[float, float] | None:
+    """A gc pass's [start, end] on the true wall clock: its ISO times minus its clock's skew."""
+    if not p.get("started_at") or not p.get("finished_at"):
+        return None
+    start, end = (datetime.fromisoformat(p[k]).timestamp() - skew_s for k in ("started_at", "finished_at"))
+    return start, end
+
+
+def _gc_pair(root: Path, mount_b: Path, skew_s: float, seed: int, seconds: float) -> dict[str, Any]:
+    """Scenario e, one run: ``E_PAGES`` pages stored on ``root`` (a v3 mount), two ``tierstore
+    gc`` loops under a quarter of them, one on that mount and one on the v4.2 mount of the same
+    directory with its clock ``skew_s`` ahead, while a node stores a new page every ~0.25 s and
+    loads back a recent one, for ``seconds``."""
+    node = Node("e", root, deadline_s=LONE_ROOT_DEADLINE_S)
+    page = page_file_size(namespace(), 0)
+    cap = E_PAGES // 4 * page
+    stored = sum(node.store(i, seed)[0] for i in range(E_PAGES))
+    gcs = {"v3": GcProcess(root, cap), "v42": GcProcess(mount_b / root.name, cap, skew_s=skew_s)}
+    for gc in gcs.values():
+        gc.first_pass.wait(120)
+    end, i = time.monotonic() + seconds, E_PAGES
+    loads: Counter[str] = Counter()
+    while time.monotonic() < end:
+        ok, _kind = node.store(i, seed)
+        stored += ok
+        loads[node.load(i - random.randrange(4), seed)] += 1  # a recent page: a hit, or a miss once evicted
+        i += 1
+        time.sleep(0.25)
+    time.sleep(1.5)  # a few more passes after the last store (0.3 s apart)
+    reports = {name: gc.stop() for name, gc in gcs.items()}
+    # counted on the server's side of the export: a client's listing may be cached for 30 s
+    left = [f for f in (Path(nfs_guest.EXPORT) / root.name).rglob("*.kvp") if f.is_file()]
+    end_bytes = sum(f.stat().st_size for f in left)
+    evicted = sum(r["evicted"] for r in reports.values())
+    # the fewest evictions that leave the root within its cap: what was stored beyond it
+    needed = max(stored - cap // page, 1)
+    active = {name: gc.active() for name, gc in gcs.items()}
+    # passes of one gc that held the lease within a lease ttl of a pass of the other (turns taken
+    # quickly: each pass releases the lease at its end), and passes whose spans really overlapped
+    near = sum(1 for p in active["v3"] if any(abs(p["at"] - q["at"]) <= GC_LEASE_TTL_S for q in active["v42"]))
+    spans = {name: [w for p in passes if (w := _wall_interval(p, gcs[name].skew_s)) is not None]
+             for name, passes in active.items()}
+    overlapping = sum(1 for a0, a1 in spans["v3"] if any(a0 < b1 and b0 < a1 for b0, b1 in spans["v42"]))
+    out = {"skew_s": skew_s, "cap": cap, "page_bytes": page, "pages_stored": stored, "evicted": evicted,
+           "evicted_by": {name: r["evicted"] for name, r in reports.items()},
+           "vanished_by": {name: r["vanished"] for name, r in reports.items()},
+           "active_passes": {name: r["active"] for name, r in reports.items()},
+           "passes": {name: r["passes"] for name, r in reports.items()},
+           "lease_lost": {name: r["lease_lost"] for name, r in reports.items()},
+           "needed": needed, "over_eviction_factor": round(evicted / needed, 3),
+           "passes_both_active_within_lease_ttl": near, "overlapping_active_passes": overlapping,
+           "pages_at_end": len(left), "bytes_at_end": end_bytes, "bytes_at_end_over_cap": round(end_bytes / cap, 3),
+           "loads": dict(loads), "gc_errors": {name: r["errors"] for name, r in reports.items()},
+           "gc_rc": {name: r["rc"] for name, r in reports.items()},
+           "gc_stderr": {name: r["stderr_tail"][-600:] for name, r in reports.items()},
+           "node": node.summary()}
+    node.close()
+    return out
+
+
+def scenario_e(results: Path) -> dict[str, Any]:
+    """Defect 6: two gc nodes, one with its clock 30 s ahead, on a v3 and a v4.2 mount of one
+    root while a node keeps storing: does the skewed one over-evict (take a live lease, or keep a
+    dead one)? Then the same with both clocks right."""
+    seed = PAGE_SEEDS["e"]
+    ma = mounted(nfs_guest.EXPORT, "a3_default", V3)
+    mb = mounted(nfs_guest.EXPORT, "b42_default", V42)
+    return {"skewed": _gc_pair(ma / "e_skewed", mb, E_SKEW_S, seed, E_SECONDS),
+            "right": _gc_pair(ma / "e_right", mb, 0.0, seed + 1, E_SECONDS)}
 
 
 def _fill(path: Path) -> int:
@@ -497,15 +669,243 @@ def scenario_d(results: Path) -> dict[str, Any]:
     return out
 
 
+def _server_path(client_path: Path, mount: Path) -> Path:
+    """The server's own path (the exported tmpfs) of ``client_path`` under the NFS ``mount``."""
+    return Path(nfs_guest.EXPORT) / client_path.relative_to(mount)
+
+
+def _files(top: Path) -> set[str]:
+    """Every file under ``top`` (relative paths), as the server sees it."""
+    return {str(f.relative_to(top)) for f in top.rglob("*") if not f.is_dir()}
+
+
+def _tool(*args: str) -> tuple[int, str, str]:
+    """``tierstore ARGS`` as a subprocess (an operator's command): exit status, stdout, stderr."""
+    run = subprocess.run([sys.executable, "-m", "tierstore", *args], capture_output=True, text=True, timeout=300)
+    return run.returncode, run.stdout, run.stderr
+
+
+def _sliced_chain(root: Path, local: Path) -> TierChain:
+    """A TP=2 rank's chain (rank 1: KV head 1 of 2) as the vLLM spec builds it: its slice
+    directory ``h1-1`` and the slice's layout in both tiers; a short LRU-stamp interval."""
+    local.mkdir(parents=True, exist_ok=True)
+    cfg = TierStoreConfig.from_dict({"root": str(root), "local_root": str(local), "deadline_s": LONE_ROOT_DEADLINE_S,
+                                     "shared_deadline_s": LONE_ROOT_DEADLINE_S, "shared_touch_interval_s": 0.1})
+    return TierChain(cfg, SLICED_NS, 0, rank=1, head_start=F_HEADS.start, head_count=F_HEADS.count,
+                     staging_slots=6, rank_dir=split_dir_name(F_HEADS), layout=slice_layout(SLICED_FULL, F_HEADS),
+                     metrics=MetricsRegistry())
+
+
+def scenario_f(results: Path) -> dict[str, Any]:
+    """Defect 7 on real NFS: pages stored through a head-sliced store (directory ``h1-1``) on a
+    v4.2 mount; half of them loaded by another node through its shared tier: their server-side
+    mtimes (gc's LRU stamp) advance, the others' do not, and `tierstore gc` under half the bytes
+    evicts exactly the unloaded half. Defect 5: a root whose format marker names a layout this
+    version does not know: `tierstore fsck --repair` and `tierstore gc` (v3 mount) exit 8 and
+    move or remove nothing."""
+    seed = PAGE_SEEDS["f"]
+    mb = mounted(nfs_guest.EXPORT, "b42_default", V42)
+    root = mb / "f_root"
+    root.mkdir(parents=True, exist_ok=True)
+    server_root = _server_path(root, mb)
+    layout = slice_layout(SLICED_FULL, F_HEADS)
+    keys = [page_key(i, seed=seed) for i in range(F_PAGES)]
+    writer_inner = _sliced_chain(root, Path("/var/tmp/nfs_kernel_local/f_writer"))
+    source = DirectorySlices(root / SLICED_NS.digest / "g0", SLICED_NS.digest_bytes, 0, SLICED_FULL, refresh_s=0)
+    writer = HeadSliceStore(writer_inner, F_HEADS, SLICED_FULL, source)
+    stored = 0
+    for k in keys:
+        slot = writer.acquire_slot(10)
+        assert slot is not None, "no staging slot"
+        slot.view[:layout.nbytes] = page_bytes(layout, k)
+        (res,) = writer.wait([writer.submit_store(k, slot, 16)], 30)
+        stored += bool(res.ok)
+    flushed = writer.flush(60)
+    writer.close()
+    source.close()
+    slice_dir = server_root / SLICED_NS.digest / "g0" / split_dir_name(F_HEADS)
+    paths = [slice_dir / fanout(k) / f"{k.hex()}{PAGE_SUFFIX}" for k in keys]
+    on_server = sum(p.is_file() for p in paths)
+    old = time.time() - 3600
+    for p in paths:  # on the server: every page an hour old, so a stamp stands out
+        os.utime(p, (old, old))
+    loaded = keys[::2]
+    reader = _sliced_chain(root, Path("/var/tmp/nfs_kernel_local/f_reader"))  # an empty local tier
+    outcomes: Counter[str] = Counter()
+    for k in loaded:
+        (res,) = reader.wait([reader.submit_load(k)], 30)
+        if res.ok:
+            outcomes["hit" if bytes(res.slot.view[:layout.nbytes]) == page_bytes(layout, k) else "wrong"] += 1
+            outcomes[f"tier:{res.tier}"] += 1
+            reader.release_slot(res.slot)
+        else:
+            outcomes[res.error.kind] += 1
+    stamped_at = time.monotonic()
+    loaded_paths = {p for p, k in zip(paths, keys, strict=True) if k in loaded}
+    while time.monotonic() - stamped_at < 20 and not all(p.stat().st_mtime > old + 60 for p in loaded_paths):
+        time.sleep(0.2)  # the stamp is a background utime
+    stamp_s = round(time.monotonic() - stamped_at, 2)
+    reader.close()
+    advanced = {"loaded": sum(p.stat().st_mtime > old + 60 for p in loaded_paths),
+                "not_loaded": sum(p.stat().st_mtime > old + 60 for p in paths if p not in loaded_paths)}
+    m3 = mounted(nfs_guest.EXPORT, "f3", V3)  # a fresh v3 client: no cached attributes of these files
+    size = paths[0].stat().st_size
+    cap = size * (F_PAGES // 2)
+    # --low-watermark 1: evict down to the cap itself, so exactly the half that was not loaded goes
+    rc, gc_out, gc_err = _tool("gc", str(m3 / "f_root"), "--max-bytes", str(cap), "--low-watermark", "1", "--json")
+    gc_report = json.loads(gc_out) if gc_out.startswith("{") else {}
+    survived = {"loaded": sum(p.exists() for p in loaded_paths),
+                "not_loaded": sum(p.exists() for p in paths if p not in loaded_paths)}
+    # defect 5: a newer tierstore's marker (an extra layout) and a directory of that layout
+    marker = server_root / ".tierstore-format"
+    marker_before = json.loads(marker.read_text()) if marker.exists() else None
+    body = dict(marker_before or {"format": 1, "layouts": ["rank_dirs", "head_slice_dirs"]})
+    body["layouts"] = [*body.get("layouts", []), "v9_dirs"]
+    marker.write_text(json.dumps(body))
+    future = slice_dir.parent / "v9-0" / "00"
+    future.mkdir(parents=True, exist_ok=True)
+    (future / "page").write_bytes(b"x")
+    before = _files(server_root)
+    fsck_rc, fsck_out, fsck_err = _tool("fsck", str(m3 / "f_root"), "--repair")
+    after_fsck = _files(server_root)
+    gc1_rc, gc1_out, gc1_err = _tool("gc", str(m3 / "f_root"), "--max-bytes", "1")
+    after_gc = _files(server_root)
+    return {"pages": F_PAGES, "stored": stored, "flushed": flushed, "on_server": on_server,
+            "slice_dir": slice_dir.name, "page_file_bytes": size, "loaded": len(loaded),
+            "load_outcomes": dict(outcomes), "mtime_advanced": advanced, "stamp_wait_s": stamp_s,
+            "gc": {"rc": rc, "cap": cap, "evicted": gc_report.get("evicted"), "output_tail": (gc_out + gc_err)[-300:]},
+            "survived_gc": survived, "marker_before": marker_before, "marker_written": body,
+            "old_tool": {"fsck_repair_rc": fsck_rc, "gc_rc": gc1_rc, "files_before": len(before),
+                         "moved_or_removed_by_fsck": sorted(before - after_fsck)[:10],
+                         "added_by_fsck": sorted(after_fsck - before)[:10],
+                         "moved_or_removed_by_gc": sorted(after_fsck - after_gc)[:10],
+                         "added_by_gc": sorted(after_gc - after_fsck)[:10],
+                         "fsck_tail": (fsck_out + fsck_err)[-300:], "gc_tail": (gc1_out + gc1_err)[-300:]}}
+
+
+def _nfsd_delta(before: dict[str, list[int]], after: dict[str, list[int]], version: str) -> dict[str, int]:
+    """Server operations between two ``nfsd_counters`` readings: per NFSv3 procedure, or per
+    NFSv4 operation (and ``compounds``: the RPCs that carried them); zero counts left out."""
+    out: dict[str, int] = {}
+    if version == "v3":
+        for name, b, a in zip(nfs_guest.PROC3, before["proc3"][1:], after["proc3"][1:], strict=False):
+            if a - b:
+                out[name] = a - b
+        return out
+    ops_b, ops_a = before.get("proc4ops", [0])[1:], after.get("proc4ops", [0])[1:]
+    for op, (b, a) in enumerate(zip(ops_b, ops_a, strict=False)):
+        if a - b:
+            out[nfs_guest.PROC4OPS.get(op, f"op{op}")] = a - b
+    out["compounds"] = after["proc4"][2] - before["proc4"][2]  # proc4: count, NULL, COMPOUND
+    return out
+
+
+def _index_refreshes(mount: Path, version: str, full_relist_every: int, refreshes: int) -> dict[str, Any]:
+    """Scenario g, one client and one rule: a PageIndex of ``G_PAGES`` pages on ``mount``,
+    listed once (the start), then ``refreshes`` refreshes (``load_all``: what the loader
+    thread does every index_refresh_s) under the server's counters."""
+    saved = page_index.FULL_RELIST_EVERY
+    page_index.FULL_RELIST_EVERY = full_relist_every  # 1: every refresh lists every directory (the old rule)
+    try:
+        index = page_index.PageIndex(FileMapper(mount / "g_root", namespace().digest, 0, 0).base)
+        started = time.monotonic()
+        index.load_all()
+        first_s = time.monotonic() - started
+        assert len(index) == G_PAGES, (len(index), G_PAGES)
+        listings = index.listings
+        before = nfs_guest.nfsd_counters()
+        started = time.monotonic()
+        for _ in range(refreshes):
+            index.load_all()
+        seconds = time.monotonic() - started
+        after = nfs_guest.nfsd_counters()
+    finally:
+        page_index.FULL_RELIST_EVERY = saved
+    ops = _nfsd_delta(before, after, version)
+    total = sum(v for k, v in ops.items() if k != "compounds")
+    per = total / refreshes
+    listing_ops = sum(v for k, v in ops.items() if k in ("readdir", "readdirplus")) / refreshes
+    return {"refreshes": refreshes, "ops": ops, "ops_per_refresh": round(per, 1),
+            "rpcs_per_refresh": round(ops.get("compounds", total) / refreshes, 1),
+            "ops_per_node_minute_at_30s": round(per * 60 / 30, 1),
+            # readdir calls grow with the pages, the per-directory stat does not
+            "ops_per_refresh_at_1e5_estimate": round(per + 9 * listing_ops, 1),
+            "listings": index.listings - listings, "listings_skipped": index.listings_skipped,
+            "first_listing_s": round(first_s, 2), "seconds_per_refresh": round(seconds / refreshes, 3)}
+
+
+def scenario_g(results: Path) -> dict[str, Any]:
+    """Issue item 5: what the page index's refreshes cost the file server. ``G_PAGES`` page
+    files (empty: the index lists names) made on the server's side; per client (v3 with default
+    caching, v3 ``actimeo=0``: every stat reaches the server as after an expired attribute
+    cache, v4.2) and per rule (the current one: a directory is listed again only when its mtime
+    changed, and every FULL_RELIST_EVERY-th refresh; the old one: every refresh lists all 256),
+    on a fresh mount each, the nfsd operations per refresh."""
+    ns = namespace()
+    server = FileMapper(Path(nfs_guest.EXPORT) / "g_root", ns.digest, 0, 0)
+    started = time.monotonic()
+    server.make_fanout_dirs()
+    for i in range(G_PAGES):
+        os.close(os.open(server.final_path(key(i, PAGE_SEEDS["g"])), os.O_CREAT | os.O_WRONLY, 0o600))
+    created_s = round(time.monotonic() - started, 1)
+    time.sleep(page_index.SETTLED_S + 0.5)  # the directories' mtimes are settled: the index may trust them
+    clients = {"v3": ("v3", V3), "v3_actimeo0": ("v3", f"{V3},actimeo=0"), "v42": ("v42", V42)}
+    out: dict[str, Any] = {"pages": G_PAGES, "created_s": created_s, "full_relist_every": page_index.FULL_RELIST_EVERY,
+                           "clients": {}}
+    for name, (version, options) in clients.items():
+        out["clients"][name] = {}
+        for rule, every, refreshes in (("current", page_index.FULL_RELIST_EVERY, G_REFRESHES["current"]),
+                                       ("old", 1, G_REFRESHES["old"])):
+            mnt = mounted(nfs_guest.EXPORT, f"g_{name}_{rule}", options)
+            out["clients"][name][rule] = _index_refreshes(mnt, version, every, refreshes)
+        cur, old = (out["clients"][name][r]["ops_per_refresh"] for r in ("current", "old"))
+        out["clients"][name]["old_over_current"] = round(old / cur, 2) if cur else None
+    return out
+
+
+def scenario_h(results: Path) -> dict[str, Any]:
+    """Quotas: an ext4 export with a user quota (``nfs_guest.quota_export``) and nodes on a v3
+    and a v4.2 mount: a store past the quota fails typed (``enospc``, errno EDQUOT), the pages
+    already there still verify on both nodes. Reports ``skipped`` (why) where the guest cannot
+    make such an export."""
+    seed, pages = PAGE_SEEDS["h"], 8
+    try:
+        device = nfs_guest.quota_export()
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        return {"skipped": f"no ext4 quota export in the guest: {exc} {detail}".strip()[:600]}
+    ma = mounted(nfs_guest.QUOTA_EXPORT, "q3", V3)
+    mb = mounted(nfs_guest.QUOTA_EXPORT, "q42", V42)
+    a = Node("a", ma / "h_root", deadline_s=LONE_ROOT_DEADLINE_S)
+    b = Node("b", mb / "h_root", deadline_s=LONE_ROOT_DEADLINE_S)
+    stored = sum(a.store(i, seed)[0] for i in range(pages))
+    used = nfs_guest.user_quota_used(device)
+    limit = used + page_file_size(namespace(), 0) // 4  # less than one more page
+    nfs_guest.set_user_quota(device, limit)
+    past = {n.name: Counter(n.store(100 * (k + 1) + i, seed)[1] or "ok" for i in range(4))
+            for k, n in enumerate((a, b))}
+    loads = {n.name: Counter(n.load(i, seed) for i in range(pages)) for n in (a, b)}
+    out = {"pages": pages, "stored_before": stored, "quota_used_before": used, "quota_limit": limit,
+           "quota_used_after": nfs_guest.user_quota_used(device),
+           "stores_past_quota": {k: dict(v) for k, v in past.items()},
+           "loads_past_quota": {k: dict(v) for k, v in loads.items()},
+           "nodes": {n.name: n.summary() for n in (a, b)}}
+    for n in (a, b):
+        n.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True, type=Path)
-    ap.add_argument("--only", default="a,b,c,d", help="comma-separated scenario letters")
-    ap.add_argument("--outage", type=float, default=30.0, help="seconds the server stays stopped (c)")
+    ap.add_argument("--only", default="a,b,c,d,e,f,g,h", help="comma-separated scenario letters")
+    ap.add_argument("--outage", type=float, default=120.0, help="seconds the server stays stopped (c)")
     args = ap.parse_args()
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
         "a": lambda: scenario_a(args.results), "b": lambda: scenario_b(args.results),
-        "c": lambda: scenario_c(args.results, args.outage), "d": lambda: scenario_d(args.results)}
+        "c": lambda: scenario_c(args.results, args.outage), "d": lambda: scenario_d(args.results),
+        "e": lambda: scenario_e(args.results), "f": lambda: scenario_f(args.results),
+        "g": lambda: scenario_g(args.results), "h": lambda: scenario_h(args.results)}
     (args.results / "imported_s").write_text(f"{time.monotonic():.2f}\n")
     for name in args.only.split(","):
         started = time.monotonic()

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-GUEST_TIMEOUT_S = 460.0  # the module's budget is 8 minutes; a normal run takes about 5
-OUTAGE_S = 30.0
-SCENARIOS = ("a", "b", "c", "d")
+GUEST_TIMEOUT_S = 700.0  # the module's budget is 12 minutes; a normal run takes about 9
+OUTAGE_S = 120.0
+SCENARIOS = ("h", "g", "f", "e", "c")  # TEMP
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +111,13 @@ def test_rm_rf_namespace_every_open_engine_hits_again(scenarios: dict[str, dict[
 
 
 def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str, Any]]) -> None:
-    """The server stopped for 30 s under load (node A: soft v3 mount; node B: hard v4.2):
-    no load or store returns later than deadline + 1 s, failures are typed, no thread stays
-    blocked, and both nodes hit and store on the shared tier again once the server is back."""
+    """The server stopped for 2 minutes under load, four nodes on the four kinds of mount (A
+    soft v3, B hard v4.2, C hard v3, D soft v4.2): no load or store returns later than
+    deadline + 1 s, failures are typed, no thread stays blocked, and every node hits and stores
+    on the shared tier again once the server is back. Two engines started 10 s into the outage
+    (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
+    deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
+    down"; the chain: misses, stores to its local tier) and serve within 60 s of the restart."""
     c = _ok(scenarios["c"])
     print(json.dumps({k: v for k, v in c.items() if k != "nodes"} | {"nodes": _figures(c["nodes"])}, indent=1))
     typed = {"missing", "timeout", "down", "queue_full"}
@@ -123,14 +127,24 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
         kinds = {k.split(":", 1)[1] for k in node["failures"]}
         assert kinds <= typed, (name, node["failures"])
         assert not node["counts"].get("no_result") and not node["counts"].get("no_slot"), (name, node["counts"])
-    assert c["threads_stuck"] == 0
+    assert all(n == 0 for n in c["threads_stuck"].values()), c["threads_stuck"]
     for name, recovered in c["recovered_after_restart_s"].items():
         assert recovered["load"] is not None and recovered["store"] is not None, (name, c["recovered_after_restart_s"])
     # the shared tier stays down for the outage: its probe (a create the server must answer) did
-    # not report it up while the server was stopped (a stat of a fresh name did: 32 flaps in 30 s)
+    # not report it up while the server was stopped (a stat of a fresh name did: 32 flaps in
+    # 30 s). The bound is per outage, not per second: 4 for 2 minutes as for 30 s.
     assert all(t <= 4 for t in c["health_transitions"].values()), c["health_transitions"]
-    shared_failures = {name: n["tiers"]["shared"]["failures"] for name, n in c["nodes"].items()}
+    shared_failures = {name: c["nodes"][name]["tiers"]["shared"]["failures"] for name in c["recovered_after_restart_s"]}
     assert all(f.get("timeout", 0) + f.get("down", 0) > 0 for f in shared_failures.values()), shared_failures
+    new = c["new_engines"]
+    assert set(new["open_s"]) == {"new_chain", "new_root"}, new
+    assert all(s < new["start_limit_s"] for s in new["open_s"].values()), new["open_s"]
+    assert new["outage_loads"]["new_root"] == {"timeout": 5}, new["outage_loads"]  # "root tier is down", at once
+    assert new["outage_stores"]["new_root"] == {"timeout": 5}, new["outage_stores"]
+    assert new["outage_loads"]["new_chain"] == {"miss": 5}, new["outage_loads"]
+    assert new["outage_stores"]["new_chain"] == {"ok": 5}, new["outage_stores"]
+    assert new["outage_stored_on"]["new_chain"] == {"stored_on:local": 5}, new["outage_stored_on"]
+    assert all(s is not None for s in new["serve_after_restart_s"].values()), new["serve_after_restart_s"]
 
 
 def test_full_export_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[str, Any]]) -> None:
@@ -147,3 +161,73 @@ def test_full_export_stores_fail_typed_loads_still_verify(scenarios: dict[str, d
         assert d["stores_again_after_freeing_s"][name] is not None, d["stores_after_freeing"]
         assert set(d["stores_after_freeing"][name]) <= {"ok", "enospc"}, d["stores_after_freeing"]
         assert d["nodes"][name]["tiers"]["root"]["failures"].get("enospc", 0) >= 1, d["nodes"][name]["tiers"]
+
+
+def test_gc_nodes_with_skewed_clocks_do_not_over_evict(scenarios: dict[str, dict[str, Any]]) -> None:
+    """Defect 6: two `tierstore gc` loops (v3 and v4.2 mounts of one root, lease ttl 5 s), one
+    with its clock 30 s ahead, while a node stores a new page every ~0.25 s for 30 s: together
+    they evict at most 1.5 times what the cap needs (the lease is judged by the server's clock,
+    so the skewed node neither takes a live lease nor keeps a dead one) and no load returns a
+    wrong page; the same run with both clocks right is printed beside it."""
+    e = _ok(scenarios["e"])
+    figures = {run: {k: v for k, v in r.items() if k not in ("node", "gc_stderr")} for run, r in e.items()
+               if isinstance(r, dict) and "over_eviction_factor" in r}
+    print(json.dumps(figures, indent=1))
+    for run in ("skewed", "right"):
+        r = e[run]
+        assert r["over_eviction_factor"] <= 1.5, (run, figures[run])
+        assert r["node"]["counts"].get("wrong", 0) == 0, run
+        assert r["loads"].get("wrong", 0) == 0, run
+        assert all(n > 0 for n in r["active_passes"].values()), (run, r["active_passes"])  # both took turns
+        assert not any(r["gc_errors"].values()), (run, r["gc_errors"])
+        assert r["evicted"] > 0, run
+
+
+def test_head_sliced_pages_stamped_on_hit_and_old_tools_refuse_a_newer_root(scenarios: dict[str, dict[str, Any]]) -> None:
+    """Defect 7: head-sliced pages (``h1-1``) on a v4.2 mount, half of them loaded by another
+    node through its shared tier: exactly those pages' server-side mtimes advance, and gc
+    under half the bytes evicts exactly the other half. Defect 5: with a format marker naming
+    an unknown layout, `tierstore fsck --repair` and `tierstore gc` on a v3 mount exit 8 and
+    move, remove or add no file."""
+    f = _ok(scenarios["f"])
+    print(json.dumps(f, indent=1))
+    half = f["pages"] // 2
+    assert f["stored"] == f["on_server"] == f["pages"] and f["slice_dir"] == "h1-1", f
+    assert f["load_outcomes"] == {"hit": half, "tier:shared": half}, f["load_outcomes"]
+    assert f["mtime_advanced"] == {"loaded": half, "not_loaded": 0}, f["mtime_advanced"]
+    assert f["gc"]["rc"] == 0 and f["gc"]["evicted"] == half, f["gc"]
+    assert f["survived_gc"] == {"loaded": half, "not_loaded": 0}, f["survived_gc"]
+    old = f["old_tool"]
+    assert old["fsck_repair_rc"] == 8 and old["gc_rc"] == 8, old
+    for change in ("moved_or_removed_by_fsck", "added_by_fsck", "moved_or_removed_by_gc", "added_by_gc"):
+        assert old[change] == [], (change, old)
+
+
+def test_page_index_refresh_server_operations(scenarios: dict[str, dict[str, Any]]) -> None:
+    """Issue item 5: nfsd operations per page-index refresh at 10^4 pages, per client (v3,
+    v3 actimeo=0, v4.2), for the current rule (a directory re-listed only when its mtime
+    changed, all of them every FULL_RELIST_EVERY-th refresh) against the old one (all 256
+    every refresh): the old rule costs the server a clear factor more wherever its listings
+    reach it."""
+    g = _ok(scenarios["g"])
+    print(json.dumps(g, indent=1))
+    for name, client in g["clients"].items():
+        assert client["current"]["listings"] < client["old"]["listings"], (name, client)
+    # with every stat reaching the server (an expired attribute cache, as at a 30 s refresh)
+    assert g["clients"]["v3_actimeo0"]["old_over_current"] >= 3, g["clients"]["v3_actimeo0"]
+
+
+def test_quota_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[str, Any]]) -> None:
+    """A user quota on the export (ext4 with quota in the guest; every request squashed to one
+    user): stores past it fail as `enospc` with errno EDQUOT on both nodes (v3, v4.2), and the
+    pages stored before it still verify."""
+    h = _ok(scenarios["h"])
+    if "skipped" in h:
+        pytest.skip(h["skipped"])
+    print(json.dumps({k: v for k, v in h.items() if k != "nodes"} | {"nodes": _figures(h["nodes"])}
+                     | {"errnos": {n: v["errnos"] for n, v in h["nodes"].items()}}, indent=1))
+    for name in ("a", "b"):
+        assert h["stores_past_quota"][name] == {"enospc": 4}, h["stores_past_quota"]
+        assert h["loads_past_quota"][name] == {"hit": h["pages"]}, h["loads_past_quota"]
+        assert set(h["nodes"][name]["errnos"]) <= {"EDQUOT"}, h["nodes"][name]["errnos"]
+    assert sum(n["errnos"].get("EDQUOT", 0) for n in h["nodes"].values()) >= 1, h["nodes"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -143,14 +144,93 @@ def test_kv_caches_with_scales_beside_the_bytes_are_refused(mode: str) -> None:
         validate_engine(*setup([fp8_attn(mode)]), cfg())
 
 
-def test_mla_and_sparse_mla_are_refused_naming_the_spec() -> None:
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+def dsa_specs(latent_dtype: str = "auto") -> dict[str, Any]:
+    """The per-layer specs vLLM 0.32/0.33 build for a DeepSeek-V3.2 / GLM-5 layer pair
+    (mla_attention.py get_kv_cache_spec; deepseek_v2.py DeepseekV32IndexerCache)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
 
-    # dense MLA is stored (tests/vllm/test_vllm_mla.py); sparse MLA / DSA is refused
-    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
-                           is_index_group_leader=True)
-    with pytest.raises(ConfigError, match=r"MLAAttentionSpec\(block_size=64.*head_size=576.*sparse MLA / DSA"):
-        validate_engine(*setup([mla]), cfg())
+    ds = latent_dtype == "fp8_ds_mla"
+    latent = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=576,
+                              dtype=torch.uint8 if ds else torch.bfloat16, cache_dtype_str=latent_dtype,
+                              kv_quant_mode=get_kv_quant_mode(latent_dtype),
+                              state_content_bytes=656 if ds else None, is_index_group_leader=True)
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+                               cache_role=SparseCacheRole.INDEXER)
+    return {**{f"model.layers.{i}.self_attn.attn": latent for i in range(2)},
+            **{f"model.layers.{i}.self_attn.indexer.k_cache": indexer for i in range(2)}}
+
+
+def dsa_configs(latent_dtype: str = "auto", first: str = "latent") -> tuple[Any, Any, Any]:
+    """(vllm_config, the worker's KV-cache config, the scheduler's) of a DSA model: one group of
+    latent and indexer layers; the scheduler's keeps one layer's spec, as vLLM's
+    generate_scheduler_kv_cache_config does (``first``: which kind comes first)."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    specs = dsa_specs(latent_dtype)
+    order = sorted(specs, key=lambda n: ("indexer" in n) == (first == "latent"))
+    spec = UniformTypeKVCacheSpecs.from_specs({n: specs[n] for n in order})
+    assert spec is not None
+    worker = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(order, spec)])
+    scheduler = generate_scheduler_kv_cache_config([worker])
+    vcfg = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True, prefix_caching_hash_algo="sha256",
+                                     cache_dtype=latent_dtype),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=255),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64,
+                                                               index_head_dim=128)))
+    return vcfg, worker, scheduler
+
+
+@pytest.mark.parametrize("latent_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("first", ["latent", "indexer"])
+def test_dsa_groups_get_one_layout_on_the_scheduler_and_the_worker(latent_dtype: str, first: str) -> None:
+    """A DSA model's one group (latent + indexer per layer) is accepted as an MLA group; the
+    scheduler, which sees one of its specs, derives the same page as the worker, which checks
+    it against every layer's spec."""
+    from tierstore.vllm.namespace import rank_group_layout
+    from tierstore.vllm.sparse_mla import check_dsa_specs
+
+    vcfg, worker, scheduler = dsa_configs(latent_dtype, first)
+    assert validate_engine(vcfg, worker, cfg()) == 64 and validate_engine(vcfg, scheduler, cfg()) == 64
+    layouts = [rank_group_layout(vcfg, kcc.kv_cache_groups[0].kv_cache_spec, tuple(kcc.kv_cache_groups[0].layer_names),
+                                 64, torch.bfloat16) for kcc in (worker, scheduler)]
+    assert layouts[0] == layouts[1] and layouts[0][0] == GroupKind.MLA
+    widths = {s.name: (s.shape, s.dtype) for s in layouts[0][1].sections}
+    latent = ((64, 656), "uint8") if latent_dtype == "fp8_ds_mla" else ((64, 576), "bfloat16")
+    assert widths["model.layers.1.self_attn.attn"] == latent
+    assert widths["model.layers.1.self_attn.indexer.k_cache"] == ((64, 132), "uint8")
+    check_dsa_specs(worker.kv_cache_groups[0].kv_cache_spec.kv_cache_specs, layouts[0][1])
+    # a model config that disagrees with what vLLM allocated is refused, naming the layer
+    vcfg.model_config.hf_config.index_head_dim = 256
+    wrong = rank_group_layout(vcfg, scheduler.kv_cache_groups[0].kv_cache_spec,
+                              tuple(scheduler.kv_cache_groups[0].layer_names), 64, torch.bfloat16)[1]
+    with pytest.raises(ConfigError, match=r"264-wide uint8 row for model.layers.0.self_attn.indexer.k_cache"):
+        check_dsa_specs(worker.kv_cache_groups[0].kv_cache_spec.kv_cache_specs, wrong)
+
+
+def test_unproven_mla_caches_are_refused_naming_the_spec() -> None:
+    from vllm.v1.kv_cache_interface import (
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SparseCacheRole,
+        get_kv_quant_mode,
+    )
+
+    nvfp4 = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8,
+                             cache_dtype_str="nvfp4_ds_mla", kv_quant_mode=get_kv_quant_mode("nvfp4_ds_mla"),
+                             state_content_bytes=352, is_index_group_leader=True)
+    with pytest.raises(ConfigError, match=r"MLAAttentionSpec\(.*sparse MLA latent of kv_cache_dtype=nvfp4_ds_mla"):
+        validate_engine(*setup([nvfp4]), cfg())
+    mxfp4 = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=68, dtype=torch.uint8,
+                             cache_role=SparseCacheRole.INDEXER)
+    with pytest.raises(ConfigError, match="MXFP4 indexer keys are not implemented"):
+        validate_engine(*setup([mxfp4]), cfg())
+    v4_latent = MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+                                 tokens_per_state=4, state_content_bytes=584, alignment=576,
+                                 model_version="deepseek_v4")
+    with pytest.raises(ConfigError, match="DeepSeek-V4"):
+        validate_engine(*setup([v4_latent]), cfg())
     swa_mla = SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
                                    sliding_window=128)
     with pytest.raises(ConfigError, match=r"SlidingWindowMLASpec.*DeepSeek-V4"):

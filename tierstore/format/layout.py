@@ -7,6 +7,9 @@ sizes. Per layer of a group, in the group's layer order:
   dtype: H = KV heads of this rank's slice, T = tokens in the chunk, index 0 = K, 1 = V.
   (vLLM 0.33's logical per-block view ``[H, N, 2*D]`` concatenated over blocks along N.)
 - MLA: one section ``<layer>`` of shape ``[T, C]`` (latent + rope, as the backend packs it).
+  A sparse MLA / DSA group (``mla_rows_layout``) has a row width and dtype per layer: its
+  indexer key cache ``[T, C]`` uint8 holds each block's bytes as vLLM keeps them (per block of
+  N tokens: N x 128 fp8 values, then N fp32 scales), not token-major rows.
 - Mamba / GDN: one section per state tensor, ``<layer>.<state>``, unpadded, in the state's
   own dtype; conv state in the orientation named by ``CONV_ORIENTATION``.
 
@@ -33,6 +36,11 @@ def attention_layout(
 
 def mla_layout(layer_names: Sequence[str], tokens: int, latent_size: int, dtype: str) -> PageLayout:
     return PageLayout(tuple(SectionSpec(n, dtype, (tokens, latent_size)) for n in layer_names))
+
+
+def mla_rows_layout(rows: Sequence[tuple[str, int, str]], tokens: int) -> PageLayout:
+    """Page layout of an MLA group whose layers differ: ``rows`` = (layer, row width, dtype)."""
+    return PageLayout(tuple(SectionSpec(n, dtype, (tokens, width)) for n, width, dtype in rows))
 
 
 def mamba_layout(

@@ -5,7 +5,8 @@ Contract:
 - ``golden_pages()`` defines the pages from fixed logical content (values derived from
   SHAKE-256 of the page name, so no random generator's stream is involved): attention bf16
   and fp8 with kernel-block splits, sliding-window bf16, a Mamba/GDN page whose sections leave
-  alignment gaps, an MLA page (padded latent), and the GDN page with codec ZSTD.
+  alignment gaps, an MLA page (padded latent), the GDN page with codec ZSTD, and a sparse MLA /
+  DSA page (latent and indexer key cache per layer).
 - ``build_files(device, backend, path, fill)`` produces each file's bytes through a real copy
   path: the engine-layout KV caches are filled from the logical content, the copier gathers
   into page buffers pre-filled with ``fill`` (garbage: canonical pages must not depend on it),
@@ -42,7 +43,7 @@ import torch
 import zstandard
 
 from tierstore.format.identity import GroupSpec, Namespace
-from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
+from tierstore.format.layout import attention_layout, mamba_layout, mla_layout, mla_rows_layout
 from tierstore.format.page import (
     FORMAT_VERSION,
     Codec,
@@ -185,6 +186,30 @@ def _mla(name: str) -> GoldenPage:
     return _page(name, GroupKind.MLA, "bfloat16", layout, tokens, block, logical, caches)
 
 
+def _dsa(name: str) -> GoldenPage:
+    """A sparse MLA / DSA page: per layer a bf16 latent (12 per token) and the indexer's key
+    cache (132 bytes per token, vLLM's block order kept), blocks of 4 tokens, 2 blocks a page."""
+    layers, tokens, block, latent, indexer = 2, 8, 4, 12, 132
+    rows = [row for i in range(layers) for row in ((f"model.layers.{i}.self_attn.attn", latent, "bfloat16"),
+                                                   (f"model.layers.{i}.self_attn.indexer.k_cache", indexer, "uint8"))]
+    layout = mla_rows_layout(rows, tokens)
+    logical = [_values(f"dsa/{n}", (tokens, width), torch.bfloat16).view(torch.uint8)[:, :indexer].contiguous()
+               if dtype == "uint8" else _values(f"dsa/{n}", (tokens, width), torch.bfloat16)
+               for n, width, dtype in rows]
+    bpp = tokens // block
+
+    def caches(device: str) -> Sources:
+        nb, views = bpp + 2, []
+        ids = _block_ids(nb, bpp)
+        for t in logical:
+            v = torch.zeros(nb, block, t.shape[1], dtype=t.dtype, device=device)
+            v[ids.view(-1).to(device)] = t.view(bpp, block, t.shape[1]).to(device)
+            views.append(v)
+        return views, ids, [0] * len(views), bpp
+
+    return _page(name, GroupKind.MLA, "bfloat16", layout, tokens, block, logical, caches)
+
+
 def golden_pages() -> list[GoldenPage]:
     return [
         _attention("attn_bf16_lbnhc_k4", torch.bfloat16, "LBNHC", 4),
@@ -193,6 +218,7 @@ def golden_pages() -> list[GoldenPage]:
         _gdn("gdn_gaps", Codec.NONE),
         _mla("mla_bf16_k4"),
         _gdn("gdn_gaps_zstd", Codec.ZSTD),
+        _dsa("dsa_latent_indexer_k4"),
     ]
 
 

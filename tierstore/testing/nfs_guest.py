@@ -32,10 +32,15 @@ Guest side (called by a script running inside the guest):
   set to ``GRACE_S``).
 - ``clock_offset_command(offset_s, argv)``: argv run under ``faketime`` with its wall clock
   offset (monotonic clocks untouched): one node with a skewed clock.
+- ``nfsd_counters()``: the server's per-operation counters (``/proc/net/rpc/nfsd``; ``PROC3``
+  and ``PROC4OPS`` name the fields): what a client's calls cost the server.
+- ``quota_export()``: ``QUOTA_EXPORT``, an ext4 file system (a loop device) with user quotas,
+  every request squashed to ``QUOTA_UID``; ``set_user_quota`` and ``user_quota_used`` (the
+  ``quotactl`` system call: no quota tools needed). ``load_modules`` loads guest kernel modules.
 
 Exports (inside the guest): ``EXPORT`` (a tmpfs of ``export_mib``) and ``SMALL_EXPORT`` (a tmpfs
-of ``small_export_mib``: a full export gives ENOSPC). Clients mount them by path over NFSv3,
-v4.1 or v4.2.
+of ``small_export_mib``: a full export gives ENOSPC), and ``QUOTA_EXPORT`` once a job made it
+(``quota_export``). Clients mount them by path over NFSv3, v4.1 or v4.2.
 
 Failure policy: ``run_in_guest`` raises ``GuestError`` (with the console's tail) when the guest
 cannot boot or does not power off within its timeout (the QEMU process it started is killed);
@@ -48,6 +53,7 @@ Threading: no shared state; each ``run_in_guest`` boots its own guest (blocking 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import shutil
@@ -129,6 +135,8 @@ def _job_script(command: str, results: Path, export_mib: int, small_export_mib: 
     return f"""#!/bin/sh
 # written by tierstore/testing/nfs_guest.py: the kernel NFS server, then the test's command
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/var/tmp TMPDIR=/var/tmp
+# the guest-side helpers find the kernel's modules through it (HOME is the guest's own here)
+export {GUEST_DIR_ENV}={shlex.quote(str(cache))}
 set -e
 step() {{ echo "nfs-guest: $*"; }}
 step "modules"
@@ -269,3 +277,95 @@ def clock_offset_command(offset_s: float, argv: list[str]) -> list[str]:
     file times from the server untouched); needs the Debian package faketime."""
     env = ["env", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
     return [*env, "faketime", "-f", f"{offset_s:+.0f}s", *argv]
+
+
+def load_modules(*modules: str) -> None:
+    """Load the guest kernel's ``modules`` (and their dependencies) from the guest cache: the
+    host's ``modprobe`` would look in the host kernel's directory, which has none of them."""
+    cache = guest_dir()
+    version = _kernel_version(cache)
+    if version is None:
+        raise FileNotFoundError(f"no guest kernel in {cache} ({GUEST_DIR_ENV})")
+    _run(["modprobe", "-d", str(cache / "kernel"), "-S", version, "-a", *modules])
+
+
+def nfsd_counters() -> dict[str, list[int]]:
+    """The kernel NFS server's per-operation counters (``/proc/net/rpc/nfsd``): each line's
+    name (``proc3``, ``proc4ops``, ...) and its numbers, the count of fields first as the
+    kernel writes it (``proc3``: NULL, GETATTR, SETATTR, LOOKUP, ACCESS, ... in RFC 1813 order;
+    ``proc4ops``: by NFSv4 operation number)."""
+    out: dict[str, list[int]] = {}
+    for line in Path("/proc/net/rpc/nfsd").read_text().splitlines():
+        name, *numbers = line.split()
+        with contextlib.suppress(ValueError):
+            out[name] = [int(float(n)) for n in numbers]
+    return out
+
+
+# NFSv3 procedures in /proc/net/rpc/nfsd's ``proc3`` order (RFC 1813 numbering)
+PROC3 = ("null", "getattr", "setattr", "lookup", "access", "readlink", "read", "write", "create", "mkdir",
+         "symlink", "mknod", "remove", "rmdir", "rename", "link", "readdir", "readdirplus", "fsstat", "fsinfo",
+         "pathconf", "commit")
+# NFSv4 operation numbers (RFC 8881 / 7862) of ``proc4ops`` that a directory listing and a stat use
+PROC4OPS = {3: "access", 9: "getattr", 10: "getfh", 15: "lookup", 22: "putfh", 24: "putrootfh", 26: "readdir",
+            53: "sequence"}
+
+QUOTA_EXPORT = "/mnt/quota"  # an ext4 file system with user quotas (``quota_export``)
+QUOTA_UID = 1000  # every request to QUOTA_EXPORT is squashed to this user: root would ignore the limit
+
+
+def quota_export(size_mib: int = 64, fsid: int = 3) -> str:
+    """Export ``QUOTA_EXPORT``: an ext4 file system on a loop device (an image on the guest's
+    tmpfs) with quota accounting and enforcement for users (``mkfs.ext4 -O quota``, mounted
+    ``usrquota``), every request squashed to ``QUOTA_UID`` (the server's root would be exempt
+    from the limit: CAP_SYS_RESOURCE). Returns the loop device (``set_user_quota``'s ``device``).
+    The guest kernel's tmpfs has no quota (``usrquota`` needs Linux 6.6); e2fsprogs and
+    util-linux (tools/nfs-guest.sh installs them) are all this needs, no quota tools: the
+    limit is set with the ``quotactl`` system call."""
+    load_modules("loop", "ext4", "quota_v2")
+    image = Path("/var/tmp/quota-export.img")
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    _run(["mkfs.ext4", "-q", "-F", "-O", "quota", "-E", "quotatype=usrquota", str(image)])
+    device = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True,
+                            text=True, timeout=60).stdout.strip()
+    Path(QUOTA_EXPORT).mkdir(parents=True, exist_ok=True)
+    _run(["mount", "-t", "ext4", "-o", "usrquota", device, QUOTA_EXPORT])
+    os.chown(QUOTA_EXPORT, QUOTA_UID, QUOTA_UID)
+    os.chmod(QUOTA_EXPORT, 0o755)
+    _run(["exportfs", "-o", f"{EXPORT_OPTIONS},all_squash,anonuid={QUOTA_UID},anongid={QUOTA_UID},fsid={fsid}",
+          f"127.0.0.1:{QUOTA_EXPORT}"])
+    return device
+
+
+class _DiskQuota(ctypes.Structure):
+    """``struct if_dqblk`` of <linux/quota.h>: block limits in 1 KiB units, space in bytes."""
+
+    _fields_ = [("bhardlimit", ctypes.c_uint64), ("bsoftlimit", ctypes.c_uint64), ("curspace", ctypes.c_uint64),
+                ("ihardlimit", ctypes.c_uint64), ("isoftlimit", ctypes.c_uint64), ("curinodes", ctypes.c_uint64),
+                ("btime", ctypes.c_uint64), ("itime", ctypes.c_uint64), ("valid", ctypes.c_uint32)]
+
+
+_Q_GETQUOTA, _Q_SETQUOTA, _USRQUOTA, _QIF_BLIMITS = 0x800007, 0x800008, 0, 1
+
+
+def _quotactl(command: int, device: str, uid: int, block: _DiskQuota) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    cmd = ctypes.c_int(((command << 8) | _USRQUOTA) - (1 << 32))  # QCMD(): an int with the top bit set
+    if libc.quotactl(cmd, device.encode(), ctypes.c_int(uid), ctypes.byref(block)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"quotactl({command:#x}, {device}, uid {uid}): {os.strerror(err)}")
+
+
+def user_quota_used(device: str, uid: int = QUOTA_UID) -> int:
+    """Bytes charged to ``uid`` on ``device`` (``quotactl(Q_GETQUOTA)``)."""
+    block = _DiskQuota()
+    _quotactl(_Q_GETQUOTA, device, uid, block)
+    return int(block.curspace)
+
+
+def set_user_quota(device: str, limit_bytes: int, uid: int = QUOTA_UID) -> None:
+    """Set ``uid``'s hard (and soft) block limit on ``device`` to ``limit_bytes`` (rounded up
+    to 1 KiB): a write past it fails with EDQUOT."""
+    kib = -(-limit_bytes // 1024)
+    _quotactl(_Q_SETQUOTA, device, uid, _DiskQuota(bhardlimit=kib, bsoftlimit=kib, valid=_QIF_BLIMITS))

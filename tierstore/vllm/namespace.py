@@ -46,6 +46,15 @@ from tierstore.format.head_slices import rank_heads, slice_layout, slice_units
 from tierstore.format.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
 from tierstore.format.page import GroupKind, PageLayout, SectionSpec
+from tierstore.vllm.sparse_mla import (
+    dsa_layout,
+    dsa_refusal,
+    indexer_row_bytes,
+    is_dsa_group,
+    is_indexer_spec,
+    latent_row,
+    layer_specs,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,17 +145,12 @@ def mla_refusal(spec: Any) -> str | None:
     """Why tierstore cannot store an ``MLAAttentionSpec`` (None: a dense MLA latent it can).
 
     Stored: DeepSeek-V2/V3's and Kimi K2's dense latent cache, one ``[T, C]`` section per layer
-    (C = kv_lora_rank + rope dim, ``head_size``), one latent per token, model dtype. Refused,
-    naming what is missing: sparse MLA / DSA (DeepSeek-V3.2, GLM-5: the lightning indexer's key
-    cache would have to sit in the same page), DeepSeek-V4's latent (``model_version``,
-    compressed states), backend-packed or quantized latents (fp8_ds_mla and per-token modes keep
-    scales inside the bytes), aligned/padded pages and DCP-sharded tokens: none proven yet."""
-    if getattr(getattr(spec, "cache_role", None), "value", "sparse") == "indexer":
-        return ("the lightning indexer's key cache of sparse MLA / DSA (DeepSeek-V3.2, GLM-5): "
-                "<layer>.indexer pages beside the latent are not implemented")
-    if getattr(spec, "is_index_group_leader", False):
-        return ("a sparse MLA / DSA latent (DeepSeek-V3.2, GLM-5): its indexer's key cache would "
-                "have to be stored in the same page, which is not implemented")
+    (C = kv_lora_rank + rope dim, ``head_size``), one latent per token, model dtype; and sparse
+    MLA / DSA groups (DeepSeek-V3.2, GLM-5), latent and indexer keys (``sparse_mla.dsa_refusal``).
+    Refused, naming what is missing: DeepSeek-V4's latent (``model_version``, compressed
+    states), quantized dense latents, aligned/padded pages and DCP-sharded tokens."""
+    if is_dsa_group(spec, ()):  # sparse MLA / DSA: the latent and the indexer's keys (sparse_mla.py)
+        return dsa_refusal(spec)
     if getattr(spec, "model_version", None) is not None:
         return (f"an MLA cache of model_version={spec.model_version!r} (DeepSeek-V4: compressed "
                 "latents and their window rules) is not implemented")
@@ -195,9 +199,17 @@ def is_mla(spec: Any) -> bool:
 
 
 def group_kind(spec: KVCacheSpec) -> GroupKind:
+    """The kind of a group's pages from its spec (a ``UniformTypeKVCacheSpecs`` too: every
+    layer's spec must be storable). Raises ConfigError naming the first spec that is not."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    why = refusal(spec)
+    for one in layer_specs(spec):
+        if (why := refusal(one)) is not None:
+            spec = one
+            break
+    else:
+        spec = representative_spec(spec)
+        why = None
     if why is None and is_mla(spec):
         return GroupKind.MLA
     if why is None and isinstance(spec, MambaSpec):
@@ -215,15 +227,14 @@ def group_kind(spec: KVCacheSpec) -> GroupKind:
 
 
 def representative_spec(spec: KVCacheSpec) -> KVCacheSpec:
-    """One per-layer spec of a group (UniformTypeKVCacheSpecs holds several equal ones)."""
-    inner = getattr(spec, "kv_cache_specs", None)
-    if inner:
-        specs = list(inner.values())
-        first = specs[0]
-        if any(s != first for s in specs[1:]):
-            raise ConfigError("tierstore needs the layers of one KV-cache group to share one spec")
-        return first
-    return spec
+    """One per-layer spec of a group (UniformTypeKVCacheSpecs holds several equal ones; a DSA
+    group's latent and indexer specs: the first latent's, ``sparse_mla``)."""
+    specs = layer_specs(spec)
+    if len(specs) > 1 and is_dsa_group(spec, ()) and all(is_mla(s) for s in specs):
+        return next((s for s in specs if not is_indexer_spec(s)), specs[0])
+    if len(specs) > 1:
+        raise ConfigError("tierstore needs the layers of one KV-cache group to share one spec")
+    return specs[0]
 
 
 def group_layout(spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chunk: int,
@@ -481,6 +492,19 @@ def scaled_layout(layout: PageLayout, tp_size: int) -> PageLayout:
                             for s in layout.sections))
 
 
+def rank_group_layout(vllm_config: Any, spec: KVCacheSpec, layer_names: tuple[str, ...], tokens_per_chunk: int,
+                      model_dtype: torch.dtype | str) -> tuple[GroupKind, PageLayout]:
+    """``group_layout`` of one offloaded group as this rank holds it; a DSA group's from the
+    model's config (the scheduler's KV-cache config holds only one of its specs)."""
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", None)
+    if not is_dsa_group(spec, layer_names):
+        return group_layout(spec, layer_names, tokens_per_chunk, kv_storage_dtype(cache_dtype))
+    hf_config = vllm_config.model_config.hf_config
+    return group_kind(spec), dsa_layout(layer_names, tokens_per_chunk,
+                                        latent_row(hf_config, cache_dtype, dtype_name(model_dtype)),
+                                        indexer_row_bytes(hf_config))
+
+
 def build_namespace(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
@@ -495,7 +519,7 @@ def build_namespace(
     kv_dtype = kv_storage_dtype(cache_dtype)
     # The rank's layouts (what this engine's pages hold), and the full (TP=1) ones: attention
     # with every KV head, Mamba states at TP=1 (a page is the full one at TP=1 in either case).
-    ranked = [group_layout(vg.kv_cache_spec, tuple(g.layer_names), n, kv_dtype)
+    ranked = [rank_group_layout(vllm_config, vg.kv_cache_spec, tuple(g.layer_names), n, offloading_config.model.dtype)
               for vg, g, n in zip(vgroups, offloading_config.groups, chunks, strict=True)]
     kinds, rank_layouts = [k for k, _ in ranked], [lay for _, lay in ranked]
     total_heads = (vllm_config.model_config.get_total_num_kv_heads()

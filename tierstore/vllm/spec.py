@@ -69,6 +69,7 @@ from tierstore.vllm.namespace import (
     mamba_states,
     representative_spec,
 )
+from tierstore.vllm.sparse_mla import check_dsa_specs
 from tierstore.vllm.worker import TierStoreWorker, WorkerGroup
 
 logger = logging.getLogger("tierstore.vllm")
@@ -260,8 +261,9 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         if gspec.kind == GroupKind.MAMBA:
             sources, concat = self._mamba_sources(gspec, vspec, kv_caches)
             ratio, k_transposed_tokens, bpp = 1, None, 1
-        elif gspec.kind == GroupKind.MLA:  # [nb, N, C] latents, concatenated along tokens
-            sources = [mla_view(kv_caches[n], layout.sections[0].shape[1]) for n in gspec.layer_names]
+        elif gspec.kind == GroupKind.MLA:  # [nb, N, C] latents (a DSA indexer's rows too), along tokens
+            check_dsa_specs(getattr(vspec, "kv_cache_specs", None) or {}, layout)
+            sources = [mla_view(kv_caches[sec.name], sec.shape[1]) for sec in layout.sections]
             concat, k_transposed_tokens = [0] * len(sources), None
             ratio = sources[0].shape[0] // self.kv_cache_config.num_blocks
             bpp = self.blocks_per_chunk * ratio

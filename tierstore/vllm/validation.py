@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
 from tierstore.format.page import GroupKind
-from tierstore.vllm.namespace import group_kind, hash_seed_marker, representative_spec
+from tierstore.vllm.namespace import group_kind, hash_seed_marker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,7 +81,7 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
 
     cache = vllm_config.cache_config
     groups = kv_cache_config.kv_cache_groups
-    kinds = [group_kind(representative_spec(groups[gid].kv_cache_spec))  # refusals first: one clear error
+    kinds = [group_kind(groups[gid].kv_cache_spec)  # refusals first: one clear error
              for gid in kv_cache_config.prefix_cacheable_group_ids]
     par = getattr(vllm_config, "parallel_config", None)
     split = {name: getattr(par, name, 1) for name in ("pipeline_parallel_size", "decode_context_parallel_size",
