@@ -252,24 +252,25 @@ def test_dense_mla_maps_to_one_latent_section_per_layer() -> None:
 
 
 @pytest.mark.parametrize(("fields", "why"), [
-    ({"is_index_group_leader": True}, r"sparse MLA / DSA.*indexer"),
-    ({"model_version": "deepseek_v4"}, r"model_version='deepseek_v4'.*DeepSeek-V4"),
+    ({"is_index_group_leader": True, "cache_dtype_str": "nvfp4_ds_mla"}, r"sparse MLA latent of kv_cache_dtype=nvfp4"),
+    ({"model_version": "deepseek_v4"}, r"model_version='deepseek_v4'.*round-trip at the worker.*no engine"),
     ({"cache_dtype_str": "fp8_ds_mla", "state_content_bytes": 656}, r"kv_cache_dtype=fp8_ds_mla.*not proven"),
     ({"alignment": 576}, r"padded"),
 ])
-def test_sparse_v4_quantized_and_padded_mla_are_refused(fields: dict[str, Any], why: str) -> None:
+def test_unproven_v4_quantized_and_padded_mla_are_refused(fields: dict[str, Any], why: str) -> None:
     from tierstore.vllm.namespace import group_kind
 
     with pytest.raises(ConfigError, match=r"MLAAttentionSpec\(.*" + why):
         group_kind(mla_spec(**fields))
 
 
-def test_indexer_cache_and_windowed_mla_are_refused() -> None:
+def test_an_unknown_indexer_cache_and_windowed_mla_are_refused() -> None:
     from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, SparseCacheRole
 
     from tierstore.vllm.namespace import group_kind
 
-    with pytest.raises(ConfigError, match=r"lightning indexer's key cache"):
+    assert group_kind(mla_spec(head_size=132, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)) == GroupKind.MLA
+    with pytest.raises(ConfigError, match=r"indexer key cache of 128 torch.bfloat16"):
         group_kind(mla_spec(head_size=128, cache_role=SparseCacheRole.INDEXER))
     with pytest.raises(ConfigError, match=r"SlidingWindowMLASpec.*DeepSeek-V4"):
         group_kind(SlidingWindowMLASpec(block_size=64, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,

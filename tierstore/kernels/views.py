@@ -12,6 +12,12 @@ MLA: ``mla_view`` turns a dense latent cache (vLLM 0.32/0.33's logical ``[nb, 1,
 latent "head" per token; CPU_MLA and the CUDA MLA backends alike, any block stride) into the
 copier's ``[nb, N, C]``; canonical section ``[blocks_per_page * N, C]`` with concat dim 0.
 
+Opaque block pages (DeepSeek-V4): ``block_bytes_view`` turns a layer's logical ``[nb, H, N, C]``
+view of a packed allocation (any block stride, the page itself contiguous) into ``[nb, 1,
+page bytes]`` uint8: one row per block, copied as it is; canonical section ``[blocks_per_page,
+page bytes]`` with concat dim 0. Bytes past the page (its padding, the next layer) are never
+touched.
+
 Mamba/GDN: ``mamba_state_views`` slices each block's raw (possibly padded) page bytes into
 the named states, unpadded, and transposes a conv state stored ``(state_len, dim)`` ("SD")
 to the canonical ``(dim, state_len)`` orientation (``layout.CONV_ORIENTATION``).
@@ -48,6 +54,20 @@ def mla_view(cache: torch.Tensor, latent_size: int) -> torch.Tensor:
         raise ValueError(f"expected an MLA cache [num_blocks, 1, N, {latent_size}] with contiguous latents, "
                          f"got {tuple(cache.shape)} strides {cache.stride()}")
     return cache
+
+
+def block_bytes_view(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's ``[nb, H, N, C]`` page view (one block's page contiguous, blocks any stride
+    apart) -> ``[nb, 1, H*N*C*itemsize]`` uint8. Raises ValueError when a block's page is not
+    one contiguous run."""
+    if cache.dim() != 4:
+        raise ValueError(f"expected a [num_blocks, H, N, C] page view, got {tuple(cache.shape)}")
+    nb, h, n, c = cache.shape
+    if cache.stride()[1:] != (n * c, c, 1) and not (h == 1 and cache.stride()[2:] == (c, 1)):
+        raise ValueError(f"a block's page is not contiguous: shape {tuple(cache.shape)} strides {cache.stride()}")
+    page = h * n * c * cache.element_size()
+    # the uint8 view keeps the layer's storage offset; strides in bytes
+    return torch.as_strided(cache.view(torch.uint8), (nb, 1, page), (cache.stride(0) * cache.element_size(), page, 1))
 
 
 def split_kv_view(cache: torch.Tensor, order: str) -> torch.Tensor:

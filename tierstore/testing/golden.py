@@ -5,8 +5,8 @@ Contract:
 - ``golden_pages()`` defines the pages from fixed logical content (values derived from
   SHAKE-256 of the page name, so no random generator's stream is involved): attention bf16
   and fp8 with kernel-block splits, sliding-window bf16, a Mamba/GDN page whose sections leave
-  alignment gaps, an MLA page (padded latent), the GDN page with codec ZSTD, and a sparse MLA /
-  DSA page (latent and indexer key cache per layer).
+  alignment gaps, an MLA page (padded latent), the GDN page with codec ZSTD, a sparse MLA /
+  DSA page (latent and indexer key cache per layer) and DeepSeek-V4 opaque block pages.
 - ``build_files(device, backend, path, fill)`` produces each file's bytes through a real copy
   path: the engine-layout KV caches are filled from the logical content, the copier gathers
   into page buffers pre-filled with ``fill`` (garbage: canonical pages must not depend on it),
@@ -54,7 +54,7 @@ from tierstore.format.page import (
     encode_page,
 )
 from tierstore.kernels import GroupCopier
-from tierstore.kernels.views import make_attention_caches, mamba_state_views
+from tierstore.kernels.views import block_bytes_view, make_attention_caches, mamba_state_views
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
 MANIFEST = "MANIFEST.json"
@@ -210,6 +210,31 @@ def _dsa(name: str) -> GoldenPage:
     return _page(name, GroupKind.MLA, "bfloat16", layout, tokens, block, logical, caches)
 
 
+def _v4(name: str) -> GoldenPage:
+    """DeepSeek-V4 opaque block pages: two layers of one packed allocation (a shared block
+    stride, each page padded), an fp8_ds_mla-like uint8 page and an fp32 state page, 2 blocks."""
+    bpp, stride, pages = 2, 320, [("model.layers.2.attn", 4, 20, torch.uint8, 0),
+                                  ("model.layers.2.attn.compressor.state_cache", 2, 6, torch.float32, 96)]
+    rows = [(n, k * c * t.itemsize, "uint8") for n, k, c, t, _ in pages]
+    layout = mla_rows_layout(rows, bpp)
+    logical = [_values(f"v4/{n}", (bpp, width // 2), torch.bfloat16).view(torch.uint8).view(bpp, width)
+               for n, width, _ in rows]
+
+    def caches(device: str) -> Sources:
+        nb = bpp + 2
+        ids = _block_ids(nb, bpp)
+        buf = torch.zeros(nb * stride, dtype=torch.uint8, device=device)
+        views = []
+        for (_, k, c, t, offset), page in zip(pages, logical, strict=True):
+            typed = torch.as_strided(buf.view(t), (nb, 1, k, c), (stride // t.itemsize, k * c, c, 1), offset // t.itemsize)
+            view = block_bytes_view(typed)
+            view[ids.view(-1).to(device), 0] = page.to(device)
+            views.append(view)
+        return views, ids, [0] * len(views), bpp
+
+    return _page(name, GroupKind.MLA, "uint8", layout, 256 * bpp, 256, logical, caches)
+
+
 def golden_pages() -> list[GoldenPage]:
     return [
         _attention("attn_bf16_lbnhc_k4", torch.bfloat16, "LBNHC", 4),
@@ -219,6 +244,7 @@ def golden_pages() -> list[GoldenPage]:
         _mla("mla_bf16_k4"),
         _gdn("gdn_gaps_zstd", Codec.ZSTD),
         _dsa("dsa_latent_indexer_k4"),
+        _v4("deepseek_v4_block_pages"),
     ]
 
 

@@ -46,6 +46,7 @@ from tierstore.format.head_slices import rank_heads, slice_layout, slice_units
 from tierstore.format.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
 from tierstore.format.page import GroupKind, PageLayout, SectionSpec
+from tierstore.vllm.deepseek_v4 import V4_REFUSAL
 from tierstore.vllm.sparse_mla import (
     dsa_layout,
     dsa_refusal,
@@ -117,11 +118,10 @@ def mamba_states(spec: Any) -> MambaStates:
 # Spec classes tierstore refuses, by name (checked before the classes they derive from):
 # what the pages would need that tierstore does not have yet.
 REFUSED_SPECS: dict[str, str] = {
-    "SlidingWindowMLASpec": "a sliding-window MLA latent cache (DeepSeek-V4): latent [T, C] pages "
-                            "and the window's block rules are not implemented",
+    "SlidingWindowMLASpec": f"a sliding-window MLA cache (DeepSeek-V4). {V4_REFUSAL}",
     "HiddenStateCacheSpec": "a hidden-state cache (extract_hidden_states), not a KV cache",
-    "CircularBufferSpec": "a compressor ring buffer (DeepSeek-V4 sparse attention): its state is "
-                          "not addressed by token blocks",
+    "CircularBufferSpec": "a compressor ring buffer (DeepSeek-V4.1): one block per request, never "
+                          "prefix-cached, so nothing to store",
     "HiSparseHotSpec": "a HiSparse hot cache: per-request, not prefix-cacheable",
     "HiSparseResidentSpec": "a HiSparse resident cache: not prefix-cacheable by token blocks",
     "ChunkedLocalAttentionSpec": "chunked local attention (Llama 4): loads would have to follow "
@@ -152,10 +152,9 @@ def mla_refusal(spec: Any) -> str | None:
     if is_dsa_group(spec, ()):  # sparse MLA / DSA: the latent and the indexer's keys (sparse_mla.py)
         return dsa_refusal(spec)
     if getattr(spec, "model_version", None) is not None:
-        return (f"an MLA cache of model_version={spec.model_version!r} (DeepSeek-V4: compressed "
-                "latents and their window rules) is not implemented")
+        return f"an MLA cache of model_version={spec.model_version!r}. {V4_REFUSAL}"
     if getattr(spec, "tokens_per_state", 1) != 1:
-        return "a compressed MLA cache (several tokens per stored latent) is not implemented"
+        return f"a compressed MLA cache (several tokens per stored state, DeepSeek-V4). {V4_REFUSAL}"
     if spec.num_kv_heads != 1 or getattr(spec, "num_head_slots", None) is not None:
         return f"an MLA cache of {spec.num_kv_heads} latent heads (dense MLA keeps one) is not implemented"
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")

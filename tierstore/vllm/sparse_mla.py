@@ -33,6 +33,7 @@ import torch
 from tierstore.errors import ConfigError
 from tierstore.format.layout import mla_rows_layout
 from tierstore.format.page import PageLayout
+from tierstore.vllm.deepseek_v4 import V4_REFUSAL
 
 INDEXER_SUFFIX = ".indexer.k_cache"  # the indexer cache's layer name, V3.2 and GLM-5 alike
 INDEXER_QUANT_BLOCK = 128  # one fp32 scale per 128 fp8 values of an indexer key
@@ -76,7 +77,7 @@ def dsa_refusal(spec: Any) -> str | None:
     kv_cache_dtype than ``DSA_LATENT_DTYPES``, an indexer that is not fp8 keys with fp32 scales,
     several tokens per state (DeepSeek-V4), padded pages."""
     if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "model_version", None) is not None:
-        return "a compressed DSA cache (DeepSeek-V4: several tokens per state) is not implemented"
+        return f"a compressed DSA cache (several tokens per state). {V4_REFUSAL}"
     if spec.num_kv_heads != 1 or getattr(spec, "num_head_slots", None) is not None:
         return f"a DSA cache of {spec.num_kv_heads} heads (vLLM keeps one) is not implemented"
     if getattr(spec, "page_size_padded", None) is not None or getattr(spec, "alignment", None) is not None:
