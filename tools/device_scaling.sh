@@ -92,7 +92,8 @@ if os.environ.get('STORE_BATCH_CALL') == '0':
 from tierstore.admin.cli import main; sys.argv = ['tierstore'] + sys.argv[1:]; main()"
 case "${1:-tests}" in
 tests|gputests|gputests+*)
-    timeout 330 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
+    timeout 450 python -m pytest -q -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py tests/vllm/test_worker_sparse_mla.py \
+        tests/vllm/test_worker_deepseek_v4.py tests/vllm/test_path_modules.py \
         tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
         tests/bench/test_bench_kernels.py tests/test_native_lane.py tests/test_native_lane_races.py > "$OUT/gpu_tests.txt" 2>&1

@@ -3,13 +3,15 @@
 A profiler on every thread records the module of each Python function (and of each compiled
 function called from Python) that runs between ``submit_store``/``submit_load`` of vLLM's
 worker interface and the job's result, for one job of 6 pages through a lone root (a chain of
-one) on the CPU transfer path. The figures are a ratchet: the path may get shorter, never
+one) on the CPU transfer path, and on a CUDA device where there is one (Triton copies, GPU
+checksums). The figures are a ratchet: the path may get shorter, never
 longer, without this test being changed on purpose. The floor plan asks for at most 10 modules
 each; today's counts are higher (the lists are printed with ``-s``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -18,24 +20,25 @@ from types import FrameType
 from typing import Any
 
 import pytest
+import torch
+from kernel_cases import AttentionCase
+from worker_import import import_worker
 
-pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+from tierstore.config import TierStoreConfig
+from tierstore.kernels import GroupCopier
+from tierstore.kernels.transfer import PageTransfer
+from tierstore.tiers import TierChain
 
-from kernel_cases import AttentionCase  # noqa: E402
-from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
+worker_mod, manager_mod, GPULoadStoreSpec = import_worker()
 
-import tierstore.vllm.manager as manager_mod  # noqa: E402
-import tierstore.vllm.worker as worker_mod  # noqa: E402
-from tierstore.config import TierStoreConfig  # noqa: E402
-from tierstore.kernels import GroupCopier  # noqa: E402
-from tierstore.kernels.transfer import PageTransfer  # noqa: E402
-from tierstore.tiers import TierChain  # noqa: E402
-
-# 2026-11-27: 23 and 26 (worker, pipelines, jobs, transfer, kernels, chain, tier, engine, queue,
-# lane, ...), plus one for timing: which polls find a result first can add a module
-STORE_MODULES_MAX = 24
-LOAD_MODULES_MAX = 27
+# (store, load) modules at most, per device: 2026-11-27's counts plus one for timing (which
+# poll finds a result first can add a module). CPU: 23 and 26 (worker, pipelines, jobs,
+# transfer, kernels, chain, tier, engine, queue, lane, ...).
+MODULES_MAX = {"cpu": (24, 27), "cuda": (24, 27)}
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 is set")])]
 
 
 def _modules_run(call: Any) -> dict[str, list[str]]:
@@ -62,13 +65,14 @@ def _modules_run(call: Any) -> dict[str, list[str]]:
     return {m: sorted(f) for m, f in sorted(seen.items())}
 
 
-def test_a_store_and_a_load_run_through_no_more_modules_than_today(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_store_and_a_load_run_through_no_more_modules_than_today(tmp_path: Path, device: str) -> None:
     case = AttentionCase("bfloat16", layers=2, heads=2, head_size=64, tokens=16, n_pages=6)
-    views, ids = case.build("LBHNC", 8, "cpu")
+    views, ids = case.build("LBHNC", 8, device)
     probe = case.engine(tmp_path, 8)  # only asked for its namespace
     namespace = probe.namespace
     probe.close()
-    chain = TierChain(TierStoreConfig(root=str(tmp_path)), namespace, 0, staging_slots=8)
+    chain = TierChain(TierStoreConfig(root=str(tmp_path)), namespace, 0, staging_slots=8, pin=device == "cuda")
     copier = GroupCopier(views, case.layout, ids.shape[1], [1] * case.layers)
     group = worker_mod.WorkerGroup(
         index=0, vllm_group_id=0, copier=copier, engine=chain, blocks_per_chunk=ids.shape[1], kernel_ratio=1,
@@ -102,9 +106,10 @@ def test_a_store_and_a_load_run_through_no_more_modules_than_today(tmp_path: Pat
         worker.shutdown()
         chain.close()
     for what, mods in (("store", stored), ("load", loaded)):
-        print(f"{what}: {len(mods)} modules")
+        print(f"{device} {what}: {len(mods)} modules")
         for module, functions in mods.items():
             print(f"  {module}: {', '.join(functions)}")
     assert "tierstore.rootstore.engine" in stored and "tierstore.kernels.transfer" in loaded  # the tracer saw the path
-    assert len(stored) <= STORE_MODULES_MAX, sorted(stored)
-    assert len(loaded) <= LOAD_MODULES_MAX, sorted(loaded)
+    store_max, load_max = MODULES_MAX[device]
+    assert len(stored) <= store_max, sorted(stored)
+    assert len(loaded) <= load_max, sorted(loaded)
