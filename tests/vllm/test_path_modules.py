@@ -27,14 +27,17 @@ from worker_import import import_worker
 from tierstore.config import TierStoreConfig
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
+from tierstore.native import loader as native
 from tierstore.tiers import TierChain
 
 worker_mod, manager_mod, GPULoadStoreSpec = import_worker()
 
-# (store, load) modules at most, per device: 2026-11-27's counts plus one for timing (which
-# poll finds a result first can add a module). CPU: 23 and 26 (worker, pipelines, jobs,
-# transfer, kernels, chain, tier, engine, queue, lane, ...).
-MODULES_MAX = {"cpu": (24, 27), "cuda": (24, 27)}
+# (store, load) modules at most, per device, with the compiled I/O path: 2026-11-27's counts
+# (H200 host; CPU the same on the 2-core CI kind) plus one for timing (which poll finds a
+# result first can add a module). CPU 29 and 30: worker, pipelines, jobs, group, transfer,
+# kernels (torch), chain, tier, shared, engine, queue, lane, staging, rankdir, native page
+# calls, mapper, metrics...; CUDA 32 and 33: the Triton copies, checksums and driver besides.
+MODULES_MAX = {"cpu": (30, 31), "cuda": (33, 34)}
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)"),
@@ -67,6 +70,8 @@ def _modules_run(call: Any) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_store_and_a_load_run_through_no_more_modules_than_today(tmp_path: Path, device: str) -> None:
+    if not native.start(wait=True):  # the counts are the compiled path's (the Python one differs)
+        pytest.skip(f"the native I/O path is off here: {native.failure()}")
     case = AttentionCase("bfloat16", layers=2, heads=2, head_size=64, tokens=16, n_pages=6)
     views, ids = case.build("LBHNC", 8, device)
     probe = case.engine(tmp_path, 8)  # only asked for its namespace

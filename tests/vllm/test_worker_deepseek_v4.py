@@ -133,7 +133,7 @@ def caches(plan: dict[str, Any], device: str, fill: bool) -> tuple[torch.Tensor,
 
 
 def test_the_recorded_plan_is_what_vllm_makes() -> None:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.v1.kv_cache_interface")
     made = vllm_plan()
     if os.environ.get("TIERSTORE_WRITE_V4_PLAN") == "1":
         PLAN.write_text(json.dumps(made, indent=1) + "\n")
@@ -148,7 +148,7 @@ def test_the_recorded_plan_is_what_vllm_makes() -> None:
 
 
 def test_vllm_v4_specs_map_to_opaque_block_pages() -> None:
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.v1.kv_cache_interface")
     from vllm.v1.kv_cache_interface import CircularBufferSpec
 
     from tierstore.errors import ConfigError
