@@ -387,7 +387,7 @@ _before_repair_hook: Callable[[], None] | None = None
 
 
 def _repair(report: FsckReport, root: Path, quarantine_bad: bool) -> None:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     qdir = PurePosixPath(QUARANTINE_DIR) / f"{stamp}-{os.getpid()}"
     if _before_repair_hook is not None:
         _before_repair_hook()

@@ -74,4 +74,4 @@ def iso_utc(epoch: float | None, timespec: str = "seconds") -> str | None:
     """``epoch`` as ISO 8601 UTC with a ``Z`` (None or 0: None); ``timespec`` as ``isoformat``'s."""
     if not epoch:
         return None
-    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")
+    return _dt.datetime.fromtimestamp(epoch, _dt.UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
