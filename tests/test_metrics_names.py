@@ -185,6 +185,9 @@ def test_host_and_local_tiers_publish_resident_pages(tmp_path: Path) -> None:
     host.put("s", b"k2", b"y" * 50)
     snap = reg.snapshot()["host"]
     assert snap["resident_pages"] == 2 and snap["used_bytes"] == 150 and snap["cap_bytes"] == 1 << 20
+    host.discard("s", b"k1")  # a damaged page dropped: the gauges follow
+    snap = reg.snapshot()["host"]
+    assert snap["resident_pages"] == 1 and snap["used_bytes"] == 50
 
 
 def test_load_read_time_is_part_of_the_load_time(tmp_path: Path) -> None:

@@ -80,8 +80,12 @@ class HostTier:
     def discard(self, scope: str, key: bytes) -> None:
         with self._lock:
             old = self._pages.pop((scope, key), None)
-            if old is not None:
-                self._used -= len(old)
+            if old is None:
+                return
+            self._used -= len(old)
+            used, held = self._used, len(self._pages)
+        if self.metrics is not None:  # the residency gauges follow a discard too
+            self.metrics.set_capacity(used, self.cap_bytes, pages=held)
 
     @property
     def used_bytes(self) -> int:
