@@ -115,9 +115,10 @@ class Node:
         took = time.monotonic() - started
         with self.lock:
             self.longest_s[op] = max(self.longest_s[op], took)
-            if took > self.deadline_s + 1.0:
-                self.late.append({"op": op, "seconds": round(took, 2), "ok": ok,
-                                  "kind": None if error is None else error.kind})
+            if took > self.deadline_s + 1.0:  # when (monotonic, as the scenarios' timelines) and why
+                self.late.append({"op": op, "seconds": round(took, 2), "ok": ok, "at": round(started, 2),
+                                  "kind": None if error is None else error.kind,
+                                  "error": None if error is None else str(error)[:240]})
             if error is not None:
                 self.failures[f"{op}:{error.kind}"] += 1
                 if error.errno:
@@ -500,11 +501,13 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
         t.start()
     time.sleep(5)
     timeline["stopped"] = time.monotonic() - t0
+    loadavg = {"before_stop": Path("/proc/loadavg").read_text().split()[:3]}  # the guest's CPU demand
     nfs_guest.server_stop()
     time.sleep(LATE_START_S)
     late_start.set()
     time.sleep(max(0.0, outage_s - LATE_START_S))
     timeline["restarted"] = time.monotonic() - t0
+    loadavg["at_restart"] = Path("/proc/loadavg").read_text().split()[:3]
     nfs_guest.server_start()
     restarted.set()
     recovered: dict[str, dict[str, float | None]] = {}
@@ -524,7 +527,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
                               if timeline["stopped"] <= t <= timeline["restarted"])) for n, ev in events.items()}
     new_nodes: dict[str, Node] = late.pop("nodes", {})
     every = {**nodes, **new_nodes}
-    out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "mounts": {n: C_MOUNTS[n][1] for n in nodes},
+    out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "mounts": {n: C_MOUNTS[n][1] for n in nodes}, "t0": round(t0, 2), "loadavg": loadavg,
            "timeline": {k: round(v, 2) for k, v in timeline.items()},
            "outcomes_during_outage": during, "recovered_after_restart_s": recovered,
            "threads_stuck": {n: sum(t.is_alive() for t in ts) for n, ts in threads.items()}

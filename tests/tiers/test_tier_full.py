@@ -25,18 +25,35 @@ from tierstore.tiers import gc
 from tierstore.tiers.tier import EngineTier
 
 
-def _fill_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every new file fails ENOSPC (os.open with O_CREAT; the native store hands back)."""
+def _fill_up(monkeypatch: pytest.MonkeyPatch, code: int = errno.ENOSPC) -> None:
+    """Every new file fails ``code`` (os.open with O_CREAT; the native store hands back)."""
     real_open = os.open
 
     def fake_open(path: str, flags: int, *a: object, **kw: object) -> int:
         if flags & os.O_CREAT:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            raise OSError(code, os.strerror(code), path)
         return real_open(path, flags, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine_mod.os, "open", fake_open)
     monkeypatch.setattr(native_page, "store_page", lambda *a: native.STORE_FAILED)
     monkeypatch.setattr(native_page, "store_pages", lambda *a: None)
+
+
+def test_stores_skipped_over_a_quota_say_edquot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quota (EDQUOT) starts the same back-off; the stores it skips name EDQUOT, not ENOSPC
+    (seen on a kernel NFS export with an ext4 quota: tests/nfs_kernel, scenario h)."""
+    root = tmp_path / "root"
+    eng = IOEngine(root, simple_namespace("float16", tokens_per_chunk=16), 0,
+                   config=TierStoreConfig(root=str(root), io_threads=2, io_loop="python"))
+    tier = EngineTier("root", eng, MetricsRegistry().tier("root"), 16)
+    try:
+        with monkeypatch.context() as full:
+            _fill_up(full, errno.EDQUOT)
+            results = [store(tier, key(i)) for i in range(3)]
+        assert [r.error.kind for r in results] == ["enospc"] * 3  # type: ignore[union-attr]
+        assert [r.error.errno for r in results] == [errno.EDQUOT] * 3  # type: ignore[union-attr]
+    finally:
+        tier.close()
 
 
 def test_a_full_root_skips_stores_until_the_timer_or_gc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

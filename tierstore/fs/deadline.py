@@ -20,6 +20,7 @@ Threading: all three classes are thread-safe; ``note_space_freed`` may be called
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -154,6 +155,7 @@ class SpaceBackoff:
         self._until = 0.0  # monotonic end of the current skip; 0.0: no episode
         self._next_s = self.first_s
         self.episodes = 0
+        self.errno = errno.ENOSPC  # what the last refusal said: ENOSPC, or EDQUOT for a quota
         with _BACKOFFS_LOCK:
             _BACKOFFS.add(self)
 
@@ -163,10 +165,12 @@ class SpaceBackoff:
         until = self._until
         return until > 0.0 and time.monotonic() < until
 
-    def note_full(self, detail: str) -> None:
-        """A store was refused for space (ENOSPC/EDQUOT, ``detail`` the error): skip stores for
-        the next back-off; the first refusal of an episode logs one warning."""
+    def note_full(self, detail: str, code: int | None = None) -> None:
+        """A store was refused for space (``code`` ENOSPC or EDQUOT, ``detail`` the error): skip
+        stores for the next back-off; the first refusal of an episode logs one warning."""
         with self._lock:
+            if code is not None:
+                self.errno = code
             now = time.monotonic()
             if self._until > now:
                 return  # a store that was in flight when the episode began

@@ -254,8 +254,9 @@ class EngineTier:
     def _skip_full(self, key: bytes) -> PageError:
         """The error of a store skipped while the root is full; counted as ``full``."""
         self.metrics.failure("full")
+        code = self.space.errno if self.space is not None else errno.ENOSPC  # EDQUOT: over a quota
         return PageStoreError(f"the {self.name} tier's root is full; store skipped (see the warning in the log)",
-                              errno=errno.ENOSPC, key=key)
+                              errno=code, key=key)
 
     def _note_space(self, r: IOResult) -> None:
         """A store's result in the tier's "full" state (ENOSPC/EDQUOT start or extend it)."""
@@ -271,7 +272,7 @@ class EngineTier:
             if eng is None:
                 return
             self.space = SpaceBackoff(self.name, eng.root)
-        self.space.note_full(err.message if err.errno is None else os.strerror(err.errno))
+        self.space.note_full(err.message if err.errno is None else os.strerror(err.errno), err.errno)
 
     def to_engine(self, job: TierJob, slot: StagingSlot, sums: Sequence[int] | None) -> None:
         """Submit a store held back by ``admit`` (any thread)."""
