@@ -456,6 +456,47 @@ def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, sta
     out["serve_after_restart_s"] = serve
 
 
+class SchedulerSteps:
+    """What vLLM's scheduler thread asks tierstore in each step, timed: node A's page lookups
+    (``IndexedLookup``, the scheduler side's index of the shared root: ``known_prefix`` of a
+    prompt's keys, then ``answer`` for the key after them, and the prober's verdicts drained),
+    every 20 ms on a thread of its own. No call may touch the file system, hung or not."""
+
+    def __init__(self, root: Path, seed: int, keys: int, t0: float) -> None:
+        from tierstore.index.indexed_lookup import IndexedLookup
+
+        self.lookup = IndexedLookup([FileMapper(root, namespace().digest, 0, 0)], refresh_s=5.0,
+                                    deadline_s=DEADLINE_S).start()
+        self.keys = [key(i, seed) for i in range(keys)]
+        self.t0, self.steps = t0, []  # (seconds since t0, step seconds)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="scheduler-steps", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            hits = self.lookup.known_prefix(0, self.keys)
+            if hits < len(self.keys):
+                self.lookup.answer(0, self.keys[hits])
+            while not self.lookup.results.empty():  # the prober's verdicts, as the manager drains them
+                self.lookup.results.get_nowait()
+            done = time.monotonic()
+            self.steps.append((started - self.t0, done - started))
+            time.sleep(0.02)
+
+    def summary(self, stopped: float, restarted: float) -> dict[str, Any]:
+        self.stop.set()
+        self.thread.join(5)
+        during = [d for t, d in self.steps if stopped <= t <= restarted]
+        self.lookup.close()
+        return {"steps": len(self.steps), "steps_during_outage": len(during),
+                "longest_step_ms": round(max((d for _, d in self.steps), default=0.0) * 1000, 3),
+                "longest_step_during_outage_ms": round(max(during, default=0.0) * 1000, 3),
+                "p99_step_ms": round(sorted(d for _, d in self.steps)[int(0.99 * len(self.steps))] * 1000, 3)
+                if self.steps else None, "thread_stuck": self.thread.is_alive()}
+
+
 def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     """The server stopped for ``outage_s`` under load, four nodes on four kinds of mount (A soft
     v3, B hard v4.2, C hard v3, D soft v4.2), each a fleet chain (local + shared tier); two new
@@ -494,6 +535,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
         threads[name] = [threading.Thread(target=loads, args=(node, range(other * own, (other + 1) * own))),
                          threading.Thread(target=stores, args=(node, 1000 * (k + 1)))]
     late: dict[str, Any] = {"outage_loads": {}, "outage_stores": {}, "outage_stored_on": {}}
+    scheduler = SchedulerSteps(nodes["a"].root, seed, 4 * own, t0)
     late_start, restarted = threading.Event(), threading.Event()
     late_thread = threading.Thread(target=_late_engines, daemon=True,
                                    args=(seed, own, mounts, local, late_start, restarted, t0, late))
@@ -527,9 +569,11 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
                               if timeline["stopped"] <= t <= timeline["restarted"])) for n, ev in events.items()}
     new_nodes: dict[str, Node] = late.pop("nodes", {})
     every = {**nodes, **new_nodes}
+    scheduler_steps = scheduler.summary(timeline["stopped"], timeline["restarted"])
     out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "mounts": {n: C_MOUNTS[n][1] for n in nodes}, "t0": round(t0, 2), "loadavg": loadavg,
            "timeline": {k: round(v, 2) for k, v in timeline.items()},
            "outcomes_during_outage": during, "recovered_after_restart_s": recovered,
+           "scheduler_steps": scheduler_steps,
            "threads_stuck": {n: sum(t.is_alive() for t in ts) for n, ts in threads.items()}
            | {"new_engines": int(late_thread.is_alive())},
            "new_engines": late | {"open_s": {n: round(node.open_s, 2) for n, node in new_nodes.items()},
