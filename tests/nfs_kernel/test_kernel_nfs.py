@@ -23,13 +23,14 @@ import pytest
 from tierstore.errors import BAD_CONTENT_KINDS
 from tierstore.testing.nfs_guest import GuestError, guest_available, run_in_guest
 
-pytestmark = pytest.mark.slow
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 GUEST_TIMEOUT_S = 900.0  # a normal run takes about 7 minutes alone, more beside a busy CI worker
 OUTAGE_S = 120.0
 SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h")
+# the guest's boot and scenarios run in the first test's setup: past pytest's 600 s default on a
+# busy CI worker (one more worker runs the rest of the suite beside it)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(GUEST_TIMEOUT_S + 120)]
 
 
 @pytest.fixture(scope="module")
