@@ -456,11 +456,17 @@ def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, sta
     out["serve_after_restart_s"] = serve
 
 
+# A scheduler step every 0.1 s: under emulation a step is ~50-90 ms of Python, and a guest kept
+# busier than its two vCPUs (load average 20 with a step every 20 ms, beside a busy CI worker)
+# delays every thread, the nodes' calls included.
+STEP_S = 0.1
+
+
 class SchedulerSteps:
     """What vLLM's scheduler thread asks tierstore in each step, timed: node A's page lookups
     (``IndexedLookup``, the scheduler side's index of the shared root: ``known_prefix`` of a
     prompt's keys, then ``answer`` for the key after them, and the prober's verdicts drained),
-    every 20 ms on a thread of its own. No call may touch the file system, hung or not."""
+    every ``STEP_S`` on a thread of its own. No call may touch the file system, hung or not."""
 
     def __init__(self, root: Path, seed: int, keys: int, t0: float) -> None:
         from tierstore.index.indexed_lookup import IndexedLookup
@@ -483,7 +489,7 @@ class SchedulerSteps:
                 self.lookup.results.get_nowait()
             done = time.monotonic()
             self.steps.append((started - self.t0, done - started))
-            time.sleep(0.02)
+            time.sleep(STEP_S)
 
     def summary(self, stopped: float, restarted: float) -> dict[str, Any]:
         self.stop.set()
@@ -519,7 +525,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
         while not stop.is_set():
             outcome = node.load(rng.choice(other), seed)
             events[node.name].append((time.monotonic() - t0, "load", outcome))
-            time.sleep(0.05)
+            time.sleep(0.1)
 
     def stores(node: Node, base: int) -> None:
         i = base

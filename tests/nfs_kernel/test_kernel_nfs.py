@@ -120,7 +120,7 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
     down"; the chain: misses, stores to its local tier) and serve within 60 s of the restart.
-    The scheduler side's lookups (node A's index, a step every 20 ms) never wait on the mount."""
+    The scheduler side's lookups (node A's index, a step every 0.1 s) never wait on the mount."""
     c = _ok(scenarios["c"])
     print(json.dumps({k: v for k, v in c.items() if k != "nodes"} | {"nodes": _figures(c["nodes"])}, indent=1))
     typed = {"missing", "timeout", "down", "queue_full"}
