@@ -456,6 +456,36 @@ def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, sta
     out["serve_after_restart_s"] = serve
 
 
+class Oversleep:
+    """How late this guest wakes a thread: one sleeps 50 ms at a time and records how much
+    longer it took (the guest's CPU starvation, as every thread here sees it: two emulated
+    vCPUs, on a host core another CI worker also wants). A call late by less than the worst
+    oversleep during it was late because the guest could not run it, not because it waited."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (monotonic start, seconds over 50 ms)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="oversleep", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            time.sleep(0.05)
+            self.samples.append((started, time.monotonic() - started - 0.05))
+
+    def worst(self, start: float, end: float) -> float:
+        return max((over for t, over in self.samples if start - 0.05 <= t <= end), default=0.0)
+
+    def close(self) -> dict[str, Any]:
+        self.stop.set()
+        self.thread.join(2)
+        overs = sorted(o for _, o in self.samples)
+        return {"samples": len(overs), "p50_s": round(overs[len(overs) // 2], 3) if overs else None,
+                "p99_s": round(overs[int(0.99 * len(overs))], 3) if overs else None,
+                "max_s": round(overs[-1], 3) if overs else None}
+
+
 # A scheduler step every 0.1 s: under emulation a step is ~50-90 ms of Python, and a guest kept
 # busier than its two vCPUs (load average 20 with a step every 20 ms, beside a busy CI worker)
 # delays every thread, the nodes' calls included.
@@ -542,6 +572,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
                          threading.Thread(target=stores, args=(node, 1000 * (k + 1)))]
     late: dict[str, Any] = {"outage_loads": {}, "outage_stores": {}, "outage_stored_on": {}}
     scheduler = SchedulerSteps(nodes["a"].root, seed, 4 * own, t0)
+    oversleep = Oversleep()
     late_start, restarted = threading.Event(), threading.Event()
     late_thread = threading.Thread(target=_late_engines, daemon=True,
                                    args=(seed, own, mounts, local, late_start, restarted, t0, late))
@@ -576,10 +607,14 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     new_nodes: dict[str, Node] = late.pop("nodes", {})
     every = {**nodes, **new_nodes}
     scheduler_steps = scheduler.summary(timeline["stopped"], timeline["restarted"])
+    for node in every.values():  # each late call beside the guest's worst oversleep during it
+        for call in node.late:
+            call["oversleep_s"] = round(oversleep.worst(call["at"], call["at"] + call["seconds"]), 3)
+    oversleep_summary = oversleep.close()
     out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "mounts": {n: C_MOUNTS[n][1] for n in nodes}, "t0": round(t0, 2), "loadavg": loadavg,
            "timeline": {k: round(v, 2) for k, v in timeline.items()},
            "outcomes_during_outage": during, "recovered_after_restart_s": recovered,
-           "scheduler_steps": scheduler_steps,
+           "scheduler_steps": scheduler_steps, "oversleep": oversleep_summary,
            "threads_stuck": {n: sum(t.is_alive() for t in ts) for n, ts in threads.items()}
            | {"new_engines": int(late_thread.is_alive())},
            "new_engines": late | {"open_s": {n: round(node.open_s, 2) for n, node in new_nodes.items()},

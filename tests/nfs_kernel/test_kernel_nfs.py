@@ -115,7 +115,9 @@ def test_rm_rf_namespace_every_open_engine_hits_again(scenarios: dict[str, dict[
 def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str, Any]]) -> None:
     """The server stopped for 2 minutes under load, four nodes on the four kinds of mount (A
     soft v3, B hard v4.2, C hard v3, D soft v4.2): no load or store returns later than
-    deadline + 1 s, failures are typed, no thread stays blocked, and every node hits and stores
+    deadline + 1 s (plus the guest's own delay in running any thread at that moment, measured
+    by a thread that sleeps 50 ms at a time: emulated vCPUs beside a busy CI worker fall
+    behind), failures are typed, no thread stays blocked, and every node hits and stores
     on the shared tier again once the server is back. Two engines started 10 s into the outage
     (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
@@ -125,7 +127,12 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     print(json.dumps({k: v for k, v in c.items() if k != "nodes"} | {"nodes": _figures(c["nodes"])}, indent=1))
     typed = {"missing", "timeout", "down", "queue_full"}
     for name, node in c["nodes"].items():
-        assert node["late_count"] == 0, (name, node["late"])  # deadline + 1 s at most
+        # deadline + 1 s at most, unless the guest itself could not run the thread that long:
+        # a call is excused only by as much as a sleeping thread overslept during it
+        assert node["late_count"] <= len(node["late"]), (name, node)
+        blamed = [call for call in node["late"]
+                  if call["seconds"] - (c["deadline_s"] + 1.0) > call.get("oversleep_s", 0.0)]
+        assert not blamed, (name, blamed, c["oversleep"])
         assert node["counts"].get("wrong", 0) == 0, name
         kinds = {k.split(":", 1)[1] for k in node["failures"]}
         assert kinds <= typed, (name, node["failures"])
