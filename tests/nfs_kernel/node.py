@@ -412,7 +412,12 @@ C_MOUNTS = {"a": ("a3_soft", f"{V3},soft,timeo=10,retrans=1"), "b": ("b42_hard",
             "c": ("c3_hard", f"{V3},hard"), "d": ("d42_soft", f"{V42},soft,timeo=10,retrans=1")}
 LATE_START_S = 10.0  # scenario c: new engines start this long into the outage
 LATE_CALLS = 5  # ... and each makes this many loads and this many stores while it lasts
-SERVE_LIMIT_S = 60.0  # ... and must serve within this long once the server is back
+# How long a node (and a new engine) may take to serve again once the server is back. A hard
+# mount's client retries a stopped server's RPCs with timeo=600 (60 s) and up, so its first
+# answer may come a minute after the restart, later on a starved CI guest (node C's loads
+# came back after more than 60 s in one CI run, node A's after 59 s); 3-16 s when the guest
+# has its CPUs.
+SERVE_LIMIT_S = 150.0
 
 
 def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, started: threading.Event,
@@ -590,7 +595,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     nfs_guest.server_start()
     restarted.set()
     recovered: dict[str, dict[str, float | None]] = {}
-    limit = timeline["restarted"] + 60.0
+    limit = timeline["restarted"] + SERVE_LIMIT_S
     while time.monotonic() - t0 < limit:
         recovered = {n: {op: next((round(t - timeline["restarted"], 2) for t, o, what in events[n]
                                    if t > timeline["restarted"] and o == op and what in ("hit", "ok")), None)
