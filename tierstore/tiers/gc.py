@@ -84,7 +84,7 @@ from tierstore.fs.mapper import (
     parse_rank_dir,
     unknown_format,
 )
-from tierstore.fs.stale_temps import temp_writer, writer_gone
+from tierstore.fs.stale_temps import TempWriter, temp_writer, writer_gone
 from tierstore.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
         if not d.parts:  # the root: its files are the lease, the marker...: only the marker's temps are gc's
             for name, st in d.entries:
                 if FORMAT_MARKER_TEMP_RE.match(name) and stat.S_ISREG(st.st_mode):
-                    _sweep_temp(d.fd, name, st, temp_max_age_s, now, rep)
+                    _sweep_temp(d.fd, name, st, temp_writer(name), temp_max_age_s, now, rep)
             continue
         for name, st in d.entries:
             where = "/".join((*d.parts, name))
@@ -259,19 +259,19 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
                     continue
                 pages.add(d.parts, key, st)
                 rep.page_bytes += _file_bytes(st)
-            elif temp_writer(name) is not None:
-                _sweep_temp(d.fd, name, st, temp_max_age_s, now, rep)
+            elif (writer := temp_writer(name)) is not None:
+                _sweep_temp(d.fd, name, st, writer, temp_max_age_s, now, rep)
             else:
                 rep.other_bytes += _file_bytes(st)
     rep.pages = len(pages)
     return pages
 
 
-def _sweep_temp(dir_fd: int, name: str, st: os.stat_result, temp_max_age_s: float, now: float,
-                rep: GcReport) -> None:
-    """Remove the temp ``name`` if its writer is gone (``writer_gone``), else count its bytes.
-    Failure policy: a temp that cannot be removed is counted as kept."""
-    writer = temp_writer(name)
+def _sweep_temp(dir_fd: int, name: str, st: os.stat_result, writer: TempWriter | None, temp_max_age_s: float,
+                now: float, rep: GcReport) -> None:
+    """Remove the temp ``name`` if its ``writer`` (``temp_writer``'s parse of the name) is gone
+    (``writer_gone``), else count its bytes. Failure policy: a temp that cannot be removed is
+    counted as kept."""
     if writer is not None and writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
         try:
             if not rep.dry_run:
