@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from worker_import import import_worker
+from worker_import import import_worker, run_job
 
 from tierstore.config import TierStoreConfig
 from tierstore.format.identity import GroupSpec, Namespace
@@ -35,7 +34,7 @@ from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import block_bytes_view
 from tierstore.tiers import TierChain, close_shared_state
 
-worker_mod, manager_mod, GPULoadStoreSpec = import_worker()
+worker_mod, _, _ = import_worker()
 from tierstore.vllm.deepseek_v4 import v4_group_layout  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_plan.json"
@@ -168,20 +167,6 @@ def test_vllm_v4_specs_map_to_opaque_block_pages() -> None:
     ring = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=torch.float32)
     with pytest.raises(ConfigError, match="not prefix-cacheable"):
         v4_group_layout({"model.layers.2.attn.compressor.state_cache": ring}, 1)
-
-
-def run_job(worker: Any, job_id: int, store: bool, blocks: list[int], keys: list[bytes], tokens: int) -> None:
-    gpu = GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
-    files = manager_mod.TierStoreFileSpec(groups=[0] * len(keys), keys=keys, token_counts=[tokens] * len(keys))
-    (worker.submit_store if store else lambda j, g, f: worker.submit_load(j, f, g))(job_id, gpu, files)
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        for r in worker.get_finished():
-            if r.job_id == job_id:
-                assert r.success, f"job {job_id} failed"
-                return
-        time.sleep(0.002)
-    raise AssertionError(f"job {job_id} did not finish")
 
 
 def page_of(view: torch.Tensor, block: int) -> bytes:

@@ -14,14 +14,13 @@ the model's config (``sparse_mla.dsa_layout``), as the scheduler and the worker 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from worker_import import import_worker
+from worker_import import import_worker, run_job
 
 from tierstore.config import TierStoreConfig
 from tierstore.format.identity import GroupSpec, Namespace
@@ -31,7 +30,7 @@ from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import mla_view
 from tierstore.tiers import TierChain, close_shared_state
 
-worker_mod, manager_mod, GPULoadStoreSpec = import_worker()
+worker_mod, _, _ = import_worker()
 from tierstore.vllm.sparse_mla import dsa_layout, indexer_row_bytes, latent_row  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -80,23 +79,6 @@ def worker_for(layout: PageLayout, views: dict[str, torch.Tensor], chain: Any, d
     return worker_mod.TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0)
 
 
-def run_job(worker: Any, job_id: int, store: bool, blocks: list[int], keys: list[bytes]) -> None:
-    gpu = GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
-    files = manager_mod.TierStoreFileSpec(groups=[0] * len(keys), keys=keys, token_counts=[BLOCK] * len(keys))
-    if store:
-        worker.submit_store(job_id, gpu, files)
-    else:
-        worker.submit_load(job_id, files, gpu)
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        for r in worker.get_finished():
-            if r.job_id == job_id:
-                assert r.success, f"job {job_id} failed"
-                return
-        time.sleep(0.002)
-    raise AssertionError(f"job {job_id} did not finish")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
 def test_dsa_pages_round_trip_through_the_worker(tmp_path: Path, device: str, kv_cache_dtype: str) -> None:
@@ -110,7 +92,7 @@ def test_dsa_pages_round_trip_through_the_worker(tmp_path: Path, device: str, kv
     chain = TierChain(cfg, ns, 0, staging_slots=8, pin=device == "cuda")
     writer = worker_for(layout, source, chain, device)
     try:
-        run_job(writer, 1, True, SOURCE_BLOCKS, keys)
+        run_job(writer, 1, True, SOURCE_BLOCKS, keys, BLOCK)
     finally:
         writer.shutdown()
         chain.close()
@@ -120,7 +102,7 @@ def test_dsa_pages_round_trip_through_the_worker(tmp_path: Path, device: str, kv
     chain = TierChain(cfg, ns, 0, staging_slots=8, pin=device == "cuda")
     reader = worker_for(layout, target, chain, device)
     try:
-        run_job(reader, 2, False, TARGET_BLOCKS, keys)
+        run_job(reader, 2, False, TARGET_BLOCKS, keys, BLOCK)
         for section in layout.sections:
             for src, dst in zip(SOURCE_BLOCKS, TARGET_BLOCKS, strict=True):
                 assert block_bytes(target[section.name], dst) == block_bytes(source[section.name], src), section.name

@@ -11,7 +11,9 @@ With vLLM installed the real modules are used.
 from __future__ import annotations
 
 import enum
+import functools
 import sys
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +66,10 @@ def _vllm_standins() -> dict[str, types.ModuleType]:
     return mods
 
 
+@functools.cache
 def import_worker() -> tuple[Any, Any, Any]:
-    """(worker module, manager module, GPULoadStoreSpec): the real ones, or on stand-ins."""
+    """(worker module, manager module, GPULoadStoreSpec): the real ones, or on stand-ins (once
+    per process: every caller gets the same modules)."""
     try:
         import vllm.v1.kv_offload.base  # noqa: F401  (a bare `vllm` may exist without the v1 API)
     except ImportError:
@@ -89,3 +93,24 @@ def import_worker() -> tuple[Any, Any, Any]:
     import tierstore.vllm.worker as worker
 
     return worker, manager, GPULoadStoreSpec
+
+
+def run_job(worker: Any, job_id: int, store: bool, blocks: list[int], keys: list[bytes], tokens: int,
+            timeout_s: float = 120.0) -> None:
+    """One store (``store``) or load job of group 0 through ``worker`` (a TierStoreWorker):
+    ``keys``' pages from or into ``blocks``, one block a page; fails unless it succeeds in time."""
+    _, manager, gpu_spec = import_worker()
+    gpu = gpu_spec(blocks, group_sizes=[len(blocks)], block_indices=[0])
+    files = manager.TierStoreFileSpec(groups=[0] * len(keys), keys=keys, token_counts=[tokens] * len(keys))
+    if store:
+        worker.submit_store(job_id, gpu, files)
+    else:
+        worker.submit_load(job_id, files, gpu)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for r in worker.get_finished():
+            if r.job_id == job_id:
+                assert r.success, f"job {job_id} failed"
+                return
+        time.sleep(0.002)
+    raise AssertionError(f"job {job_id} did not finish")
