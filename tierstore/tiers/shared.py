@@ -79,6 +79,8 @@ class SharedTier(EngineTier):
         self._stat_runner = DeadlineRunner("shared-stat", max_inflight=4)
         self._touch_runner = DeadlineRunner("shared-touch", max_inflight=2)
         self._touched: dict[bytes, float] = {}
+        self._to_touch: dict[bytes, None] = {}  # pages to stamp, in order (the touch threads drain it)
+        self._draining = 0  # touch threads draining it (at most 2; under _touch_lock)
         self._touch_lock = threading.Lock()
         self._opened = threading.Event()
         # the touch's own directory fds (the engine's are its own): no symlink followed, and the
@@ -187,6 +189,9 @@ class SharedTier(EngineTier):
             return False
 
     def _touch(self, key: bytes) -> None:
+        """Stamp ``key``'s page soon: queued for the touch threads (at most 2, ``fire``), so a
+        stamp is never lost because two were still in flight; only a hung mount (the queue past
+        ``_TOUCHED_MAX``) drops them."""
         now = time.monotonic()
         with self._touch_lock:
             last = self._touched.get(key)
@@ -195,12 +200,26 @@ class SharedTier(EngineTier):
             if len(self._touched) > _TOUCHED_MAX:
                 self._touched.clear()
             self._touched[key] = now
-        eng = self.engine()
-        if eng is None:
-            return
-        path = eng.mapper.final_path(key)
+            if len(self._to_touch) < _TOUCHED_MAX:
+                self._to_touch[key] = None
+            start = self._draining < 2 and self.engine() is not None  # else a running drainer takes it
+            self._draining += start
+        if start and not self._touch_runner.fire(self._touch_queued):
+            with self._touch_lock:  # two touch threads stuck in a hung mount
+                self._draining -= 1
 
-        def touch() -> None:
+    def _touch_queued(self) -> None:
+        """On a touch thread: stamp the queued pages until none is left."""
+        eng = self.engine()
+        assert eng is not None  # started only once the engine is open
+        while True:
+            with self._touch_lock:
+                if not self._to_touch:  # under the lock: a key queued after this is seen by _touch
+                    self._draining -= 1
+                    return
+                key = next(iter(self._to_touch))
+                del self._to_touch[key]
+            path = eng.mapper.final_path(key)
             try:
                 touch_page(self._dirs, key, path)
             except PageMissing:
@@ -208,8 +227,8 @@ class SharedTier(EngineTier):
             except PageUnsafe as exc:
                 self.metrics.failure("unsafe")
                 log.debug("tierstore: not touching %s: %s", path, exc)
-
-        self._touch_runner.fire(touch)
+            except Exception as exc:  # noqa: BLE001 - a stamp is best effort; the drainer goes on
+                log.debug("tierstore: touching %s failed: %s", path, exc)
 
     def close(self, timeout: float | None = None) -> None:
         eng = self.engine()
