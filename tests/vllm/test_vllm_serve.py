@@ -68,6 +68,11 @@ if _delay > 0:
         time.sleep(_delay)
         return _native_store(*args)
     _native_page.store_page = _slow_store_page
+    _native_batch = _native_page.store_pages  # a job of several pages stores them in one call
+    def _slow_store_pages(shape, rank_fd, files, *rest):
+        time.sleep(_delay * len(files))
+        return _native_batch(shape, rank_fd, files, *rest)
+    _native_page.store_pages = _slow_store_pages
     import tierstore.rootstore.lane as _native_lane  # compiled threads cannot be slowed from Python:
     _native_lane.NativeLane.offer = lambda self, job: False  # every store on the slowed paths
 """
