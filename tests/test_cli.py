@@ -60,6 +60,25 @@ def test_stats_counts_files_bytes_tokens_and_age(root: Path, hybrid_ns: Namespac
     assert g_ls[0]["files"] == 4 and g_ls[0]["tokens"] == 4 * 32 and g_ls[0]["tokens_source"] == "estimate"
 
 
+def test_listing_bytes_say_where_they_come_from_and_never_undercount_zstd(root: Path, hybrid_ns: Namespace,
+                                                                          capsys) -> None:
+    """From the listing (no stat), bytes are the uncompressed page size x files, tagged
+    ``bytes_source: "layout"`` and marked ~ in text: exact for uncompressed pages, an upper bound
+    for zstd ones; ``--exact`` gives st_size, the bytes gc counts."""
+    plain = fill_pages(root, hybrid_ns, 2, groups=(0,))
+    packed = fill_pages(root, hybrid_ns, 2, groups=(1,), codec=Codec.ZSTD)
+    rc, st = _run_json(capsys, "stats", str(root), "--json")
+    g = {x["group"]: x for x in st["namespaces"][0]["groups"]}
+    assert rc == 0 and g[0]["bytes_source"] == g[1]["bytes_source"] == "layout"
+    assert g[0]["bytes"] == sum(p.path.stat().st_size for p in plain)  # exact, uncompressed
+    assert g[1]["bytes"] > sum(p.path.stat().st_size for p in packed)  # an upper bound, zstd
+    rc, exact = _run_json(capsys, "stats", str(root), "--json", "--exact")
+    g = {x["group"]: x for x in exact["namespaces"][0]["groups"]}
+    assert g[1]["bytes"] == sum(p.path.stat().st_size for p in packed) and g[1]["bytes_source"] != "layout"
+    assert cli.main(["stats", str(root)]) == 0
+    assert "~" in capsys.readouterr().out
+
+
 def test_stats_text_and_ls_text(root: Path, hybrid_ns: Namespace, capsys) -> None:
     fill_pages(root, hybrid_ns, 2)
     (root / hybrid_ns.digest / "stray").write_text("x")

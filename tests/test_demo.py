@@ -42,6 +42,7 @@ def test_pages_mode_stores_reloads_in_new_processes_and_fsck_is_clean(
     pages_run: tuple[Path, dict[str, Any]],
 ) -> None:
     root, r = pages_run
+    assert next(iter(r)) == "tierstore_demo" and r["tierstore_demo"] == 1  # the schema key, first
     assert r["ok"] is True
     kinds = [g["kind"] for g in r["groups"]]
     assert kinds == ["attention", "sliding_window", "mamba"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from hostile_helpers import fsck_per_page
 
 from tierstore.admin.cli import main
 from tierstore.admin.fsck import FsckReport, _repair
-from tierstore.admin.inventory import walk_root
+from tierstore.admin.inventory import human_bytes, walk_root
 from tierstore.errors import (
     PageCorrupt,
     PageError,
@@ -62,11 +63,31 @@ def _problems(report: dict) -> dict[str, tuple[str, str]]:
 
 
 def test_clean_tree(root: Path, filled: list[StoredPage], fsck_path: str) -> None:
+    before = time.time()
     rc, rep = fsck(root)
     assert rc == 0, rep["problems"]
     assert rep["counts"]["pages_ok"] == len(filled)
     assert rep["counts"]["bytes_ok"] == sum(p.path.stat().st_size for p in filled)
     assert rep["counts"]["problems"] == 0
+    _assert_run_times(rep, before)
+
+
+def _assert_run_times(rep: dict, before: float) -> None:
+    """``started_at``/``finished_at``: ISO 8601 UTC as gc writes them, around the run, as far
+    apart as ``seconds`` says; added to schema version 1 without changing it."""
+    assert rep["tierstore_fsck"] == 1
+    started, finished = (_dt.datetime.fromisoformat(rep[k].replace("Z", "+00:00")) for k in ("started_at", "finished_at"))
+    assert rep["started_at"].endswith("Z") and "T" in rep["started_at"] and started.utcoffset() == _dt.timedelta(0)
+    assert before - 0.01 <= started.timestamp() <= finished.timestamp() <= time.time() + 0.01
+    assert abs((finished - started).total_seconds() - rep["seconds"]) < 0.05
+
+
+def test_text_sizes_are_human_readable_as_in_ls_and_stats(root: Path, filled: list[StoredPage],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fsck", str(root)]) == 0
+    out = capsys.readouterr().out
+    size = human_bytes(sum(p.path.stat().st_size for p in filled))
+    assert f"{len(filled)} pages ok ({size})" in out and size.endswith(" KiB"), out  # was "(0.1 MiB)"
 
 
 # -- the corruption matrix ----------------------------------------------------------------
@@ -456,8 +477,10 @@ def test_repair_skips_a_file_replaced_after_the_scan(root: Path, hybrid_ns: Name
 # -- operation ---------------------------------------------------------------------------------
 
 def test_operational_errors(tmp_path: Path, root: Path, filled: list[StoredPage]) -> None:
+    before = time.time()
     rc, rep = fsck(tmp_path / "missing")
     assert rc == 8 and rep["error"]
+    _assert_run_times(rep, before)  # an error's document has its times too
     (tmp_path / "afile").write_text("x")
     assert fsck(tmp_path / "afile")[0] == 8
     assert fsck(root, "--namespace", "nomatch")[0] == 8

@@ -1,8 +1,10 @@
-"""tierstore's metrics: Prometheus naming, labels, exact histogram sums, residency, read time, gc's exporter.
+"""tierstore's metrics: Prometheus naming, labels, exact histogram sums, residency, read time, tier up,
+gc's exporter.
 
 Every exported name follows Prometheus' conventions and is documented in docs/METRICS.md;
 histogram ``_sum`` equals the true total after the registry -> connector stats -> exporter
-path; residency gauges come from one owner per tier; gc's exporter writes what a pass did.
+path; residency gauges come from one owner per tier; the up gauge is the minimum over ranks;
+gc's exporter writes what a pass did.
 """
 
 from __future__ import annotations
@@ -154,6 +156,63 @@ def test_residency_has_one_owner_per_tier() -> None:
     assert add_index_residency(sched, {"local": [9, 9], "shared": [3, 4]}, [100, 1000], {"shared": "root"})
     assert sched.data["data"]["tierstore_tier_resident_pages"] == {("root",): 7}
     assert sched.data["data"]["tierstore_tier_resident_bytes"] == {("root",): 3 * 100 + 4 * 1000}
+
+
+def test_tier_up_is_reported_per_process_and_exported_as_the_minimum_over_ranks() -> None:
+    """Each rank's ``TierDeltas`` reports its registry's ``up`` (first report, then changes) under
+    its own reporter; vLLM's merge of the ranks' stats (``aggregate``, last value per label
+    tuple) keeps them apart; the exporter remembers each rank's last value and exports the
+    minimum under ``tier`` alone: one rank's down tier reads 0 until that rank reads 1 again."""
+    metrics, registry = _exporter()
+    regs = [MetricsRegistry(), MetricsRegistry()]
+    tokens = [object(), object()]
+    for reg, token in zip(regs, tokens, strict=True):
+        reg.tier("shared").set_up(token, True)
+        reg.tier("local").set_capacity(1, 2)  # a tier without a health check: no up series
+    ranks = [TierDeltas(r.snapshot(), reporter=f"rank{i}") for i, r in enumerate(regs)]  # a baseline up: sent anyway
+
+    def step() -> float | None:
+        merged = OffloadingConnectorStats()  # rank 0's stats, then the others' (KVOutputAggregator)
+        for deltas, reg in zip(ranks, regs, strict=True):
+            one = OffloadingConnectorStats()
+            deltas.add_to(one, reg.snapshot())
+            merged = merged.aggregate(one) if not merged.is_empty() else one
+        metrics.observe(merged.data, 0)
+        return registry.get_sample_value("tierstore_tier_up", {"engine": "0", "tier": "shared"})
+
+    assert step() == 1
+    first = OffloadingConnectorStats()
+    assert not ranks[0].add_to(first, regs[0].snapshot()) and first.is_empty()  # unchanged: nothing sent
+    regs[1].tier("shared").set_up(tokens[1], False)  # rank 1's shared tier goes down
+    assert step() == 0
+    assert step() == 0  # neither rank reports (no change): the exporter keeps the minimum
+    regs[0].tier("shared").set_up(tokens[0], False)  # rank 0 goes down and back: it reports 1
+    step()
+    regs[0].tier("shared").set_up(tokens[0], True)
+    assert step() == 0  # rank 1 is still down
+    regs[1].tier("shared").set_up(tokens[1], True)
+    assert step() == 1
+    assert registry.get_sample_value("tierstore_tier_up", {"engine": "0", "tier": "local"}) is None
+    text = prom.generate_latest(registry).decode()
+    assert 'tierstore_tier_up{engine="0",tier="shared"} 1.0' in text  # no reporter label exported
+    assert "# TYPE tierstore_tier_up gauge" in text
+
+
+def test_tier_up_payload_and_exposition_of_one_worker() -> None:
+    """One worker: the payload carries (tier, reporter); the exposition ``tier`` only; a tier
+    that starts down is exported as 0 at the first report."""
+    reg = MetricsRegistry()
+    reg.tier("root").set_up(object(), False)
+    stats = OffloadingConnectorStats()
+    assert TierDeltas({}).add_to(stats, reg.snapshot())
+    assert stats.data["data"]["tierstore_tier_up"] == {("root", ts_stats.process_reporter()): 0}
+    metrics, registry = _exporter()
+    metrics.observe(stats.data, 0)
+    assert registry.get_sample_value("tierstore_tier_up", {"engine": "0", "tier": "root"}) == 0
+    plain = OffloadingConnectorStats()  # a payload without a reporter (one label) is exported too
+    plain.set_gauge("tierstore_tier_up", 1, ("shared",))
+    metrics.observe(plain.data, 0)
+    assert registry.get_sample_value("tierstore_tier_up", {"engine": "0", "tier": "shared"}) == 1
 
 
 def test_page_index_counts_resident_pages(tmp_path: Path) -> None:

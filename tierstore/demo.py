@@ -43,6 +43,7 @@ EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_OPERATIONAL = 8
 MIB = 1 << 20
+DEMO_SCHEMA = 1  # the version of `tierstore demo --json` (its first key, as every command's)
 
 # Page-mode presets: (layers per group, KV heads, head size, tokens per chunk, sliding window,
 # conv dim, SSM heads, SSM head dim, SSM state size). "model" is a 2k-hidden hybrid in
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     report["root"] = str(root) + ("" if keep else " (removed)")
     if args.json:
-        json.dump(report, sys.stdout, indent=2)
+        json.dump({"tierstore_demo": DEMO_SCHEMA, **report}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(_format_pages(report) if mode == "pages" else _format_vllm(report))
@@ -133,7 +134,7 @@ class DemoError(Exception):
 
 def _fail(args: argparse.Namespace, message: str) -> int:
     if args.json:
-        json.dump({"ok": False, "error": message}, sys.stdout)
+        json.dump({"tierstore_demo": DEMO_SCHEMA, "ok": False, "error": message}, sys.stdout)
         sys.stdout.write("\n")
     print(f"tierstore demo: {message}", file=sys.stderr)
     return EXIT_OPERATIONAL

@@ -24,7 +24,11 @@ Counters (monotonically increasing):
     backlog_uploads              (shared) pages uploaded later: the local tier took them while
                                  the shared tier was down or busy (tiers.chain)
 Gauges: ``used_bytes`` (resident file bytes), ``resident_pages`` and ``cap_bytes`` (None =
-not known / no cap), set by whoever owns the tier's accounting (``set_capacity``).
+not known / no cap), set by whoever owns the tier's accounting (``set_capacity``); ``up``
+(1: the tier serves, 0: down; None: no tier reports it): every tier object with a health check
+(``SharedTier``: the shared export, a lone root) sets its own state (``set_up``) and withdraws
+it when it closes (``drop_up``), and the gauge is the minimum over them, so one group's (or one
+head slice's) down tier makes the process's tier read 0. Host and local tiers report none.
 Histograms (seconds): ``load`` (submit to verified page), ``load_read`` (the part of a load an
 I/O thread spent reading and checking the file; observed with the same loads when the result
 carries it) and ``store``, per tier, fixed log-spaced buckets. Each bucket also keeps the sum
@@ -115,6 +119,7 @@ class TierMetrics:
         self.used_bytes: int | None = None
         self.resident_pages: int | None = None
         self.cap_bytes: int | None = None
+        self._up: dict[object, bool] = {}  # reporting tier object's token -> serves now
         self.load_latency = Histogram()
         self.load_read_latency = Histogram()
         self.store_latency = Histogram()
@@ -166,6 +171,25 @@ class TierMetrics:
             if pages is not None:
                 self.resident_pages = pages
 
+    def set_up(self, source: object, up: bool) -> None:
+        """``source`` (a token of one tier object) serves now (``up``) or is down."""
+        with self._lock:
+            self._up[source] = bool(up)
+
+    def drop_up(self, source: object) -> None:
+        """``source`` is closed: its state no longer counts."""
+        with self._lock:
+            self._up.pop(source, None)
+
+    @property
+    def up(self) -> int | None:
+        """1 if every reporting tier object serves, 0 if one is down, None if none reports."""
+        with self._lock:
+            return self._up_value()
+
+    def _up_value(self) -> int | None:  # under the lock
+        return min(int(v) for v in self._up.values()) if self._up else None
+
     def get(self, name: str) -> int:
         with self._lock:
             return self._c[name]
@@ -181,6 +205,7 @@ class TierMetrics:
             out["used_bytes"] = self.used_bytes
             out["resident_pages"] = self.resident_pages
             out["cap_bytes"] = self.cap_bytes
+            out["up"] = self._up_value()
         out["load_seconds"] = self.load_latency.to_dict()
         out["load_read_seconds"] = self.load_read_latency.to_dict()
         out["store_seconds"] = self.store_latency.to_dict()

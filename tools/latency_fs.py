@@ -1,5 +1,5 @@
 """A FUSE passthrough that sleeps DELAY_MS before every operation: a stand-in for an NFS mount
-at 1 ms or 10 ms per operation (``tierstore bench lookup --latency-ms``).
+at 1 ms or 10 ms per operation (``tierstore bench lookup``, ``tierstore bench fsck --latency-s``).
 
     python tools/latency_fs.py SOURCE MOUNTPOINT --delay-ms 10      # foreground; umount to stop
 

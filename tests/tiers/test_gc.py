@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tierstore.admin import gc_command
+from tierstore.format.identity import MANIFEST_NAME
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import FileMapper
 from tierstore.testing.pages import fill_pages, simple_namespace
 from tierstore.tiers import gc
 
 NS = simple_namespace()
+REPO = Path(__file__).resolve().parents[2]
 
 
 def pages(root: Path) -> dict[str, int]:
@@ -95,7 +100,7 @@ def test_trash_grace_and_stale_temps(tmp_path: Path) -> None:
     tmp.write_bytes(b"x" * 100)
     old = time.time() - 7200
     os.utime(tmp, (old, old))
-    cap = 3 * size + 2000  # the manifest (about 1 KiB) counts too
+    cap = 3 * size + 2000  # slack; the manifest (about 1 KiB) is metadata: it never counts
     rep = gc.collect(tmp_path, cap, low_watermark=1.0, trash_grace_s=30)
     assert rep.temps_removed == 1 and not tmp.exists()
     assert rep.evicted == 3
@@ -236,3 +241,73 @@ def test_gc_refuses_a_directory_that_is_not_a_cache(tmp_path: Path, capsys: pyte
     (empty / ".tierstore-probe-0123abcd").write_bytes(b"")
     (empty / ".tierstore-format").write_text('{"format": 1, "layouts": ["rank_dirs"], "writer": "tierstore"}')
     assert not gc.collect(empty, 1).refused
+
+
+def _gc_process(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``tierstore gc ROOT`` as an operator runs it: its own process, Python's default logging
+    (a library warning reaches stderr, which pytest's log capture hides in-process)."""
+    return subprocess.run([sys.executable, "-m", "tierstore", "gc", str(root), "--max-bytes", "1G", *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_a_refusal_is_said_once_and_a_healthy_cache_says_nothing_on_stderr(tmp_path: Path) -> None:
+    """Run as a process: a directory that is not a cache gets one stderr line (the CLI's,
+    naming what to do; the library no longer warns as well) and exit 8; a healthy cache
+    (pages, its manifest, a format marker) gets a result on stdout and nothing on stderr."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("not pages")
+    for extra in ([], ["--json"]):
+        proc = _gc_process(notes, *extra)
+        assert proc.returncode == 8, proc
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("tierstore gc: refusing "), proc.stderr
+        assert "not a cache" in proc.stderr and "pass the directory" in proc.stderr
+    healthy = tmp_path / "cache"
+    fill(healthy, 3)
+    (healthy / ".tierstore-format").write_text('{"format": 1, "layouts": ["rank_dirs"], "writer": "tierstore"}')
+    for extra in ([], ["--json"]):
+        proc = _gc_process(healthy, *extra)
+        assert proc.returncode == 0 and proc.stdout.strip() and proc.stderr == "", proc
+
+
+def test_own_metadata_is_not_foreign_and_real_foreign_files_still_warn(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A namespace's manifest is tierstore's own file (as fsck sees it): counted in
+    metadata_bytes, no warning, never toward the cap; a stray file there is foreign: counted
+    in other_bytes and warned about once, naming fsck."""
+    paths = fill(tmp_path, 4)
+    manifest = tmp_path / NS.digest / MANIFEST_NAME
+    caplog.set_level(logging.WARNING, logger="tierstore.tiers.gc")
+    rep = gc.collect(tmp_path, 1 << 30)
+    assert rep.metadata_bytes == manifest.stat().st_size > 0 and rep.other_bytes == 0
+    assert rep.total_before == rep.page_bytes == sum(p.stat().st_size for p in paths)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    (tmp_path / NS.digest / "stray.bin").write_bytes(b"x" * 123)
+    (paths[0].parent / MANIFEST_NAME).write_bytes(b"{}")  # a manifest's name out of its place: foreign
+    rep = gc.collect(tmp_path, 1 << 30)
+    assert rep.other_bytes == 125 and rep.metadata_bytes == manifest.stat().st_size
+    assert rep.total_before == rep.page_bytes  # neither counts toward the cap
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "125 bytes" in warning and "tierstore fsck" in warning
+    doc = gc_command.report_json(rep)
+    assert doc["tierstore_gc"] == 2 and doc["metadata_bytes"] == rep.metadata_bytes  # an added field: same version
+
+
+def test_the_daemon_says_a_refusal_the_library_only_returns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """collect logs a refusal at debug (its caller says it); the background daemon, which has
+    no caller to print it, logs it as a warning."""
+    (tmp_path / "todo.txt").write_text("not pages")
+    caplog.set_level(logging.DEBUG, logger="tierstore.tiers.gc")
+    assert gc.collect(tmp_path, 1).refused
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    daemon = gc.GcDaemon(str(tmp_path), 1, interval_s=0.01)
+    daemon._thread.start()
+    try:
+        end = time.monotonic() + 30
+        while not any(r.levelno >= logging.WARNING for r in caplog.records) and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        daemon.stop()
+        daemon._thread.join(10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert daemon.runs >= 1 and warnings and all("not a cache" in w and str(tmp_path) in w for w in warnings)

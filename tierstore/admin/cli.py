@@ -10,8 +10,10 @@ others.
 One grammar for every command: the exit statuses of ``EXIT_TABLE`` (fsck's follow e2fsck);
 errors on stderr, naming what to do; a closed output pipe ends the command quietly (141);
 ``--json`` prints one document whose first key names its schema and version
-(``tierstore_<command>``: ls lists rows, stats summarises); in JSON, sizes are exact file
-bytes (``st_size``; gc counts the same bytes) and times ISO 8601 UTC, durations in seconds
+(``tierstore_<command>``: ls lists rows, stats summarises); in JSON, sizes are file bytes
+(``st_size``; gc counts the same bytes), except where ``bytes_source`` is "layout" (stats and
+ls answering from the listing: the uncompressed page size x files, exact for uncompressed
+pages, an upper bound for zstd ones), and times ISO 8601 UTC, durations in seconds
 (keys ``seconds`` or ``*_s``); in text, sizes are human-readable (KiB, MiB, ...);
 ``--progress/--no-progress`` everywhere (default: a bar with rate and ETA when stderr is a
 terminal; tqdm, see inventory.progress_bar).
@@ -25,6 +27,7 @@ import importlib
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -49,8 +52,10 @@ EXIT_TABLE = """exit status, every command:
   32   interrupted
   141  the output pipe was closed (tierstore ... | head)
 errors go to stderr. --json: one document, first key tierstore_<command> (schema version);
-sizes in exact file bytes (st_size, the same in every command), times ISO 8601 UTC,
-durations in seconds. Text: human-readable sizes."""
+sizes in file bytes (st_size, the number gc counts; stats and ls from the listing give the
+uncompressed page size x files, bytes_source "layout": exact unless pages are zstd, --exact
+stats every page), times ISO 8601 UTC, durations in seconds. Text: human-readable sizes,
+~ where estimated."""
 
 # command -> (module, one-line help). Imported lazily by _run_delegated.
 DELEGATED: dict[str, tuple[str, str]] = {
@@ -64,6 +69,11 @@ BENCH: dict[str, tuple[str, str]] = {
     "fsck": ("tierstore.bench.fsck", "fsck pages/s and reads in flight at several --jobs (optionally a latency stand-in)"),
     "serve": ("tierstore.bench.serve", "vllm serve TTFT cold vs restored vs no connector (vLLM's bench client)"),
 }
+
+
+def _para(text: str) -> str:
+    """A sub-command's description, wrapped: its parser keeps the exit table's lines as written."""
+    return textwrap.fill(text, 88)
 
 
 def _add_root(p: argparse.ArgumentParser) -> None:
@@ -116,10 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tierstore {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("fsck", help="verify every file under ROOT; --repair fixes what it can",
-                       description="Verify every page (header, checksums, size, namespace/key/path agreement) "
-                       "and list stale temps, orphans, foreign files and symlinks. Exit codes as e2fsck: "
-                       "0 clean, 1 errors found and all repaired, 4 errors left, 8 operational error.")
+    p = sub.add_parser("fsck", epilog=EXIT_TABLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="verify every file under ROOT; --repair fixes what it can",
+                       description=_para("Verify every page (header, checksums, size, namespace/key/path "
+                                         "agreement) and list stale temps, orphans, foreign files and symlinks. "
+                                         "Exit codes as e2fsck: 0 clean, 1 errors found and all repaired, 4 "
+                                         "errors left, 8 operational error."))
     _add_root(p)
     p.add_argument("--repair", action="store_true",
                    help="delete bad pages, orphans and stale temps; unlink symlinks; move foreign files "
@@ -137,10 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mac-key-file", metavar="PATH", default=None,
                    help="the fleet key (setting mac_key_file): every page must carry a valid MAC tag")
 
-    p = sub.add_parser("stats", help="per namespace and group: files, bytes, token coverage, age",
-                       description="Answers from the directory listing (one readdir per fan-out directory, "
-                       "no stat or read per page): bytes and token coverage are estimated from the layout "
-                       "(marked ~). --exact stats every page and reads its header (the first 4 KiB).")
+    p = sub.add_parser("stats", epilog=EXIT_TABLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="per namespace and group: files, bytes, token coverage, age",
+                       description=_para("Answers from the directory listing (one readdir per fan-out "
+                                         "directory, no stat or read per page): bytes are the uncompressed page "
+                                         "size x files (exact unless pages are zstd), token coverage "
+                                         "tokens_per_chunk x files (marked ~). --exact stats every page (the "
+                                         "bytes gc counts) and reads its header (the first 4 KiB)."))
     _add_root(p)
     p.add_argument("--exact", action="store_true",
                    help="exact figures: stat every page and read its header (slow at millions of pages)")
@@ -148,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --exact: stat every page but read none; estimate token coverage as "
                    "tokens_per_chunk x files")
 
-    p = sub.add_parser("ls", help="one line per namespace and group (reads no file, only directories)")
+    p = sub.add_parser("ls", epilog=EXIT_TABLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="one line per namespace and group (reads no file, only directories)")
     _add_root(p)
     p.add_argument("--exact", action="store_true",
                    help="exact bytes and ages: stat every page (slow at millions of pages)")

@@ -20,7 +20,10 @@ Contract:
   no effect on the exit code): pages whose mode lets more users in than configured
   (``group_access``), cleared by ``--repair`` with fchmod on a checked fd. Text output escapes
   every name and string from the root (``display.escape``); JSON keeps them raw.
-  Temp files that may still be written are counted, not reported as problems.
+  Temp files that may still be written are counted, not reported as problems. Output: text
+  with human-readable sizes (``inventory.human_bytes``, as ls and stats); ``--json``
+  (``FsckReport.to_json``) with the schema key ``tierstore_fsck``, exact bytes, ``seconds``
+  and the run's start and end as ISO 8601 UTC (``started_at``, ``finished_at``, as gc).
 - ``--repair`` (``FsckOptions.repair``) deletes what tierstore wrote and can never serve (bad
   pages, orphans, stale temps, old silly-rename leftovers), unlinks symlinks (the link, never
   its target), and moves everything else tierstore did not write (foreign files and
@@ -82,6 +85,7 @@ from tierstore.admin.inventory import (
     Progress,
     check_root,
     fingerprint,
+    human_bytes,
     stats_from_inventory,
     walk_root,
 )
@@ -141,6 +145,8 @@ class FsckReport:
     vanished: int = 0
     namespaces: int = 0
     seconds: float = 0.0
+    started: float = 0.0  # wall clock (Unix seconds) of the run's start and end: JSON *_at
+    finished: float = 0.0
     quarantine: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # operational error (exit 8)
@@ -182,6 +188,9 @@ class FsckReport:
         }
 
     def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document: schema key first; exact bytes; ``seconds`` (the duration) and
+        the start and end as ISO 8601 UTC (``started_at``, ``finished_at``: gc's format). Fields
+        added to version 1 (the *_at times) keep it: readers ignore keys they do not know."""
         return {
             "tierstore_fsck": 1,
             "root": self.root,
@@ -189,6 +198,8 @@ class FsckReport:
             "exit_code": self.exit_code,
             "error": self.error,
             "seconds": round(self.seconds, 3),
+            "started_at": display.iso_utc(self.started, "milliseconds"),
+            "finished_at": display.iso_utc(self.finished, "milliseconds"),
             "quarantine": self.quarantine,
             "counts": self.counts(),
             "problems": [p.to_json() for p in self.problems],
@@ -214,7 +225,7 @@ class FsckReport:
             found += f" ({len(self.warnings)} page(s) with too open a mode)"
         lines.append(
             f"{display.escape(self.root)}: {c['namespaces']} namespace(s), {c['pages_ok']} pages ok "
-            f"({c['bytes_ok'] / 2**20:.1f} MiB), {c['temps_active']} temp(s) in flight; {found}"
+            f"({human_bytes(c['bytes_ok'])}), {c['temps_active']} temp(s) in flight; {found}"
             f" in {self.seconds:.2f} s"
         )
         if self.repair and self.problems:
@@ -433,9 +444,19 @@ def root_latency_s(root: str | os.PathLike[str]) -> float:
 
 
 def run_fsck(options: FsckOptions) -> FsckReport:
-    """Check (and with ``repair``, fix) a root; never raises for problems in the tree."""
+    """Check (and with ``repair``, fix) a root; never raises for problems in the tree. The
+    report's times (``seconds``, ``started``, ``finished``) cover the whole run, an error's too."""
     start = time.monotonic()
-    report = FsckReport(root=str(options.root), repair=options.repair)
+    report = FsckReport(root=str(options.root), repair=options.repair, started=time.time())
+    try:
+        _run_fsck(options, report)
+    finally:
+        report.finished = time.time()
+        report.seconds = time.monotonic() - start
+    return report
+
+
+def _run_fsck(options: FsckOptions, report: FsckReport) -> None:
     progress = Progress("fsck", enabled=options.progress)
     jobs = options.jobs or READS_IN_FLIGHT
     verifier: PageVerifier | None = None
@@ -444,7 +465,7 @@ def run_fsck(options: FsckOptions) -> FsckReport:
         refusal = unknown_format(root) if options.repair else None
         if refusal is not None:  # a newer tierstore's layouts: not this version's to repair
             report.error = f"refusing to repair {display.escape(str(root))}: {refusal}"
-            return report
+            return
         # Default: as many pages at once as pay off, up to READS_IN_FLIGHT (adaptive_gate.py):
         # from all of them on a slow mount, from 1 elsewhere (a cached tree settles at 1-4,
         # where 64 threads only fight for the GIL). An explicit --jobs is kept as given.
@@ -460,10 +481,10 @@ def run_fsck(options: FsckOptions) -> FsckReport:
         reserved = reserved_root_findings(inv.root) if options.namespace is None else []
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         report.error = str(exc)
-        return report
+        return
     except Exception as exc:  # noqa: BLE001 - a report with exit 8, never a traceback
         report.error = f"the walk stopped: {type(exc).__name__}: {exc} (a tierstore bug: please report it)"
-        return report
+        return
     finally:
         progress.close()
         if verifier is not None:
@@ -492,5 +513,3 @@ def run_fsck(options: FsckOptions) -> FsckReport:
             _repair(report, inv.root, options.quarantine_bad)
         except OSError as exc:
             report.error = f"repair failed: {exc}"
-    report.seconds = time.monotonic() - start
-    return report

@@ -37,7 +37,9 @@ from tierstore.tiers.gc import EVICT_THREADS, TRASH_DIR, DryLease, GcReport, col
 
 EXIT_USAGE = 2
 EXIT_OPERATIONAL = 8
-SCHEMA_VERSION = 2  # 2: bytes are st_size (1: allocated blocks); epoch floats dropped for *_at
+# 2: bytes are st_size (1: allocated blocks); epoch floats dropped for *_at. A field added
+# since (metadata_bytes) keeps the version: readers of 2 ignore keys they do not know.
+SCHEMA_VERSION = 2
 
 
 def report_json(rep: GcReport) -> dict[str, Any]:

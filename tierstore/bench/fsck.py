@@ -3,12 +3,12 @@
 Makes (once, in ``--work``) a root of ``--pages`` small pages (``testing.pages.write_page``, one
 simple 4 KiB attention namespace) and runs ``fsck.run_fsck`` on it with each ``--jobs`` value,
 printing pages/s, the most reads in flight and the peak of page-buffer bytes. With
-``--latency-ms D`` the root is reached through the FUSE passthrough of tools/latency_fs.py
-(every operation delayed by D ms: a stand-in for a slow NFS mount); use a smaller
+``--latency-s D`` the root is reached through the FUSE passthrough of tools/latency_fs.py
+(every operation delayed by D seconds: a stand-in for a slow NFS mount); use a smaller
 ``--pages`` there (each page costs several delayed operations).
 
 Run: ``python -m tierstore.bench.fsck --work DIR [--pages N] [--jobs 1,8,64,auto] [--paths python,native,cli]
-[--latency-ms 10] [--json]`` (``auto``: fsck's default, 64 threads behind ``adaptive_gate.AdaptiveGate``;
+[--latency-s 0.01] [--json]`` (``auto``: fsck's default, 64 threads behind ``adaptive_gate.AdaptiveGate``;
 ``python``/``native``: the per-page path and the batched native one (fsck_batch), in this process,
 each row's ratio against the python row of the same jobs; ``cli``: a fresh ``tierstore fsck``
 process with default settings, its compile included).
@@ -109,19 +109,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paths", default="python,native",
                    help="page paths, each with every --jobs: python (per page), native (fsck_batch), "
                         "cli (a fresh `python -m tierstore fsck` process, default settings)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="reach the root through latency_fs.py")
+    p.add_argument("--latency-s", type=float, default=0.0, metavar="SECONDS",
+                   help="reach the root through latency_fs.py, every operation delayed this long")
+    p.add_argument("--latency-ms", type=float, default=None, help=argparse.SUPPRESS)  # the old name
     p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.latency_ms is not None:  # one unit for durations: seconds
+        print("tierstore bench fsck: --latency-ms is deprecated; use --latency-s (seconds)", file=sys.stderr)
+        args.latency_s = args.latency_ms / 1000.0
     export = args.work / f"pages-{args.pages}"
     t0 = time.perf_counter()
     make_tree(export, args.pages)
     made = time.perf_counter() - t0
     with contextlib.ExitStack() as stack:
         root = export
-        if args.latency_ms:
-            root = stack.enter_context(latency_mount(export, args.work / "mnt", args.latency_ms))
+        if args.latency_s:
+            root = stack.enter_context(latency_mount(export, args.work / "mnt", args.latency_s * 1000.0))
         paths = args.paths.split(",")
         compile_s = _compile_native() if "native" in paths else None
         rows: list[dict[str, Any]] = []
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:  # against the per-page path at the same --jobs, measured in this run
         b = base.get(r["jobs"])
         r["vs_python"] = round(r["pages_per_s"] / b, 2) if b else None
-    out = {"tierstore_bench_fsck": 1, "target": f"latency {args.latency_ms:g} ms" if args.latency_ms else "local", "tree_seconds": round(made, 1),
+    out = {"tierstore_bench_fsck": 1, "target": f"latency {args.latency_s:g} s" if args.latency_s else "local", "tree_seconds": round(made, 1),
            "cpus": os.cpu_count(), "native_compile_s": compile_s, "rows": rows}
     if args.json:
         print(json.dumps(out, indent=2))

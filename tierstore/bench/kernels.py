@@ -301,7 +301,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-loop", default=None, choices=("native", "python"),
                         help="IOEngine io_loop (default: the setting's default, native)")
     parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
-    parser.add_argument("--reps", type=int, default=100, help="do_bench repetition time in ms (default 100)")
+    parser.add_argument("--rep-s", type=float, default=0.1, metavar="SECONDS",
+                        help="time each kernel is repeated for (triton's do_bench rep; default 0.1)")
+    parser.add_argument("--reps", type=int, default=None, help=argparse.SUPPRESS)  # the old name, in ms
     parser.add_argument("--sweep", action="store_true", help="also try other Triton tile sizes / warps (first case)")
     parser.add_argument("--skip-transfer", action="store_true", help="kernels only")
     parser.add_argument("--no-cold", action="store_true", help="do not drop the page cache for cold loads")
@@ -402,13 +404,17 @@ def _run_kernels(args: argparse.Namespace, rep: dict[str, Any], device: str, sav
                                      {"tile_words": 4096, "num_warps": 4, "vector_hints": False}]
     sweep = configs + [{"tile_words": 2048, "num_warps": 4}, {"tile_words": 8192, "num_warps": 8},
                        {"tile_words": 16384, "num_warps": 8}]
+    rep_ms = round(args.rep_s * 1000)  # triton's do_bench takes milliseconds
+    if args.reps is not None:  # one unit for durations: seconds
+        print("tierstore bench kernels: --reps is deprecated; use --rep-s (seconds)", file=sys.stderr)
+        rep_ms = args.reps
     cases = _kernel_cases(args.mib, device)
     for i, case in enumerate(cases):
         _log(f"kernels: {case.label}")
-        rep["kernels"].extend(kernel_rows(case, args.reps, sweep if i == 0 and args.sweep else configs))
+        rep["kernels"].extend(kernel_rows(case, rep_ms, sweep if i == 0 and args.sweep else configs))
         save()
     pcie = raw_pcie(256 * 2**20, device)
-    rep["host_direct"] = [host_direct_row(c, args.reps, pcie) for c in cases if c.layout_name in ("LBNHC", "mamba")]
+    rep["host_direct"] = [host_direct_row(c, rep_ms, pcie) for c in cases if c.layout_name in ("LBNHC", "mamba")]
     _log(f"host direct {rep['host_direct']}")
     save()
 

@@ -6,8 +6,10 @@ Contract (``tierstore gc ROOT --max-bytes N``, and ``GcDaemon`` as the backgroun
 2. Sweep the trash dir ``ROOT/.tierstore-trash``: unlink entries older than ``trash_grace_s``.
 3. Scan every namespace under ROOT: page files (LRU stamp = mtime, which readers refresh with
    a rate-limited ``utime`` on hit), temp files (those older than ``temp_max_age_s`` were
-   abandoned by a dead writer and are removed), and anything else (``.nfs*``,
-   ``.fuse_hidden*``, manifests: counted, never touched; fsck owns them).
+   abandoned by a dead writer and are removed), tierstore's own metadata (a namespace's
+   ``manifest.json``, the name fsck's walk accepts there: ``metadata_bytes``) and anything
+   else (``.nfs*``, ``.fuse_hidden*``, foreign files: ``other_bytes``, with a warning that
+   names ``tierstore fsck``); both counted, never touched, not toward the cap: fsck owns them.
 4. If the bytes found exceed ``max_bytes``, evict least-recently-stamped pages until the total
    is at most ``low_watermark * max_bytes``. A victim is re-``stat``ed first (a page hit since
    the scan is skipped), then renamed into the trash (the name vanishes atomically: new
@@ -25,7 +27,9 @@ The plan is the real pass's result when nothing is hit or removed in between.
 A ROOT holding entries but no namespace directory is refused (``refused``), as fsck refuses
 it: it is probably not a cache directory, and gc would otherwise write its lease and trash
 there. So is a ROOT whose format marker (``ROOT/.tierstore-format``, ``mapper.unknown_format``)
-names a format or layout this version does not know: a newer tierstore wrote it.
+names a format or layout this version does not know: a newer tierstore wrote it. A refusal
+and a lease problem are returned in the report (``refused``, ``lease_problem``) and logged at
+debug only: the caller says them once (the CLI as its error line, ``GcDaemon`` as a warning).
 
 Scale (docs/measurements/fsck.md): the scan keeps about 70 bytes per page in packed arrays
 (``_ScanTable``; a list of objects took about 450). Victims are taken in LRU order, batch by
@@ -43,9 +47,10 @@ that was checked, after re-checking the victim's (device, inode, mtime) (safefs.
 trash, namespace or fan-out directory, even one swapped in between scan and eviction, is
 reported in ``unsafe`` and never followed. The walk is iterative with the layout's depth. The
 cap counts only bytes gc can free: file bytes (``st_size``, the meaning every command's bytes have) of regular,
-single-link pages at their place, temps and trash entries; everything else (a 1 TiB sparse
-foreign file, hard-linked pages) is counted in ``other_bytes`` and warned about, never a reason
-to evict. A lease problem (a directory at the lease path) is reported in ``lease_problem``.
+single-link pages at their place, temps and trash entries; tierstore's own manifests are
+counted in ``metadata_bytes`` (no warning); everything else (a 1 TiB sparse foreign file,
+hard-linked pages) is counted in ``other_bytes`` and warned about, never a reason to evict. A
+lease problem (a directory at the lease path) is reported in ``lease_problem``.
 
 No sqlite and no lock on the shared root: everything is files, renames and stats.
 Threading: ``collect`` is a plain function (it evicts on a private pool of ``evict_threads``);
@@ -68,6 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierstore.errors import GONE_ERRNOS
+from tierstore.format.identity import MANIFEST_NAME
 from tierstore.fs import safefs
 from tierstore.fs.deadline import note_space_freed
 from tierstore.fs.display import escape, parse_size
@@ -104,7 +110,8 @@ class GcReport:
     pages: int = 0
     page_bytes: int = 0
     temp_bytes: int = 0
-    other_bytes: int = 0
+    other_bytes: int = 0  # foreign, hard-linked or unexpected files (warned about)
+    metadata_bytes: int = 0  # tierstore's own metadata (namespace manifests): neither pages nor foreign
     trash_bytes: int = 0  # still in the trash (grace period) after the run
     total_before: int = 0
     total_after: int = 0
@@ -261,6 +268,8 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
                 rep.page_bytes += _file_bytes(st)
             elif (writer := temp_writer(name)) is not None:
                 _sweep_temp(d.fd, name, st, writer, temp_max_age_s, now, rep)
+            elif len(d.parts) == 1 and name == MANIFEST_NAME:  # fsck's rule (inventory.fan_dirs): ours
+                rep.metadata_bytes += _file_bytes(st)
             else:
                 rep.other_bytes += _file_bytes(st)
     rep.pages = len(pages)
@@ -414,8 +423,8 @@ def collect(
         os.close(root_fd)
     if not rep.refused and not dry_run:  # a newer tierstore's layouts: not this version's to evict
         rep.refused = unknown_format(root)
-    if rep.refused:
-        log.warning("tierstore gc %s: refused: %s", root, rep.refused)
+    if rep.refused:  # the caller says it (one line): the CLI's error, GcDaemon's warning
+        log.debug("tierstore gc %s: refused: %s", root, rep.refused)
         rep.seconds = time.monotonic() - t0
         return rep
     if dry_run and (lease is None or isinstance(lease, Lease)):
@@ -424,8 +433,8 @@ def collect(
     if not lease.acquire():
         rep.lease_problem = lease.problem
         rep.busy = lease.problem is None
-        if lease.problem:
-            log.warning("tierstore gc %s: %s", root, lease.problem)
+        if lease.problem:  # the caller says it, as a refusal
+            log.debug("tierstore gc %s: %s", root, lease.problem)
         rep.seconds = time.monotonic() - t0
         return rep
     rep.started = time.time()
@@ -437,6 +446,10 @@ def collect(
         os.close(root_fd)
         rep.finished = time.time()
         lease.release()
+    if rep.other_bytes:
+        log.warning("tierstore gc %s: %d bytes are not pages gc can free (foreign, hard-linked or unexpected "
+                    "files) and do not count toward the cap; `tierstore fsck %s` lists them", escape(root),
+                    rep.other_bytes, escape(root))
     if metrics is not None and not dry_run:
         metrics.evicted(rep.evicted, rep.evicted_bytes)
         metrics.set_capacity(rep.total_after, max_bytes)
@@ -455,9 +468,6 @@ def _collect_locked(root_fd: int, max_bytes: int, low_watermark: float, grace_s:
         if trash_fd >= 0:
             _sweep_trash(trash_fd, grace_s, rep)
         pages = _scan(root_fd, temp_max_age_s, rep, lease)
-        if rep.other_bytes:
-            log.warning("tierstore gc: %d bytes under the root are not pages gc can free (foreign, "
-                        "hard-linked or unexpected files); they do not count toward the cap", rep.other_bytes)
         # Only what gc can free counts; evicted pages wait in the trash for the grace period and
         # are counted again by the next pass until they are unlinked.
         rep.total_before = rep.page_bytes + rep.temp_bytes + rep.trash_bytes
@@ -593,8 +603,11 @@ class GcDaemon:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.last = collect(self.root, self.max_bytes, metrics=self.metrics, **self.kw)  # type: ignore[arg-type]
+                self.last = rep = collect(self.root, self.max_bytes, metrics=self.metrics, **self.kw)  # type: ignore[arg-type]
                 self.runs += 1
+                if rep.refused or rep.lease_problem:  # collect leaves saying it to its caller
+                    log.warning("tierstore background gc of %s: %s; nothing done, retrying in %.0f s", self.root,
+                                rep.refused or rep.lease_problem, self.interval_s)
             except Exception:  # a gc pass must never take the engine down
                 log.exception("tierstore background gc of %s failed; retrying in %.0f s", self.root, self.interval_s)
 

@@ -24,6 +24,10 @@ Contract (``EngineTier`` plus):
   ``gc_interval_s`` set, the process's gc daemon for the root is started here.
 - ``on_health`` registers a callback called with the new state when the tier goes down or up
   (the backlog uploader starts on "up"); it runs with the health lock held and must not block.
+- Up gauge (``TierMetrics.set_up``, exported as ``tierstore_tier_up``): the tier's
+  ``available`` (health up and engine open), set to 0 in the constructor before the open starts
+  (a root that hangs at open reads 0 from the start), then again when the open ends, when the
+  constructor returns and on every health transition; ``close`` withdraws it (``drop_up``).
 
 Threading: as ``EngineTier``. Threads: ``tierstore-shared-open`` (once), the health probe
 (while down), deadline threads for ``contains`` and touches (bounded: a hung mount cannot pile
@@ -75,6 +79,9 @@ class SharedTier(EngineTier):
         self.deadline_s = deadline_s if deadline_s is not None else config.shared_deadline_s
         self.touch_interval_s = config.shared_touch_interval_s
         self._listeners: list[Callable[[bool], None]] = []
+        self._up_token = object()  # this tier's entry in metrics' up gauge
+        self._up_lock = threading.Lock()  # read the state and publish it as one step
+        self._up_closed = False  # closed: the gauge entry is withdrawn for good
         self.health = Health(name, self._probe, self.deadline_s, on_change=self._health_changed)
         self._stat_runner = DeadlineRunner("shared-stat", max_inflight=4)
         self._touch_runner = DeadlineRunner("shared-touch", max_inflight=2)
@@ -95,10 +102,12 @@ class SharedTier(EngineTier):
         kwargs["staging"] = self._pool = staging_pool(geometry, config, kwargs.pop("staging_slots", None),
                                                       bool(kwargs.pop("pin", False)))
         self.open_error: BaseException | None = None  # why the engine could not be built (logged)
+        metrics.set_up(self._up_token, False)  # not serving until the engine is open
         threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
                          args=(config, namespace, group_index, rank, kwargs)).start()
         if not self._opened.wait(self.deadline_s):
             self.health.mark_down(f"opening {self.root} took longer than {self.deadline_s:.3f} s")
+        self._publish_up()  # the state the constructor returns with (the open thread's may come later)
 
     def _open(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
               kwargs: dict[str, Any]) -> None:
@@ -110,14 +119,23 @@ class SharedTier(EngineTier):
             log.warning("tierstore %s tier could not be opened: %s", self.name, exc)
         finally:
             self._opened.set()
+            self._publish_up()
 
     # ------------------------------------------------------------------ health
     def on_health(self, callback: Callable[[bool], None]) -> None:
         self._listeners.append(callback)
 
     def _health_changed(self, up: bool) -> None:
+        self._publish_up()
         for callback in self._listeners:
             callback(up)
+
+    def _publish_up(self) -> None:
+        """Set the up gauge to ``available`` now. The state is read under ``_up_lock``, so the
+        publish after the last change (open finished, down, up) leaves the value that holds."""
+        with self._up_lock:
+            if not self._up_closed:
+                self.metrics.set_up(self._up_token, self.available)
 
     def _probe(self) -> None:
         probe_root(self.root)
@@ -231,6 +249,9 @@ class SharedTier(EngineTier):
                 log.debug("tierstore: touching %s failed: %s", path, exc)
 
     def close(self, timeout: float | None = None) -> None:
+        with self._up_lock:
+            self._up_closed = True
+            self.metrics.drop_up(self._up_token)
         eng = self.engine()
         if eng is not None:
             eng.close(min(timeout or self.deadline_s, self.deadline_s) if self.health.up else 0.05)

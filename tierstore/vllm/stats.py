@@ -17,18 +17,30 @@ conventions: base units (seconds, bytes), the unit last, counters declared with 
 - the scheduler's page index (``IndexedLookup.resident``) -> the residency gauges of the
   root tier ("root", or "shared" in a chain) through ``add_index_residency``.
 
+The up gauge ``tierstore_tier_up{tier}`` (1: serves, 0: down; registry ``up``: the minimum over
+the process's tier objects) is the minimum over the worker processes (ranks): vLLM merges the
+ranks' stats keeping one rank's gauge value, so ``TierDeltas`` reports it with a second label
+value, the reporting process (``process_reporter``: host/pid), which vLLM keeps apart;
+``TierStorePromMetrics`` remembers each reporter's last value per engine and tier and exports
+the minimum under the declared label ``tier`` alone. Reported when it changes (and once at
+the first report), with the engine's stats: an engine that runs no step reports nothing, so
+the exported value is the one of its last step.
+
 Who reports what (no double counting): counters and histograms of the registry come from the
 worker side only (an in-process engine shares one registry between both roles; reporting it
 twice would double count). Gauges are values, not increments: the residency and capacity of a
 tier are set by exactly one owner - host and local by the worker (its host tier, its local
 index: ``RESIDENCY_FROM_WORKER``), root/shared by the scheduler's page index (pages of this
 engine's namespace; bytes as pages x the group's uncompressed page file size, exact for codec
-"none", an upper bound with zstd). The capacity of every tier comes from the worker. Threading:
-called from vLLM's threads of one role; ``TierDeltas`` is not shared between threads.
+"none", an upper bound with zstd). The capacity and the up state of every tier come from the
+worker. Threading: called from vLLM's threads of one role; ``TierDeltas`` is not shared
+between threads.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -114,6 +126,7 @@ TIER_BACKLOG_UPLOADS = PREFIX + "tier_backlog_uploads_total"
 TIER_RESIDENT_PAGES = PREFIX + "tier_resident_pages"
 TIER_RESIDENT_BYTES = PREFIX + "tier_resident_bytes"
 TIER_CAPACITY_BYTES = PREFIX + "tier_capacity_bytes"
+TIER_UP = PREFIX + "tier_up"
 TIER_LOAD_SECONDS = PREFIX + "tier_load_seconds"
 TIER_LOAD_READ_SECONDS = PREFIX + "tier_load_read_seconds"
 TIER_STORE_SECONDS = PREFIX + "tier_store_seconds"
@@ -156,6 +169,9 @@ TIER_FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {  # name -> (type,
     TIER_RESIDENT_BYTES: ("gauge", ("tier",), "File bytes the tier holds now (same scope as "
                           "tierstore_tier_resident_pages; root/shared: pages x uncompressed page file size)."),
     TIER_CAPACITY_BYTES: ("gauge", ("tier",), "The tier's cap in bytes (host_bytes, local_max_bytes, max_bytes)."),
+    TIER_UP: ("gauge", ("tier",), "1 while the tier serves, 0 while it is down (its export hangs or is unmounted, a "
+              "deadline passed, or it is still opening); shared and root tiers only. The minimum over the worker "
+              "ranks and the tier objects of each: one rank's down tier reads 0."),
     TIER_LOAD_SECONDS: ("histogram", ("tier",), "Page load latency per tier, submit to verified page, seconds."),
     TIER_LOAD_READ_SECONDS: ("histogram", ("tier",), "The part of each page load an I/O thread spent reading and "
                              "checking the file (storage time; the rest of tierstore_tier_load_seconds is queue "
@@ -165,6 +181,13 @@ TIER_FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {  # name -> (type,
 
 # Tiers whose residency gauges the worker side owns (the scheduler's page index owns the root's).
 RESIDENCY_FROM_WORKER: frozenset[str] = frozenset({"host", "local"})
+
+
+def process_reporter() -> str:
+    """The reporting process (host/pid), the second label value of ``TIER_UP`` in connector
+    stats: one registry per process, whose ``up`` already covers every tier object of the
+    process. Asked when a ``TierDeltas`` is made (in the worker, after a fork), never at import."""
+    return f"{socket.gethostname()}/{os.getpid()}"
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -230,11 +253,13 @@ class TierDeltas:
     """Increments between successive ``MetricsRegistry.snapshot()`` results (worker side)."""
 
     def __init__(self, baseline: dict[str, dict[str, Any]] | None = None,
-                 residency_tiers: frozenset[str] = RESIDENCY_FROM_WORKER) -> None:
+                 residency_tiers: frozenset[str] = RESIDENCY_FROM_WORKER, reporter: str | None = None) -> None:
         # baseline: the registry when reporting starts (a process-wide registry may already hold
         # the totals of an earlier engine in the same process)
         self._last: dict[str, dict[str, Any]] = dict(baseline or {})
         self._residency_tiers = residency_tiers
+        self._reporter = process_reporter() if reporter is None else reporter
+        self._up_sent: dict[str, int] = {}  # tier -> the up value last reported (not the baseline's)
 
     def add_to(self, stats: OffloadingConnectorStats, snapshot: dict[str, dict[str, Any]]) -> bool:
         """Add what changed since the previous call to ``stats``; True if anything was added."""
@@ -260,6 +285,11 @@ class TierDeltas:
                 if value is not None and value != before.get(key):
                     stats.set_gauge(family, value, (tier,))
                     added = True
+            up = now.get("up")
+            if up is not None and up != self._up_sent.get(tier):  # reported by this side at least once
+                stats.set_gauge(TIER_UP, int(up), (tier, self._reporter))
+                self._up_sent[tier] = int(up)
+                added = True
             for key, family in _TIER_HISTOGRAMS.items():
                 added = replay_histogram(stats, family, (tier,), now.get(key, {}), before.get(key, {})) or added
             self._last[tier] = now
@@ -299,11 +329,26 @@ class TierStorePromMetrics(OffloadPromMetrics):
         for name, metadata in metric_definitions().items():
             self._offloading_metric_metadata[name] = metadata
             self._offloading_metric_defs[name] = self._create_metric(name, metadata)
+        # (engine, tier) -> reporter -> its last up value (``TIER_UP`` is their minimum)
+        self._tier_up: dict[tuple[int, str], dict[str, float]] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # Undeclared names (e.g. from a newer adapter) are skipped: vLLM's exporter asserts on them.
         data = {k: v for k, v in transfer_stats_data.get("data", {}).items() if k in self._offloading_metric_defs}
+        if TIER_UP in data:
+            data[TIER_UP] = self._min_over_reporters(data[TIER_UP], engine_idx)
         super().observe({"types": transfer_stats_data.get("types", {}), "data": data}, engine_idx)
+
+    def _min_over_reporters(self, values: Mapping[Any, Any], engine_idx: int) -> dict[tuple[str, ...], float]:
+        """``{(tier, reporter): up}`` -> ``{(tier,): min over every reporter seen}`` (a value
+        without a reporter counts as the reporter "")."""
+        out: dict[tuple[str, ...], float] = {}
+        for labels, value in values.items():
+            tier, reporter = str(labels[0]), str(labels[1]) if len(labels) > 1 else ""
+            seen = self._tier_up.setdefault((engine_idx, tier), {})
+            seen[reporter] = value
+            out[(tier,)] = min(seen.values())
+        return out
 
     def reset(self) -> None:
         # vLLM 0.32's OffloadPromMetrics.observe calls self.reset(), which no base class defines
