@@ -110,6 +110,9 @@ class Node:
         self.errnos: Counter[str] = Counter()  # errno names of failures (ESTALE among them)
         self.longest_s = {"load": 0.0, "store": 0.0}
         self.late: list[dict[str, Any]] = []  # calls that returned past deadline + 1 s
+        # calls in flight (thread id -> (op, started)), for LateWatch's stack dumps of late ones
+        self.inflight: dict[int, tuple[str, float]] = {}
+        self.late_stacks: list[dict[str, Any]] = []  # every thread's stack while a call ran late
 
     def _note(self, op: str, started: float, ok: bool, error: Any) -> float:
         took = time.monotonic() - started
@@ -136,7 +139,9 @@ class Node:
             return False, "no_slot"
         slot.view[:] = expected(st, k)
         started = time.monotonic()  # the deadline runs from submit (a slot wait is the caller's)
+        self.inflight[threading.get_ident()] = ("store", started)
         res = st.wait([st.submit_store(k, slot, 64)], WAIT_S)
+        self.inflight.pop(threading.get_ident(), None)
         r = res[0] if res else None
         self._note("store", started, bool(r and r.ok), r.error if r else None)
         with self.lock:
@@ -153,7 +158,9 @@ class Node:
         or the failure's kind ("no_result" when nothing came back within WAIT_S)."""
         st, k = self.store_, key(i, seed)
         started = time.monotonic()
+        self.inflight[threading.get_ident()] = ("load", started)
         res = st.wait([st.submit_load(k)], WAIT_S)
+        self.inflight.pop(threading.get_ident(), None)
         r = res[0] if res else None
         self._note("load", started, bool(r and r.ok), r.error if r and not r.ok else None)
         if r is None:
@@ -177,7 +184,8 @@ class Node:
             return {"counts": dict(self.counts), "failures": dict(self.failures), "errnos": dict(self.errnos),
                     "estale": self.errnos.get("ESTALE", 0), "bad_content_rejected": rejected,
                     "longest_s": {k: round(v, 3) for k, v in self.longest_s.items()}, "late": self.late[:20],
-                    "late_count": len(self.late), "open_s": round(self.open_s, 2), "tiers": tiers}
+                    "late_count": len(self.late), "open_s": round(self.open_s, 2), "tiers": tiers,
+                    "late_stacks": self.late_stacks[:3]}
 
     def close(self) -> None:
         self.store_.flush(60)
@@ -491,6 +499,46 @@ class Oversleep:
                 "max_s": round(overs[-1], 3) if overs else None}
 
 
+class ControlCalls:
+    """The same calls with no NFS under them: a lone root on the guest's tmpfs, loaded every 50 ms
+    on a thread of its own, in this process (same GIL, same vCPUs, same load). A node's call is
+    late because it waited on its mount only if it was later than these were at the same time:
+    a call crosses several threads (caller, chain, I/O thread, back), and each hand-off waits its
+    turn on a starved guest, which one sleeping thread (``Oversleep``) undercounts."""
+
+    def __init__(self, root: Path, seed: int) -> None:
+        self.node = Node("control", root)
+        for i in range(4):
+            self.node.store(i, seed)
+        self.seed = seed
+        self.samples: list[tuple[float, float]] = []  # (monotonic start, seconds the load took)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="control-calls", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        while not self.stop.wait(0.05):
+            started = time.monotonic()
+            self.node.load(i % 4, self.seed)
+            self.samples.append((started, time.monotonic() - started))
+            i += 1
+
+    def worst(self, start: float, end: float) -> float:
+        """The slowest control load that overlapped [start, end]."""
+        return max((took for t, took in self.samples if t <= end and t + took >= start), default=0.0)
+
+    def close(self) -> dict[str, Any]:
+        self.stop.set()
+        self.thread.join(5)
+        took = sorted(d for _, d in self.samples)
+        outcomes = dict(self.node.counts)
+        self.node.close()
+        return {"samples": len(took), "p50_s": round(took[len(took) // 2], 3) if took else None,
+                "p99_s": round(took[int(0.99 * len(took))], 3) if took else None,
+                "max_s": round(took[-1], 3) if took else None, "outcomes": outcomes}
+
+
 # A scheduler step every 0.1 s: under emulation a step is ~50-90 ms of Python, and a guest kept
 # busier than its two vCPUs (load average 20 with a step every 20 ms, beside a busy CI worker)
 # delays every thread, the nodes' calls included.
@@ -538,6 +586,45 @@ class SchedulerSteps:
                 if self.steps else None, "thread_stuck": self.thread.is_alive()}
 
 
+class LateWatch:
+    """Every 0.2 s, looks for a node's call in flight past deadline + 1 s and records every
+    thread's stack once per such call (at most 3 per node): where a late call waits, whether on
+    a lock, the mount or the guest's CPUs, is in the result, not guessed."""
+
+    def __init__(self, nodes: Callable[[], list[Node]]) -> None:
+        self._nodes = nodes
+        self._seen: set[tuple[int, float]] = set()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="late-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            now = time.monotonic()
+            for node in self._nodes():
+                for ident, (op, started) in list(node.inflight.items()):
+                    if now - started <= node.deadline_s + 1.0 or (ident, started) in self._seen:
+                        continue
+                    self._seen.add((ident, started))
+                    if len(node.late_stacks) < 3:
+                        node.late_stacks.append({"op": op, "at": round(started, 2), "after_s": round(now - started, 2),
+                                                 "caller": ident, "stacks": _thread_stacks()})
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+
+
+def _thread_stacks() -> dict[str, list[str]]:
+    """{thread name (ident): its innermost frames as "file:line function"} of every thread."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        frames = traceback.extract_stack(frame)[-8:]
+        out[f"{names.get(ident, '?')} ({ident})"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames]
+    return out
+
+
 def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     """The server stopped for ``outage_s`` under load, four nodes on four kinds of mount (A soft
     v3, B hard v4.2, C hard v3, D soft v4.2), each a fleet chain (local + shared tier); two new
@@ -578,6 +665,8 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     late: dict[str, Any] = {"outage_loads": {}, "outage_stores": {}, "outage_stored_on": {}}
     scheduler = SchedulerSteps(nodes["a"].root, seed, 4 * own, t0)
     oversleep = Oversleep()
+    control = ControlCalls(local / "control_root", seed)
+    watch = LateWatch(lambda: [*nodes.values(), *late.get("nodes", {}).values()])
     late_start, restarted = threading.Event(), threading.Event()
     late_thread = threading.Thread(target=_late_engines, daemon=True,
                                    args=(seed, own, mounts, local, late_start, restarted, t0, late))
@@ -615,11 +704,14 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     for node in every.values():  # each late call beside the guest's worst oversleep during it
         for call in node.late:
             call["oversleep_s"] = round(oversleep.worst(call["at"], call["at"] + call["seconds"]), 3)
+            call["control_s"] = round(control.worst(call["at"], call["at"] + call["seconds"]), 3)
     oversleep_summary = oversleep.close()
+    control_summary = control.close()
+    watch.close()
     out = {"outage_s": outage_s, "deadline_s": DEADLINE_S, "mounts": {n: C_MOUNTS[n][1] for n in nodes}, "t0": round(t0, 2), "loadavg": loadavg,
            "timeline": {k: round(v, 2) for k, v in timeline.items()},
            "outcomes_during_outage": during, "recovered_after_restart_s": recovered,
-           "scheduler_steps": scheduler_steps, "oversleep": oversleep_summary,
+           "scheduler_steps": scheduler_steps, "oversleep": oversleep_summary, "control_calls": control_summary,
            "threads_stuck": {n: sum(t.is_alive() for t in ts) for n, ts in threads.items()}
            | {"new_engines": int(late_thread.is_alive())},
            "new_engines": late | {"open_s": {n: round(node.open_s, 2) for n, node in new_nodes.items()},

@@ -115,9 +115,10 @@ def test_rm_rf_namespace_every_open_engine_hits_again(scenarios: dict[str, dict[
 def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str, Any]]) -> None:
     """The server stopped for 2 minutes under load, four nodes on the four kinds of mount (A
     soft v3, B hard v4.2, C hard v3, D soft v4.2): no load or store returns later than
-    deadline + 1 s (plus the guest's own delay in running any thread at that moment, measured
-    by a thread that sleeps 50 ms at a time: emulated vCPUs beside a busy CI worker fall
-    behind), failures are typed, no thread stays blocked, and every node hits and stores
+    deadline + 1 s (plus the guest's own delay at that moment: emulated vCPUs beside a busy CI
+    worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a lone
+    root on the guest's tmpfs loaded every 50 ms by a thread of the same process, the same
+    calls through the same threads with no NFS under them), failures are typed, no thread stays blocked, and every node hits and stores
     on the shared tier again once the server is back. Two engines started 10 s into the outage
     (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
@@ -127,13 +128,17 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     c = _ok(scenarios["c"])
     print(json.dumps({k: v for k, v in c.items() if k != "nodes"} | {"nodes": _figures(c["nodes"])}, indent=1))
     typed = {"missing", "timeout", "down", "queue_full"}
+    control = c["control_calls"]  # it measured the whole run, and its tmpfs root served every load
+    assert control["samples"] > 100 and control["outcomes"]["hit"] == control["outcomes"]["loads"], control
     for name, node in c["nodes"].items():
-        # deadline + 1 s at most, unless the guest itself could not run the thread that long:
-        # a call is excused only by as much as a sleeping thread overslept during it
+        # deadline + 1 s at most, unless the guest itself could not run the threads that long:
+        # a call is excused only by as much as a sleeping thread overslept, or a load of the
+        # tmpfs control root took, during it (a call that waited on its mount is still blamed)
         assert node["late_count"] <= len(node["late"]), (name, node)
         blamed = [call for call in node["late"]
-                  if call["seconds"] - (c["deadline_s"] + 1.0) > call.get("oversleep_s", 0.0)]
-        assert not blamed, (name, blamed, c["oversleep"])
+                  if call["seconds"] - (c["deadline_s"] + 1.0) > max(call.get("oversleep_s", 0.0),
+                                                                      call.get("control_s", 0.0))]
+        assert not blamed, (name, blamed, c["oversleep"], c.get("control_calls"), node.get("late_stacks"))
         assert node["counts"].get("wrong", 0) == 0, name
         kinds = {k.split(":", 1)[1] for k in node["failures"]}
         assert kinds <= typed, (name, node["failures"])
