@@ -511,37 +511,53 @@ class Oversleep:
 
 
 class ControlCalls:
-    """The same calls with no NFS under them: a lone root on the guest's tmpfs, loaded every 50 ms
-    on a thread of its own, in this process (same GIL, same vCPUs, same load). A node's call is
-    late because it waited on its mount only if it was later than these were at the same time:
-    a call crosses several threads (caller, chain, I/O thread, back), and each hand-off waits its
-    turn on a starved guest, which one sleeping thread (``Oversleep``) undercounts."""
+    """The same calls with no NFS under them: a node like the others (a fleet chain, a local tier
+    in front of a shared root, deadline 2 s) whose shared root is on the guest's tmpfs, loading
+    another writer's pages every 0.1 s and storing new ones every 0.2 s on threads of its own,
+    in this process (same GIL, same vCPUs, same load). A node's call is late because it waited
+    on its mount only if it was later than these were at the same time: a call crosses several
+    threads (caller, chain, admission or I/O thread, back), and each hand-off waits its turn on
+    a starved guest, which one sleeping thread (``Oversleep``) undercounts."""
 
-    def __init__(self, root: Path, seed: int) -> None:
-        self.node = Node("control", root)
-        for i in range(4):
-            self.node.store(i, seed)
+    OWN = 16  # the writer's pages, loaded by the control as a node loads the next node's
+
+    def __init__(self, root: Path, local: Path, seed: int) -> None:
+        writer = Node("control_writer", root)
+        for i in range(self.OWN):
+            writer.store(i, seed)
+        writer.close()
+        self.node = Node("control", root, local)
         self.seed = seed
-        self.samples: list[tuple[float, float]] = []  # (monotonic start, seconds the load took)
+        self.samples: list[tuple[float, float]] = []  # (monotonic start, seconds the call took)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="control-calls", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loads, name="control-loads", daemon=True),
+                        threading.Thread(target=self._stores, name="control-stores", daemon=True)]
+        for t in self.threads:
+            t.start()
 
-    def _run(self) -> None:
-        i = 0
-        while not self.stop.wait(0.05):
+    def _loads(self) -> None:
+        rng = random.Random("control")
+        while not self.stop.wait(0.1):
             started = time.monotonic()
-            self.node.load(i % 4, self.seed)
+            self.node.load(rng.randrange(self.OWN), self.seed)
+            self.samples.append((started, time.monotonic() - started))
+
+    def _stores(self) -> None:
+        i = 100_000
+        while not self.stop.wait(0.2):
+            started = time.monotonic()
+            self.node.store(i, self.seed)
             self.samples.append((started, time.monotonic() - started))
             i += 1
 
     def worst(self, start: float, end: float) -> float:
-        """The slowest control load that overlapped [start, end]."""
+        """The slowest control call that overlapped [start, end]."""
         return max((took for t, took in self.samples if t <= end and t + took >= start), default=0.0)
 
     def close(self) -> dict[str, Any]:
         self.stop.set()
-        self.thread.join(5)
+        for t in self.threads:
+            t.join(5)
         took = sorted(d for _, d in self.samples)
         outcomes = dict(self.node.counts)
         self.node.close()
@@ -676,7 +692,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     late: dict[str, Any] = {"outage_loads": {}, "outage_stores": {}, "outage_stored_on": {}}
     scheduler = SchedulerSteps(nodes["a"].root, seed, 4 * own, t0)
     oversleep = Oversleep()
-    control = ControlCalls(local / "control_root", seed)
+    control = ControlCalls(local / "control_shared", local / "control_local", seed)
     watch = LateWatch(lambda: [*nodes.values(), *late.get("nodes", {}).values()])
     late_start, restarted = threading.Event(), threading.Event()
     late_thread = threading.Thread(target=_late_engines, daemon=True,

@@ -116,9 +116,9 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     """The server stopped for 2 minutes under load, four nodes on the four kinds of mount (A
     soft v3, B hard v4.2, C hard v3, D soft v4.2): no load or store returns later than
     deadline + 1 s (plus the guest's own delay at that moment: emulated vCPUs beside a busy CI
-    worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a lone
-    root on the guest's tmpfs loaded every 50 ms by a thread of the same process, the same
-    calls through the same threads with no NFS under them), failures are typed, no thread stays blocked, and every node hits and stores
+    worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a
+    control node in the same process, a fleet chain whose shared root is on the guest's tmpfs,
+    making the nodes' calls through the same threads with no NFS under them), failures are typed, no thread stays blocked, and every node hits and stores
     on the shared tier again once the server is back. Two engines started 10 s into the outage
     (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
@@ -128,18 +128,18 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     c = _ok(scenarios["c"])
     print(json.dumps({k: v for k, v in c.items() if k != "nodes"} | {"nodes": _figures(c["nodes"])}, indent=1))
     typed = {"missing", "timeout", "down", "queue_full"}
-    # the control measured the whole run; its tmpfs root served its loads, or timed out only when
-    # the guest stalled the whole process (a CI run: 2 of 1,251 past its 2 s deadline, the
-    # longest 3.3 s, while a sleeping thread overslept 2.6 s and a scheduler step took 2.3 s)
+    # the control measured the whole run: its tmpfs roots served its loads and took its stores,
+    # a load timing out (then missing while its shared tier is marked down) only when the guest
+    # stalled the whole process (a CI run: a lone-root control's load took 3.3 s on tmpfs while a
+    # sleeping thread overslept 2.6 s and a scheduler step took 2.3 s)
     control = c["control_calls"]
     outcomes = control["outcomes"]
-    assert control["samples"] > 100 and set(outcomes) <= {"stores", "stores_ok", "stored_on:root", "loads", "hit",
-                                                           "timeout"}, control
-    assert outcomes["hit"] >= 0.95 * outcomes["loads"], control
+    assert control["samples"] > 100 and not {"wrong", "no_result", "no_slot"} & set(outcomes), control
+    assert outcomes["hit"] >= 0.9 * outcomes["loads"] and outcomes["stores_ok"] == outcomes["stores"], control
     for name, node in c["nodes"].items():
         # deadline + 1 s at most, unless the guest itself could not run the threads that long:
-        # a call is excused only by as much as a sleeping thread overslept, or a load of the
-        # tmpfs control root took, during it (a call that waited on its mount is still blamed)
+        # a call is excused only by as much as a sleeping thread overslept, or a call of the
+        # tmpfs control node took, during it (a call that waited on its mount is still blamed)
         assert node["late_count"] <= len(node["late"]), (name, node)
         blamed = [call for call in node["late"]
                   if call["seconds"] - (c["deadline_s"] + 1.0) > max(call.get("oversleep_s", 0.0),
