@@ -228,6 +228,12 @@ def _quantile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
+def _spread(seconds: list[float]) -> dict[str, Any]:
+    """How many, and their median, 99th percentile and largest (``_quantile``'s rounding)."""
+    return {"samples": len(seconds), "p50_s": _quantile(seconds, 0.5), "p99_s": _quantile(seconds, 0.99),
+            "max_s": _quantile(seconds, 1.0)}
+
+
 def visibility(a: Node, b: Node, seed: int, pages: int, limit_s: float, fast_s: float = 5.0) -> dict[str, Any]:
     """Node A's store to node B's first hit (and B's to A's, alternately), one key at a time:
     the reader misses the key once (its client may now cache "no such name"), the writer stores
@@ -504,10 +510,7 @@ class Oversleep:
     def close(self) -> dict[str, Any]:
         self.stop.set()
         self.thread.join(2)
-        overs = sorted(o for _, o in self.samples)
-        return {"samples": len(overs), "p50_s": round(overs[len(overs) // 2], 3) if overs else None,
-                "p99_s": round(overs[int(0.99 * len(overs))], 3) if overs else None,
-                "max_s": round(overs[-1], 3) if overs else None}
+        return _spread([o for _, o in self.samples])
 
 
 class ControlCalls:
@@ -558,12 +561,9 @@ class ControlCalls:
         self.stop.set()
         for t in self.threads:
             t.join(5)
-        took = sorted(d for _, d in self.samples)
         outcomes = dict(self.node.counts)
         self.node.close()
-        return {"samples": len(took), "p50_s": round(took[len(took) // 2], 3) if took else None,
-                "p99_s": round(took[int(0.99 * len(took))], 3) if took else None,
-                "max_s": round(took[-1], 3) if took else None, "outcomes": outcomes}
+        return _spread([d for _, d in self.samples]) | {"outcomes": outcomes}
 
 
 # A scheduler step every 0.1 s: under emulation a step is ~50-90 ms of Python, and a guest kept
