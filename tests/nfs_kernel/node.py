@@ -703,6 +703,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
     timeline["stopped"] = time.monotonic() - t0
     loadavg = {"before_stop": Path("/proc/loadavg").read_text().split()[:3]}  # the guest's CPU demand
     nfs_guest.server_stop()
+    timeline["server_stopped"] = time.monotonic() - t0  # rpc.nfsd 0 returned: no thread answers
     time.sleep(LATE_START_S)
     late_start.set()
     time.sleep(max(0.0, outage_s - LATE_START_S))
@@ -746,7 +747,9 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
            "nodes": {n.name: n.summary() for n in every.values()},
            "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in every.values()},
            # down/up changes of each shared tier: 2 per outage when its probe tells the truth
-           "health_transitions": {n.name: n.store_.shared.health.transitions for n in every.values()}}
+           "health_transitions": {n.name: n.store_.shared.health.transitions for n in every.values()},
+           "health_changes": {n.name: [[round(at - t0, 2), "up" if up else "down"]
+                                       for at, up in n.store_.shared.health.changes] for n in every.values()}}
     for n in every.values():
         n.close()
     return out

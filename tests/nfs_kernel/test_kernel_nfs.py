@@ -154,8 +154,13 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
         assert recovered["load"] is not None and recovered["store"] is not None, (name, c["recovered_after_restart_s"])
     # the shared tier stays down for the outage: its probe (a create the server must answer) did
     # not report it up while the server was stopped (a stat of a fresh name did: 32 flaps in
-    # 30 s). The bound is per outage, not per second: 4 for 2 minutes as for 30 s.
-    assert all(t <= 4 for t in c["health_transitions"].values()), c["health_transitions"]
+    # 30 s). After the restart a tier may go down again: the v4 server's grace period, and the
+    # v3 mounts' retries a minute apart, hold calls past the deadline (a CI run: node B on hard
+    # v4.2, 3 down/up episodes in all). Each change is printed above with its time.
+    stopped, restarted = c["timeline"]["server_stopped"], c["timeline"]["restarted"]
+    up_in_outage = {name: [at for at, change in changes if change == "up" and stopped <= at <= restarted]
+                    for name, changes in c["health_changes"].items()}
+    assert not any(up_in_outage.values()), (up_in_outage, c["health_changes"], c["timeline"])
     shared_failures = {name: c["nodes"][name]["tiers"]["shared"]["failures"] for name in c["recovered_after_restart_s"]}
     assert all(f.get("timeout", 0) + f.get("down", 0) > 0 for f in shared_failures.values()), shared_failures
     new = c["new_engines"]

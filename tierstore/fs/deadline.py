@@ -8,7 +8,9 @@ Contract:
   exit never waits for them).
 - ``Health`` is "up" or "down". ``mark_down`` (after a timeout) starts one probe thread that
   runs ``probe()`` every ``interval_s`` under the deadline until it succeeds, then marks the
-  tier up again: a mount that comes back brings its tier back without a restart.
+  tier up again: a mount that comes back brings its tier back without a restart. ``changes``
+  keeps the last 64 changes as (monotonic time, up) for whoever reports them (``transitions``
+  counts them all).
 - ``SpaceBackoff`` is a tier's "full" state: after ENOSPC/EDQUOT (``note_full``) the tier is
   ``full`` for ``first_s`` (30 s), doubling per further refusal up to ``max_s``, so stores to
   it are skipped instead of each failing on the file system; loads are not its business. One
@@ -26,6 +28,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -96,6 +99,7 @@ class Health:
         self._runner = DeadlineRunner(f"{name}-probe", max_inflight=1)
         self.down_since: float | None = None
         self.transitions = 0
+        self.changes: deque[tuple[float, bool]] = deque(maxlen=64)
         self.reason = ""
 
     @property
@@ -108,6 +112,7 @@ class Health:
                 self._up = False
                 self.down_since = time.monotonic()
                 self.transitions += 1
+                self.changes.append((self.down_since, False))
                 self.reason = reason
                 log.warning("tierstore %s tier is down (%s); treating it as a miss until it answers again", self.name, reason)
                 if self._on_change:
@@ -121,6 +126,7 @@ class Health:
             if not self._up:
                 self._up = True
                 self.transitions += 1
+                self.changes.append((time.monotonic(), True))
                 log.warning("tierstore %s tier answers again after %.1f s; back in use", self.name,
                             time.monotonic() - (self.down_since or time.monotonic()))
                 self.down_since = None
