@@ -311,3 +311,31 @@ def test_the_daemon_says_a_refusal_the_library_only_returns(tmp_path: Path, capl
         daemon._thread.join(10)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert daemon.runs >= 1 and warnings and all("not a cache" in w and str(tmp_path) in w for w in warnings)
+
+
+def test_an_unsafe_entry_is_said_once_by_the_cli_and_once_by_the_daemon(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A symlinked fan-out directory is never followed; the gc command prints it once (its
+    "refused" line on stdout, no library warning on stderr); the background daemon, which has
+    no caller to print it, warns once while it stands, not on every pass."""
+    paths = fill(tmp_path, 2)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    fan = paths[0].parent
+    (fan.parent / "zz").symlink_to(outside, target_is_directory=True)
+    proc = _gc_process(tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    refused = [line for line in proc.stdout.splitlines() if "refused" in line]
+    assert len(refused) == 1 and "zz" in refused[0] and "symlink" in refused[0], proc.stdout
+    caplog.set_level(logging.DEBUG, logger="tierstore.tiers.gc")
+    daemon = gc.GcDaemon(str(tmp_path), 1 << 30, interval_s=0.01)
+    daemon._thread.start()
+    try:
+        end = time.monotonic() + 30
+        while daemon.runs < 5 and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        daemon.stop()
+        daemon._thread.join(10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert daemon.runs >= 5 and len(warnings) == 1 and "zz" in warnings[0] and "fsck" in warnings[0], warnings

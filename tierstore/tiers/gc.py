@@ -45,7 +45,8 @@ Hostile roots (anything under ROOT is untrusted input): every directory is opene
 ``O_NOFOLLOW`` relative to its parent's fd and every unlink/rename is an ``*at`` call on the fd
 that was checked, after re-checking the victim's (device, inode, mtime) (safefs.py): a symlinked
 trash, namespace or fan-out directory, even one swapped in between scan and eviction, is
-reported in ``unsafe`` and never followed. The walk is iterative with the layout's depth. The
+reported in ``unsafe`` (said by the caller: the CLI prints it, the daemon warns when it changes)
+and never followed. The walk is iterative with the layout's depth. The
 cap counts only bytes gc can free: file bytes (``st_size``, the meaning every command's bytes have) of regular,
 single-link pages at their place, temps and trash entries; tierstore's own manifests are
 counted in ``metadata_bytes`` (no warning); everything else (a 1 TiB sparse foreign file,
@@ -195,7 +196,8 @@ def _page_key(parts: tuple[str, ...], name: str) -> bytes | None:
 def _unsafe(rep: GcReport, where: str, what: str) -> None:
     if len(rep.unsafe) < 100:
         rep.unsafe.append(f"{escape(where)}: {what}")
-    log.warning("tierstore gc: %s: %s; not followed, not touched", escape(where), what)
+    # at debug: the caller says it (the CLI's "refused" lines, the daemon's warning), once
+    log.debug("tierstore gc: %s: %s; not followed, not touched", escape(where), what)
 
 
 def parse_bytes(text: str) -> int:
@@ -587,6 +589,7 @@ class GcDaemon:
         self.root, self.max_bytes, self.interval_s, self.metrics, self.kw = root, max_bytes, interval_s, metrics, kw
         self.last: GcReport | None = None
         self.runs = 0
+        self._unsafe_said: list[str] = []  # the entries last warned about: a standing one is said once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"tierstore-gc:{root}", daemon=True)
 
@@ -608,6 +611,11 @@ class GcDaemon:
                 if rep.refused or rep.lease_problem:  # collect leaves saying it to its caller
                     log.warning("tierstore background gc of %s: %s; nothing done, retrying in %.0f s", self.root,
                                 rep.refused or rep.lease_problem, self.interval_s)
+                if rep.unsafe and rep.unsafe != self._unsafe_said:
+                    log.warning("tierstore background gc of %s: %d entries not followed, not touched (%s); "
+                                "`tierstore fsck %s` lists them", self.root, len(rep.unsafe),
+                                "; ".join(rep.unsafe[:3]) + ("; ..." if len(rep.unsafe) > 3 else ""), self.root)
+                self._unsafe_said = rep.unsafe
             except Exception:  # a gc pass must never take the engine down
                 log.exception("tierstore background gc of %s failed; retrying in %.0f s", self.root, self.interval_s)
 
