@@ -339,3 +339,60 @@ def test_an_unsafe_entry_is_said_once_by_the_cli_and_once_by_the_daemon(tmp_path
         daemon._thread.join(10)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert daemon.runs >= 5 and len(warnings) == 1 and "zz" in warnings[0] and "fsck" in warnings[0], warnings
+
+
+def test_a_loop_outlives_a_pass_that_fails_on_the_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`gc --loop` whose pass raises OSError (EIO: a soft NFS mount timing out) says it on
+    stderr and as a JSON line with ``retry_in_s``, counts an error pass, and goes on to the next
+    pass, which evicts; a single pass still ends with exit 8 (cli.main's operational error)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tierstore.admin import cli
+
+    fill(tmp_path / "root", 6)
+    prom = tmp_path / "gc.prom"
+    real_pass, calls = gc_command.one_pass, []
+
+    def flaky_pass(*args: object) -> gc.GcReport:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error", str(tmp_path / "root"))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the operator's ^C ends the loop
+        return real_pass(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gc_command, "one_pass", flaky_pass)
+    argv = ["gc", str(tmp_path / "root"), "--max-bytes", "1", "--json", "--metrics-textfile", str(prom)]
+    assert cli.main([*argv, "--loop", "0.01"]) == 32
+    out, err = capsys.readouterr()
+    failed, passed = (json.loads(line) for line in out.splitlines())
+    assert "Input/output error" in failed["error"] and failed["retry_in_s"] == 0.01, failed
+    assert passed["evicted"] == 6 and "error" not in passed, passed
+    assert err.count("a pass failed") == 1 and "trying again" in err, err
+    runs = {s.labels["result"]: s.value for fam in text_string_to_metric_families(prom.read_text())
+            for s in fam.samples if s.name == "tierstore_gc_runs_total"}
+    assert runs["error"] == 1 and runs["ok"] == 1, runs
+    calls.clear()
+    assert cli.main(argv) == 8  # one pass: the error is the command's result
+    assert "Input/output error" in capsys.readouterr().err
+
+
+def test_an_unreadable_format_marker_fails_the_pass_a_foreign_one_refuses(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A marker the file system does not hand over (EIO) is no verdict on the root: the pass
+    raises and a loop tries again; a marker that is not tierstore's (a symlink) is a refusal."""
+    from tierstore.fs import mapper
+
+    root = tmp_path / "root"
+    fill(root, 2)
+    (root / ".tierstore-format").symlink_to(tmp_path / "elsewhere")
+    assert "symlink" in (gc.collect(root, 1 << 30).refused or "")
+    (root / ".tierstore-format").unlink()
+
+    def eio(_root: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(mapper, "read_format_marker", eio)
+    with pytest.raises(OSError, match="Input/output error"):
+        gc.collect(root, 1 << 30)

@@ -12,7 +12,11 @@ do. ``--progress`` (default: when stderr is a terminal) draws a bar over the sca
 directories with rate and ETA, then over the eviction batches.
 
 Failure policy: operational errors (OSError, TierStoreError) propagate to cli.main, which
-prints them on stderr and exits 8.
+prints them on stderr and exits 8, except that ``--loop`` outlives a pass that fails on the file
+system (OSError: EIO from a soft NFS mount, ESTALE, a server restart): it is said on stderr (with
+``--json`` also as ``{"error", "retry_in_s"}`` on stdout), counted as an error pass
+(``tierstore_gc_runs_total{result="error"}``) and tried again after the interval. A refusal (not
+a cache, a newer layout, a bad lease path) still ends the loop: it will not pass by itself.
 Threading: runs on the main thread; ``collect`` evicts on its own pool.
 """
 
@@ -176,6 +180,16 @@ def _error(args: argparse.Namespace, message: str) -> int:
     return EXIT_OPERATIONAL
 
 
+def _pass_failed(args: argparse.Namespace, exc: OSError, exporter: metrics_export.GcMetrics | None) -> None:
+    """A ``--loop`` pass that failed on the file system: said, counted; the loop goes on."""
+    message = f"a pass failed: {escape(str(exc))}; nothing evicted, trying again in {args.loop:g} s"
+    print(f"tierstore gc: {message}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps({"tierstore_gc": SCHEMA_VERSION, "error": message, "retry_in_s": args.loop}), flush=True)
+    if exporter is not None:
+        exporter.failed()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run gc as the command line asked; the exit status (see the module docstring)."""
     root = Path(args.root)
@@ -193,7 +207,14 @@ def run(args: argparse.Namespace) -> int:
     lease = Lease(root, ttl_s=args.lease_ttl)
     exporter = metrics_export.start(args, root, args.max_bytes)
     while True:
-        rep = one_pass(args, root, lease)
+        try:
+            rep = one_pass(args, root, lease)
+        except OSError as exc:
+            if args.loop <= 0:
+                raise
+            _pass_failed(args, exc, exporter)
+            time.sleep(args.loop)
+            continue
         if exporter is not None:
             exporter.update(rep)
         if rep.refused:

@@ -3,7 +3,7 @@
 Contract: ``add_arguments(parser)`` adds ``--metrics-port PORT``, ``--metrics-addr ADDR`` and
 ``--metrics-textfile PATH``; ``start(args, root, cap_bytes)`` returns a ``GcMetrics`` (or None
 when neither output was asked for) that serves ``/metrics`` on the port from then on;
-``GcMetrics.update(report)`` records one pass and rewrites the textfile atomically (a temp file
+``GcMetrics.update(report)`` records one pass (``failed()`` one that raised) and rewrites the textfile atomically (a temp file
 in the same directory, then a rename: node_exporter never reads half a file). Every metric
 carries a ``root`` label (several gc loops on one host write distinct series) and lives in a
 private ``CollectorRegistry`` (nothing of the process's default registry leaks in).
@@ -38,7 +38,8 @@ GC_DURATION_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0,
 # exported name (as Prometheus shows it) -> (type, labels, documentation)
 GC_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tierstore_gc_runs_total": ("counter", ("root", "result"), "gc passes by result: ok, busy (another node "
-                                "holds the lease), error (a lease problem), dry_run."),
+                                "holds the lease), error (a lease problem, or a pass that failed on the file "
+                                "system), dry_run."),
     "tierstore_gc_evicted_pages_total": ("counter", ("root",), "Pages gc evicted to bring the root under its cap."),
     "tierstore_gc_evicted_bytes_total": ("counter", ("root",), "File bytes gc evicted."),
     "tierstore_gc_removed_temps_total": ("counter", ("root",), "Stale temp files gc removed (abandoned writes)."),
@@ -113,6 +114,11 @@ class GcMetrics:
             self.held_pages.set(max(rep.pages - rep.evicted, 0))
             self.last_success.set(rep.finished)
             self.duration.observe(rep.seconds)
+        self.write_textfile()
+
+    def failed(self) -> None:
+        """Record a pass that raised (the file system did not answer): an error pass."""
+        self.runs.labels(self.root, "error").inc()
         self.write_textfile()
 
     def write_textfile(self) -> None:

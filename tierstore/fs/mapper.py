@@ -315,11 +315,13 @@ def read_format_marker(root: str | os.PathLike[str]) -> tuple[int, list[str]] | 
 
 def unknown_format(root: str | os.PathLike[str]) -> str | None:
     """Why a tool of this version must not repair or evict under ``root`` (its marker names a
-    newer format or a layout this version does not know, or cannot be read), or None (no
-    marker, or one this version knows). The message says what to do."""
+    newer format or a layout this version does not know, or is not a marker it can read), or
+    None (no marker, or one this version knows). The message says what to do. Raises OSError
+    when the file system does not answer (EIO on a soft NFS mount, ESTALE): that is no verdict
+    on the root, and the caller's pass fails instead (``gc --loop`` tries again)."""
     try:
         got = read_format_marker(root)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         return f"{exc}; run a newer tierstore here (this root's writer may be newer), or remove the file"
     if got is None:
         return None
