@@ -106,7 +106,10 @@ def test_tp2_a_page_one_rank_lost_is_stored_again_and_hits(tp_run) -> None:
 
 
 def slice_lines(out: str, phase: str) -> list[dict[str, int | str]]:
-    """The ``tierstore-slices`` closing lines of one phase's engine (one per reading rank)."""
-    section = out.split("PHASE " + phase, 1)[1].split("PHASE ", 1)[0]
-    return [dict((k, int(v) if v.isdigit() else v) for k, v in (f.split("=") for f in ln.split()[1:]))
-            for ln in section.splitlines() if ln.startswith("tierstore-slices ")]
+    """The ``tierstore-slices`` closing lines of one phase's engine (one per reading rank), by
+    their ``phase=`` tag (tp_engine.py): a process of one engine may print after the next
+    engine has started."""
+    assert "PHASE " + phase in out, f"no engine ran phase {phase}"
+    lines = [dict((k, int(v) if v.isdigit() else v) for k, v in (f.split("=") for f in ln.split()[1:]))
+             for ln in out.splitlines() if ln.startswith("tierstore-slices ")]
+    return [{k: v for k, v in ln.items() if k != "phase"} for ln in lines if ln.get("phase") == phase]

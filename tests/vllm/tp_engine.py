@@ -31,8 +31,23 @@ from typing import Any
 
 # The head-slice stores' closing line (files opened, bytes read and used) on stderr, in every
 # process of the engine (forked from the forkserver, which imported this script, or
-# re-importing it under spawn).
-logging.getLogger("tierstore.slices").addHandler(logging.StreamHandler())
+# re-importing it under spawn), tagged with the engine's phase (``PHASE_ENV``, set by the script
+# before each engine; its processes carry the script's environment): an engine core may still
+# print its lines after the next engine's PHASE line (a Mamba TP=1 reader's did, under two
+# pytest workers), so the tag, not the order, says whose line it is.
+PHASE_ENV = "TIERSTORE_TEST_PHASE"
+
+
+class _PhaseTag(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.phase = os.environ.get(PHASE_ENV, "-")
+        return True
+
+
+_slice_handler = logging.StreamHandler()
+_slice_handler.addFilter(_PhaseTag())
+_slice_handler.setFormatter(logging.Formatter("%(message)s phase=%(phase)s"))
+logging.getLogger("tierstore.slices").addHandler(_slice_handler)
 logging.getLogger("tierstore.slices").setLevel(logging.INFO)
 
 # Engine start-up costs that test nothing (measured on the 2-core CI machine, docs/TESTING.md

@@ -18,20 +18,21 @@ files), (4) ``tp<TP>_from_tp1`` on ``ROOT-tp1`` hits the pages TP=1 wrote (each 
 ``ROOT`` whose Mamba (gemma3: sliding-window) rank files ``h0-<c>`` and ``h<c>-<c>`` have their
 payloads swapped (checksums recomputed: what a wrong split map would serve), TP=1 hits and its
 tokens must differ from (2)'s.
-Prints one ``RESULT {json}`` line per engine; the ``tierstore-slices`` log lines (stderr) after
-each ``PHASE`` line give that engine's cost of serving across the TP change.
+Prints one ``RESULT {json}`` line per engine; the ``tierstore-slices`` log lines (stderr), each
+tagged ``phase=<its engine's phase>``, give that engine's cost of serving across the TP change.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_engine import run_engine, tiny_model_and_prompt  # noqa: E402  (also installs the tierstore.slices log handler)
+from tp_engine import PHASE_ENV, run_engine, tiny_model_and_prompt  # noqa: E402  (also installs the tierstore.slices log handler)
 
 
 def cpu_mamba2_without_prefill_checkpoints() -> None:
@@ -109,7 +110,8 @@ def main() -> None:
             shutil.copytree(root, where, ignore=lambda d, names: ["r0"] if Path(d).name.startswith("g") else [])
             swapped = swap_rank_files(Path(where), "SLIDING_WINDOW" if family == "gemma3" else "MAMBA")
             print("SWAPPED " + str(swapped), flush=True)
-        print("PHASE " + phase, file=sys.stderr, flush=True)  # the slice lines that follow are this engine's
+        print("PHASE " + phase, file=sys.stderr, flush=True)
+        os.environ[PHASE_ENV] = phase  # this engine's slice lines carry it (tp_engine.py)
         # gemma3 runs with a fresh local tier in front of the shared root in every engine (the
         # reader's node has none of the pages): a TierChain at TP>1 writes and assembles
         local = f"{root}-local-{phase}" if family == "gemma3" else None
