@@ -172,20 +172,23 @@ def format_report(rep: GcReport, args: argparse.Namespace, root: Path) -> list[s
     return lines
 
 
-def _error(args: argparse.Namespace, message: str) -> int:
-    """An operational error: on stderr, and with --json also as a document on stdout."""
-    print(f"tierstore gc: {message}", file=sys.stderr)
+def _say_error(args: argparse.Namespace, message: str, **fields: object) -> None:
+    """An error on stderr, and with --json also as a document on stdout (with ``fields``)."""
+    print(f"tierstore gc: {message}", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps({"tierstore_gc": SCHEMA_VERSION, "error": message, "exit_code": EXIT_OPERATIONAL}))
+        print(json.dumps({"tierstore_gc": SCHEMA_VERSION, "error": message, **fields}), flush=True)
+
+
+def _error(args: argparse.Namespace, message: str) -> int:
+    """An operational error: said (``_say_error``); the exit status."""
+    _say_error(args, message, exit_code=EXIT_OPERATIONAL)
     return EXIT_OPERATIONAL
 
 
 def _pass_failed(args: argparse.Namespace, exc: OSError, exporter: metrics_export.GcMetrics | None) -> None:
     """A ``--loop`` pass that failed on the file system: said, counted; the loop goes on."""
-    message = f"a pass failed: {escape(str(exc))}; nothing evicted, trying again in {args.loop:g} s"
-    print(f"tierstore gc: {message}", file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps({"tierstore_gc": SCHEMA_VERSION, "error": message, "retry_in_s": args.loop}), flush=True)
+    _say_error(args, f"a pass failed: {escape(str(exc))}; nothing evicted, trying again in {args.loop:g} s",
+               retry_in_s=args.loop)
     if exporter is not None:
         exporter.failed()
 

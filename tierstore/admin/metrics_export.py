@@ -3,10 +3,11 @@
 Contract: ``add_arguments(parser)`` adds ``--metrics-port PORT``, ``--metrics-addr ADDR`` and
 ``--metrics-textfile PATH``; ``start(args, root, cap_bytes)`` returns a ``GcMetrics`` (or None
 when neither output was asked for) that serves ``/metrics`` on the port from then on;
-``GcMetrics.update(report)`` records one pass (``failed()`` one that raised) and rewrites the textfile atomically (a temp file
-in the same directory, then a rename: node_exporter never reads half a file). Every metric
-carries a ``root`` label (several gc loops on one host write distinct series) and lives in a
-private ``CollectorRegistry`` (nothing of the process's default registry leaks in).
+``GcMetrics.update(report)`` records one pass (``failed()`` one that raised) and rewrites the
+textfile atomically (a temp file in the same directory, then a rename: node_exporter never
+reads half a file). Every metric carries a ``root`` label (several gc loops on one host write
+distinct series) and lives in a private ``CollectorRegistry`` (nothing of the process's default
+registry leaks in).
 ``GC_METRICS`` lists the exported names (docs/METRICS.md; the alert rules' and dashboard's
 PromQL may use them). Dry-run passes count in ``tierstore_gc_runs_total{result="dry_run"}``
 only.
