@@ -118,8 +118,9 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     deadline + 1 s (plus the guest's own delay at that moment: emulated vCPUs beside a busy CI
     worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a
     control node in the same process, a fleet chain whose shared root is on the guest's tmpfs,
-    making the nodes' calls through the same threads with no NFS under them), failures are typed, no thread stays blocked, and every node hits and stores
-    on the shared tier again once the server is back. Two engines started 10 s into the outage
+    making the nodes' calls through the same threads with no NFS under them), failures are
+    typed, no thread stays blocked, the shared tier never comes up while the server is stopped,
+    and every node hits and stores on the shared tier again once the server is back. Two engines started 10 s into the outage
     (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
     down"; the chain: misses, stores to its local tier) and serve within 150 s of the restart
@@ -154,11 +155,11 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
         assert recovered["load"] is not None and recovered["store"] is not None, (name, c["recovered_after_restart_s"])
     # the shared tier stays down for the outage: its probe (a create the server must answer) did
     # not report it up while the server was stopped (a stat of a fresh name did: 32 flaps in
-    # 30 s). After the restart a tier may go down again: the v4 server's grace period, and the
-    # v3 mounts' retries a minute apart, hold calls past the deadline (a CI run: node B on hard
-    # v4.2, 3 down/up episodes in all). Each change is printed above with its time.
-    # (from one probe deadline after `rpc.nfsd 0` returned: a probe the server answered just
-    # before it stopped marks the tier up within its deadline)
+    # 30 s). Counted from one probe deadline after `rpc.nfsd 0` returned: a probe the server
+    # answered just before it stopped marks the tier up within its deadline. After the restart
+    # a tier may go down again: the v4 server's grace period, and the v3 mounts' retries a minute
+    # apart, hold calls past the deadline (a CI run: node B on hard v4.2, 3 down/up episodes in
+    # all). Each change is printed above with its time.
     stopped, restarted = c["timeline"]["server_stopped"] + c["deadline_s"], c["timeline"]["restarted"]
     up_in_outage = {name: [at for at, change in changes if change == "up" and stopped <= at <= restarted]
                     for name, changes in c["health_changes"].items()}

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,21 @@ def test_own_metadata_is_not_foreign_and_real_foreign_files_still_warn(tmp_path:
     assert doc["tierstore_gc"] == 2 and doc["metadata_bytes"] == rep.metadata_bytes  # an added field: same version
 
 
+def _run_daemon(root: Path, max_bytes: int, done: Callable[[gc.GcDaemon], bool]) -> gc.GcDaemon:
+    """A background gc daemon on ``root`` passing every 10 ms until ``done(daemon)`` (at most
+    30 s), then stopped."""
+    daemon = gc.GcDaemon(str(root), max_bytes, interval_s=0.01)
+    daemon._thread.start()
+    try:
+        end = time.monotonic() + 30
+        while not done(daemon) and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        daemon.stop()
+        daemon._thread.join(10)
+    return daemon
+
+
 def test_the_daemon_says_a_refusal_the_library_only_returns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """collect logs a refusal at debug (its caller says it); the background daemon, which has
     no caller to print it, logs it as a warning."""
@@ -300,15 +316,7 @@ def test_the_daemon_says_a_refusal_the_library_only_returns(tmp_path: Path, capl
     caplog.set_level(logging.DEBUG, logger="tierstore.tiers.gc")
     assert gc.collect(tmp_path, 1).refused
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
-    daemon = gc.GcDaemon(str(tmp_path), 1, interval_s=0.01)
-    daemon._thread.start()
-    try:
-        end = time.monotonic() + 30
-        while not any(r.levelno >= logging.WARNING for r in caplog.records) and time.monotonic() < end:
-            time.sleep(0.01)
-    finally:
-        daemon.stop()
-        daemon._thread.join(10)
+    daemon = _run_daemon(tmp_path, 1, lambda _: any(r.levelno >= logging.WARNING for r in caplog.records))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert daemon.runs >= 1 and warnings and all("not a cache" in w and str(tmp_path) in w for w in warnings)
 
@@ -328,15 +336,7 @@ def test_an_unsafe_entry_is_said_once_by_the_cli_and_once_by_the_daemon(tmp_path
     refused = [line for line in proc.stdout.splitlines() if "refused" in line]
     assert len(refused) == 1 and "zz" in refused[0] and "symlink" in refused[0], proc.stdout
     caplog.set_level(logging.DEBUG, logger="tierstore.tiers.gc")
-    daemon = gc.GcDaemon(str(tmp_path), 1 << 30, interval_s=0.01)
-    daemon._thread.start()
-    try:
-        end = time.monotonic() + 30
-        while daemon.runs < 5 and time.monotonic() < end:
-            time.sleep(0.01)
-    finally:
-        daemon.stop()
-        daemon._thread.join(10)
+    daemon = _run_daemon(tmp_path, 1 << 30, lambda d: d.runs >= 5)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert daemon.runs >= 5 and len(warnings) == 1 and "zz" in warnings[0] and "fsck" in warnings[0], warnings
 
