@@ -204,7 +204,7 @@ def test_bench_speaks_the_same_grammar(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_exit_table_is_in_every_help() -> None:
     for argv in (["--help"], *([c, "--help"] for c in ("ls", "stats", "fsck", "gc", "doctor", "demo")),
-                 ["bench", "fsck", "--help"]):
+                 *(["bench", b, "--help"] for b in ("fsck", "scale", "gil"))):
         out = subprocess.run([sys.executable, "-m", "tierstore", *argv], capture_output=True, text=True,
                              timeout=120, cwd=REPO)
         assert out.returncode == 0 and "16   doctor: warnings only" in out.stdout, (argv, out.stdout[-500:])

@@ -1,4 +1,4 @@
-"""The ``tierstore`` command line: fsck, stats, ls, doctor, gc, bench io|kernels|..., demo.
+"""The ``tierstore`` command line: fsck, stats, ls, doctor, gc, bench io|kernels|lookup|fsck|serve|scale|gil, demo.
 
 Contract: ``main(argv) -> int`` (the exit status; the console script passes it to
 ``sys.exit``). ``fsck``, ``stats``, ``ls``, ``doctor`` and ``gc`` live in this package's light
@@ -68,6 +68,8 @@ BENCH: dict[str, tuple[str, str]] = {
     "lookup": ("tierstore.bench.lookup", "scheduler-thread page lookups: in-memory index vs stat"),
     "fsck": ("tierstore.bench.fsck", "fsck pages/s and reads in flight at several --jobs (optionally a latency stand-in)"),
     "serve": ("tierstore.bench.serve", "vllm serve TTFT cold vs restored vs no connector (vLLM's bench client)"),
+    "scale": ("tierstore.bench.scale", "whole-root tools' time and memory against page count, vs plain walks"),
+    "gil": ("tierstore.bench.gil", "engine stores/loads vs raw files, alone and beside a busy Python thread"),
 }
 
 
@@ -180,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve")
+    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve, scale, gil")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name, (_, help_text) in BENCH.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)
