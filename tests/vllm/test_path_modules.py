@@ -7,7 +7,7 @@ one) on the CPU transfer path, and on a CUDA device where there is one (Triton c
 checksums). The figures are a ratchet: the path may get shorter, never
 longer, without this test being changed on purpose. The floor plan asks for at most 10 modules
 each; today's counts are higher (the lists are printed with ``-s``; the count at the floor
-plan's start, docs/measurements/path-modules.md). Counted by package, the layers a reader
+plan's start, docs/measurements/floor-plan.md). Counted by package, the layers a reader
 goes through, they are 10 and 9.
 """
 
@@ -42,8 +42,8 @@ worker_mod, manager_mod, GPULoadStoreSpec = import_worker()
 MODULES_MAX = {"cpu": (30, 31), "cuda": (33, 34)}
 # (store, load) packages at most (a top-level module counts as one): format, fs, index, kernels,
 # native, rootstore, tiers, vllm and the modules metrics and store for a store; no index for a
-# load. The floor plan's target of 10 holds when counted by package, the layers a reader visits.
-PACKAGES_MAX = {"cpu": (10, 9), "cuda": (10, 9)}
+# load; no format on CUDA (the GPU computes the checksums). H200 and CI kind, 2026-11-28.
+PACKAGES_MAX = {"cpu": (10, 9), "cuda": (9, 8)}
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)"),
