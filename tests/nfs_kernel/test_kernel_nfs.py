@@ -119,7 +119,7 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a
     control node in the same process, a fleet chain whose shared root is on the guest's tmpfs,
     making the nodes' calls through the same threads with no NFS under them), failures are
-    typed, no thread stays blocked, the shared tier never comes up while the server is stopped,
+    typed (EIO only on a soft mount), no thread stays blocked, the shared tier never comes up while the server is stopped,
     and every node hits and stores on the shared tier again once the server is back. Two engines started 10 s into the outage
     (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
@@ -148,7 +148,10 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
         assert not blamed, (name, blamed, c["oversleep"], c.get("control_calls"), node.get("late_stacks"))
         assert node["counts"].get("wrong", 0) == 0, name
         kinds = {k.split(":", 1)[1] for k in node["failures"]}
-        assert kinds <= typed, (name, node["failures"])
+        # a soft mount may also answer EIO (``io``) when its retries run out before the deadline
+        # (a CI run: node A, soft v3, one load of 846 failures); never a hard one
+        soft = "soft" in c["mounts"][name].split(",")
+        assert kinds <= (typed | {"io"} if soft else typed), (name, c["mounts"][name], node["failures"])
         assert not node["counts"].get("no_result") and not node["counts"].get("no_slot"), (name, node["counts"])
     assert all(n == 0 for n in c["threads_stuck"].values()), c["threads_stuck"]
     for name, recovered in c["recovered_after_restart_s"].items():
