@@ -81,7 +81,7 @@ def _para(text: str) -> str:
 def _add_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("root", metavar="ROOT", help="the cache directory (a tier root)")
     p.add_argument("--namespace", metavar="N", help="only this namespace (its digest or a unique prefix)")
-    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
+    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="J",
                    help="threads listing and reading files (default: fsck up to 64, as many at once as pay "
                         "off, measured as it goes; stats/ls 8; on NFS more threads hide latency)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON report on stdout")
@@ -94,7 +94,8 @@ def add_progress_flag(p: argparse.ArgumentParser) -> None:
                    help="progress bar on stderr with rate and ETA (default: only when stderr is a terminal)")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer above 0 (every command's and bench's counts)."""
     v = int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")

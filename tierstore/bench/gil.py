@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from tierstore.admin.cli import positive_int
 from tierstore.bench.io import bench_namespace
 from tierstore.bench.transfer import engine_only, raw_files
 from tierstore.config import TierStoreConfig
@@ -172,22 +173,15 @@ def _batches(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=Path, default=Path("/dev/shm/tierstore-gil"),
                    help="scratch directory (its ts/ and raw/ are replaced; default /dev/shm/tierstore-gil)")
-    p.add_argument("--threads", type=_positive_int, default=16, help="the engine's I/O threads and the baseline's")
-    p.add_argument("--page-mib", type=_positive_int, default=8, help="page size in MiB")
-    p.add_argument("--total-mib", type=_positive_int, default=4096, help="MiB stored and loaded per run")
-    p.add_argument("--slots", type=_positive_int, default=72,
+    p.add_argument("--threads", type=positive_int, default=16, help="the engine's I/O threads and the baseline's")
+    p.add_argument("--page-mib", type=positive_int, default=8, help="page size in MiB")
+    p.add_argument("--total-mib", type=positive_int, default=4096, help="MiB stored and loaded per run")
+    p.add_argument("--slots", type=positive_int, default=72,
                    help="the engine's staging slots (the worker's floor at 16 threads)")
-    p.add_argument("--rounds", type=_positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--beside", type=_csv(KINDS), default=list(KINDS),
                    help=f"the stand-ins, a comma list of {','.join(KINDS)} (default: all)")
     p.add_argument("--batches", type=_batches, default=[(8, 16)],

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import tierstore
+from tierstore.admin.cli import positive_int
 from tierstore.errors import TierStoreError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -289,24 +290,17 @@ def document(rows: dict[int, dict[str, float]], target: str, jobs: int | None) -
             "extrapolated": extrapolated}
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pages", type=_positive_int, nargs="+", default=[100_000, 200_000], metavar="N",
+    p.add_argument("--pages", type=positive_int, nargs="+", default=[100_000, 200_000], metavar="N",
                    help="page counts, one root each (default: 100000 200000); --existing/--write-only: the first")
     p.add_argument("--dir", type=Path, default=None, help="where to write the roots (default: a temp dir)")
-    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
+    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="J",
                    help="-j of stats, ls and fsck (default: each command's own)")
     p.add_argument("--existing", type=Path, default=None, metavar="ROOT",
                    help="measure this root of --pages N pages, written before (consumed: gc evicts half)")
     p.add_argument("--write-only", type=Path, default=None, metavar="ROOT",
                    help="write --pages N pages into this new root and stop")
-    p.add_argument("--procs", type=_positive_int, default=1, help="processes writing pages (--write-only, --standin)")
+    p.add_argument("--procs", type=positive_int, default=1, help="processes writing pages (--write-only, --standin)")
     p.add_argument("--standin", action="store_true",
                    help="measure through the sshfs stand-in for NFS (pages written into its export locally)")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON report on stdout")
