@@ -119,9 +119,10 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a
     control node in the same process, a fleet chain whose shared root is on the guest's tmpfs,
     making the nodes' calls through the same threads with no NFS under them), failures are
-    typed (EIO only on a soft mount), no thread stays blocked, the shared tier never comes up while the server is stopped,
-    and every node hits and stores on the shared tier again once the server is back. Two engines started 10 s into the outage
-    (a fleet chain on the hard v4.2 mount, a lone root on the hard v3 one) start within
+    typed (EIO only on a soft mount), no thread stays blocked, the shared tier never comes up
+    while the server is stopped, and every node hits and stores on the shared tier again once
+    the server is back. Two engines started 10 s into the outage (a fleet chain on the hard
+    v4.2 mount, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
     down"; the chain: misses, stores to its local tier) and serve within 150 s of the restart
     (a hard mount retries its RPCs a minute apart).

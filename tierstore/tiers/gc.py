@@ -46,7 +46,8 @@ Hostile roots (anything under ROOT is untrusted input): every directory is opene
 that was checked, after re-checking the victim's (device, inode, mtime) (safefs.py): a symlinked
 trash, namespace or fan-out directory, even one swapped in between scan and eviction, is
 reported in ``unsafe`` (said by the caller: the CLI prints it, the daemon warns when it changes)
-and never followed. The walk is iterative with the layout's depth. The cap counts only bytes gc can free: file bytes (``st_size``, the meaning every command's bytes have) of regular,
+and never followed. The walk is iterative with the layout's depth. The cap counts only bytes
+gc can free: file bytes (``st_size``, the meaning every command's bytes have) of regular,
 single-link pages at their place, temps and trash entries; tierstore's own manifests are
 counted in ``metadata_bytes`` (no warning); everything else (a 1 TiB sparse foreign file,
 hard-linked pages) is counted in ``other_bytes`` and warned about, never a reason to evict. A
