@@ -12,7 +12,7 @@ set -euo pipefail
 
 CACHE="${TIERSTORE_NFS_GUEST_DIR:-${HOME}/.cache/tierstore/nfs-guest}"
 # bump when the initramfs recipe below changes: the cache is rebuilt
-RECIPE=3
+RECIPE=4  # 4: host paths under the guest's tmpfs mounts stay visible (guest.paths)
 PACKAGES=(qemu-system-x86 busybox-static nfs-kernel-server rpcbind kmod cpio e2fsprogs faketime util-linux)
 # programs the guest runs (from the packages above), checked before anything is skipped
 PROGRAMS=(qemu-system-x86_64 busybox rpcbind rpc.nfsd rpc.mountd exportfs modprobe depmod cpio mkfs.ext4 faketime losetup)
@@ -112,24 +112,41 @@ $order"
 
 cat > "$root/init" <<'INIT'
 #!/bin/busybox sh
-# PID 1 of the kernel-NFS test guest: mount the host's / (9p, read-only) and the writable results
-# share at the same path it has on the host, chroot into the host's root and run the job script.
+# PID 1 of the kernel-NFS test guest: mount the host's / (9p, read-only), give the guest its own
+# tmpfs on /tmp, /run, /mnt, /var/tmp and /var/lib/nfs, keep the host paths the job needs visible
+# under them, mount the writable results share at its host path, chroot and run the job script.
+#
+# The results share (tag "results") holds guest.paths, written by the host: line 1 is the share's
+# host path, each further line a host directory under one of the tmpfs mount points that must stay
+# visible (a checkout or venv under /tmp, for one). Paths are read line by line, so white space in
+# them is fine. Each is bind-mounted aside before the tmpfs mounts hide it and bound back after.
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $(cat /modules.order); do insmod /lib/modules/$m 2>/dev/null; done
-results=""; job=""
+job=""
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
-        tierstore.results=*) results="${arg#tierstore.results=}" ;;
         tierstore.job=*) job="${arg#tierstore.job=}" ;;
     esac
 done
 fail() { echo "nfs-guest init: $*" > /dev/console; reboot -f; }
 opts=trans=virtio,version=9p2000.L,msize=512000
 mount -t 9p -o "$opts,ro,cache=loose" hostroot /newroot || fail "cannot mount the host's / over 9p"
-[ -n "$results" ] || fail "no tierstore.results= on the kernel command line"
+mkdir -p /results /keep
+mount -t 9p -o "$opts" results /results || fail "cannot mount the results share"
+[ -f /results/guest.paths ] || fail "no guest.paths in the results share"
+results=$(head -n 1 /results/guest.paths)
+[ -n "$results" ] || fail "guest.paths names no results path"
+kept=0
+tail -n +2 /results/guest.paths > /kept.paths
+while IFS= read -r path; do
+    [ -n "$path" ] || continue
+    mkdir -p "/keep/$kept"
+    mount -o bind "/newroot$path" "/keep/$kept" || fail "cannot hold the host path $path"
+    kept=$((kept + 1))
+done < /kept.paths
 mount -t proc proc /newroot/proc
 mount -t sysfs sys /newroot/sys
 mount -t devtmpfs dev /newroot/dev
@@ -138,12 +155,19 @@ mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
 for d in /run /var/lib/nfs /mnt /var/tmp /tmp; do
     mount -t tmpfs -o mode=1777 tmpfs "/newroot$d" || fail "cannot mount tmpfs on $d"
 done
-# after the tmpfs mounts: the results dir is often under the host's /tmp, now the guest's tmpfs
+kept=0
+while IFS= read -r path; do
+    [ -n "$path" ] || continue
+    mkdir -p "/newroot$path" 2>/dev/null
+    mount -o bind "/keep/$kept" "/newroot$path" || fail "cannot show the host path $path"
+    kept=$((kept + 1))
+done < /kept.paths
+# last: the results dir may lie under a kept path, or under the guest's /tmp
 mkdir -p "/newroot$results" 2>/dev/null
-mount -t 9p -o "$opts" results "/newroot$results" || fail "cannot mount the results share at $results"
-echo "$(cut -d' ' -f1 /proc/uptime)" > "/newroot$results/booted_s"
-chroot /newroot /bin/sh "$results/$job" > "/newroot$results/guest.log" 2>&1
-echo $? > "/newroot$results/rc"
+mount -o bind /results "/newroot$results" || fail "cannot mount the results share at $results"
+echo "$(cut -d' ' -f1 /proc/uptime)" > /results/booted_s
+chroot /newroot /bin/sh "$results/$job" > /results/guest.log 2>&1
+echo $? > /results/rc
 sync
 reboot -f
 INIT

@@ -17,9 +17,14 @@ Host side:
   than the serial console, because the console also carries the kernel's messages, is slow under
   emulation and would need framing for binary or large outputs; files need none.
 
-Inside the guest the host's ``/`` is read-only and ``/tmp``, ``/var/tmp``, ``/run``, ``/mnt`` and
-``/dev/shm`` are the guest's own tmpfs (a host file under ``/tmp`` is not visible there, except the
-results directory); node scripts keep their local tiers under ``/var/tmp``. The guest runs under
+Inside the guest the host's ``/`` is read-only and ``/tmp``, ``/var/tmp``, ``/run``, ``/mnt``,
+``/var/lib/nfs`` and ``/dev/shm`` are the guest's own tmpfs (the NFS server's state, the exports
+and the nodes' local tiers live there). The host paths a job needs stay visible at their host
+paths even under those mount points: the results directory, the working directory, the
+interpreter's prefixes and the guest cache (``guest_paths``; a checkout and its ``.venv`` under
+``/tmp``, or with a space in its path, run as anywhere else), and ``visible=`` adds more. The
+job script checks each is there before the command runs, so a path the guest cannot show fails
+the run with ``GuestError`` naming it instead of a ``not found`` from inside. The guest runs under
 software emulation (TCG: a nested KVM guest hangs at boot on the machines this was built on);
 ``TIERSTORE_NFS_GUEST_ACCEL=kvm:tcg`` asks QEMU for KVM where it works. Boot: about 4 s;
 importing torch inside: 60-100 s (batch the checks of a test module into one boot).
@@ -58,6 +63,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +80,10 @@ NFSD_THREADS = 4
 EXPORT_OPTIONS = "rw,no_root_squash,insecure,no_subtree_check,sync"
 # programs the job runs inside the guest (the host's, seen through 9p)
 GUEST_PROGRAMS = ("rpcbind", "rpc.nfsd", "rpc.mountd", "exportfs", "modprobe", "mount", "ip")
+# the guest's own tmpfs mounts (tools/nfs-guest.sh's init): host paths below them are hidden unless
+# the init binds them back (guest_paths)
+GUEST_TMPFS = ("/tmp", "/var/tmp", "/run", "/mnt", "/var/lib/nfs")
+UNSEEN_FILE = "unseen"  # written by the job script: a host path the guest could not show
 
 
 class GuestError(RuntimeError):
@@ -127,16 +137,63 @@ def guest_available() -> str | None:
     return None
 
 
-def _job_script(command: str, results: Path, export_mib: int, small_export_mib: int) -> str:
-    """The shell script the guest runs in the host's root: NFS server up, then ``command``."""
+def _under(path: Path, top: str) -> bool:
+    return path == Path(top) or Path(top) in path.parents
+
+
+def guest_paths(cwd: Path, visible: tuple[Path, ...] = ()) -> list[Path]:
+    """The host paths a job needs inside the guest: ``cwd``, the running interpreter's
+    prefixes and executable, the guest cache and ``visible``, resolved (a symlinked ``/tmp`` or
+    venv is shown at its target too, which is where the kernel looks). Only those below the
+    guest's tmpfs mounts need binding; ``run_in_guest`` checks all of them inside the guest."""
+    wanted = [cwd, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent, guest_dir(), *visible]
+    out: list[Path] = []
+    for path in wanted:
+        for form in (Path(os.path.abspath(path)), Path(path).resolve()):
+            if form not in out:
+                out.append(form)
+    return out
+
+
+def guest_binds(paths: list[Path]) -> list[Path]:
+    """Of ``paths``, the host directories the guest's init binds back over its tmpfs mounts,
+    outermost only (a bind shows everything below it). A path missing on the host is left out:
+    the job script's check then names it."""
+    hidden = sorted({p if p.is_dir() else p.parent for p in paths
+                     if p.exists() and any(_under(p, top) for top in GUEST_TMPFS)}, key=lambda p: len(p.parts))
+    out: list[Path] = []
+    for path in hidden:
+        if not any(_under(path, kept) for kept in out):
+            out.append(path)
+    return out
+
+
+def _seen_test(path: Path) -> str:
+    """A shell test that ``path`` shows inside the guest what it holds on the host: a directory
+    with entries must list some (an empty directory in its place is the guest's tmpfs)."""
+    quoted = shlex.quote(str(path))
+    with contextlib.suppress(OSError):
+        if path.is_dir() and any(path.iterdir()):
+            return f'[ -n "$(ls -A {quoted} 2>/dev/null)" ]'
+    return f"[ -e {quoted} ]"
+
+
+def _job_script(command: str, results: Path, export_mib: int, small_export_mib: int, cwd: Path,
+                needed: list[Path]) -> str:
+    """The shell script the guest runs in the host's root: every needed host path checked, the
+    NFS server up, then ``command`` in ``cwd``."""
     cache = guest_dir()
     version = _kernel_version(cache)
     kernel = shlex.quote(str(cache / "kernel"))
+    unseen = shlex.quote(str(results / UNSEEN_FILE))
+    checks = "\n".join(f"{_seen_test(p)} || {{ echo {shlex.quote(str(p))} > {unseen}; exit 125; }}" for p in needed)
     return f"""#!/bin/sh
 # written by tierstore/testing/nfs_guest.py: the kernel NFS server, then the test's command
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/var/tmp TMPDIR=/var/tmp
 # the guest-side helpers find the kernel's modules through it (HOME is the guest's own here)
 export {GUEST_DIR_ENV}={shlex.quote(str(cache))}
+# the host paths the job needs (guest_paths): a missing one is named to the host, not a 127 later
+{checks}
 set -e
 step() {{ echo "nfs-guest: $*"; }}
 step "modules"
@@ -160,7 +217,7 @@ rpc.nfsd -H 127.0.0.1 {NFSD_THREADS}
 date +%s.%N > {shlex.quote(str(results))}/server_up
 set +e
 step "job"
-cd {shlex.quote(os.getcwd())}
+cd {shlex.quote(str(cwd))}
 {command}
 rc=$?
 step "job exited with $rc"
@@ -169,25 +226,33 @@ exit $rc
 
 
 def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memory_mib: int = 2048,
-                 cpus: int = 2, export_mib: int = 512, small_export_mib: int = 24) -> GuestRun:
+                 cpus: int = 2, export_mib: int = 512, small_export_mib: int = 24, cwd: Path | None = None,
+                 visible: tuple[Path, ...] = ()) -> GuestRun:
     """Boot the guest, start the NFS server, run ``command`` (shell) and wait for power-off.
 
     ``results`` (a host directory, created if needed) is writable inside the guest at the same
     path; the job script, ``guest.log`` (the job's output) and ``console.log`` live there. The
-    working directory inside is the caller's. Raises ``GuestError`` when the guest is not there
-    (``guest_available()``), fails to boot, or runs past ``timeout_s`` (QEMU is killed).
+    working directory inside is ``cwd`` (default: the caller's); it, the interpreter and
+    ``visible`` are shown at their host paths (``guest_paths``). Raises ``GuestError`` when the
+    guest is not there (``guest_available()``), fails to boot, cannot show a needed host path
+    (the message names it), or runs past ``timeout_s`` (QEMU is killed).
     """
     reason = guest_available()
     if reason:
         raise GuestError(reason)
     results = Path(results).resolve()
     results.mkdir(parents=True, exist_ok=True)
-    for stale in ("rc", "guest.log", "booted_s", "server_up", "console.log"):
+    for stale in ("rc", "guest.log", "booted_s", "server_up", "console.log", UNSEEN_FILE):
         with contextlib.suppress(FileNotFoundError):
             (results / stale).unlink()
-    if any(c.isspace() for c in str(results)):
-        raise GuestError(f"the results path {results} has white space (the kernel command line splits it)")
-    (results / "job.sh").write_text(_job_script(command, results, export_mib, small_export_mib))
+    cwd = Path(cwd or os.getcwd()).resolve()
+    needed = guest_paths(cwd, tuple(visible))
+    binds = guest_binds(needed)
+    for path in (results, *binds):
+        if "\n" in str(path):
+            raise GuestError(f"the host path {path!r} has a line break: the guest's init reads paths a line each")
+    (results / "guest.paths").write_text("".join(f"{p}\n" for p in (results, *binds)))
+    (results / "job.sh").write_text(_job_script(command, results, export_mib, small_export_mib, cwd, needed))
     cache = guest_dir()
     version = _kernel_version(cache)
     console = results / "console.log"
@@ -200,9 +265,10 @@ def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memor
         "-serial", f"file:{console}",
         "-kernel", str(cache / "kernel" / "boot" / f"vmlinuz-{version}"),
         "-initrd", str(cache / "initramfs.cpio.gz"),
-        "-append", f"console=ttyS0 quiet loglevel=4 panic=-1 tierstore.results={results} tierstore.job=job.sh",
+        "-append", "console=ttyS0 quiet loglevel=4 panic=-1 tierstore.job=job.sh",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap",
-        "-virtfs", f"local,path={results},mount_tag=results,security_model=passthrough,multidevs=remap",
+        "-virtfs", f"local,path={_qemu_option(str(results))},mount_tag=results,security_model=passthrough,"
+                   "multidevs=remap",
     ]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -216,6 +282,12 @@ def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memor
                          f"{_tail(results / 'guest.log')}\nconsole tail:\n{_tail(console)}") from None
     wall = time.monotonic() - started
     rc_text = _read(results / "rc").strip()
+    unseen = _read(results / UNSEEN_FILE).strip()
+    if unseen:
+        raise GuestError(f"the host path {unseen} is not visible inside the kernel-NFS guest, so the job cannot "
+                         f"run; the guest shows host paths under {', '.join(GUEST_TMPFS)} only when "
+                         "tools/nfs-guest.sh built its current recipe: run tools/nfs-guest.sh again, or pass the "
+                         f"path in run_in_guest(visible=...); job log tail:\n{_tail(results / 'guest.log')}")
     if not rc_text:
         raise GuestError(f"the guest powered off without running the job (qemu exit {proc.returncode}): "
                          f"{qemu_out[-2000:]}\nconsole tail:\n{_tail(console)}\njob log tail:\n"
@@ -223,6 +295,11 @@ def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memor
     booted = _read(results / "booted_s").strip()
     return GuestRun(rc=int(rc_text), log=_read(results / "guest.log"), console=_read(console),
                     boot_s=float(booted) if booted else float("nan"), wall_s=wall)
+
+
+def _qemu_option(value: str) -> str:
+    """``value`` inside a QEMU ``-virtfs`` option list, where a comma is written twice."""
+    return value.replace(",", ",,")
 
 
 def _read(path: Path) -> str:
