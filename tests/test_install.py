@@ -139,3 +139,55 @@ def test_a_subpackage_left_out_of_the_wheel_is_caught(tmp_path: Path) -> None:
     problems = wheel_problems(_build_wheel(src, tmp_path / "dist"), files)
     index_files = [f for f in files if f.startswith("tierstore/index/")]
     assert index_files and problems == [f"missing from the wheel: {f}" for f in index_files]
+
+
+def _checkout_files() -> list[str]:
+    """Every file of the working tree as git sees it (tracked, and untracked but not ignored)."""
+    _tree_files()  # skips where this is not a git checkout
+    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
+                         check=True, capture_output=True, text=True).stdout.split("\0")
+    return sorted(f for f in out if f and (REPO / f).is_file())
+
+
+def _clone_venv(clone: Path) -> dict[str, str]:
+    """``clone/.venv`` as tools/setup-env.sh leaves it, without downloading vLLM again: a venv
+    whose dependencies come from the project venv (a ``.pth`` line), with ``pip`` and ``ruff``
+    of the project venv, and setup-env's stamp, so its second-run path (an editable install of
+    the clone, no build isolation, no index) is what runs. Returns the commands' environment."""
+    py, env = _fresh_venv(clone / ".venv")
+    bin_dir = py.parent
+    (bin_dir / "pip").write_text(f'#!/bin/sh\nexec "{py}" -m pip "$@"\n')
+    (bin_dir / "pip").chmod(0o755)
+    (bin_dir / "ruff").symlink_to(Path(sys.prefix) / "bin" / "ruff")
+    (clone / ".venv" / ".tierstore-setup-v2").touch()
+    # the editable install builds with the project venv's setuptools, from no index: no network
+    env.update(PIP_NO_BUILD_ISOLATION="0", PIP_NO_INDEX="1", TIERSTORE_TEST_WORKERS="0")
+    return env
+
+
+def test_the_readme_commands_run_from_a_clone_under_tmp_with_a_space() -> None:
+    """The README's two commands from a checkout under /tmp whose path has a space: the demo
+    (pages mode: no vLLM) and the test command on the kernel-NFS guest's path tests, which boot
+    the guest from that checkout (the guest once hid /tmp: exit 127 inside it)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tierstore clone ", dir="/tmp") as top:
+        clone = Path(top) / "main"
+        for rel in _checkout_files():
+            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, clone / rel)
+        env = _clone_venv(clone)
+
+        def run(*argv: str, timeout: float) -> str:
+            p = subprocess.run(argv, cwd=clone, env=env, capture_output=True, text=True, timeout=timeout)
+            assert p.returncode == 0, f"{argv} exited {p.returncode} in {clone}:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+            return p.stdout + p.stderr
+
+        demo = run("bash", "tools/demo.sh", "--mode", "pages", "--preset", "tiny", timeout=300)
+        assert "result: OK" in demo, demo
+        where = run(str(clone / ".venv" / "bin" / "python"), "-c", "import tierstore; print(tierstore.__file__)",
+                    timeout=60)
+        assert Path(where.strip()).is_relative_to(clone), f"tierstore imported from {where}, not the clone"
+        tests = run("bash", "tools/test.sh", "-p", "no:cacheprovider", "tests/nfs_kernel/test_guest_paths.py",
+                    timeout=540)
+        assert "3 passed" in tests, tests

@@ -97,3 +97,11 @@ def test_small_size_and_bad_arguments() -> None:
 
 
 # vLLM loading these models is covered by tests/test_demo.py (vllm mode) and tests/vllm/.
+
+
+def test_an_unwritable_model_cache_names_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TIERSTORE_TINY_CACHE", str(blocker / "models"))
+    with pytest.raises(OSError, match="TIERSTORE_TINY_CACHE"):
+        cached_tiny_model("llama")

@@ -286,7 +286,13 @@ def cached_tiny_model(kind: str, cache_dir: str | os.PathLike[str] | None = None
     """``build_tiny_model`` into ``cache_dir/<kind>-<size>-<key>`` (shared between runs)."""
     spec = model_spec(kind, **dict(overrides))
     name = f"{kind}-{spec['size']}-{content_key(spec)}"
-    return build_tiny_model(kind, Path(cache_dir or default_cache_dir()) / name, **overrides)
+    where = Path(cache_dir or default_cache_dir())
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or missing HOME: say which setting moves the cache
+        raise OSError(exc.errno, f"cannot create the tiny-model cache {where} ({exc.strerror}): set "
+                                 "TIERSTORE_TINY_CACHE (or XDG_CACHE_HOME) to a writable directory") from exc
+    return build_tiny_model(kind, where / name, **overrides)
 
 
 def make_prompt(n_words: int, offset: int = 0) -> str:
