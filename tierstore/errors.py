@@ -139,11 +139,19 @@ class PageIOError(PageError):
 
 # Kinds of load failure that prove the file under the final name is bad (its bytes, not a
 # transient I/O error): the store that served it removes it, and the key may be stored again.
-# "mac" (mac.PageUnauthenticated: a fleet key is configured and the page has no valid tag) is
-# one: a planted or key-less page would otherwise block its key forever. "unsafe" is not: a
-# symlink or hard link is never acted on.
+# "unsafe" is not one: a symlink or hard link is never acted on. Neither is "mac".
 BAD_CONTENT_KINDS: frozenset[str] = frozenset(
-    {PageCorrupt.kind, PageTruncated.kind, PageFormatError.kind, PageForeign.kind, PageKeyMismatch.kind, "mac"})
+    {PageCorrupt.kind, PageTruncated.kind, PageFormatError.kind, PageForeign.kind, PageKeyMismatch.kind})
+
+# Kinds of load failure that say the page cannot be checked here, not that it is bad: "mac"
+# (mac.PageUnauthenticated: a fleet key is configured and the page's tag does not verify with
+# it: no tag, another key's tag, a MAC algorithm not installed here). During a key rotation, or
+# on a node without the ``blake3`` package, such a page is another node's good page, so it is a
+# miss that nobody removes (engines, ``tierstore fsck --repair``); damage in such a page is
+# still found by its checksums, which need no key, and reported as that damage. A page planted
+# without the key stays until gc evicts it or an operator removes it
+# (``tierstore fsck --repair --remove-unverifiable``).
+UNVERIFIABLE_KINDS: frozenset[str] = frozenset({"mac"})
 
 # errno values that mean "the file is gone" (ESTALE: removed by another NFS client).
 GONE_ERRNOS: tuple[int, ...] = (_errno.ENOENT, _errno.ESTALE)

@@ -41,6 +41,7 @@ EXIT_PROBLEMS = 4
 EXIT_OPERATIONAL = 8
 EXIT_WARNINGS = 16
 EXIT_CANCELLED = 32
+EXIT_UNVERIFIABLE = 64
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 EXIT_TABLE = """exit status, every command:
   0    done (fsck: clean; doctor: every check passed; gc: also when another node holds the lease)
@@ -50,6 +51,7 @@ EXIT_TABLE = """exit status, every command:
   8    operational error: ROOT missing, not a cache directory, unreadable; a bad lease path
   16   doctor: warnings only (ROOT works; a setting costs speed or safety)
   32   interrupted
+  64   fsck: pages not verifiable with this key (--mac-key-file): kept, not damage; 68 = 4 + 64
   141  the output pipe was closed (tierstore ... | head)
 errors go to stderr. --json: one document, first key tierstore_<command> (schema version);
 sizes in file bytes (st_size, the number gc counts; stats and ls from the listing give the
@@ -134,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description=_para("Verify every page (header, checksums, size, namespace/key/path "
                                          "agreement) and list stale temps, orphans, foreign files and symlinks. "
                                          "Exit codes as e2fsck: 0 clean, 1 errors found and all repaired, 4 "
-                                         "errors left, 8 operational error."))
+                                         "errors left, 8 operational error; 64 pages not verifiable with the "
+                                         "--mac-key-file key (kept, never deleted), added to the others."))
     _add_root(p)
     p.add_argument("--repair", action="store_true",
                    help="delete bad pages, orphans and stale temps; unlink symlinks; move foreign files "
@@ -150,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also recompute each page's content checks: zero alignment gaps, no NaN/Inf in "
                    "floating-point sections; and count non-canonical pages in trees of older page formats")
     p.add_argument("--mac-key-file", metavar="PATH", default=None,
-                   help="the fleet key (setting mac_key_file): every page must carry a valid MAC tag")
+                   help="the fleet key (setting mac_key_file): every page must carry a valid MAC tag; one that "
+                   "does not verify with it is counted as not verifiable (exit 64), never deleted")
+    p.add_argument("--remove-unverifiable", action="store_true",
+                   help="with --repair and --mac-key-file: also delete the pages not verifiable with that key "
+                   "(only once it is the fleet's one key: during a rotation they are the other key's pages)")
 
     p = sub.add_parser("stats", epilog=EXIT_TABLE, formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="per namespace and group: files, bytes, token coverage, age",
@@ -256,10 +263,17 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     to ``--repair`` it (exit 8): it checks a tree, so it does not refuse to look."""
     from tierstore.admin.fsck import FsckOptions, run_fsck
 
+    if args.remove_unverifiable and not (args.repair and args.mac_key_file):
+        message = "--remove-unverifiable needs --repair and --mac-key-file (the key the pages must verify with)"
+        print(f"tierstore fsck: {message}", file=sys.stderr)
+        if args.json:
+            _print_json({"tierstore_fsck": 1, "error": message, "exit_code": EXIT_USAGE})
+        return EXIT_USAGE
     report = run_fsck(FsckOptions(
         root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
         tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
         group_access=True if args.group_access else None, mac_key_file=args.mac_key_file,
+        remove_unverifiable=args.remove_unverifiable,
     ))
     if report.error:
         print(f"tierstore fsck: {report.error}", file=sys.stderr)

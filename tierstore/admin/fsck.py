@@ -35,8 +35,14 @@ Contract:
 - Every repair step goes through directory file descriptors opened component by component
   from ROOT with ``O_NOFOLLOW``, and re-checks each entry's fingerprint (device, inode, size, mtime, ctime) from the scan, so a symlink or
   a file swapped in after the scan is never followed out of ROOT nor removed by mistake.
-- Exit codes as e2fsck: 0 clean, 1 errors found and all repaired, 4 errors left,
-  8 operational error (ROOT missing, bad option), 32 interrupted.
+- Pages not verifiable with the key given (``mac_key_file``: no MAC tag, another key's tag, an
+  algorithm not installed here, while every content check passes) are no problem and no
+  damage: ``FsckReport.unverifiable``, their own count, never deleted or moved by ``--repair``
+  (during a key rotation they are the other key's good pages) unless ``remove_unverifiable``
+  (``--remove-unverifiable``: the operator's word that the key is the fleet's only one).
+- Exit codes as e2fsck, bits added together: 0 clean, 1 errors found and all repaired, 4 errors
+  left, 8 operational error (ROOT missing, bad option), 32 interrupted, and 64 pages not
+  verifiable with this key left (``EXIT_UNVERIFIABLE``; 68 with damage left too).
 - Every read rejects non-zero alignment-gap bytes (``format.check_gaps``: canonical bytes).
   ``--deep`` (``FsckOptions.deep``) also recomputes, per verified page (``deep_check_page``,
   one call per page, no shared state): gap bytes zero, and no NaN/Inf bit pattern in a
@@ -79,6 +85,7 @@ from tierstore.admin.inventory import (
     STALE_TEMP,
     SYMLINK,
     UNREADABLE,
+    UNVERIFIABLE,
     Finding,
     Fingerprint,
     Inventory,
@@ -105,6 +112,7 @@ EXIT_REPAIRED = 1
 EXIT_ERRORS_LEFT = 4
 EXIT_OPERATIONAL = 8
 EXIT_CANCELLED = 32
+EXIT_UNVERIFIABLE = 64  # a bit of its own: not damage, so not 4 (damage left)
 
 # A page with no usable manifest is verified into a buffer of the size its header declares;
 # above MAX_UNMANIFESTED_PAGE_BYTES (fsck_read.py) it is reported, not read.
@@ -132,6 +140,7 @@ class FsckOptions:
     group_access: bool | None = None  # pages may be 0660 (None: when their namespace dir has group bits)
     budget_bytes: int = 1 << 30  # page buffers of all threads together (fsck_read.BufferPool)
     mac_key_file: str | os.PathLike[str] | None = None  # the fleet key: check every page's MAC tag
+    remove_unverifiable: bool = False  # with repair: delete pages not verifiable with mac_key_file too
 
 
 @dataclass
@@ -154,6 +163,8 @@ class FsckReport:
     # Pages whose mode lets more users in than configured (category "mode"): a confidentiality
     # warning, not damage, so not a problem for the exit code; ``--repair`` clears the bits.
     warnings: list[Finding] = field(default_factory=list)
+    # Pages not verifiable with the key given (category "unverifiable"): not damage, exit bit 64.
+    unverifiable: list[Finding] = field(default_factory=list)
 
     @property
     def repaired(self) -> int:
@@ -164,12 +175,17 @@ class FsckReport:
         return len(self.problems) - self.repaired
 
     @property
+    def unverifiable_left(self) -> int:
+        return sum(1 for p in self.unverifiable if p.action is None)
+
+    @property
     def exit_code(self) -> int:
         if self.error is not None:
             return EXIT_OPERATIONAL
-        if not self.problems:
-            return EXIT_CLEAN
-        return EXIT_REPAIRED if self.left == 0 else EXIT_ERRORS_LEFT
+        code = EXIT_CLEAN
+        if self.problems or any(p.action is not None for p in self.unverifiable):
+            code = EXIT_REPAIRED if self.left == 0 else EXIT_ERRORS_LEFT
+        return code | (EXIT_UNVERIFIABLE if self.unverifiable_left else 0)
 
     def counts(self) -> dict[str, int]:
         c = {cat: 0 for cat in CATEGORIES}
@@ -182,6 +198,7 @@ class FsckReport:
             "temps_active": self.temps_active,
             "vanished": self.vanished,
             **c,
+            "unverifiable": len(self.unverifiable),
             "problems": len(self.problems),
             "repaired": self.repaired,
             "left": self.left,
@@ -204,13 +221,14 @@ class FsckReport:
             "counts": self.counts(),
             "problems": [p.to_json() for p in self.problems],
             "warnings": [w.to_json() for w in self.warnings],
+            "unverifiable": [u.to_json() for u in self.unverifiable],
             "reads": self.reads,
             "namespaces": self.stats.get("namespaces", []),
         }
 
     def format_text(self) -> str:
         lines = []
-        for p in (*self.problems, *self.warnings):
+        for p in (*self.problems, *self.unverifiable, *self.warnings):
             # Names and manifest strings come from the root: escaped, so none forges a line.
             done = (f"  [{p.action}]" if p.action
                     else (f"  [NOT repaired: {display.escape(p.repair_error)}]" if p.repair_error else ""))
@@ -223,6 +241,9 @@ class FsckReport:
         found = ", ".join(f"{c[k]} {k}" for k in CATEGORIES if c[k]) or "no problems"
         if self.warnings:
             found += f" ({len(self.warnings)} page(s) with too open a mode)"
+        if self.unverifiable:
+            found += (f"; {len(self.unverifiable)} page(s) not verifiable with this key (not damage: kept; "
+                      "another key's pages, or planted without one)")
         lines.append(
             f"{display.escape(self.root)}: {c['namespaces']} namespace(s), {c['pages_ok']} pages ok "
             f"({human_bytes(c['bytes_ok'])}), {c['temps_active']} temp(s) in flight; {found}"
@@ -233,6 +254,10 @@ class FsckReport:
                          + (f"; quarantine: {display.escape(self.quarantine)}" if self.quarantine else ""))
         elif self.problems:
             lines.append("run `tierstore fsck --repair` to repair")
+        if self.unverifiable_left:
+            lines.append("pages not verifiable with this key are kept: check them with the key that wrote them, or "
+                         "remove them with `tierstore fsck --repair --remove-unverifiable --mac-key-file KEY` once "
+                         "KEY is the only key of the fleet")
         return "\n".join(lines)
 
 
@@ -397,14 +422,14 @@ class SafeRoot:
 _before_repair_hook: Callable[[], None] | None = None
 
 
-def _repair(report: FsckReport, root: Path, quarantine_bad: bool) -> None:
+def _repair(report: FsckReport, root: Path, quarantine_bad: bool, remove_unverifiable: bool = False) -> None:
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     qdir = PurePosixPath(QUARANTINE_DIR) / f"{stamp}-{os.getpid()}"
     if _before_repair_hook is not None:
         _before_repair_hook()
     safe = SafeRoot(root)
     try:
-        for p in (*report.problems, *report.warnings):
+        for p in (*report.problems, *report.warnings, *(report.unverifiable if remove_unverifiable else ())):
             try:
                 if p.category == SYMLINK:
                     safe.unlink(p.path, p.fingerprint)
@@ -413,7 +438,8 @@ def _repair(report: FsckReport, root: Path, quarantine_bad: bool) -> None:
                     shared = p.kind == MODE_GROUP_SHARED
                     safe.chmod(p.path, p.fingerprint, (safefs.GROUP_SHARED if shared else safefs.PRIVATE).file_mode)
                     p.action = "chmod"
-                elif p.category in _DELETE and not (quarantine_bad and p.category == BAD_PAGE):
+                elif p.category == UNVERIFIABLE or (p.category in _DELETE
+                                                     and not (quarantine_bad and p.category == BAD_PAGE)):
                     safe.unlink(p.path, p.fingerprint)
                     p.action = "deleted"
                 elif p.category in (FOREIGN, BAD_PAGE):
@@ -490,7 +516,8 @@ def _run_fsck(options: FsckOptions, report: FsckReport) -> None:
         if verifier is not None:
             verifier.close()
     report.root = str(inv.root)
-    report.problems = inv.findings + reserved
+    report.problems = [f for f in inv.findings if f.category != UNVERIFIABLE] + reserved
+    report.unverifiable = [f for f in inv.findings if f.category == UNVERIFIABLE]
     report.warnings = sorted(verifier.mode_findings, key=lambda f: f.path)
     if options.deep:
         report.problems.extend(old_tree_findings(inv))
@@ -508,8 +535,9 @@ def _run_fsck(options: FsckOptions, report: FsckReport) -> None:
         # `tierstore fsck --repair /home` must not move a home directory into a quarantine.
         report.error = (f"{inv.root} holds no tierstore namespace, only other files; refusing to repair. "
                         "Check ROOT (it must be the cache directory itself)")
-    elif options.repair and (report.problems or report.warnings):
+    elif options.repair and (report.problems or report.warnings
+                             or (options.remove_unverifiable and report.unverifiable)):
         try:
-            _repair(report, inv.root, options.quarantine_bad)
+            _repair(report, inv.root, options.quarantine_bad, options.remove_unverifiable)
         except OSError as exc:
             report.error = f"repair failed: {exc}"

@@ -18,8 +18,10 @@ Contract:
   buffer of that size, a piece at a time (``pageops.verify_in_pieces``; ``--deep`` reads it
   whole).
 - MAC (``mac``, ``tierstore fsck --mac-key-file``): every page must carry a tag that verifies
-  under the fleet key (``format.mac``); one without, or with a wrong one, is a bad page of kind
-  ``mac``. The batched fast path and the piecewise check are skipped then (they do not check tags).
+  under the fleet key (``format.mac``); one without, or with another key's, whose content
+  checks pass, is a finding of category ``unverifiable`` (kind ``mac``: not verifiable with this
+  key; not damage, ``errors.UNVERIFIABLE_KINDS``), one whose content is damaged a bad page of
+  that damage's kind. The batched fast path is skipped then (it does not check tags).
 - Modes: a page whose group/other mode bits go beyond the configured creation mode (0600, or
   0660 for a fleet sharing a group: ``group_access``, by default inferred per namespace from
   its directory's group bits, as the engine creates it with ``shared_group_access``) is
@@ -49,12 +51,13 @@ from tierstore.admin.inventory import (
     BAD_PAGE,
     FOREIGN,
     UNREADABLE,
+    UNVERIFIABLE,
     Finding,
     NamespaceDir,
     PageRef,
     PageVerdict,
 )
-from tierstore.errors import PageError, PageIOError, PageMissing, PageUnsafe
+from tierstore.errors import UNVERIFIABLE_KINDS, PageError, PageIOError, PageMissing, PageUnsafe
 from tierstore.format.identity import GroupSpec
 from tierstore.format.mac import PageMac
 from tierstore.format.page import (
@@ -173,6 +176,9 @@ class PageVerifier:
             return PageVerdict(problem=Finding(ref.path, UNREADABLE, "io", f"cannot read the page: {exc.message}",
                                                size=ref.size))
         except PageError as exc:
+            if exc.kind in UNVERIFIABLE_KINDS:
+                return PageVerdict(problem=self._finding(ref, UNVERIFIABLE, exc.kind,
+                                                         f"not verifiable with this key: {exc.message}"))
             return PageVerdict(problem=self._finding(ref, BAD_PAGE, exc.kind, exc.message))
         except OSError as exc:
             return PageVerdict(problem=Finding(ref.path, UNREADABLE, "io", f"cannot read the page: {exc.strerror or exc}",

@@ -92,6 +92,10 @@ NFS_LEFTOVER = "nfs_leftover"  # .nfsXXXX / .fuse_hiddenXXXX older than the temp
 SYMLINK = "symlink"  # a symbolic link (never followed)
 MANIFEST = "manifest"  # a namespace directory without a valid manifest
 UNREADABLE = "unreadable"  # a directory or file that could not be listed or stat'ed
+# A page whose MAC tag does not verify with the key fsck was given (no tag, another key's, an
+# algorithm not installed here) while its content checks pass: not damage, never deleted by
+# --repair alone; fsck counts these apart from problems (their own exit status).
+UNVERIFIABLE = "unverifiable"
 
 SKIP_EVERYWHERE = (".snapshot",)
 SKIP_AT_ROOT = (".quarantine", "lost+found")

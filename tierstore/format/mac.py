@@ -54,7 +54,9 @@ Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryvi
 
 
 class PageUnauthenticated(PageCorrupt):
-    """A key is configured and the page has no valid tag: never served."""
+    """A key is configured and the page's tag does not verify with it (no tag, another key's
+    tag, an algorithm not installed here): never served, and never removed either
+    (``errors.UNVERIFIABLE_KINDS``: not verifiable with this key is not damage)."""
 
     kind = "mac"
 
@@ -109,7 +111,8 @@ class PageMac:
     def _digest(self, algorithm: int, header: bytes | memoryview, payload: Payload) -> bytes:
         if algorithm == ALG_BLAKE3:
             if _blake3 is None:
-                raise PageUnauthenticated("page tagged with blake3, which is not installed here")
+                raise PageUnauthenticated("page tagged with blake3, which is not installed here: not verifiable on "
+                                          "this node (pip install 'tierstore[mac]', or the blake3 package)")
             h = _blake3.blake3(key=self._key)
         else:
             h = hashlib.blake2b(key=self._key, digest_size=TAG_LEN)
@@ -127,12 +130,23 @@ class PageMac:
                *, path: str | None = None) -> None:
         """Raise ``PageUnauthenticated`` unless ``trailer`` is a valid tag of header + payload."""
         if trailer is None or len(trailer) != TRAILER_LEN:
-            raise PageUnauthenticated("page has no MAC tag (a fleet key is configured)", path=path)
+            raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not verifiable with this "
+                                      "key", path=path)
         magic, algorithm, tag = _TRAILER.unpack(bytes(trailer))
-        if magic != _MAGIC or algorithm not in _NAMES:
-            raise PageUnauthenticated("page has no MAC tag (a fleet key is configured)", path=path)
-        if not hmac.compare_digest(tag, self._digest(algorithm, header_bytes, payload)):
-            raise PageUnauthenticated("MAC tag mismatch: page not written with this fleet key", path=path)
+        if magic != _MAGIC:
+            raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not verifiable with this "
+                                      "key", path=path)
+        if algorithm not in _NAMES:
+            raise PageUnauthenticated(f"MAC tag of unknown algorithm {algorithm} (a newer tierstore's?): not "
+                                      "verifiable here", path=path)
+        try:
+            digest = self._digest(algorithm, header_bytes, payload)
+        except PageUnauthenticated as exc:
+            exc.path = path
+            raise
+        if not hmac.compare_digest(tag, digest):
+            raise PageUnauthenticated("MAC tag mismatch: not written with this fleet key (another key's page, "
+                                      "or forged); not verifiable with this key", path=path)
 
 
 def bench(page_bytes: int = 2 << 20, repeats: int = 50) -> dict[str, float]:

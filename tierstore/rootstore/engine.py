@@ -31,9 +31,10 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   reaches its file through ``PageFiles`` (``pagefile.RankDir``: directory fds, no symlink followed) and
   opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
   is a ``PageUnsafe`` failure, never served, never removed. With ``mac_key_file`` every page
-  carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac",
-  a bad-content kind: the file is removed like a damaged one); such an engine writes and reads
-  buffered (the 40-byte trailer does not fit O_DIRECT's alignment).
+  carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac":
+  not verifiable with this key, a miss; the file is left in place, never removed: it may be
+  another key's good page during a rotation, ``errors.UNVERIFIABLE_KINDS``); such an engine
+  writes and reads buffered (the 40-byte trailer does not fit O_DIRECT's alignment).
 - Verification and damaged pages (the rule is store.py's): a load whose
   bytes prove bad (``errors.BAD_CONTENT_KINDS``) removes the file it read, once, so the key can
   be stored again; a load with ``verify=False`` is settled by the caller (``settle``), which

@@ -672,50 +672,92 @@ def remove_damaged_at(dir_fd: int, name: str, served: FileIdentity | None) -> bo
 
 
 # ------------------------------------------------------------------ read and verify any page
-def _read_header(fd: int, path: str, file_size: int, layout: PageLayout | None = None) -> tuple[PageHeader, bytes]:
-    """The verified header of the open page and its bytes. ``layout``: the expected one; a file
-    larger than any page of it is refused before the rest of the header is read."""
+def _parse_checked(hbytes: bytes, path: str, file_size: int, expect: PageExpectation | None) -> PageHeader:
+    """Parse the header (its checksum first), then check the exact file size, the expectation
+    and the zstd payload bound. Failure policy: the typed ``PageError`` of the first check
+    that fails."""
+    header = decode_header(hbytes, path=path)
+    if file_size < header.file_size:
+        raise PageTruncated(f"file has {file_size} bytes, header says {header.file_size}", path=path)
+    if file_size > header.file_size:
+        raise PageTruncated(f"file has {file_size} bytes, more than the {header.file_size} its header says", path=path)
+    if expect is not None:
+        check_expectation(header, expect, path=path)
+    check_payload_bound(header, path=path)
+    return header
+
+
+def _read_header(fd: int, path: str, file_size: int,
+                 expect: PageExpectation | None = None) -> tuple[PageHeader, bytes]:
+    """The verified header of the open page and its bytes (``_parse_checked``). With an
+    expected layout, a file larger than any page of it is refused before the rest of the header
+    is read."""
+    layout = expect.layout if expect is not None else None
     first = os.pread(fd, HEADER_ALIGN, 0)
     header_len = header_len_of(first, path=path)
     if layout is not None and file_size > max_file_size(layout, header_len):
         raise PageFormatError(f"file has {file_size} bytes, more than any page of the expected layout "
                               f"({max_file_size(layout, header_len)}); not read", path=path)
     buf = first if header_len <= len(first) else first + os.pread(fd, header_len - len(first), len(first))
-    header = decode_header(buf, path=path)
-    if file_size < header.file_size:
-        raise PageTruncated(f"file has {file_size} bytes, header says {header.file_size}", path=path)
-    if file_size > header.file_size:
-        raise PageTruncated(f"file has {file_size} bytes, more than the {header.file_size} its header says", path=path)
-    return header, buf[: header.header_len]
+    hbytes = buf[:header_len]
+    return _parse_checked(hbytes, path, file_size, expect), hbytes
+
+
+def authenticate(mac: PageMac, header_bytes: bytes | memoryview, payload: Any, trailer: bytes | None, *,
+                 path: str, key: bytes | None, check_content: Callable[[], None]) -> None:
+    """The authentication step of every reader that serves a page (``read_page_fd`` and the
+    engine's own fast read, ``rankdir.PageFiles``): the keyed tag over the raw header bytes and
+    the stored payload (``mac.PageMac.verify``). This is the one place where a page's
+    authenticity is decided; another authenticator of the same bytes (an AEAD) belongs here.
+
+    Failure policy: a tag that does not verify (none, another key's, an algorithm not
+    installed here) is ``PageUnauthenticated`` (kind "mac": not verifiable with this key, a
+    miss that is never removed: during a key rotation, or on a node without ``blake3``, the
+    page is someone's good page). Before that is raised, ``check_content()`` runs the content
+    checks that need no key (checksums, gaps, identity): damage they find raises its own
+    ``PageError`` instead (bad content, removed like any damaged page)."""
+    try:
+        mac.verify(header_bytes, payload, trailer, path=path)
+    except PageUnauthenticated as exc:
+        check_content()
+        exc.key = key
+        raise
 
 
 def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation | None, out: memoryview,
                  *, mac: PageMac | None = None) -> PageHeader:
-    """``read_page`` on an fd that ``open_page`` opened and checked (the caller closes it).
+    """Verify, then serve: the page read on an fd ``open_page`` opened and checked (the caller
+    closes it) into ``out``, and its header. Every general reader goes through here (an
+    engine's pages not byte for byte its own, the shared backlog, fsck, ``read_page``); the
+    engine's own fast read makes the same checks with the same ``authenticate`` step.
 
     Order (nothing is allocated before the checks that bound it): the file size against the
     expected layout, the header checksum, the exact file size, the expectation (namespace,
     key, group, rank, layout), the zstd payload bound, then the payload is read (codec NONE
-    straight into ``out``), its MAC trailer verified when ``mac`` is given (a page without
-    one: ``PageUnauthenticated``, kind "mac"), and every section checksum and gap checked.
+    straight into ``out``), its MAC trailer verified when ``mac`` is given, and every section
+    checksum and gap checked. Failure policy: a typed ``PageError``; a page that cannot be
+    authenticated with ``mac`` is ``PageUnauthenticated`` (kind "mac", never removed) unless
+    its content is damaged (``authenticate``); ``out`` then holds garbage.
     """
     key = expect.key if expect else None
     try:
-        header, hbytes = _read_header(fd, path, st.st_size, expect.layout if expect is not None else None)
-        if expect is not None:
-            check_expectation(header, expect, path=path)
-        check_payload_bound(header, path=path)
+        header, hbytes = _read_header(fd, path, st.st_size, expect)
         out = memoryview(out).cast("B")
-        if mac is not None and not header.has_mac:
-            raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not served",
-                                      path=path, key=key)
         in_place = header.codec == Codec.NONE and len(out) == header.payload_len
         payload = out if in_place else memoryview(bytearray(header.payload_len))
         readinto_exact(fd, payload, header.header_len, path)
+
+        def content() -> None:
+            decode_payload(header, None if in_place else payload, out, path=path)
+
         if mac is not None:
+            if not header.has_mac:
+                content()
+                raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not verifiable with this "
+                                          "key, not served, left in place", path=path, key=key)
             trailer = os.pread(fd, MAC_TRAILER_LEN, header.header_len + header.payload_len)
-            mac.verify(hbytes, payload, trailer, path=path)
-        decode_payload(header, None if in_place else payload, out, path=path)
+            authenticate(mac, hbytes, payload, trailer, path=path, key=key, check_content=content)
+        content()
     except OSError as exc:
         raise read_error(exc, "read", path, key) from exc
     return header

@@ -14,8 +14,8 @@ Contract: a ``PageStore`` (``tierstore/store.py``) whose results carry ``tier=se
 - Load failures of kind ``unsafe`` (errors.PageUnsafe: a symlink, FIFO or hard link under the
   page's name, or a symlinked directory on the way) count as a miss of the tier (and as
   ``failures["unsafe"]``); the tier forgets the key and never marks itself down for it. Kind
-  ``mac`` (a fleet key is configured and the page has no valid tag) is bad content like a
-  checksum failure (``errors.BAD_CONTENT_KINDS``).
+  ``mac`` (a fleet key is configured and the page's tag does not verify with it) is a miss
+  too, and the file stays (``errors.UNVERIFIABLE_KINDS``: not verifiable is not damage).
 - A full root (a store failed ENOSPC/EDQUOT: ``fs.deadline.SpaceBackoff``): stores to the tier
   are skipped for a back-off (30 s, doubling) or until gc frees space under its root, each
   completed at once as ``enospc`` and counted as ``failures["full"]``; loads go on. One

