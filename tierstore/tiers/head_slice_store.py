@@ -8,8 +8,11 @@ Contract:
   load ends ``missing``, the key is looked for in the other head slices of the group
   (``SliceSource.available``: listed in the background, never on the caller's thread) on this
   store's own small thread pool: ``head_slices.cover`` picks the files, a slot is taken from the
-  inner store's pool and ``assembly.assemble`` fills it, each file verified in full with its
-  writer's expectation before any byte is copied. The result keeps the job id and comes back
+  inner store's pool and ``assembly.assemble`` fills it, each file opened through directory fds
+  (no symlink followed) and verified in full with its writer's expectation, and with the inner
+  store's fleet key (``mac``: its MAC tag, as every page an engine serves) before any byte is
+  copied: with a key, a slice written without it is a failure of kind ``mac``, never served
+  and never stored back. The result keeps the job id and comes back
   through ``poll``/``wait`` with ``verified=True`` (so it is never settled); a failure is the
   typed error of the piece that failed, or the original ``missing`` when nothing covers the
   key or no slot is free.
@@ -18,7 +21,8 @@ Contract:
   the key reads one file of the rank's size; the read amplification of a TP change is paid
   once per page. The store's result comes back through ``poll``/``wait`` like any store's.
 - A covering file that fails verification (bad content) is removed, that file only (its
-  identity as read), like an engine's own damaged pages: ``slice_damaged_removed``.
+  identity as read), like an engine's own damaged pages: ``slice_damaged_removed``. One not
+  verifiable with the key (kind ``mac``) is left in place.
 - Deadline (the fallback reads the shared root, which may hang: a ``hard`` NFS mount blocks a
   thread until the server returns): each fallback has ``deadline_s`` (default: the inner
   store's ``shared_deadline_s``) from the moment the own load came back ``missing``. One not finished by then is handed
@@ -65,6 +69,7 @@ from tierstore.format.head_slices import (
     slice_layout,
     split_dir_name,
 )
+from tierstore.format.mac import PageMac
 from tierstore.format.page import PageExpectation, PageLayout
 from tierstore.fs.deadline import Health
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
@@ -88,6 +93,17 @@ class SliceSource(Protocol):
 # The fallback's deadline when neither the caller nor the inner store's config gives one (the
 # default ``shared_deadline_s``).
 DEFAULT_FALLBACK_DEADLINE_S = 5.0
+
+
+def inner_mac(inner: PageStore) -> PageMac | None:
+    """The fleet key the inner store verifies its pages with: an engine's ``mac``, else the
+    ``mac_key_file`` of its config (a tier chain); None without one. Failure policy: a key file
+    that cannot be used raises ``ConfigError``, as at the inner store's start."""
+    mac = getattr(inner, "mac", None)
+    if isinstance(mac, PageMac):
+        return mac
+    key_file = getattr(getattr(inner, "config", None), "mac_key_file", None)
+    return PageMac.from_key_file(key_file) if isinstance(key_file, str | os.PathLike) and key_file else None
 
 
 def _inner_deadline(inner: PageStore) -> float:
@@ -165,8 +181,11 @@ class HeadSliceStore:
 
     def __init__(self, inner: PageStore, heads: HeadRange, full_layout: PageLayout, slices: SliceSource,
                  threads: int = 2, slot_wait_s: float = 1.0, store_back: bool = True,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None, mac: PageMac | None = None) -> None:
+        """``mac``: the fleet key covering files must verify with (default ``inner_mac(inner)``:
+        the key of the pages this store serves, so the fallback never serves less)."""
         self.inner = inner
+        self.mac = mac if mac is not None else inner_mac(inner)
         self.store_back = store_back
         self.layout = inner.layout
         self.heads, self.full_layout, self.slices = heads, full_layout, slices
@@ -383,6 +402,8 @@ class HeadSliceStore:
             return IOResult(missing.job_id, "load", key, False,
                             PageTimeout("waited past its deadline behind slower reads of other head slices", key=key),
                             None, False, 0, missing.seconds, tier=missing.tier)
+        # A stat of each name picks the plan (nothing is read through it); every file the plan
+        # reads is then opened through directory fds (assembly.open_slice_file).
         have = [h for h in self.slices.available() if h != self.heads and self.slices.locate(h, key)[0].exists()]
         plan = cover(self.heads, have)
         if plan is None:
@@ -392,7 +413,8 @@ class HeadSliceStore:
             return missing  # the request recomputes; nothing was read
         try:
             cost = assemble(self.heads, plan, self.full_layout, slot.view, lambda h: self.slices.locate(h, key),
-                            on_damage=lambda path, ident, exc: self._remove_damaged(path, ident, key, exc))
+                            on_damage=lambda path, ident, exc: self._remove_damaged(path, ident, key, exc),
+                            mac=self.mac)
         except PageError as exc:
             self.inner.release_slot(slot)
             with self._lock:
