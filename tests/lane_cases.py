@@ -1,5 +1,5 @@
 """Single-engine cases of the native lane that need a fresh process (a fault build of the
-kernels, ``TIERSTORE_LANE_FAULTS``, or a fork); run by ``tests/test_native_lane_races.py``.
+kernels, ``TIERSTORE_LANE_FAULTS``, or a fork); run by ``tests/native/test_native_lane_races.py``.
 Each prints one JSON object.
 
     python tests/lane_cases.py withdrawn ROOT         # a thread stalled between claim and RUNNING at close

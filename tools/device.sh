@@ -28,11 +28,11 @@ print("native path:", native.start(wait=True), native.failure(), flush=True)
 PY
 
 gpu_tests() {
-    timeout 450 python -m pytest -q -rsfE -p no:cacheprovider tests/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
+    timeout 450 python -m pytest -q -rsfE -p no:cacheprovider tests/native/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/vllm/test_worker_sparse_mla.py tests/vllm/test_worker_deepseek_v4.py tests/vllm/test_path_modules.py \
-        tests/test_engine.py tests/test_engine_batches.py tests/test_golden.py tests/test_format.py \
-        tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/test_stress_threads.py \
-        tests/bench/test_bench_kernels.py tests/test_native_lane.py tests/test_native_lane_races.py > "$OUT/gpu_tests.txt" 2>&1
+        tests/test_engine.py tests/rootstore/test_engine_batches.py tests/format/test_golden.py tests/test_format.py \
+        tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/rootstore/test_stress_threads.py \
+        tests/bench/test_bench_kernels.py tests/native/test_native_lane.py tests/native/test_native_lane_races.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"
     python -m tierstore.testing.golden --check 2>&1 | tail -2
 }

@@ -5,7 +5,7 @@ Contract: ``native/kernels.py`` compiles these values into machine code that num
 keyed on ``native/kernels.py`` alone. So ``native.kernels.ABI_DIGEST`` records ``digest()`` of
 this module, and the kernels refuse to load (the Python path serves, ``native.failure()`` says
 why) when the two differ: a change here must come with a new ``ABI_DIGEST`` there, and that
-edit renews numba's cache. ``tests/test_native_lane_races.py`` checks the pair.
+edit renews numba's cache. ``tests/native/test_native_lane_races.py`` checks the pair.
 
 Threading: constants, and one flag (``cache_kernels``) that ``loader`` sets before it imports
 the kernels.

@@ -41,7 +41,7 @@ LOAD_BAD_GAP (the file was read and identified; the caller names the damage with
 the load to the Python path, which redoes it and names the error (a header other than the
 template's goes to the general reader there). ``store_page`` returns 0, STORE_EXISTS, or a
 negative code after which no temp file is left and the Python path redoes the store. The
-bytes written are exactly the Python path's (``tests/test_native.py`` compares them).
+bytes written are exactly the Python path's (``tests/native/test_native.py`` compares them).
 
 Threading: the kernels touch only the buffers they are given; a ``PageShape`` is immutable
 after construction. Safe from any number of threads at once.

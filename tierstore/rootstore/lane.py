@@ -24,7 +24,7 @@ Contract:
   (a missing directory, a failed write, a missing, cold, damaged or foreign file): the queue
   runs that job again on the Python path, which redoes it and names the error. So the lane
   never decides a failure itself, and the bytes and checks are the native kernels' (the same as
-  ``PageFiles``' native calls: ``tests/test_native.py``).
+  ``PageFiles``' native calls: ``tests/native/test_native.py``).
 - Loads go before stores, a store after at most ``MAX_BYPASS`` loads taken past it
   (``ioqueue.QueuePolicy``'s rule).
 - ``stop(timeout)`` stops the threads (each finishes the page it is on) and returns the jobs

@@ -494,7 +494,7 @@ def test_a_second_process_loads_the_kernels_from_the_cache(tmp_path: Path) -> No
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", _CACHE_PROBE], capture_output=True, text=True, env=env,
-                              timeout=300, cwd=Path(__file__).parents[1])
+                              timeout=300, cwd=Path(__file__).parents[2])
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(__import__("json").loads(proc.stdout.strip().splitlines()[-1]))
     print("first and second process:", runs)
@@ -517,7 +517,7 @@ def test_no_writable_cache_directory_still_compiles(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.pop("TIERSTORE_NATIVE", None)
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=Path(__file__).parents[1])
+                          cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "None", "False", "None"], (proc.stdout, proc.stderr[-1000:])
 
@@ -543,6 +543,6 @@ def test_the_kernels_hash_with_xxhashs_dispatcher_where_it_is_exported(tmp_path:
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache-sse2"), TIERSTORE_XXH3_SYMBOL="XXH3_64bits")
     env.pop("TIERSTORE_NATIVE", None)
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=Path(__file__).parents[1])
+                          cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "None", "XXH3_64bits"], (proc.stdout, proc.stderr[-1000:])

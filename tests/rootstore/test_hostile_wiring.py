@@ -269,7 +269,7 @@ def test_mac_pages_round_trip_and_forged_pages_are_never_served(root: Path, tmp_
 
 
 def test_mac_page_without_a_key_configured_writes_golden_bytes(root: Path) -> None:
-    """No key: the bytes are exactly encode_page's (flags 0), what tests/test_golden.py pins."""
+    """No key: the bytes are exactly encode_page's (flags 0), what tests/format/test_golden.py pins."""
     eng = engine(root)
     [k] = valid_pages(eng, 1)
     header, pieces = encode_page(_meta(eng, k), eng.layout, page_bytes(eng.layout, k))

@@ -23,7 +23,7 @@ from tierstore.admin import cli
 from tierstore.format.page import Codec
 from tierstore.testing import fill_pages, hybrid_namespace, simple_namespace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCTOR_FAST = ["--ops", "10", "--pages", "1", "--page-bytes", "64K"]
 COMMANDS: dict[str, Callable[[Path], list[str]]] = {
     "ls": lambda root: ["ls", str(root)],

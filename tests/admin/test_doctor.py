@@ -22,7 +22,7 @@ from tierstore.fs import mounts
 from tierstore.metrics import MetricsRegistry
 from tierstore.testing import fill_pages, simple_namespace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["--ops", "20", "--pages", "2", "--page-bytes", "256K"]
 ALL_CHECKS = {"filesystem", "contents", "ownership", "space", "odirect", "rename", "clock", "metadata", "throughput"}
 

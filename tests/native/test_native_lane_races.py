@@ -34,7 +34,7 @@ from tierstore.rootstore.engine import IOEngine
 from tierstore.rootstore.lane import deadline_ns
 from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 REPO = TESTS.parent
 
 
