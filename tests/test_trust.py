@@ -196,3 +196,52 @@ def test_page_bytes_survive_a_round_trip_under_the_key(tmp_path: Path) -> None:
                 eng.settle(res, True)
             eng.release_slot(res.slot)
     eng.close()
+
+
+# ------------------------------------------------------------------ fsck's memory against a planted manifest
+@pytest.mark.parametrize("mode", ["plain", "deep", "mac"])
+def test_fsck_verifies_a_huge_manifest_page_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      mode: str) -> None:
+    """A planted manifest.json declaring a huge page, and a valid sparse page of that size:
+    fsck (``--deep`` and with a MAC key too) verifies it through a small buffer, not one of
+    the declared size."""
+    import tracemalloc
+
+    from hostile_helpers import fsck_per_page
+
+    from tierstore.format.identity import write_manifest
+    from tierstore.format.layout import attention_layout
+    from tierstore.format.page import FLAG_MAC, Codec, encode_page
+    from tierstore.fs.mapper import FileMapper
+    from tierstore.testing.pages import layout_namespace, page_meta
+
+    fsck_per_page(monkeypatch)
+    root = tmp_path / "root"
+    root.mkdir()
+    huge = layout_namespace(attention_layout(("l0",), 8, 8192, 1024, "float16"), 8192, model="huge")
+    nbytes = huge.groups[0].layout.nbytes
+    assert nbytes >= 256 << 20
+    write_manifest(root, huge)
+    key = page_key(1)
+    zeros = bytes(nbytes)
+    mac_key = key_file(tmp_path, "fleet.key") if mode == "mac" else None
+    header, _ = encode_page(page_meta(huge, 0, key), huge.groups[0].layout, zeros, Codec.NONE, None,
+                            FLAG_MAC if mac_key else 0)
+    path = FileMapper(root, huge.digest, 0).path_for(key)
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:  # zeros: a valid page that costs the planter a few KiB
+        f.write(bytes(header))
+        f.truncate(len(header) + nbytes)
+        if mac_key is not None:
+            f.seek(len(header) + nbytes)
+            f.write(mac_mod.PageMac.from_key_file(mac_key).tag(header, zeros))
+    del zeros
+    tracemalloc.start()
+    try:
+        rep = run_fsck(FsckOptions(root, progress=False, deep=mode == "deep", mac_key_file=mac_key))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rep.pages_ok == 1 and rep.problems == []
+    assert peak < 48 << 20  # pieces of VERIFY_PIECE_BYTES and their --deep temporaries
+

@@ -14,9 +14,10 @@ Contract:
   from a ``BufferPool`` whose allocated bytes stay within ``budget_bytes`` (a single page larger
   than the budget is verified alone). A zstd page's compressed copy is counted in the same
   budget. Without a usable manifest, pages declaring more than ``max_page_bytes`` are reported,
-  not read, and a codec-none page larger than ``VERIFY_PIECE_BYTES`` is verified through one
-  buffer of that size, a piece at a time (``pageops.verify_in_pieces``; ``--deep`` reads it
-  whole).
+  not read. A codec-none page larger than ``VERIFY_PIECE_BYTES``, with or without a manifest,
+  is verified through one buffer of that size, a piece at a time, ``--deep`` and the MAC
+  included (``pageops.verify_in_pieces``): a planted ``manifest.json`` declaring a huge page
+  cannot make fsck allocate it.
 - MAC (``mac``, ``tierstore fsck --mac-key-file``): every page must carry a tag that verifies
   under the fleet key (``format.mac``); one without, or with another key's, whose content
   checks pass, is a finding of category ``unverifiable`` (kind ``mac``: not verifiable with this
@@ -40,6 +41,7 @@ fan-out directory fd (closed by ``close``); the pool and counters are locked.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import threading
@@ -83,6 +85,7 @@ from tierstore.fs.mapper import parse_slice_dir
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
 from tierstore.rootstore.pageops import (
+    in_pieces_applies,
     open_page,
     read_error,
     read_page_fd,
@@ -318,19 +321,22 @@ class PageVerifier:
             return self._verify_unmanifested(ref, fd, st, ns_bytes)
         layout = ref.group.layout
         tmpl = self._template(ref, ns_bytes)
-        if st.st_size == tmpl.header_len + layout.nbytes and self.mac is None:
+        if st.st_size == tmpl.header_len + layout.nbytes and self.mac is None and layout.nbytes <= VERIFY_PIECE_BYTES:
             verdict = self._fast(ref, fd, tmpl)
             if verdict is not None:
                 return verdict
         # Another header (codec, head slice, MAC trailer) or a damaged one: decode it and check
         # it against the manifest before any buffer of the layout is taken.
         expect = PageExpectation(ns_bytes, ref.key, ref.group_index, ref.rank, layout)
-        header = _page_header(fd, st, ref.path, layout)
+        header, hbytes = _page_header(fd, st, ref.path, layout)
         check_expectation(header, expect, path=ref.path)
         if header.meta.group_kind != ref.group.kind:
             return PageVerdict(problem=self._finding(
                 ref, BAD_PAGE, "format", f"page says group kind {header.meta.group_kind.name.lower()}, the "
                                          f"manifest's group {ref.group_index} is {ref.group.kind.name.lower()}"))
+        verdict = _verify_in_pieces(self, ref, fd, st, header, hbytes)
+        if verdict is not None:
+            return verdict
         return self._read_into_pool(ref, fd, st, header, expect, layout.nbytes)
 
     def _template(self, ref: PageRef, ns_bytes: bytes) -> HeaderTemplate:
@@ -388,20 +394,16 @@ class PageVerifier:
 
     def _verify_unmanifested(self, ref: PageRef, fd: int, st: os.stat_result, ns_bytes: bytes | None) -> PageVerdict:
         """No usable manifest: verify what the page says about itself and its place."""
-        header = _page_header(fd, st, ref.path, None)
+        header, hbytes = _page_header(fd, st, ref.path, None)
         if header.layout.nbytes > self.max_page_bytes:
             return PageVerdict(problem=self._finding(
                 ref, BAD_PAGE, "format", f"page declares {header.layout.nbytes} bytes, more than fsck verifies "
                                          f"without a manifest ({self.max_page_bytes}); not verified"))
         expect = PageExpectation(ns_bytes or header.meta.namespace, ref.key, ref.group_index, ref.rank)
         check_expectation(header, expect, path=ref.path)
-        if header.layout.nbytes > VERIFY_PIECE_BYTES and not self.deep and self.mac is None:
-            buf = self.pool.acquire(VERIFY_PIECE_BYTES)
-            try:
-                if verify_in_pieces(fd, st, header, ref.path, memoryview(buf)):
-                    return PageVerdict(token_count=header.meta.token_count)
-            finally:
-                self.pool.release(buf)
+        verdict = _verify_in_pieces(self, ref, fd, st, header, hbytes)
+        if verdict is not None:
+            return verdict
         return self._read_into_pool(ref, fd, st, header, None, header.layout.nbytes)
 
     def _read_into_pool(self, ref: PageRef, fd: int, st: os.stat_result, header: PageHeader,
@@ -422,9 +424,29 @@ class PageVerifier:
         return PageVerdict(token_count=header.meta.token_count)
 
 
-def _page_header(fd: int, st: os.stat_result, path: str, layout: object | None) -> PageHeader:
-    """The page's decoded header; with ``layout``, a file larger than any page of it is
-    refused before the rest of the header is read."""
+def _verify_in_pieces(v: PageVerifier, ref: PageRef, fd: int, st: os.stat_result, header: PageHeader,
+                      hbytes: bytes) -> PageVerdict | None:
+    """A codec-none page larger than ``VERIFY_PIECE_BYTES``, verified through one buffer of
+    that size (``--deep`` and the MAC included), whatever size its manifest or header
+    declares; None where this does not apply (a smaller page, another codec): the caller
+    reads it whole. Failure policy: as ``pageops.verify_in_pieces`` (a typed ``PageError``);
+    a ``--deep`` finding is returned as the verdict's problem."""
+    if header.layout.nbytes <= VERIFY_PIECE_BYTES or not in_pieces_applies(st, header):
+        return None
+    check = functools.partial(deep_check_piece, header) if v.deep else None
+    buf = v.pool.acquire(VERIFY_PIECE_BYTES)
+    try:
+        bad = verify_in_pieces(fd, st, header, hbytes, ref.path, memoryview(buf), mac=v.mac, check_piece=check)
+    finally:
+        v.pool.release(buf)
+    if bad is not None:
+        return PageVerdict(problem=v._finding(ref, BAD_PAGE, *bad))
+    return PageVerdict(token_count=header.meta.token_count)
+
+
+def _page_header(fd: int, st: os.stat_result, path: str, layout: object | None) -> tuple[PageHeader, bytes]:
+    """The page's decoded header and its raw bytes; with ``layout``, a file larger than any
+    page of it is refused before the rest of the header is read."""
     first = os.pread(fd, HEADER_ALIGN, 0)
     hl = header_len_of(first, path=path)
     if layout is not None and st.st_size > max_file_size(layout, hl):  # type: ignore[arg-type]
@@ -433,7 +455,7 @@ def _page_header(fd: int, st: os.stat_result, path: str, layout: object | None) 
     buf = first if hl <= len(first) else first + os.pread(fd, hl - len(first), len(first))
     header = decode_header(buf, path=path)
     check_payload_bound(header, path=path)
-    return header
+    return header, buf[:hl]
 
 
 _NONFINITE: dict[str, tuple[str, int, int]] = {
@@ -446,6 +468,24 @@ _NONFINITE: dict[str, tuple[str, int, int]] = {
     "float8_e4m3fnuz": ("u1", 0xFF, 0x80),
     "float8_e5m2fnuz": ("u1", 0xFF, 0x80),
 }
+
+
+def deep_check_piece(header: PageHeader, index: int, part: memoryview) -> tuple[str, str] | None:
+    """(kind, message) if bytes ``part`` of section ``index`` hold a NaN/Inf bit pattern (the
+    ``--deep`` value check of ``deep_check_page``, one piece of a page verified in pieces);
+    None otherwise. Pure function of its arguments."""
+    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/test_cli.py)
+
+    spec = header.layout.sections[index]
+    rule = _NONFINITE.get(spec.dtype)
+    if rule is None or not len(part):
+        return None
+    words = np.frombuffer(part, dtype=rule[0])
+    bad = int(np.count_nonzero((words & np.array(rule[1], dtype=rule[0])) == rule[2]))
+    if bad:
+        return "nonfinite", (f"section {spec.name!r} ({spec.dtype}) holds NaN/Inf value(s): a KV cache or state "
+                             "that poisons every request loading it")
+    return None
 
 
 def deep_check_page(header: PageHeader, page: memoryview) -> tuple[str, str] | None:

@@ -26,8 +26,8 @@ Operations: ``publish`` (temp + optional fsync + rename, O_DIRECT when asked),
 ``publish_page`` (an encoded page, unless one exists); ``probe_odirect``; ``open_page``,
 ``RankDir`` (the directory fds of one group/rank), ``read_plan`` and ``read_own_page`` (the engine's fast read of a file it would have written:
 page-cache check, O_DIRECT, hashing piece by piece); ``read_page`` (read and verify any page),
-``read_page_fd`` (the same on an fd ``open_page`` checked), ``inspect_page`` (verify with no
-expectation, for fsck); ``remove_damaged`` / ``remove_damaged_at`` (remove a bad page once, only
+``read_page_fd`` (the same on an fd ``open_page`` checked), ``verify_in_pieces`` (the same checks
+through one small buffer, for fsck), ``inspect_page`` (verify with no expectation, for fsck); ``remove_damaged`` / ``remove_damaged_at`` (remove a bad page once, only
 if it is still the regular, single-link file that was read); ``pwritev_all`` / ``preadv_upto`` /
 ``readinto_exact`` (vectored I/O that retries short calls).
 
@@ -45,7 +45,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -763,41 +763,85 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
     return header
 
 
-def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, path: str, buf: memoryview) -> bool:
-    """Verify the payload of a codec-none page whose header was decoded and checked (every
-    section checksum, every alignment gap zero), reading it through ``buf`` a piece at a time:
-    memory stays ``len(buf)`` whatever size the page declares (fsck of a huge page with no
-    manifest). False, with nothing read, where this does not apply (another codec, a file not
-    exactly the header's size, a payload that is not the layout's buffer): the caller reads the
-    page whole (``read_page_fd``), which names any problem.
+def in_pieces_applies(st: os.stat_result, header: PageHeader) -> bool:
+    """Whether ``verify_in_pieces`` can verify this page: codec none, a payload that is the
+    layout's buffer and a file of exactly the header's size (its trailer included)."""
+    return (header.codec == Codec.NONE and header.payload_len == header.layout.nbytes
+            and st.st_size == header.file_size)
 
-    Failure policy: ``PageCorrupt`` (bad section or gap), ``PageTruncated``; other OSErrors are
-    mapped by ``read_error``."""
-    trailer = MAC_TRAILER_LEN if header.has_mac else 0
-    if (header.codec != Codec.NONE or header.payload_len != header.layout.nbytes
-            or st.st_size != header.header_len + header.payload_len + trailer or not len(buf)):
-        return False
-    key, base = header.meta.key, header.header_len
-    try:
-        for e in header.sections:
-            hasher = xxhash.xxh3_64()
-            pos, end = e.stored_offset, e.stored_offset + e.spec.nbytes
-            while pos < end:
-                piece = buf[:min(len(buf), end - pos)]
-                readinto_exact(fd, piece, base + pos, path)
-                hasher.update(piece)
-                pos += len(piece)
-            if hasher.intdigest() != e.checksum:
+
+def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, hbytes: bytes, path: str, buf: memoryview,
+                     *, mac: PageMac | None = None,
+                     check_piece: Callable[[int, memoryview], tuple[str, str] | None] | None = None,
+                     ) -> tuple[str, str] | None:
+    """Verify a codec-none page whose header was decoded and checked (``hbytes``: its raw
+    bytes), reading the payload once, in order, through ``buf`` a piece at a time: memory stays
+    ``len(buf)`` whatever size the page declares (fsck of a huge page, or of a page a planted
+    manifest makes huge). Checked: every section checksum, every alignment gap zero, with
+    ``mac`` the tag over the header and the stored payload (``authenticate``, the tag hashed
+    from the same pieces), and ``check_piece(section index, bytes)`` on each section's bytes in
+    order (``fsck --deep``'s value check; pieces start at multiples of ``len(buf)``, a multiple
+    of 64): its first finding, (kind, message), is returned; None when it found nothing.
+    Callers check ``in_pieces_applies`` first.
+
+    Failure policy: ``PageCorrupt`` (a bad section or gap), ``PageTruncated``,
+    ``PageUnauthenticated`` (as ``authenticate``: only when the content checks pass); other
+    OSErrors are mapped by ``read_error``."""
+    key, base, total = header.meta.key, header.header_len, header.payload_len
+    spans, gaps = header.layout.spans, header.layout.gaps
+    hashers = [xxhash.xxh3_64() for _ in spans]
+    found: list[tuple[str, str]] = []
+
+    def scan() -> Iterator[memoryview]:
+        pos, first_sec, first_gap = 0, 0, 0
+        while pos < total:
+            end = min(pos + len(buf), total)
+            piece = buf[:end - pos]
+            readinto_exact(fd, piece, base + pos, path)
+            while first_sec < len(spans) and spans[first_sec][1] <= pos:
+                first_sec += 1
+            i = first_sec
+            while i < len(spans) and spans[i][0] < end:
+                part = piece[max(spans[i][0], pos) - pos:min(spans[i][1], end) - pos]
+                hashers[i].update(part)
+                if check_piece is not None and not found and len(part):
+                    bad = check_piece(i, part)
+                    if bad is not None:
+                        found.append(bad)
+                i += 1
+            while first_gap < len(gaps) and gaps[first_gap][1] <= pos:
+                first_gap += 1
+            i = first_gap
+            while i < len(gaps) and gaps[i][0] < end:
+                a, b = max(gaps[i][0], pos), min(gaps[i][1], end)
+                if any(piece[a - pos:b - pos]):
+                    raise PageCorrupt(f"non-zero bytes in the alignment gap at page bytes {gaps[i][0]}..{gaps[i][1]}: "
+                                      "not a canonical format-3 page; it is not served", path=path, key=key)
+                i += 1
+            pos = end
+            yield piece
+
+    pieces = scan()
+
+    def content() -> None:  # the rest of the scan, then every section's sum
+        for _ in pieces:
+            pass
+        for e, h in zip(header.sections, hashers, strict=True):
+            if h.intdigest() != e.checksum:
                 raise PageCorrupt(f"section {e.spec.name!r} checksum mismatch", path=path, key=key)
-        for a, b in header.layout.gaps:
-            gap = buf[:b - a]
-            readinto_exact(fd, gap, base + a, path)
-            if any(gap):
-                raise PageCorrupt(f"non-zero bytes in the alignment gap at page bytes {a}..{b}: not a canonical "
-                                  "format-3 page; it is not served", path=path, key=key)
+
+    try:
+        if mac is not None:
+            if not header.has_mac:
+                content()
+                raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not verifiable with this "
+                                          "key, not served, left in place", path=path, key=key)
+            trailer = os.pread(fd, MAC_TRAILER_LEN, base + total)
+            authenticate(mac, hbytes, pieces, trailer, path=path, key=key, check_content=content)
+        content()
     except OSError as exc:
         raise read_error(exc, "read", path, key) from exc
-    return True
+    return found[0] if found else None
 
 
 def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
