@@ -245,3 +245,25 @@ def test_fsck_verifies_a_huge_manifest_page_in_pieces(tmp_path: Path, monkeypatc
     assert rep.pages_ok == 1 and rep.problems == []
     assert peak < 48 << 20  # pieces of VERIFY_PIECE_BYTES and their --deep temporaries
 
+
+# ------------------------------------------------------------------ gc's metrics endpoint
+@pytest.mark.parametrize("flags, addr", [([], "127.0.0.1"), (["--metrics-address", "0.0.0.0"], "0.0.0.0"),
+                                         (["--metrics-addr", "10.0.0.5"], "10.0.0.5")])
+def test_gc_metrics_listen_on_loopback_unless_widened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      flags: list[str], addr: str) -> None:
+    """``tierstore gc --metrics-port`` serves an unauthenticated endpoint: on 127.0.0.1 unless
+    ``--metrics-address`` asks for more."""
+    import argparse
+
+    import prometheus_client
+
+    from tierstore.admin import gc_command, metrics_export
+
+    bound: list[tuple[int, str]] = []
+    monkeypatch.setattr(prometheus_client, "start_http_server",
+                        lambda port, addr="", **kw: bound.append((port, addr)))
+    parser = argparse.ArgumentParser()
+    gc_command.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--max-bytes", "1", "--metrics-port", "9109", *flags])
+    assert metrics_export.start(args, tmp_path, 1) is not None
+    assert bound == [(9109, addr)]

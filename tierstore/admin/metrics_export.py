@@ -1,7 +1,8 @@
 """Prometheus metrics of ``tierstore gc`` (``--loop``): an HTTP port and/or a node_exporter textfile.
 
-Contract: ``add_arguments(parser)`` adds ``--metrics-port PORT``, ``--metrics-addr ADDR`` and
-``--metrics-textfile PATH``; ``start(args, root, cap_bytes)`` returns a ``GcMetrics`` (or None
+Contract: ``add_arguments(parser)`` adds ``--metrics-port PORT``, ``--metrics-address ADDR``
+(alias ``--metrics-addr``; default 127.0.0.1: the endpoint is unauthenticated, so it is
+reachable from other hosts only when the operator widens it) and ``--metrics-textfile PATH``; ``start(args, root, cap_bytes)`` returns a ``GcMetrics`` (or None
 when neither output was asked for) that serves ``/metrics`` on the port from then on;
 ``GcMetrics.update(report)`` records one pass (``failed()`` one that raised) and rewrites the
 textfile atomically (a temp file in the same directory, then a rename: node_exporter never
@@ -54,12 +55,16 @@ GC_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
+DEFAULT_METRICS_ADDRESS = "127.0.0.1"  # loopback: /metrics is unauthenticated
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The exporter's flags (``tierstore gc``; useful with ``--loop``)."""
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve gc's Prometheus metrics on http://ADDR:PORT/metrics (default: off)")
-    parser.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR",
-                        help="address --metrics-port listens on (default 0.0.0.0)")
+    parser.add_argument("--metrics-address", "--metrics-addr", dest="metrics_addr", default=DEFAULT_METRICS_ADDRESS,
+                        metavar="ADDR", help="address --metrics-port listens on (default 127.0.0.1, this host "
+                        "only: the endpoint has no authentication; 0.0.0.0 serves every interface)")
     parser.add_argument("--metrics-textfile", type=Path, default=None, metavar="PATH",
                         help="after each pass, write gc's metrics to PATH (a *.prom file in node_exporter's "
                         "--collector.textfile.directory), atomically")
