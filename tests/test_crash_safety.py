@@ -5,7 +5,9 @@ loop through IOEngine (two groups: a 1 MiB attention page, aligned, and a Mamba 
 payload is not a multiple of 4096, so O_DIRECT padding + truncate is exercised) and kills
 each one with SIGKILL after a random delay. Afterwards every file under a final name must
 verify completely and hold exactly the bytes its key stands for; everything else must be a
-temp file that fsck recognizes, reports as stale and removes.
+temp file that fsck recognizes, reports as stale and removes. Page temps named after a killed
+writer's pid show that kills landed while a store was in progress (a kill between stores
+leaves none), so the check above covered interrupted stores, not only finished ones.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ WRITER = textwrap.dedent(
                 eng.submit_store(key, slot, 128)
                 eng.poll()
 
-    delays, startup = [], []
+    delays, startup, killed = [], [], []
     for k in range(kills):
         r, w = os.pipe()
         pid = os.fork()
@@ -95,7 +97,9 @@ WRITER = textwrap.dedent(
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
         delays.append(delay)
-    print(json.dumps({{"kills": len(delays), "seconds_writing": sum(delays), "seconds_startup": sum(startup)}}))
+        killed.append(pid)
+    print(json.dumps({{"kills": len(delays), "seconds_writing": sum(delays), "seconds_startup": sum(startup),
+                      "pids": killed}}))
     """
 )
 
@@ -110,9 +114,11 @@ def test_sigkilled_writers_leave_no_torn_page(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["kills"] == KILLS >= 20
+    killed_pids = set(summary["pids"])
 
     ns = crash_namespace()
     pages = temps = 0
+    mid_store = 0  # page temps of killed writers: a kill that landed between a temp's create and its rename
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             path = Path(dirpath) / name
@@ -136,9 +142,14 @@ def test_sigkilled_writers_leave_no_torn_page(tmp_path: Path) -> None:
                 assert header.file_size == path.stat().st_size
                 pages += 1
             else:
-                assert parse_temp_name(name) is not None or name.startswith(".odirect-probe."), path
+                temp = parse_temp_name(name)
+                assert temp is not None or name.startswith(".odirect-probe."), path
+                mid_store += temp is not None and temp.pid in killed_pids
                 temps += 1
     assert pages > 20, "the writers stored too little to make the test meaningful"
+    # Without a kill inside a store, the torn-page checks above would only have seen finished
+    # stores. A store is most of a writer's loop, so most of the kills land inside one.
+    assert mid_store > 0, f"no kill landed while a store was in progress ({temps} temps)"
 
     report = run_fsck(FsckOptions(root=root, jobs=2, progress=False))
     counts = report.counts()
