@@ -267,3 +267,21 @@ def test_gc_metrics_listen_on_loopback_unless_widened(tmp_path: Path, monkeypatc
     args = parser.parse_args([str(tmp_path), "--max-bytes", "1", "--metrics-port", "9109", *flags])
     assert metrics_export.start(args, tmp_path, 1) is not None
     assert bound == [(9109, addr)]
+
+
+# ------------------------------------------------------------------ the lane's fault builds
+@pytest.mark.parametrize("value, needle", [("yes", "not a known value"),
+                                           ("unfixed", "TIERSTORE_LANE_FAULTS_TESTS_ONLY=1")])
+def test_a_stray_lane_faults_value_never_builds_fault_kernels(value: str, needle: str) -> None:
+    """``TIERSTORE_LANE_FAULTS`` left in an environment: an unknown value, or ``unfixed``
+    without its test-only opt-in, keeps the kernels from loading, with the setting named."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TIERSTORE_LANE_FAULTS_TESTS_ONLY"}
+    env.update(TIERSTORE_LANE_FAULTS=value, PYTHONPATH=str(REPO))
+    code = "from tierstore.native import loader; print(loader.start(wait=True), loader.failure())"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.startswith("False ") and "TIERSTORE_LANE_FAULTS" in got.stdout and needle in got.stdout
+

@@ -45,7 +45,8 @@ def _compiled() -> None:
 
 
 def _run(script: str, *args: str, faults: str = "1", timeout: float = 300) -> dict[str, object]:
-    env = dict(os.environ, TIERSTORE_LANE_FAULTS=faults, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS}")
+    env = dict(os.environ, TIERSTORE_LANE_FAULTS=faults, TIERSTORE_LANE_FAULTS_TESTS_ONLY="1",
+               PYTHONPATH=f"{REPO}{os.pathsep}{TESTS}")
     got = subprocess.run([sys.executable, str(TESTS / script), *args], capture_output=True, text=True,
                          timeout=timeout, env=env, cwd=REPO)
     assert got.returncode == 0, got.stderr[-3000:]

@@ -29,6 +29,7 @@ Threading: the kernels hold no GIL (``nogil=True``) and touch only the buffers t
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numba
@@ -96,12 +97,33 @@ if native_abi.digest() != ABI_DIGEST:
                        f"last built against it ({ABI_DIGEST}): set ABI_DIGEST in tierstore/native/kernels.py to the "
                        "new digest, after checking every kernel that uses a changed constant")
 
-# TIERSTORE_LANE_FAULTS (tests only) compiles the lane's fault-injection pauses in
-# (native_abi.FAULT_*): "1" with today's claim and RUNNING mark; "unfixed" with the ones that
-# had the races of issue 36 (the ring cell read after the claim's CAS, the RUNNING mark and
-# stop's cancel as plain stores), to prove the race tests can fail. Either way the lane's
-# kernels are compiled for this process only, never read from or written to numba's cache.
-LANE_FAULTS = {"": 0, "0": 0, "1": 1, "unfixed": 2}.get(os.environ.get("TIERSTORE_LANE_FAULTS", ""), 1)
+
+
+def lane_faults(env: Mapping[str, str]) -> int:
+    """The fault build ``TIERSTORE_LANE_FAULTS`` asks for (tests only): 0 none ("" or "0", the
+    production kernels); 1 ("1") the lane's fault-injection pauses (native_abi.FAULT_*) with
+    today's claim and RUNNING mark; 2 ("unfixed") the pauses with the claim and RUNNING mark that
+    had the wrong-page races (the ring cell read after the claim's CAS, the RUNNING mark and
+    stop's cancel as plain stores), to prove the race tests can fail. Either fault build's lane
+    kernels are compiled for this process only, never read from or written to numba's cache.
+
+    Failure policy: any other value, and "unfixed" without ``TIERSTORE_LANE_FAULTS_TESTS_ONLY=1``
+    beside it, raise ``RuntimeError`` naming the setting: the kernels do not load (the loader
+    reports why and the Python path serves), so a stray variable never compiles the known race
+    into an install."""
+    value = env.get("TIERSTORE_LANE_FAULTS", "")
+    level = {"": 0, "0": 0, "1": 1, "unfixed": 2}.get(value)
+    if level is None:
+        raise RuntimeError(f"TIERSTORE_LANE_FAULTS={value!r} is not a known value ('' or '0': the production kernels; "
+                           "'1' and 'unfixed': fault builds for tests only); unset it")
+    if level == 2 and env.get("TIERSTORE_LANE_FAULTS_TESTS_ONLY") != "1":
+        raise RuntimeError("TIERSTORE_LANE_FAULTS=unfixed compiles a known wrong-page race into the kernels and is for "
+                           "the lane's race tests only: set TIERSTORE_LANE_FAULTS_TESTS_ONLY=1 beside it there, and "
+                           "unset TIERSTORE_LANE_FAULTS everywhere else")
+    return level
+
+
+LANE_FAULTS = lane_faults(os.environ)
 UNFIXED = 1 if LANE_FAULTS == 2 else 0
 _CACHE = native_abi.cache_kernels  # False: no writable cache directory (loader._build); compile only
 _LL = {"i32": ir.IntType(32), "i64": ir.IntType(64)}
