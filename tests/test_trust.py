@@ -285,3 +285,23 @@ def test_a_stray_lane_faults_value_never_builds_fault_kernels(value: str, needle
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.startswith("False ") and "TIERSTORE_LANE_FAULTS" in got.stdout and needle in got.stdout
 
+
+# ------------------------------------------------------------------ the hash seed stays secret
+def test_the_namespace_records_nothing_of_the_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """manifest.json and the namespace digest must not carry a brute-forceable digest of
+    PYTHONHASHSEED (at most 32 bits): two seeds give the same marker, and no digest of the
+    seed appears in it."""
+    import hashlib
+
+    from tierstore.vllm.namespace import hash_seed_marker
+
+    markers = []
+    for seed in ("12345", "4294967295"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        stable, marker = hash_seed_marker("sha256")
+        assert stable and seed not in marker
+        digest = hashlib.sha256(seed.encode()).hexdigest()
+        assert not any(digest[i:i + 8] in marker for i in range(0, len(digest) - 8))
+        markers.append(marker)
+    assert markers[0] == markers[1] != "default"
+

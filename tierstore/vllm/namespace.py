@@ -31,7 +31,6 @@ No threading concerns (pure functions over immutable values).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,12 +374,17 @@ def hash_seed_marker(hash_algo: str) -> tuple[bool, str]:
     """(stable across processes?, marker) for vLLM's first-block hash seed.
 
     vLLM seeds its hash chain with PYTHONHASHSEED when set, else a fixed string for sha256*
-    and a random per-process value for xxhash*. The marker keeps pages of different seeds
-    apart (they could never hit anyway) and flags namespaces that cannot be reused.
+    and a random per-process value for xxhash*. The marker says which of these applies and
+    flags namespaces that cannot be reused. It records nothing of the seed's value: the seed
+    is at most 32 bits, so any digest of it in manifest.json (or in the namespace digest that
+    names the directory) could be brute-forced, giving back the secret that keeps block hashes
+    (page names) from being computed from a guessed prompt. Pages of different seeds may share
+    a namespace; their block hashes differ, so they never hit each other.
+
+    Failure policy: none (reads the environment only).
     """
-    seed = os.environ.get("PYTHONHASHSEED")
-    if seed is not None:
-        return True, "PYTHONHASHSEED:" + hashlib.sha256(seed.encode()).hexdigest()[:12]
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return True, "PYTHONHASHSEED"
     if hash_algo in STABLE_HASH_ALGOS:
         return True, "default"
     return False, f"random:{os.getpid()}"
