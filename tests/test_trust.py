@@ -305,3 +305,19 @@ def test_the_namespace_records_nothing_of_the_hash_seed(monkeypatch: pytest.Monk
         markers.append(marker)
     assert markers[0] == markers[1] != "default"
 
+
+# ------------------------------------------------------------------ the MAC without blake3
+def test_a_mac_without_blake3_warns_once_naming_the_package(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Without the blake3 package the fleet MAC falls back to keyed BLAKE2b (several times
+    slower): said once, at start, with the command that fixes it."""
+    import logging
+
+    monkeypatch.setattr(mac_mod, "_blake3", None)
+    if hasattr(mac_mod, "_fallback_warned"):
+        monkeypatch.setattr(mac_mod, "_fallback_warned", type(mac_mod._fallback_warned)())
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert mac_mod.PageMac(os.urandom(32)).name == "blake2b"
+    said = [r.getMessage() for r in caplog.records if "blake3" in r.getMessage()]
+    assert len(said) == 1 and "pip install blake3" in said[0] and "mac_key_file" in said[0]

@@ -10,7 +10,8 @@ still write any page (the key is the fleet's identity), and an old page of the s
 valid (no freshness).
 
 Algorithms (``PageMac.algorithm``): keyed BLAKE3 when the ``blake3`` package is installed,
-otherwise keyed BLAKE2b (hashlib). Measured on 2 MiB pages by ``python -m tierstore.format.mac``;
+otherwise keyed BLAKE2b (hashlib), with a warning once per process naming ``pip install
+blake3``. Measured on 2 MiB pages by ``python -m tierstore.format.mac``;
 HMAC-SHA256 is the slowest of the three and is not offered. Both keyed hashes release the GIL
 for large buffers. A verifier accepts either algorithm (neither is forgeable without the key).
 The key file is read through safefs (regular file, one link, at most 4 KiB), must be owned by the
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import stat
 import struct
 import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -38,6 +41,8 @@ try:
     import blake3 as _blake3
 except ImportError:  # optional: BLAKE2b is the fallback
     _blake3 = None
+
+logger = logging.getLogger(__name__)
 
 TAG_LEN = 32
 _MAGIC = b"TSMAC"
@@ -65,6 +70,22 @@ def _pieces(payload: Payload) -> Iterable[bytes | bytearray | memoryview]:
     return (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload
 
 
+_fallback_warned = threading.Event()
+
+
+def warn_blake2b_fallback() -> None:
+    """Warn, once per process, that tags are written with keyed BLAKE2b because the ``blake3``
+    package is missing: several times slower per CPU-second, so a MAC on a fast path costs
+    many more cores. Called when a ``PageMac`` picks its algorithm (a node starting with a key).
+
+    Failure policy: none (a log record; the BLAKE2b MAC is as unforgeable as BLAKE3's)."""
+    if _fallback_warned.is_set():
+        return
+    _fallback_warned.set()
+    logger.warning("tierstore: the blake3 package is not installed, so page MACs (setting \"mac_key_file\") use "
+                   "keyed BLAKE2b, several times slower per CPU-second than BLAKE3: pip install blake3")
+
+
 class PageMac:
     def __init__(self, key: bytes, algorithm: int | None = None):
         if len(key) < MIN_KEY_BYTES:
@@ -72,6 +93,8 @@ class PageMac:
         self._key = hashlib.blake2b(key, digest_size=32, person=b"tierstore-mac").digest()
         if algorithm is None:
             algorithm = ALG_BLAKE3 if _blake3 is not None else ALG_BLAKE2B
+            if _blake3 is None:
+                warn_blake2b_fallback()
         if algorithm == ALG_BLAKE3 and _blake3 is None:
             raise ConfigError("mac algorithm blake3 needs the blake3 package (pip install blake3)")
         self.algorithm = algorithm
