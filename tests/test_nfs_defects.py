@@ -122,16 +122,24 @@ def test_replaced_directory_is_noticed_at_a_bounded_rate(tmp_path: Path, monkeyp
     """The namespace directory renamed away and made again (the held fd still works, on the
     old directory): within one check interval A loads the new directory's pages; a call inside
     the interval is not checked (no stat of the path per call)."""
-    monkeypatch.setattr(pageops, "RANK_DIR_CHECK_S", 2.0, raising=False)
+    # An interval twice the module's (2 s): the call 2.1 s after the fd was opened falls
+    # between the two, so the test fails if the check does not follow this setting. The
+    # margin (up to 1.9 s of set-up) is for a loaded machine.
+    monkeypatch.setattr(pageops, "RANK_DIR_CHECK_S", 4.0)
     root = tmp_path / "root"
+    t0 = time.monotonic()  # the fd is opened after this: its check is due at t0 + 4 s or later
     a = _engine(root)
-    assert _store(a, 0).ok and _load(a, 0) == "ok"  # the fd is open, its check 2 s ahead
+    assert _store(a, 0).ok and _load(a, 0) == "ok"  # the fd is open, its check 4 s ahead
+    opened_by = time.monotonic()  # the fd was opened before this: a 2 s check would be due
     ns_dir = a.mapper.base.parent.parent
     os.rename(ns_dir, tmp_path / "moved-away")
     b = _engine(root)
     assert _store(b, 1).ok
     assert _load(a, 1) == "missing"  # inside the interval: the old directory, no check yet
-    time.sleep(2.1)
+    time.sleep(max(0.0, opened_by + 2.1 - time.monotonic()))
+    assert time.monotonic() < t0 + 4.0, "set-up took too long to test inside the interval"
+    assert _load(a, 1) == "missing"  # still inside it (a call does not check early)
+    time.sleep(max(0.0, opened_by + 4.1 - time.monotonic()))
     assert _load(a, 1) == "ok"
     assert a.stats["rank_dir_reopens"] == 1
     a.close()
@@ -142,7 +150,7 @@ def test_stale_reopen_is_rate_bounded(tmp_path: Path, nfs_stale_handles: None,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory that goes stale again right after a reopen is not reopened on every call:
     within ``RANK_DIR_REOPEN_MIN_S`` the call is answered as a miss."""
-    monkeypatch.setattr(pageops, "RANK_DIR_REOPEN_MIN_S", 30.0, raising=False)  # (a loaded machine)
+    monkeypatch.setattr(pageops, "RANK_DIR_REOPEN_MIN_S", 30.0)  # (a loaded machine)
     root = tmp_path / "root"
     mapper = FileMapper(root, _ns().digest, 0)
     mapper.make_fanout_dirs()

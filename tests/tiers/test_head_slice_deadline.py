@@ -53,7 +53,13 @@ def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
         hung.wait(30)
         raise AssertionError("served after the hang")
 
-    monkeypatch.setattr(HeadSliceStore, "_probe", lambda self: hung.wait(30), raising=False)  # the mount hangs
+    probed = threading.Event()
+
+    def hung_probe(self: HeadSliceStore) -> None:  # the mount hangs for the health probe too
+        probed.set()
+        hung.wait(30)
+
+    monkeypatch.setattr(HeadSliceStore, "_probe", hung_probe)
     store, slices = _over_slices(tmp_path, monkeypatch, hung_assemble, DEADLINE_S, slots=8)
     try:
         t0 = time.monotonic()
@@ -72,6 +78,9 @@ def test_a_hung_fallback_times_out_at_the_deadline_and_later_loads_do_not_queue(
         assert len(entered) == 2  # only the two hung threads ever read
         st = store.stats
         assert st["slice_timeouts"] == 2 and st["slice_skipped"] == 6
+        # Down since the deadline, and still down: the health probe (the hung one above, not a
+        # probe of the real directory, which would answer and mark it up) does not return.
+        assert probed.wait(5) and not store.health.up
     finally:
         hung.set()
         store.close()

@@ -58,7 +58,7 @@ def test_stores_skipped_over_a_quota_say_edquot(tmp_path: Path, monkeypatch: pyt
 
 def test_a_full_root_skips_stores_until_the_timer_or_gc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(deadline, "FULL_BACKOFF_S", 2.0, raising=False)  # (doubles to 4 s)
+    monkeypatch.setattr(deadline, "FULL_BACKOFF_S", 2.0)  # (doubles to 4 s)
     root = tmp_path / "root"
     eng = IOEngine(root, simple_namespace("float16", tokens_per_chunk=16), 0,
                    config=TierStoreConfig(root=str(root), io_threads=2, io_loop="python"))  # the lane's
