@@ -321,3 +321,19 @@ def test_a_mac_without_blake3_warns_once_naming_the_package(monkeypatch: pytest.
             assert mac_mod.PageMac(os.urandom(32)).name == "blake2b"
     said = [r.getMessage() for r in caplog.records if "blake3" in r.getMessage()]
     assert len(said) == 1 and "pip install blake3" in said[0] and "mac_key_file" in said[0]
+
+
+# ------------------------------------------------------------------ a planted entry under a page name
+@pytest.mark.parametrize("plant", ["fifo", "directory"])
+def test_a_store_over_a_planted_fifo_or_directory_is_not_stored(tmp_path: Path, plant: str) -> None:
+    """A FIFO or directory under a page's name is not the page: the store must not report it
+    stored (which would block that key for good); it is reported, and left for fsck."""
+    eng = engine(tmp_path)
+    try:
+        k = page_key(7)
+        path = eng.mapper.path_for(k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path) if plant == "fifo" else path.mkdir()
+        assert not store(eng, k).ok
+    finally:
+        eng.close()

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +53,7 @@ from typing import Any
 import zstandard
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import PageError, PageStoreError
+from tierstore.errors import PageError, PageStoreError, PageUnsafe
 from tierstore.format.identity import Namespace
 from tierstore.format.mac import PageMac
 from tierstore.format.page import (
@@ -204,12 +205,16 @@ class PageFiles(NativeFileCalls):
                   sums: tuple[int, ...] | None) -> tuple[bool, int]:
         """``store`` in the checked fan-out directory ``dir_fd``."""
         try:
-            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            return False, self._nbytes  # before hashing anything: names are content addresses
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+        else:
+            if not stat.S_ISREG(st.st_mode):  # a planted FIFO, directory or link: not the page
+                raise PageUnsafe(f"not a regular file under the page's name (file type {stat.S_IFMT(st.st_mode):#o}): "
+                                 "not stored, left for fsck --repair", path=final, key=key)
+            return False, self._nbytes  # before hashing anything: names are content addresses
         tmp = os.path.basename(self.mapper.temp_path(key, final))
         mode = self.perms.file_mode
         if self.codec == Codec.NONE:

@@ -75,11 +75,13 @@ class NativeFileCalls:
 
     def _native_stored(self, key: bytes, code: int) -> tuple[bool, int] | None:
         """A native store's code as ``store``'s result (the page noted, ``_note_stored``);
-        None: the Python path redoes it."""
-        if code not in (0, native.STORE_EXISTS):
+        None: the Python path redoes it, for an existing entry too (``STORE_EXISTS``: one stat
+        there tells a page from a FIFO, directory or link planted under its name, which is
+        refused rather than reported stored)."""
+        if code != 0:
             return None
         self._note_stored(key)
-        return code == 0, self._nbytes
+        return True, self._nbytes
 
     def _store_native_many(self, items: list[tuple[bytes, StagingSlot, int, tuple[int, ...] | None]],
                            out: list[tuple[bool, int] | PageError | None]) -> None:
