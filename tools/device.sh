@@ -30,7 +30,7 @@ PY
 gpu_tests() {
     timeout 450 python -m pytest -q -rsfE -p no:cacheprovider tests/native/test_native.py tests/kernels tests/vllm/test_worker_gpu.py \
         tests/vllm/test_worker_sparse_mla.py tests/vllm/test_worker_deepseek_v4.py tests/vllm/test_path_modules.py \
-        tests/test_engine.py tests/rootstore/test_engine_batches.py tests/format/test_golden.py tests/test_format.py \
+        tests/rootstore/test_engine.py tests/rootstore/test_engine_batches.py tests/format/test_golden.py tests/format/test_format.py \
         tests/tiers/test_tiers_chain.py tests/tiers/test_head_slices.py tests/rootstore/test_stress_threads.py \
         tests/bench/test_bench_kernels.py tests/native/test_native_lane.py tests/native/test_native_lane_races.py > "$OUT/gpu_tests.txt" 2>&1
     tail -4 "$OUT/gpu_tests.txt"

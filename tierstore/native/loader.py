@@ -80,7 +80,7 @@ FORK_WAITS_FOR_COMPILE_S = 60.0
 def _finish_compile_before_fork() -> None:
     # A child forked while the compile thread is inside LLVM inherits LLVM's half-updated
     # state, and its own compile can then abort the child ("List invariant broken", seen in
-    # tests/test_crash_safety.py): let a compile in progress finish first (1-3 s, at most once).
+    # tests/rootstore/test_crash_safety.py): let a compile in progress finish first (1-3 s, at most once).
     if _started and not _ready.is_set():
         _ready.wait(FORK_WAITS_FOR_COMPILE_S)
 

@@ -302,10 +302,11 @@ def test_fsck_verifies_a_huge_page_without_a_manifest_in_bounded_memory(tmp_path
 
 # ----------------------------------------------------------------- defect 8d: fsck checks MAC tags
 def test_fsck_with_the_fleet_key_checks_every_mac_tag(tmp_path: Path) -> None:
-    """``tierstore fsck --mac-key-file``: a page with a wrong tag and one with none are bad
-    pages of kind ``mac`` (exit 4); without the key both count as good, as before."""
+    """``tierstore fsck --mac-key-file``: a page with a wrong tag and one with none are not
+    verifiable with this key (kind ``mac``, exit 64: not damage, never deleted, since another
+    key may have written them); without the key both count as good, as before."""
     from tierstore.admin.cli import main
-    from tierstore.admin.fsck import FsckOptions, run_fsck
+    from tierstore.admin.fsck import EXIT_UNVERIFIABLE, FsckOptions, run_fsck
 
     root = tmp_path / "root"
     key_file = tmp_path / "fleet.key"
@@ -322,10 +323,13 @@ def test_fsck_with_the_fleet_key_checks_every_mac_tag(tmp_path: Path) -> None:
     data[-1] ^= 0xFF  # the tag's last byte
     forged.write_bytes(bytes(data))
     rep = run_fsck(FsckOptions(root, progress=False, mac_key_file=key_file))
-    found = {p.path: p.kind for p in rep.problems}
-    assert rep.pages_ok == 2 and found == {str(forged): "mac", str(unsigned.mapper.path_for(page_key(3))): "mac"}
+    found = {p.path: p.kind for p in rep.unverifiable}
+    assert rep.pages_ok == 2 and rep.problems == []
+    assert found == {str(forged): "mac", str(unsigned.mapper.path_for(page_key(3))): "mac"}
     assert run_fsck(FsckOptions(root, progress=False)).pages_ok == 4  # without the key: not checked
-    assert main(["fsck", str(root), "--mac-key-file", str(key_file)]) == 4
+    assert main(["fsck", str(root), "--mac-key-file", str(key_file)]) == EXIT_UNVERIFIABLE
+    assert main(["fsck", str(root), "--mac-key-file", str(key_file), "--repair"]) == EXIT_UNVERIFIABLE
+    assert forged.exists() and unsigned.mapper.path_for(page_key(3)).exists()  # a wrong key deletes nothing
     assert main(["fsck", str(root)]) == 0
 
 
