@@ -474,7 +474,7 @@ def deep_check_piece(header: PageHeader, index: int, part: memoryview) -> tuple[
     """(kind, message) if bytes ``part`` of section ``index`` hold a NaN/Inf bit pattern (the
     ``--deep`` value check of ``deep_check_page``, one piece of a page verified in pieces);
     None otherwise. Pure function of its arguments."""
-    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/test_cli.py)
+    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/admin/test_cli.py)
 
     spec = header.layout.sections[index]
     rule = _NONFINITE.get(spec.dtype)
@@ -494,7 +494,7 @@ def deep_check_page(header: PageHeader, page: memoryview) -> tuple[str, str] | N
     Recomputes what the page's content determines beyond its checksums: alignment gaps zero
     (canonical bytes) and floating-point sections free of NaN/Inf bit patterns. Pure function
     of its arguments (safe from the read pool's threads)."""
-    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/test_cli.py)
+    import numpy as np  # here: plain fsck (and the CLI) must not import numpy (tests/admin/test_cli.py)
 
     layout = header.layout
     gap = nonzero_gap(layout, page)

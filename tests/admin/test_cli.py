@@ -18,7 +18,7 @@ from tierstore.format.identity import Namespace
 from tierstore.format.page import Codec
 from tierstore.testing import fill_pages, hybrid_namespace, page_key, simple_namespace, write_page
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:

@@ -24,7 +24,7 @@ from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
 NS = simple_namespace()
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 
