@@ -53,7 +53,9 @@ def test_the_lane_writes_the_python_threads_bytes_and_reads_them_back(tmp_path: 
         for key, data in pages.items():
             res, got = load_page(eng, key)
             assert res.ok and res.verified and got == data, res
-        assert _lane_jobs(eng) == (2 * len(pages) + 1 if loop == "native" else 0)
+        # every store and load of a new page runs in the lane; the store onto an existing name
+        # is answered where its file type is checked (a FIFO or directory there is not "stored")
+        assert _lane_jobs(eng) == (2 * len(pages) if loop == "native" else 0)
         files[loop] = {k: eng.mapper.path_for(k).read_bytes() for k in pages}
         eng.close()
     assert files["native"] == files["python"]  # canonical bytes whichever loop wrote them
