@@ -1,7 +1,7 @@
 """A lease file with an expiry: "one evictor at a time" on a shared export, without locks.
 
 Contract: ``ROOT/.tierstore-gc.lease`` holds JSON ``{"owner", "ttl", "expires", "host",
-"pid"}``. It is only ever replaced atomically (temp file + rename), so a reader sees a whole
+"pid", "writer"}`` (``writer``: ``mapper.host_tag``, the host name, boot and PID namespace). It is only ever replaced atomically (temp file + rename), so a reader sees a whole
 lease or none. To take the lease a node reads it (open + read: NFS close-to-open gives the
 server's current content), and if it is absent, unparsable, its own, or expired, publishes its
 own, waits ``settle_s`` and reads it back: only a node that reads its own owner id holds the
@@ -26,8 +26,9 @@ Hostile content (the root is untrusted): the lease is read through a checked fd
 (safefs: no symlink, no FIFO, at most ``MAX_LEASE_BYTES``); an expiry that is not a finite
 number or lies beyond now + ttl + skew (year 3000, ``Infinity``), a ``ttl`` that is not a finite
 number in (0, ``MAX_TTL_S``], and a file mtime beyond the server's now + ttl + skew are garbage;
-a holder on this host whose pid is out of range or no longer alive is dead; all of these count
-as absent. A
+a holder on this host whose pid is out of range or no longer alive is dead (on this host: its
+``writer`` is ours, so its pid is one of our PID namespace's; a lease of an older version, with
+no ``writer``, by its host name); all of these count as absent. A
 directory (or anything that cannot be replaced by a file) at the lease path is reported in
 ``problem`` and the lease is not taken (``acquire`` returns False with ``problem`` set).
 
@@ -47,6 +48,7 @@ import uuid
 from pathlib import Path
 
 from tierstore.fs import safefs
+from tierstore.fs.mapper import host_tag
 from tierstore.fs.stale_temps import PID_LIMIT, process_alive
 
 LEASE_NAME = ".tierstore-gc.lease"
@@ -143,7 +145,10 @@ class Lease:
             data = {**data, "live_until": expires + self.skew_s, "server_now": time.time()}
         pid, host = data.get("pid"), data.get("host")
         dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_LIMIT or not process_alive(pid)
-        if host == socket.gethostname() and data["owner"] != self.owner and dead_pid:
+        # Its pid means something here only in our PID namespace: a pod with our host name in
+        # another one (hostNetwork) writes another ``writer`` and is judged by expiry alone.
+        same_writer = data.get("writer", host_tag()) == host_tag()
+        if host == socket.gethostname() and same_writer and data["owner"] != self.owner and dead_pid:
             return None  # a dead holder on this host
         return data
 
@@ -178,7 +183,7 @@ class Lease:
 
     def _publish(self) -> None:
         body = {"owner": self.owner, "ttl": self.ttl_s, "expires": time.time() + self.ttl_s,
-                "host": socket.gethostname(), "pid": os.getpid()}
+                "host": socket.gethostname(), "pid": os.getpid(), "writer": host_tag()}
         root_fd = safefs.open_root(self.root)
         try:
             safefs.write_file_atomic(LEASE_NAME, root_fd, json.dumps(body).encode(),

@@ -21,7 +21,15 @@ atomic on local file systems and NFS). Temp names are
     .<key hex>.kvp.<host>.<pid>.<random>.tmp
 
 so fsck can tell a temp from a page, and on the writer's own host whether the writer still
-lives. Everything else in a namespace directory (besides ``manifest.json``) is foreign.
+lives. ``<host>`` (``host_tag``) is the writer's identity, not just its host name: the host
+name (its first 27 characters) and 12 hex digits of a hash of the whole host name, the
+kernel's boot id and the inode of the writer's PID namespace (``/proc/self/ns/pid``). Two
+writers with the same tag therefore share a PID namespace, so a pid in the name can be
+checked with a local pid (``stale_temps.writer_gone``); pods on one node with one host name
+(hostNetwork) or long names cut to one prefix, each in its own PID namespace, get different
+tags and judge each other's temps by age only, as another host's. A reboot changes the tag
+too: the previous boot's temps are judged by age. Everything else in a namespace directory
+(besides ``manifest.json``) is foreign.
 
 ``FileMapper`` is the one owner of these names: ``path_for``/``temp_path_for`` (pathlib, with
 the key checked) and ``final_path``/``temp_path`` (plain strings for the I/O threads' hot
@@ -32,6 +40,7 @@ Threading: immutable after construction; safe from any thread.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
@@ -46,7 +55,39 @@ from tierstore.fs import safefs
 PAGE_SUFFIX = ".kvp"
 TEMP_SUFFIX = ".tmp"
 MAX_KEY_BYTES = 96  # 192 hex characters keep every file name under 255 bytes
-_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+HOST_NAME_CHARS = 27  # the host name's share of a 40-character tag ("-" and 12 hex digits follow)
+
+
+def _proc_text(path: str) -> str:
+    """A small /proc file's text, or "" where it cannot be read (no /proc: the tag then rests on
+    what can be read; never an error)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(256).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    """The inode of this process's PID namespace (``/proc/self/ns/pid``), or "" unknown."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def writer_tag(host: str, boot_id: str, pid_namespace: str) -> str:
+    """The ``<host>`` of temp names written from ``host`` in one boot (``boot_id``) and one PID
+    namespace (its inode): the host name's first ``HOST_NAME_CHARS`` characters (``-`` for
+    anything but letters, digits and ``-``), then ``-`` and 12 hex digits of a hash of all
+    three. At most 40 characters, as before. Pure."""
+    name = re.sub(r"[^A-Za-z0-9-]", "-", host)[:HOST_NAME_CHARS] or "host"
+    digest = hashlib.blake2b("\0".join((host, boot_id, pid_namespace)).encode(), digest_size=6,
+                             person=b"tierstore-host").hexdigest()
+    return f"{name}-{digest}"
+
+
+_HOST = writer_tag(socket.gethostname(), _proc_text("/proc/sys/kernel/random/boot_id"), _pid_namespace())
 # The names tierstore writes, one pattern each (every reader of a tree uses these): a page is
 # its key's hex (whole bytes, 1-96 of them), a temp adds the writer (host, pid, random), a
 # namespace directory is its 16-byte digest, a slice directory h<start>-<count>.
@@ -69,7 +110,8 @@ def _temp_name(key: bytes) -> str:
 
 
 def host_tag() -> str:
-    """This host's name as it appears in temp file names."""
+    """This writer's identity as it appears in temp file names (``writer_tag``: the host name,
+    boot and PID namespace; module docstring)."""
     return _HOST
 
 

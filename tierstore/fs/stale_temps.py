@@ -10,10 +10,12 @@ tierstore writes four kinds of temp files, all named after their writer:
 
 The rule (``writer_gone``): a temp may be removed only if its writer is provably gone --
 
-1. written on this host (its host tag is ours) and its pid is not a live process: the pid does
-   not exist, is a zombie, or is a *different* process that started after the temp was last
+1. written by a writer with our tag (``mapper.host_tag``: our host name, boot and PID
+   namespace, so its pid is one of ours) and its pid is not a live process: the pid does not
+   exist, is a zombie, or is a *different* process that started after the temp was last
    written (pid reuse);
-2. written on another host, or with no host in its name: its mtime is older than
+2. written under another tag (another host, or a container with our host name in another PID
+   namespace, or an earlier boot), or with no host in its name: its mtime is older than
    ``grace_s``, the longest a write may take (a live writer publishes a page in one write and
    a rename; hours without a change mean the writer died). An mtime in the future (clock skew
    between NFS clients) never counts as old.
