@@ -412,3 +412,17 @@ def test_pages_of_format_2_are_cleanly_refused(tmp_path, monkeypatch) -> None:
         read_page(path, gp.expectation(), memoryview(bytearray(gp.layout.nbytes)))
     version, old = fmt.decode_header_any_version(path.read_bytes())
     assert (version, old.meta) == (2, gp.meta)  # only fsck --deep reads such headers, to report them
+
+
+@pytest.mark.parametrize("past", [1, 4096])
+def test_a_zstd_section_past_the_payload_is_refused_by_the_header(past: int) -> None:
+    # A checksum-valid zstd header whose section table points past the payload: the header
+    # decoder refuses it before any reader slices the payload (a slice past the end would be
+    # silently short, and inspect_page, fsck and the engine all trust a decoded header's spans).
+    spec = SectionSpec("k", "uint8", (64,))
+    meta = PageMeta(bytes(16), b"k", 0, GroupKind.ATTENTION, 1)
+    inside = encode_header(meta, Codec.ZSTD, [SectionEntry(spec, 0, 64, 0)], 64)
+    assert decode_header(inside).payload_len == 64  # the control: the same header, in bounds
+    raw = encode_header(meta, Codec.ZSTD, [SectionEntry(spec, 0, 64 + past, 0)], 64)
+    with pytest.raises(PageFormatError, match="runs past the payload"):
+        decode_header(raw)
