@@ -324,16 +324,47 @@ def test_a_mac_without_blake3_warns_once_naming_the_package(monkeypatch: pytest.
 
 
 # ------------------------------------------------------------------ a planted entry under a page name
-@pytest.mark.parametrize("plant", ["fifo", "directory"])
-def test_a_store_over_a_planted_fifo_or_directory_is_not_stored(tmp_path: Path, plant: str) -> None:
-    """A FIFO or directory under a page's name is not the page: the store must not report it
-    stored (which would block that key for good); it is reported, and left for fsck."""
-    eng = engine(tmp_path)
+@pytest.mark.parametrize("plant", ["fifo", "directory", "symlink", "hardlink"])
+def test_a_store_over_a_planted_entry_replaces_it_and_deletes_nothing(tmp_path: Path, plant: str) -> None:
+    """A FIFO, directory, symlink or hard link under a page's name is not the page (a load
+    refuses it as unsafe and never removes it): the store must not report it stored, which
+    blocked the key for good, nor stop at it, which blocks it until an operator repairs the
+    root. The page replaces the entry (a directory is moved aside first, its content intact;
+    a link's target and a hard link's other name keep their bytes) and is served after."""
+    from tierstore.admin.inventory import FOREIGN
+
+    root = tmp_path / "root"
+    eng = engine(root)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"someone's data")
     try:
         k = page_key(7)
         path = eng.mapper.path_for(k)
         path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkfifo(path) if plant == "fifo" else path.mkdir()
-        assert not store(eng, k).ok
+        if plant == "fifo":
+            os.mkfifo(path)
+        elif plant == "directory":
+            path.mkdir()
+            (path / "inside").write_bytes(b"kept")
+        elif plant == "symlink":
+            path.symlink_to(outside)
+        else:
+            os.link(outside, path)
+        res, _ = load_page(eng, k)
+        assert not res.ok and res.error.kind == "unsafe"
+        stored = store(eng, k)
+        assert stored.ok and stored.stored, stored.error
+        res, data = load_page(eng, k)
+        assert res.ok and data == page_bytes(eng.layout, k), res.error
+        assert eng.stats["planted_replaced"] == 1
+        assert outside.read_bytes() == b"someone's data"
+        aside = [p for p in path.parent.iterdir() if ".planted-" in p.name]
+        if plant == "directory":
+            assert len(aside) == 1 and aside[0].name.startswith(f".{path.name}.planted-")
+            assert (aside[0] / "inside").read_bytes() == b"kept"
+            rep = run_fsck(FsckOptions(root, progress=False))
+            assert [p.category for p in rep.problems] == [FOREIGN] and rep.pages_ok == 1, rep.format_text()
+        else:
+            assert aside == []
     finally:
         eng.close()

@@ -30,7 +30,8 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   directories 0700 (0660/2770 with ``shared_group_access``). Every load, store and discard
   reaches its file through ``PageFiles`` (``pagefile.RankDir``: directory fds, no symlink followed) and
   opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
-  is a ``PageUnsafe`` failure, never served, never removed. With ``mac_key_file`` every page
+  is a ``PageUnsafe`` failure, never served, never followed or removed by a load; a store of the
+  key replaces that entry (a directory is moved aside: ``PageFiles._clear_planted``). With ``mac_key_file`` every page
   carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac":
   not verifiable with this key, a miss; the file is left in place, never removed: it may be
   another key's good page during a rotation, ``errors.UNVERIFIABLE_KINDS``); such an engine

@@ -6,8 +6,10 @@ one rank directory and one page shape, and caches what every page of that shape 
 header template per key length, the warm read plan). ``IOEngine`` decides when an operation
 runs and what its result means (queue, slots, stats, settle); this module only does it.
 
-- ``store``: an existing final file counts as stored (``stored=False``) before anything is
-  hashed. Codec none: the header (``HeaderTemplate.fill``, the caller's section sums or ours)
+- ``store``: an existing final file (regular, one link) counts as stored (``stored=False``)
+  before anything is hashed; anything else under the name (a planted FIFO, directory, link or
+  hard link, which no load serves) is replaced by the page, a directory moved aside first,
+  nothing deleted (``_clear_planted``). Codec none: the header (``HeaderTemplate.fill``, the caller's section sums or ours)
   is written into the slot's frame right before the page, the gaps between sections zeroed
   (``format.zero_gaps``), and the file goes out as one buffer (O_DIRECT: padded to 4096, then
   truncated). Codec zstd: ``format.encode_page``. With a MAC the tag is appended. Failures are
@@ -211,10 +213,9 @@ class PageFiles(NativeFileCalls):
         except OSError as exc:
             raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
         else:
-            if not stat.S_ISREG(st.st_mode):  # a planted FIFO, directory or link: not the page
-                raise PageUnsafe(f"not a regular file under the page's name (file type {stat.S_IFMT(st.st_mode):#o}): "
-                                 "not stored, left for fsck --repair", path=final, key=key)
-            return False, self._nbytes  # before hashing anything: names are content addresses
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                return False, self._nbytes  # before hashing anything: names are content addresses
+            self._clear_planted(dir_fd, name, st, final, key)
         tmp = os.path.basename(self.mapper.temp_path(key, final))
         mode = self.perms.file_mode
         if self.codec == Codec.NONE:
@@ -239,6 +240,31 @@ class PageFiles(NativeFileCalls):
                 pieces.append(self.mac.tag(header, payload))
             pagefile.publish(name, tmp, pieces, key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode, where=final)
         return True, self._nbytes
+
+    def _clear_planted(self, dir_fd: int, name: str, st: os.stat_result, final: str, key: bytes) -> None:
+        """Make room for the page under a name that holds something no load serves (``open_page``
+        refuses it as unsafe and never removes it, so counting it stored would block the key for
+        good): a FIFO, socket, device, symlink or hard-linked file is replaced by the page's own
+        rename below (``publish``: rename(2) replaces that directory entry, never what a link
+        points to, and a hard link's other names keep its data); a directory is renamed aside in
+        the same checked directory, to ``.<name>.planted-<random>`` (fsck reports it as foreign
+        and ``--repair`` quarantines it: nothing is deleted). Counted (``planted_replaced``) and
+        logged. Failure policy: a directory that cannot be moved raises ``PageUnsafe`` (not
+        stored, left for fsck --repair)."""
+        what = f"file type {stat.S_IFMT(st.st_mode):#o}" if not stat.S_ISREG(st.st_mode) else f"{st.st_nlink} links"
+        if stat.S_ISDIR(st.st_mode):
+            aside = f".{name}.planted-{os.urandom(6).hex()}"
+            try:
+                os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError as exc:
+                raise PageUnsafe(f"a directory under the page's name could not be moved aside ({exc.strerror}): not "
+                                 "stored, left for fsck --repair", path=final, key=key) from None
+            logger.warning("tierstore: a directory was planted under the page name %s; moved aside to %s (fsck "
+                           "--repair quarantines it) and the page stored", final, aside)
+        else:
+            logger.warning("tierstore: %s under the page name %s is not a page (%s); replaced by the page",
+                           "a link" if stat.S_ISLNK(st.st_mode) else "an entry", final, what)
+        self._count("planted_replaced")
 
     def _note_stored(self, key: bytes) -> None:
         """The one place a store tells the page index (this process's own pages: never a stale
