@@ -18,14 +18,18 @@ things:
    job is reported at request level in ``failed_recving`` (vLLM 0.32 refuses block-level
    ``invalid_block_ids`` for multi-group models) and ``kv_load_failure_policy`` is forced to
    "recompute", so the scheduler recomputes the request and never marks the blocks computed;
-   the failed keys travel back in the worker metadata so the retried lookup misses them;
+   the failed keys travel back in the worker metadata so the retried lookup misses them.
+   Inside vLLM's ``MultiConnector`` the scheduler reads the outer config's policy, which also
+   governs the other connectors: the start is refused unless it says "recompute"
+   (``tierstore.vllm.multi``);
 3. stores are submitted at the end of the step that computed them (``wait_for_save``), not at
    the start of the next step, and the worker flushes its engines at shutdown: a request with
    ``max_tokens=1`` followed by engine exit is stored.
 
 Stats: ``get_kv_connector_stats`` adds tierstore's adapter counters and (worker side) the
 per-tier metrics to vLLM's ``OffloadingConnectorStats``; ``build_prom_metrics`` exports them
-(``tierstore.vllm.stats``).
+(``tierstore.vllm.stats``). Importing this module registers ``TierStoreConnector`` in vLLM's
+connector registry, where MultiConnector's statistics look children up by class name.
 
 Threading: vLLM calls each role's methods from one thread (scheduler or worker).
 """
@@ -69,6 +73,11 @@ from tierstore.format.identity import page_file_size, write_manifest
 from tierstore.metrics import default_registry
 from tierstore.tiers.factory import root_tier_name
 from tierstore.vllm.manager import TierStoreManager
+from tierstore.vllm.multi import (
+    check_failure_policy,
+    enclosing_transfer_config,
+    register_with_factory,
+)
 from tierstore.vllm.namespace import build_namespace
 from tierstore.vllm.scheduler import TierStoreConnectorScheduler
 from tierstore.vllm.siblings import start_check
@@ -235,6 +244,8 @@ class TierStoreConnector(OffloadingConnector):
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         kv_transfer_config = vllm_config.kv_transfer_config
         assert kv_transfer_config is not None
+        if role == KVConnectorRole.SCHEDULER:
+            self._recompute_failed_loads(kv_transfer_config)
         extra = dict(kv_transfer_config.kv_connector_extra_config or {})
         self.ts_config = TierStoreConfig.from_dict(extra)
         chunk_tokens = validate_engine(vllm_config, kv_cache_config, self.ts_config)
@@ -250,11 +261,6 @@ class TierStoreConnector(OffloadingConnector):
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if kv_transfer_config.kv_load_failure_policy != "recompute":
-                # A page that fails to load must cost a recompute, never a failed request.
-                logger.info("tierstore: setting kv_load_failure_policy='recompute' (was %r)",
-                            kv_transfer_config.kv_load_failure_policy)
-                kv_transfer_config.kv_load_failure_policy = "recompute"
             for warning in stop_warnings(vllm_config, self.ts_config.flush_timeout_s):
                 logger.warning(warning)
             start_root_chores(self.ts_config.root, self.namespace, self.ts_config.local_root,
@@ -270,6 +276,21 @@ class TierStoreConnector(OffloadingConnector):
         logger.info("tierstore: %s side, namespace %s under %s, %d groups, %d tokens per page",
                     role.name.lower(), self.namespace.digest, self.ts_config.root,
                     len(self.namespace.groups), chunk_tokens)
+
+    @staticmethod
+    def _recompute_failed_loads(kv_transfer_config: Any) -> None:
+        """A page that fails to load must cost a recompute, never a failed request: vLLM's
+        scheduler decides by ``kv_load_failure_policy``. Alone, tierstore sets it on the config
+        it is given (the engine's). Inside a MultiConnector the scheduler reads the outer config,
+        whose policy also governs the partner's failures: checked before any start-up work,
+        refused unless it is "recompute" (``tierstore/vllm/multi.py``)."""
+        outer = enclosing_transfer_config()
+        if outer is not None:
+            check_failure_policy(outer)
+        elif kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.info("tierstore: setting kv_load_failure_policy='recompute' (was %r)",
+                        kv_transfer_config.kv_load_failure_policy)
+            kv_transfer_config.kv_load_failure_policy = "recompute"
 
     @staticmethod
     def _offloading_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_tokens: int) -> Any:
@@ -355,3 +376,8 @@ class TierStoreConnector(OffloadingConnector):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: Any,
                            per_engine_labelvalues: Any) -> Any:
         return TierStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+# vLLM resolves connectors by name where it has no module path (MultiConnector's statistics in
+# the API server): registered when this module is imported (tierstore/vllm/multi.py).
+register_with_factory()
