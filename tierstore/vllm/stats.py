@@ -39,11 +39,14 @@ between threads.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import prometheus_client
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadPromMetrics,
@@ -56,6 +59,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierstore.metrics import LATENCY_BUCKETS
+
+logger = logging.getLogger("tierstore.vllm")
 
 PREFIX = "tierstore_"
 
@@ -322,19 +327,72 @@ def replay_histogram(stats: OffloadingConnectorStats, name: str, labels: tuple[s
 
 
 class TierStorePromMetrics(OffloadPromMetrics):
-    """vLLM's offloading Prometheus metrics plus tierstore's (``metric_definitions``)."""
+    """vLLM's offloading Prometheus metrics plus tierstore's (``metric_definitions``).
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    vLLM's own families (``vllm:kv_offload_*``, built by ``OffloadPromMetrics``) are created
+    unregistered and registered at the first report: another offloading connector beside
+    tierstore in a ``MultiConnector`` (vLLM's ``OffloadingConnector``, on GPUs) registers the same
+    names when it is built, before or after tierstore, and prometheus_client refuses a name twice
+    (``Duplicated timeseries``: the API server did not start). If any of those names is taken by
+    then, they are the other connector's: tierstore keeps its figures in its own families
+    (``tierstore_page_bytes_total``, ``tierstore_tier_*``) and drops its copies of vLLM's, logged
+    once. Alone, tierstore exports both, vLLM's from its first report on. Metric classes that are
+    not prometheus_client's (Ray's wrappers) are used as given."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        self._held: list[Any] = []  # vLLM's families, created unregistered (``_hold``)
+        super().__init__(vllm_config, self._unregistered(metric_types), labelnames, per_engine_labelvalues)
+        # tierstore's own families go to the registry at once, through the classes vLLM passed
+        self._gauge_cls = metric_types[prometheus_client.Gauge]
+        self._counter_cls = metric_types[prometheus_client.Counter]
+        self._histogram_cls = metric_types[prometheus_client.Histogram]
+        self._vllm_names = frozenset(self._offloading_metric_defs)
+        # None until the first report; then whether vLLM's families are tierstore's to export
+        self.exports_vllm_families: bool | None = None if self._held else True
         for name, metadata in metric_definitions().items():
             self._offloading_metric_metadata[name] = metadata
             self._offloading_metric_defs[name] = self._create_metric(name, metadata)
         # (engine, tier) -> reporter -> its last up value (``TIER_UP`` is their minimum)
         self._tier_up: dict[tuple[int, str], dict[str, float]] = {}
 
+    def _unregistered(self, metric_types: dict[Any, Any]) -> dict[Any, Any]:
+        out = dict(metric_types)
+        for key, cls in metric_types.items():
+            if isinstance(cls, type) and issubclass(cls, prometheus_client.metrics.MetricWrapperBase):
+                out[key] = functools.partial(self._hold, cls)
+        return out
+
+    def _hold(self, cls: Any, *args: Any, **kwargs: Any) -> Any:
+        metric = cls(*args, registry=None, **kwargs)
+        self._held.append(metric)
+        return metric
+
+    def _register_vllm_families(self) -> bool:
+        """Register the held families in the default registry, all or none; False when another
+        connector holds one of their names."""
+        done = []
+        try:
+            for metric in self._held:
+                prometheus_client.REGISTRY.register(metric)
+                done.append(metric)
+        except ValueError as exc:  # prometheus_client's DuplicateTimeseries
+            for metric in done:
+                prometheus_client.REGISTRY.unregister(metric)
+            logger.info("tierstore: vLLM's offload metrics (vllm:kv_offload_*) are exported by another "
+                        "offloading connector of this engine (%s); tierstore's transfers are in its own "
+                        "tierstore_* families", exc)
+            return False
+        return True
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if self.exports_vllm_families is None:
+            self.exports_vllm_families = self._register_vllm_families()
+            if not self.exports_vllm_families:
+                self._observe_deprecated_metrics = False  # vLLM's deprecated copies: the other's too
         # Undeclared names (e.g. from a newer adapter) are skipped: vLLM's exporter asserts on them.
-        data = {k: v for k, v in transfer_stats_data.get("data", {}).items() if k in self._offloading_metric_defs}
+        data = {k: v for k, v in transfer_stats_data.get("data", {}).items() if k in self._offloading_metric_defs
+                and (self.exports_vllm_families or k not in self._vllm_names)}
         if TIER_UP in data:
             data[TIER_UP] = self._min_over_reporters(data[TIER_UP], engine_idx)
         super().observe({"types": transfer_stats_data.get("types", {}), "data": data}, engine_idx)
