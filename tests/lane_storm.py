@@ -1,7 +1,8 @@
 """A storm of page loads and stores on the native I/O lane, with pauses injected into its
 threads (``native_abi.FAULT_*``), and a checker of what callers get. Run in a fresh process
 with ``TIERSTORE_LANE_FAULTS`` set (``1``: today's kernels; ``unfixed``: the claim and RUNNING
-mark that had the races) by ``tests/native/test_native_lane_races.py``; prints one JSON object.
+mark that had the races) and ``TIERSTORE_LANE_FAULTS_TESTS_ONLY=1`` by
+``tests/native/test_native_lane_races.py``; prints one JSON object.
 
 What is checked, per job (every anomaly is listed in the output):
 - an OK load's slot holds exactly the stored page, and an unverified one's sums are the page's;

@@ -271,10 +271,12 @@ def test_gc_metrics_listen_on_loopback_unless_widened(tmp_path: Path, monkeypatc
 
 # ------------------------------------------------------------------ the lane's fault builds
 @pytest.mark.parametrize("value, needle", [("yes", "not a known value"),
-                                           ("unfixed", "TIERSTORE_LANE_FAULTS_TESTS_ONLY=1")])
+                                           ("unfixed", "TIERSTORE_LANE_FAULTS_TESTS_ONLY=1"),
+                                           ("1", "TIERSTORE_LANE_FAULTS_TESTS_ONLY=1")])
 def test_a_stray_lane_faults_value_never_builds_fault_kernels(value: str, needle: str) -> None:
-    """``TIERSTORE_LANE_FAULTS`` left in an environment: an unknown value, or ``unfixed``
-    without its test-only opt-in, keeps the kernels from loading, with the setting named."""
+    """``TIERSTORE_LANE_FAULTS`` left in an environment: an unknown value, or a fault build
+    (``1``, ``unfixed``) without its test-only opt-in, keeps the kernels from loading, with the
+    setting named."""
     import subprocess
     import sys
 

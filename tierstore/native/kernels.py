@@ -107,19 +107,21 @@ def lane_faults(env: Mapping[str, str]) -> int:
     stop's cancel as plain stores), to prove the race tests can fail. Either fault build's lane
     kernels are compiled for this process only, never read from or written to numba's cache.
 
-    Failure policy: any other value, and "unfixed" without ``TIERSTORE_LANE_FAULTS_TESTS_ONLY=1``
-    beside it, raise ``RuntimeError`` naming the setting: the kernels do not load (the loader
-    reports why and the Python path serves), so a stray variable never compiles the known race
-    into an install."""
+    Failure policy: any other value, and a fault build ("1" or "unfixed") without
+    ``TIERSTORE_LANE_FAULTS_TESTS_ONLY=1`` beside it (the lane's race tests set both), raise
+    ``RuntimeError`` naming the setting: the kernels do not load (the loader reports why and
+    the Python path serves), so a stray variable never compiles a fault build, let alone the
+    known race, into an install."""
     value = env.get("TIERSTORE_LANE_FAULTS", "")
     level = {"": 0, "0": 0, "1": 1, "unfixed": 2}.get(value)
     if level is None:
         raise RuntimeError(f"TIERSTORE_LANE_FAULTS={value!r} is not a known value ('' or '0': the production kernels; "
                            "'1' and 'unfixed': fault builds for tests only); unset it")
-    if level == 2 and env.get("TIERSTORE_LANE_FAULTS_TESTS_ONLY") != "1":
-        raise RuntimeError("TIERSTORE_LANE_FAULTS=unfixed compiles a known wrong-page race into the kernels and is for "
-                           "the lane's race tests only: set TIERSTORE_LANE_FAULTS_TESTS_ONLY=1 beside it there, and "
-                           "unset TIERSTORE_LANE_FAULTS everywhere else")
+    if level and env.get("TIERSTORE_LANE_FAULTS_TESTS_ONLY") != "1":
+        what = "a known wrong-page race" if level == 2 else "fault-injection pauses"
+        raise RuntimeError(f"TIERSTORE_LANE_FAULTS={value} compiles {what} into the lane's kernels and is for the "
+                           "lane's race tests only: set TIERSTORE_LANE_FAULTS_TESTS_ONLY=1 beside it there, and unset "
+                           "TIERSTORE_LANE_FAULTS everywhere else")
     return level
 
 
