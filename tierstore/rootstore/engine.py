@@ -176,6 +176,8 @@ class IOEngine:
         self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
         _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
         if self.mac is not None:
+            if self.config.io_loop == "native":
+                say_mac_costs(self.mac.name)
             if self.config.odirect == "on":
                 raise ConfigError('setting "odirect" is "on" but "mac_key_file" appends a 40-byte tag to each page, '
                                   'which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
@@ -419,6 +421,22 @@ class IOEngine:
         return self._pool.slots
 
 
+
+
+_MAC_COSTS_SAID = threading.Event()
+
+
+def say_mac_costs(algorithm: str) -> None:
+    """Say once per process, at the first engine with ``mac_key_file`` and ``io_loop`` native,
+    that its page I/O runs on Python I/O threads: the native lane and the GIL-free batch calls
+    do not compute MACs, so such an engine never uses them (each page also hashes a tag: keyed
+    ``algorithm``). Failure policy: none (a log record)."""
+    if _MAC_COSTS_SAID.is_set():
+        return
+    _MAC_COSTS_SAID.set()
+    logger.info("tierstore: mac_key_file is set, so page loads and stores run on Python I/O threads, not the native "
+                "lane (which does not compute MACs), and every page also hashes a keyed %s tag; leave "
+                '"mac_key_file" unset where the root is written by this fleet only', algorithm)
 
 
 # ----------------------------------------------------------------- setup (at construction)
