@@ -59,13 +59,18 @@ setup_venv() {
   fi
 }
 
-# The NFS stand-in tests need sshfs (FUSE); they skip with a reason where it is missing.
+# The NFS stand-in tests need sshfs (FUSE) and an sftp-server; where they are missing the tests
+# skip with a reason, and under CI=true setup fails instead (see optional, below).
+have_sshfs() { command -v sshfs >/dev/null 2>&1 && [ -x /usr/lib/openssh/sftp-server ]; }
+install_sshfs() { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-sftp-server; }
 setup_sshfs() {
-  if ! { command -v sshfs >/dev/null 2>&1 && [ -x /usr/lib/openssh/sftp-server ]; } && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if ! have_sshfs && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing sshfs for the NFS stand-in tests (log: $LOG) ..."
-    { printf '\n== install sshfs\n' >>"$LOG"
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sshfs openssh-sftp-server; } >>"$LOG" 2>&1 \
-      || say "could not install sshfs (see $LOG); NFS stand-in tests will be skipped"
+    optional "install sshfs" install_sshfs
+  fi
+  if [ "${CI:-}" = true ] && ! have_sshfs; then
+    say "sshfs or /usr/lib/openssh/sftp-server is missing (installing them needs root and apt-get): under CI=true the NFS stand-in tests must run"
+    exit 1
   fi
 }
 
@@ -87,7 +92,6 @@ setup_venv
 # tools/test.sh --quick needs none of what follows (its tests need no sshfs, Prometheus or guest)
 [ -z "${TIERSTORE_SETUP_MINIMAL:-}" ] || exit 0
 setup_sshfs
-[ "${CI:-}" != true ] || command -v sshfs >/dev/null || { say "sshfs is missing and could not be installed (see $LOG): CI needs it"; exit 1; }
 # Debian's prometheus (server, promtool) for the metrics tests; a QEMU guest with a kernel NFS
 # server and clients for the real-NFS tests (cached under ~/.cache/tierstore/nfs-guest).
 optional "install prometheus" bash tools/prometheus-setup.sh
