@@ -118,11 +118,23 @@ QUICK_VLLM_FILES = frozenset({
     "test_vllm_worker_transfer.py", "test_worker_jobs.py", "test_worker_deepseek_v4.py",
     "test_worker_sparse_mla.py", "test_path_modules.py", "test_engine_start.py",
 })
+# Single tests left out of the quick loop (file basename, test function): each starts fresh
+# interpreters that compile or load the native kernels or import the suite's conftest (8-19 s of
+# one worker each in a quick run, the four slowest of it); they check the kernel cache and the
+# CI skip rule under pytest-xdist, which the full run keeps checking.
+QUICK_EXCLUDED_TESTS = frozenset({
+    ("test_native.py", "test_a_second_process_loads_the_kernels_from_the_cache"),
+    ("test_native.py", "test_no_writable_cache_directory_still_compiles"),
+    ("test_native.py", "test_the_kernels_hash_with_xxhashs_dispatcher_where_it_is_exported"),
+    ("test_ci_skips.py", "test_under_xdist_a_module_skipped_at_import_fails_a_ci_run"),
+})
 
 
 def _quick(item: pytest.Item) -> bool:
     name = item.path.name
     if item.get_closest_marker("slow") or name in QUICK_EXCLUDED_FILES:
+        return False
+    if (name, getattr(item, "originalname", item.name)) in QUICK_EXCLUDED_TESTS:
         return False
     return name in QUICK_VLLM_FILES or item.path.parent.name != "vllm"
 

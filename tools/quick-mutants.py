@@ -1,9 +1,10 @@
-"""Check that ``tools/test.sh --quick`` fails on each of eleven deliberate breakages (mutants).
+"""Check that ``tools/test.sh --quick`` fails on each of a list of deliberate breakages (mutants).
 
-Usage: .venv/bin/python tools/quick-mutants.py [NAME ...]   (default: all eleven; ~1-2 min each)
+Usage: .venv/bin/python tools/quick-mutants.py [--rev REV] [NAME ...]   (default: all; ~1-3 min each)
 
 The working tree's files (git's tracked and untracked-but-not-ignored) are copied once to a
-temporary directory; each mutant replaces one piece of text in one module of the copy, runs the
+temporary directory (with ``--rev``, the files of that commit instead: a tree that others'
+unfinished edits in the checkout cannot break); each mutant replaces one piece of text in one module of the copy, runs the
 quick selection there (``pytest -m quick --maxfail=1``, the copy first on ``PYTHONPATH``) and
 puts the text back. A mutant is *caught* when the run fails, and the first failing test is
 printed; the unbroken copy runs first and must pass. The checkout itself is never modified.
@@ -61,10 +62,27 @@ MUTANTS = (
     Mutant("the stale-handle reopen", "tierstore/rootstore/pageops.py",
            "        try:\n            held = os.fstat(fd)\n",
            "        return False\n        try:\n            held = os.fstat(fd)\n"),
+    # The same properties on the paths an engine takes: its loads compare the sums that the
+    # Python or native reader computed here, not in page.py; a head-slice piece read whole but
+    # never hashed; a stale rank directory detected but never reopened.
+    Mutant("engine load checksum comparison", "tierstore/rootstore/pageops.py",
+           "        if c != want[i]:\n", "        if False:\n"),
+    Mutant("head-slice pieces read unverified", "tierstore/tiers/assembly.py",
+           "header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=mac)",
+           "header, _ = pagefile._read_header(fd, str(path), st.st_size); "
+           "scratch[:] = os.pread(fd, len(scratch), header.header_len)"),
+    Mutant("stale rank directory never reopened", "tierstore/rootstore/pageops.py",
+           "        fd = self._reopen(create, stale)\n", "        fd = stale\n"),
 )
 
 
-def _copy_tree(dst: Path) -> None:
+def _copy_tree(dst: Path, rev: str | None) -> None:
+    dst.mkdir(parents=True)
+    if rev is not None:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dst)], input=archive, check=True)
+        return
     out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
                          check=True, capture_output=True, text=True).stdout.split("\0")
     for rel in out:
@@ -85,22 +103,50 @@ def _env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree.parent / 'site'}"}
 
 
-def _run_quick(tree: Path) -> tuple[int, str, float]:
-    env = {**_env(tree), "TRITON_INTERPRET": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _quick_env(tree: Path) -> dict[str, str]:
+    return {**_env(tree), "TRITON_INTERPRET": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _compile_native(tree: Path) -> None:
+    """Fill the copy's numba cache before the first run, as tools/test.sh does: a copy starts with
+    none, and tests that count the pieces of a load see the native path turn on mid-test while
+    the workers compile."""
+    subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c",
+                    "from tierstore.native import loader as native; native.start(wait=True) or "
+                    "print('native kernels not compiled:', native.failure())"],
+                   cwd=tree, env=_quick_env(tree), check=True, timeout=600)
+
+
+def _run_quick(tree: Path) -> tuple[int, str, float, str]:
+    """Run the quick selection in ``tree``: (exit status, the first failing test or the summary
+    line, seconds, pytest's output)."""
     started = time.monotonic()
     proc = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-m", "quick", "--maxfail=1", "-n", os.environ.get("TIERSTORE_TEST_WORKERS", "2"),
-                           "--dist", "loadfile"], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+                           "--dist", "loadfile"], cwd=tree, env=_quick_env(tree), capture_output=True, text=True,
+                          timeout=900)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
-    return proc.returncode, failed[0] if failed else proc.stdout.strip().splitlines()[-1:][0], time.monotonic() - started
+    last = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()]
+    return proc.returncode, failed[0] if failed else last[0], time.monotonic() - started, proc.stdout
 
 
-def main(names: list[str]) -> int:
+def main(args: list[str]) -> int:
+    rev = None
+    if args[:1] == ["--rev"]:
+        if len(args) < 2:
+            print("--rev needs a commit", file=sys.stderr)
+            return 2
+        rev, args = args[1], args[2:]
+    names = args
+    unknown = sorted(set(names) - {m.name for m in MUTANTS})
+    if unknown:
+        print(f"no mutant named {unknown}; the names: {[m.name for m in MUTANTS]}", file=sys.stderr)
+        return 2
     chosen = [m for m in MUTANTS if not names or m.name in names]
     with tempfile.TemporaryDirectory(prefix="tierstore-mutants-") as tmp:
         tree = Path(tmp) / "tree"
-        _copy_tree(tree)
+        _copy_tree(tree, rev)
         (Path(tmp) / "site").mkdir()
         (Path(tmp) / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         where = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", "import tierstore; print(tierstore.__file__)"],
@@ -108,8 +154,10 @@ def main(names: list[str]) -> int:
         if not where.startswith(str(tree)):
             print(f"the copy's tierstore is not the one imported ({where.strip()})", file=sys.stderr)
             return 2
-        rc, first, seconds = _run_quick(tree)
+        _compile_native(tree)
+        rc, first, seconds, output = _run_quick(tree)
         if rc != 0:  # a mutant is caught only where the unbroken tree passes
+            print("\n".join(output.splitlines()[-60:]))
             print(f"the quick selection fails without a breakage ({seconds:.0f} s): {first}; fix that first")
             return 2
         print(f"baseline: the quick selection passes ({seconds:.0f} s)", flush=True)
@@ -122,7 +170,7 @@ def main(names: list[str]) -> int:
                 return 2
             module.write_text(text.replace(m.old, m.new))
             try:
-                rc, first, seconds = _run_quick(tree)
+                rc, first, seconds, _ = _run_quick(tree)
             finally:
                 module.write_text(text)
             caught = rc != 0
