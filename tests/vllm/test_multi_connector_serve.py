@@ -229,6 +229,20 @@ def report(title: str, figures: dict[str, Any]) -> None:
     print(f"\n{title}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))  # the test's figures (-s)
 
 
+def report_rounds(title: str, out: dict[str, Any], **extra: Any) -> None:
+    """``report`` the figures of a served fixture's reference, cold and warm (restart) rounds."""
+    ref, cold, warm = out["ref"], out["cold"], out["warm"]
+    report(title, {
+        "requests per round": N_REQUESTS, **extra,
+        "failed": [len(cold.failures), len(warm.failures)],
+        "preemptions": [cold.delta("vllm:num_preemptions_total"), warm.delta("vllm:num_preemptions_total")],
+        "external hit tokens after the restart": warm.delta("vllm:external_prefix_cache_hits_total"),
+        "tierstore pages loaded after the restart": warm.delta("tierstore_page_loads_total{result=ok}"),
+        "max first-token logprob difference": [round(logprob_diffs(ref.tops, r.tops)[0], 4) for r in (cold, warm)],
+        "server seconds": [round(r.seconds) for r in (ref, cold, warm)],
+        "wall seconds": round(out["seconds"])})
+
+
 # ------------------------------------------------------------------ the dense run
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -251,17 +265,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["pages_after_stop"] = len(pages(root))
     out["warm"] = serve_round(model, multi, base / "warm.log", prompts, MAX_TOKENS)
     out["seconds"] = time.monotonic() - t0
-    cold, warm = out["cold"], out["warm"]
-    report("MultiConnector[tierstore, Example], dense", {
-        "requests per round": N_REQUESTS, "clients": CLIENTS,
-        "failed": [len(cold.failures), len(warm.failures)],
-        "preemptions": [cold.delta("vllm:num_preemptions_total"), warm.delta("vllm:num_preemptions_total")],
-        "external hit tokens after the restart": warm.delta("vllm:external_prefix_cache_hits_total"),
-        "tierstore pages loaded after the restart": warm.delta("tierstore_page_loads_total{result=ok}"),
-        "max first-token logprob difference": [round(logprob_diffs(out["ref"].tops, r.tops)[0], 4)
-                                               for r in (cold, warm)],
-        "server seconds": [round(r.seconds) for r in (out["ref"], cold, warm)],
-        "wall seconds": round(out["seconds"])})
+    report_rounds("MultiConnector[tierstore, Example], dense", out, clients=CLIENTS)
     return out
 
 

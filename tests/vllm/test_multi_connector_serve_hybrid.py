@@ -34,7 +34,7 @@ from test_multi_connector_serve import (  # noqa: E402
     family_types,
     logprob_diffs,
     multi_args,
-    report,
+    report_rounds,
     serve_round,
     shared_prefix_prompts,
     tierstore_child,
@@ -87,16 +87,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["expected_pages"] = len(keys)
     out["warm"] = serve_round(model, multi, base / "warm.log", prompts, MAX_TOKENS)
     out["seconds"] = time.monotonic() - t0
-    cold, warm = out["cold"], out["warm"]
-    report("MultiConnector[tierstore], hybrid", {
-        "requests per round": N_REQUESTS, "failed": [len(cold.failures), len(warm.failures)],
-        "preemptions": [cold.delta("vllm:num_preemptions_total"), warm.delta("vllm:num_preemptions_total")],
-        "external hit tokens after the restart": warm.delta("vllm:external_prefix_cache_hits_total"),
-        "tierstore pages loaded after the restart": warm.delta("tierstore_page_loads_total{result=ok}"),
-        "max first-token logprob difference": [round(logprob_diffs(out["ref"].tops, r.tops)[0], 4)
-                                               for r in (cold, warm)],
-        "server seconds": [round(r.seconds) for r in (out["ref"], cold, warm)],
-        "wall seconds": round(out["seconds"])})
+    report_rounds("MultiConnector[tierstore], hybrid", out)
     return out
 
 
