@@ -147,11 +147,14 @@ def _shield_llvmlite_from_module_scans() -> None:
     every module's attributes and calls ``vars(value).get(...)`` on each that has a
     ``__dict__``: with numba imported first, an engine fails to start (AttributeError
     '_lib_fn_wrapper' object has no attribute 'get'). An empty dict under that name makes
-    ``vars(lib)`` an empty dict; llvmlite never looks the name up itself."""
+    ``vars(lib)`` an empty dict; llvmlite never looks the name up itself. Any ``hasattr(lib,
+    "__dict__")`` made before this (a scan, an inspector) has cached the wrapped symbol under
+    that name: it is replaced, not kept."""
     try:
         from llvmlite.binding import ffi
 
-        ffi.lib._fntab.setdefault("__dict__", {})
+        if not isinstance(ffi.lib._fntab.get("__dict__"), dict):
+            ffi.lib._fntab["__dict__"] = {}
     except (ImportError, AttributeError):  # another llvmlite: nothing to shield
         pass
 
