@@ -370,3 +370,34 @@ def test_a_store_over_a_planted_entry_replaces_it_and_deletes_nothing(tmp_path: 
             assert aside == []
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ a crafted header costs nothing
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_header_of_another_shape_is_refused_before_it_is_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  verify: bool) -> None:
+    """A checksum-valid header declaring 65,535 one-byte sections, planted under a page's name:
+    a keyed engine refuses it as ``format`` from its length and section count alone (the
+    section table is never parsed: before, ~450 ms of GIL went into the parse, ahead of the
+    MAC check), and the engine's own pages still load."""
+    from tierstore.format import page as page_mod
+
+    root = tmp_path / "root"
+    eng = engine(root, key_file(tmp_path, "fleet.key"))
+    [good, planted] = stored_pages(eng, 2)
+    sections = [page_mod.SectionEntry(page_mod.SectionSpec("s", "uint8", (1,)), 0, 0, 0)] * 65_535
+    meta = page_mod.PageMeta(NS.digest_bytes, page_key(1), 0, page_mod.GroupKind.ATTENTION, 16)
+    header = page_mod.encode_header(meta, page_mod.Codec.ZSTD, sections, 0)
+    planted.write_bytes(header)  # the header alone: no larger than a page of the layout may be
+    parsed: list[int] = []
+    real_parse = page_mod._parse_header
+    monkeypatch.setattr(page_mod, "_parse_header", lambda buf, hl: parsed.append(hl) or real_parse(buf, hl))
+    [res] = eng.wait([eng.submit_load(page_key(1), verify=verify)], timeout=10)
+    assert not res.ok and res.error.kind == "format", res.error
+    assert "65535 sections" in str(res.error) and "not parsed" in str(res.error)
+    assert len(header) not in parsed, parsed  # the crafted table was never walked
+    [ok] = eng.wait([eng.submit_load(page_key(0), verify=verify)], timeout=10)
+    assert ok.ok, ok.error
+    eng.release_slot(ok.slot)
+    eng.close()
+    assert good.exists()

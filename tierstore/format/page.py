@@ -64,7 +64,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import xxhash
 
@@ -468,6 +468,30 @@ def header_len_of(prefix: bytes | memoryview, *, path: str | None = None) -> int
     if header_len % HEADER_ALIGN or not PREAMBLE_LEN < header_len <= MAX_HEADER_LEN:
         raise PageFormatError(f"bad header length {header_len}", path=path)
     return header_len
+
+
+@lru_cache(maxsize=256)
+def expected_header_len(layout: PageLayout, key_len: int) -> int:
+    """The header length of every page of ``layout`` whose key is ``key_len`` bytes, of either
+    codec: a section entry's size depends on its name and shape only, never on the codec."""
+    table = sum(len(_encode_section_entry(SectionEntry(sp, 0, 0, 0))) for sp in layout.sections)
+    return _align(PREAMBLE_LEN + key_len + table + _CHECKSUM.size, HEADER_ALIGN)
+
+
+def check_header_shape(prefix: bytes | memoryview, header_len: int, layout: PageLayout, key_len: int, *,
+                       path: str | None = None) -> None:
+    """Refuse, before anything is parsed, a header whose length or section count is not the
+    expected layout's (``prefix``: at least the preamble, already passed ``header_len_of``).
+
+    The parse is a Python loop over the declared sections, up to 65,535 of them (about 450 ms
+    of GIL for a crafted, checksum-valid header); a reader that knows the layout it wants
+    checks these two numbers first, so no header costs more to reject than one of its own
+    pages costs to read. Failure policy: ``PageFormatError`` (not a page of this layout)."""
+    want = expected_header_len(layout, key_len)
+    (nsec,) = struct.unpack_from("<H", prefix, PREAMBLE_OFFSETS["n_sections"])
+    if header_len != want or nsec != len(layout.sections):
+        raise PageFormatError(f"header of {header_len} bytes with {nsec} sections; pages of the expected layout "
+                              f"have {want} bytes and {len(layout.sections)} sections: not parsed", path=path)
 
 
 def decode_header(buf: bytes | memoryview, *, path: str | None = None) -> PageHeader:
