@@ -155,5 +155,8 @@ BAD_CONTENT_KINDS: frozenset[str] = frozenset(
 # (``tierstore fsck --repair --remove-unverifiable``).
 UNVERIFIABLE_KINDS: frozenset[str] = frozenset({"mac"})
 
+# errno values that mean "the file system has no room": full (ENOSPC) or over a quota (EDQUOT).
+SPACE_ERRNOS: tuple[int, ...] = (_errno.ENOSPC, _errno.EDQUOT)
+
 # errno values that mean "the file is gone" (ESTALE: removed by another NFS client).
 GONE_ERRNOS: tuple[int, ...] = (_errno.ENOENT, _errno.ESTALE)

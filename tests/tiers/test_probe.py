@@ -1,4 +1,4 @@
-"""The shared tier's health probe (``tiers.shared.probe_root``): a create and unlink the file
+"""The shared tier's health probe (``fs.deadline.probe_root``): a create and unlink the file
 server must answer. A refusal is an answer (the tier is up); an I/O error or a hang is not."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.tiers import shared
+from tierstore.fs import deadline as shared
 
 
 def test_a_probe_leaves_nothing_behind(tmp_path: Path) -> None:

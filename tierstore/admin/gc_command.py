@@ -168,6 +168,9 @@ def format_report(rep: GcReport, args: argparse.Namespace, root: Path) -> list[s
                  f"{human_bytes(rep.total_after)} after (cap {cap}); evicted {rep.evicted} pages / "
                  f"{human_bytes(rep.evicted_bytes)}, removed {rep.temps_removed} stale temps, {rep.trash_removed} "
                  f"trash entries in {rep.seconds:.2f} s"]
+    if rep.room_evicted:
+        lines.append(f"tierstore gc: the export was full (the lease could not be written): {rep.room_evicted} of "
+                     f"the evicted pages / {human_bytes(rep.room_bytes)} were unlinked without the lease to make room")
     lines += [f"tierstore gc: refused {line}" for line in rep.unsafe]
     return lines
 
@@ -223,7 +226,9 @@ def run(args: argparse.Namespace) -> int:
         if rep.refused:
             return _error(args, f"refusing {escape(root)}: {rep.refused}")
         if rep.lease_problem:
-            print(f"tierstore gc: {escape(rep.lease_problem)}; nothing done", file=sys.stderr, flush=True)
+            done = (f"only {rep.room_evicted} pages unlinked to make room on the full export" if rep.room_evicted
+                    else "nothing done")
+            print(f"tierstore gc: {escape(rep.lease_problem)}; {done}", file=sys.stderr, flush=True)
         if args.json:
             print(json.dumps(report_json(rep)), flush=True)
         elif not rep.lease_problem:

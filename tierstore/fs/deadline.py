@@ -6,30 +6,38 @@ Contract:
   hang) on its own. At most ``max_inflight`` calls may be unfinished at once: when that many are
   stuck, further calls fail at once (no thread pile-up behind a hung NFS server, and process
   exit never waits for them).
+- ``probe_root`` is the one health probe of a root on a file server: an exclusive create and
+  unlink, which the server itself must answer (a ``stat`` is answered by the client's
+  attribute cache while an NFS server is stopped). Both the worker's shared tier and the
+  scheduler's index probe with it.
 - ``Health`` is "up" or "down". ``mark_down`` (after a timeout) starts one probe thread that
   runs ``probe()`` every ``interval_s`` under the deadline until it succeeds, then marks the
   tier up again: a mount that comes back brings its tier back without a restart. ``changes``
   keeps the last 64 changes as (monotonic time, up) for whoever reports them (``transitions``
   counts them all).
-- ``SpaceBackoff`` is a tier's "full" state: after ENOSPC/EDQUOT (``note_full``) the tier is
-  ``full`` for ``first_s`` (30 s), doubling per further refusal up to ``max_s``, so stores to
-  it are skipped instead of each failing on the file system; loads are not its business. One
-  warning per episode (from the first refusal until a store goes through, ``note_stored``, or
-  gc frees space under its root, ``note_space_freed``) names the root and what to do.
+- ``SpaceBackoff`` is a tier's "full" state: after ENOSPC/EDQUOT (``note_full``) stores to the
+  tier are skipped (``skip_store``) instead of each failing on the file system, except one
+  trial store every ``probe_s`` (5 s): its success ends the episode, so stores resume within
+  one probe of space coming back, whoever freed it (another node's gc, an operator, a grown
+  quota); gc in this process ends it at once (``note_space_freed``). Loads are not its
+  business. One warning per episode names the root and what to do.
 
 Threading: all three classes are thread-safe; ``note_space_freed`` may be called from any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tierstore.errors import PageTimeout
@@ -143,8 +151,31 @@ class Health:
                 time.sleep(self.interval_s)
 
 
-FULL_BACKOFF_S = 30.0  # the first skip after ENOSPC/EDQUOT; doubles per further refusal
-FULL_BACKOFF_MAX_S = 480.0
+# errnos with which the server answered a probe's create (a missing directory, a read-only or full
+# export, another owner's directory): it is up, whatever it refused
+_PROBE_ANSWERED = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOSPC, errno.EDQUOT})
+
+
+def probe_root(root: Path) -> None:
+    """Raise unless the file server behind ``root`` answers now: create and remove a fresh name.
+
+    A ``stat`` of a fresh name was answered while a kernel NFS server was stopped (the real-NFS
+    test's outage: the tier came back 32 times in 30 s, each return costing another timeout);
+    an exclusive create is a CREATE the server itself must answer, on every NFS version and any
+    attribute or lookup caching. A refusal (``_PROBE_ANSWERED``) is an answer too."""
+    name = root / f".tierstore-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno in _PROBE_ANSWERED:
+            return
+        raise
+    os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
+
+
+FULL_PROBE_S = 5.0  # while a root is full, one trial store this often
 _BACKOFFS: weakref.WeakSet[SpaceBackoff] = weakref.WeakSet()
 _BACKOFFS_LOCK = threading.Lock()
 
@@ -152,44 +183,49 @@ _BACKOFFS_LOCK = threading.Lock()
 class SpaceBackoff:
     """The "full" state of one tier's root (see the module docstring)."""
 
-    def __init__(self, name: str, root: str | os.PathLike[str], first_s: float | None = None,
-                 max_s: float | None = None) -> None:
+    def __init__(self, name: str, root: str | os.PathLike[str], probe_s: float | None = None) -> None:
         self.name, self.root = name, os.path.abspath(root)
-        self.first_s = first_s if first_s is not None else FULL_BACKOFF_S
-        self.max_s = max_s if max_s is not None else FULL_BACKOFF_MAX_S
+        self.probe_s = probe_s if probe_s is not None else FULL_PROBE_S
         self._lock = threading.Lock()
-        self._until = 0.0  # monotonic end of the current skip; 0.0: no episode
-        self._next_s = self.first_s
+        self._until = 0.0  # monotonic time of the episode's next trial store; 0.0: no episode
         self.episodes = 0
+        self.trials = 0  # trial stores let through during episodes
         self.errno = errno.ENOSPC  # what the last refusal said: ENOSPC, or EDQUOT for a quota
         with _BACKOFFS_LOCK:
             _BACKOFFS.add(self)
 
     @property
     def full(self) -> bool:
-        """Stores to this root are skipped now (lock-free read)."""
-        until = self._until
-        return until > 0.0 and time.monotonic() < until
+        """An episode is on: the root refused a store for space and none has gone through since
+        (lock-free read)."""
+        return self._until > 0.0
+
+    def skip_store(self) -> bool:
+        """Whether to skip a store now: True during an episode, except for one trial store per
+        ``probe_s`` (the caller that gets False is that trial)."""
+        if self._until == 0.0:
+            return False
+        with self._lock:
+            now = time.monotonic()
+            if self._until == 0.0 or now < self._until:
+                return self._until != 0.0
+            self._until = now + self.probe_s  # this caller's store is the trial
+            self.trials += 1
+            return False
 
     def note_full(self, detail: str, code: int | None = None) -> None:
-        """A store was refused for space (``code`` ENOSPC or EDQUOT, ``detail`` the error): skip
-        stores for the next back-off; the first refusal of an episode logs one warning."""
+        """A store was refused for space (``code`` ENOSPC or EDQUOT, ``detail`` the error): an
+        episode starts (one warning) unless one is on (a trial or an in-flight store failed)."""
         with self._lock:
             if code is not None:
                 self.errno = code
-            now = time.monotonic()
-            if self._until > now:
-                return  # a store that was in flight when the episode began
-            first = self._until == 0.0
-            wait = self._next_s
-            self._until = now + wait
-            self._next_s = min(wait * 2, self.max_s)
-            if first:
-                self.episodes += 1
-        if first:
-            log.warning("tierstore %s tier: %s is full (%s); its stores are skipped for %.0f s at a time (doubling) "
-                        "until space is freed, loads go on: lower max_bytes, run `tierstore gc %s --max-bytes N`, "
-                        "or grow the export or its quota", self.name, self.root, detail, wait, self.root)
+            if self._until:
+                return
+            self._until = time.monotonic() + self.probe_s
+            self.episodes += 1
+        log.warning("tierstore %s tier: %s is full (%s); its stores are skipped, one trial store every %.0f s, "
+                    "until one goes through; loads go on: lower max_bytes, run `tierstore gc %s --max-bytes N`, "
+                    "or grow the export or its quota", self.name, self.root, detail, self.probe_s, self.root)
 
     def note_stored(self) -> None:
         """A store went through: the episode, if any, is over."""
@@ -199,7 +235,7 @@ class SpaceBackoff:
     def _clear(self) -> None:
         with self._lock:
             ended = self._until != 0.0
-            self._until, self._next_s = 0.0, self.first_s
+            self._until = 0.0
         if ended:
             log.warning("tierstore %s tier: %s has room again; stores resume", self.name, self.root)
 

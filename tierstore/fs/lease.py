@@ -92,6 +92,7 @@ class Lease:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.held = False
         self.problem: str | None = None  # what was wrong with the lease path, for reports
+        self.problem_errno: int | None = None  # the errno of a lease that could not be written
         self._renewed_at = 0.0
 
     def _read_raw(self, root_fd: int) -> tuple[bytes, float] | None:
@@ -193,7 +194,7 @@ class Lease:
 
     def acquire(self) -> bool:
         """Take or renew the lease; True if this owner holds it afterwards."""
-        self.problem = None
+        self.problem, self.problem_errno = None, None
         cur = self.read()
         if cur is not None and cur["owner"] != self.owner and cur["server_now"] < cur["live_until"]:
             self.held = False
@@ -206,6 +207,7 @@ class Lease:
             self._publish()
         except OSError as exc:
             self.problem = f"cannot write the lease {self.path}: {exc}"
+            self.problem_errno = exc.errno  # ENOSPC/EDQUOT: gc makes room without it (gc.collect)
             self.held = False
             return False
         if self.settle_s:

@@ -53,13 +53,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from tierstore.format.head_slices import HeadRange, cover
-from tierstore.fs.deadline import Health
+from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import FANOUT_DIRS, FileMapper
 from tierstore.index.index_prober import IndexProber, PageIdentity, ProbeItem
 from tierstore.index.page_index import PageIndex, contains_any, fingerprints, found_many
@@ -136,7 +137,10 @@ class IndexedLookup:
         self._removal_listeners: list[Callable[[int | None, bytes | None], None]] = []
         self._shared_live = True  # the hot path's view of the shared health (set first)
         self._shared_up = True  # what ``shared_up`` reports (set last)
-        health = Health("shared root (scheduler lookups)", probe=lambda: os.stat(shared_root),
+        # the worker's probe (a create the file server must answer): a stat of the root was
+        # answered from the attribute cache while an NFS server was stopped, and the index came
+        # back up 50 ms after each down, promising hits the worker's down tier refused
+        health = Health("shared root (scheduler lookups)", probe=lambda: probe_root(Path(shared_root)),
                         deadline_s=deadline_s, on_change=self._health_changed)
         self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None

@@ -2,7 +2,9 @@
 
 Contract (``tierstore gc ROOT --max-bytes N``, and ``GcDaemon`` as the background mode):
 
-1. Take the lease (``lease.py``); if another node holds it, do nothing (report ``busy``).
+1. Take the lease (``lease.py``); if another node holds it, do nothing (report ``busy``). If
+   the lease cannot be written because the export is full (ENOSPC, EDQUOT), first unlink a few
+   least recently used pages without it (``_make_room``), then take it.
 2. Sweep the trash dir ``ROOT/.tierstore-trash``: unlink entries older than ``trash_grace_s``.
 3. Scan every namespace under ROOT: page files (LRU stamp = mtime, which readers refresh with
    a rate-limited ``utime`` on hit), temp files (those older than ``temp_max_age_s`` were
@@ -73,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierstore.errors import GONE_ERRNOS
+from tierstore.errors import GONE_ERRNOS, SPACE_ERRNOS
 from tierstore.format.identity import MANIFEST_NAME
 from tierstore.fs import safefs
 from tierstore.fs.deadline import note_space_freed
@@ -123,6 +125,8 @@ class GcReport:
     temps_removed: int = 0
     trash_removed: int = 0
     lease_problem: str | None = None  # the lease path is not a lease file (see lease.py)
+    room_evicted: int = 0  # of ``evicted``: taken without the lease, the export full (``_make_room``)
+    room_bytes: int = 0
     refused: str | None = None  # not a cache directory: nothing done
     dry_run: bool = False  # the counts below are what a real pass would do
     unsafe: list[str] = field(default_factory=list)  # entries gc refused to follow or touch
@@ -432,7 +436,13 @@ def collect(
     if dry_run and (lease is None or isinstance(lease, Lease)):
         lease = DryLease()  # type: ignore[assignment]  # never the real one: it writes its file
     lease = lease or Lease(root)
-    if not lease.acquire():
+    held = lease.acquire()
+    if not held and not dry_run and getattr(lease, "problem_errno", None) in SPACE_ERRNOS:
+        _make_room(root, temp_max_age_s, max(1, evict_threads), rep)
+        held = lease.acquire()  # in the room just made
+    if not held:
+        if metrics is not None and rep.room_evicted:
+            metrics.evicted(rep.room_evicted, rep.room_bytes)
         rep.lease_problem = lease.problem
         rep.busy = lease.problem is None
         if lease.problem:  # the caller says it, as a refusal
@@ -459,6 +469,45 @@ def collect(
         note_space_freed(root)  # this process's tiers on the root stop skipping stores
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+ROOM_FRACTION = 0.02  # of the page bytes, evicted without the lease when the export is full
+
+
+def _make_room(root: Path, temp_max_age_s: float, threads: int, rep: GcReport) -> None:
+    """The export is full (the lease could not be written: ENOSPC or EDQUOT): unlink the
+    least recently used pages, ``ROOM_FRACTION`` of the page bytes and at least one page, and
+    stale temps, without the lease, so the lease, the nodes' stores and the next pass have room.
+
+    Without this a full export never recovered: gc needs the lease to evict, the lease needs a
+    new file, and every node's stores stay refused. Several nodes doing this at once scan the
+    same pages in the same LRU order, so they mostly unlink the same victims (the later ones
+    count them ``vanished``); eviction is safe with two evictors (renames and unlinks of
+    checked entries, readers verify). Unlinked at once, not through the trash: a rename frees
+    nothing. Counted in ``evicted`` and in ``room_evicted``; a warning names the cap when the
+    export filled up below it. Failure policy: an error is logged, never raised (the regular
+    pass then reports the lease problem)."""
+    room = GcReport()
+    try:
+        root_fd = safefs.open_root(root)
+        try:
+            pages = _scan(root_fd, temp_max_age_s, room, DryLease())  # type: ignore[arg-type]
+            target = room.page_bytes - max(int(room.page_bytes * ROOM_FRACTION), 1)
+            _evict_down_to(pages, target, room.page_bytes, _Victims(pages, root_fd, -1, 0.0, threads), DryLease(),
+                           room)  # type: ignore[arg-type]
+        finally:
+            os.close(root_fd)
+    except OSError as exc:
+        log.warning("tierstore gc %s: the export is full and making room failed: %s", escape(root), exc)
+    rep.evicted, rep.evicted_bytes = room.evicted, room.evicted_bytes
+    rep.room_evicted, rep.room_bytes = room.evicted, room.evicted_bytes
+    rep.vanished, rep.temps_removed, rep.unsafe = room.vanished, room.temps_removed, room.unsafe
+    if room.evicted:
+        note_space_freed(root)
+        log.warning("tierstore gc %s: the export is full (%d bytes of pages found): %d least recently used pages "
+                    "(%d bytes) unlinked without the gc lease to make room; if this repeats, max_bytes is above "
+                    "what the export (or its quota) holds: lower --max-bytes", escape(root), room.page_bytes,
+                    room.evicted, room.evicted_bytes)
 
 
 def _collect_locked(root_fd: int, max_bytes: int, low_watermark: float, grace_s: float, temp_max_age_s: float,

@@ -71,13 +71,12 @@ from tierstore.format.head_slices import (
 )
 from tierstore.format.mac import PageMac
 from tierstore.format.page import PageExpectation, PageLayout
-from tierstore.fs.deadline import Health
+from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
 from tierstore.index import page_index
 from tierstore.rootstore import pageops as pagefile
 from tierstore.store import IOResult, PageStore
 from tierstore.tiers.assembly import assemble
-from tierstore.tiers.shared import probe_root
 
 logger = logging.getLogger("tierstore.slices")
 
@@ -335,7 +334,7 @@ class HeadSliceStore:
 
     def _probe(self) -> None:
         """The fallback's health probe (under its deadline): a create and unlink under the group
-        directory, which the file server must answer (``shared.probe_root``)."""
+        directory, which the file server must answer (``fs.deadline.probe_root``)."""
         group_dir = getattr(self.slices, "group_dir", None)
         if group_dir is not None:
             probe_root(Path(group_dir))

@@ -36,13 +36,10 @@ them up).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +47,7 @@ from typing import Any
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageMissing, PageTimeout, PageUnsafe
 from tierstore.format.identity import Namespace
-from tierstore.fs.deadline import DeadlineRunner, Health
+from tierstore.fs.deadline import DeadlineRunner, Health, probe_root
 from tierstore.fs.mapper import FileMapper, fanout
 from tierstore.metrics import TierMetrics
 from tierstore.rootstore import pageops as pagefile
@@ -277,25 +274,3 @@ def touch_page(dirs: pagefile.RankDir, key: bytes, path: str) -> None:
         os.close(fd)
 
 
-# errnos with which the server answered a probe's create (a missing directory, a read-only or full
-# export, another owner's directory): it is up, whatever it refused
-_PROBE_ANSWERED = frozenset({errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOSPC, errno.EDQUOT})
-
-
-def probe_root(root: Path) -> None:
-    """Raise unless the file server behind ``root`` answers now: create and remove a fresh name.
-
-    A ``stat`` of a fresh name was answered while a kernel NFS server was stopped (the real-NFS
-    test's outage: the tier came back 32 times in 30 s, each return costing another timeout);
-    an exclusive create is a CREATE the server itself must answer, on every NFS version and any
-    attribute or lookup caching. A refusal (``_PROBE_ANSWERED``) is an answer too."""
-    name = root / f".tierstore-probe-{uuid.uuid4().hex}"
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        if exc.errno in _PROBE_ANSWERED:
-            return
-        raise
-    os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name)

@@ -17,7 +17,7 @@ Contract: a ``PageStore`` (``tierstore/store.py``) whose results carry ``tier=se
   ``mac`` (a fleet key is configured and the page's tag does not verify with it) is a miss
   too, and the file stays (``errors.UNVERIFIABLE_KINDS``: not verifiable is not damage).
 - A full root (a store failed ENOSPC/EDQUOT: ``fs.deadline.SpaceBackoff``): stores to the tier
-  are skipped for a back-off (30 s, doubling) or until gc frees space under its root, each
+  are skipped, one trial store every 5 s, until one goes through or gc frees space under its root, each
   completed at once as ``enospc`` and counted as ``failures["full"]``; loads go on. One
   warning per episode names the root and what to do.
 - Hooks for subclasses: ``admit`` (how a store reaches the engine), ``on_load``/``on_store``
@@ -249,7 +249,7 @@ class EngineTier:
     @property
     def _full(self) -> bool:
         """Stores to this tier are skipped now (its root is full: ``SpaceBackoff``)."""
-        return self.space is not None and self.space.full
+        return self.space is not None and self.space.skip_store()
 
     def _skip_full(self, key: bytes) -> PageError:
         """The error of a store skipped while the root is full; counted as ``full``."""
