@@ -485,3 +485,39 @@ def test_injected_engine_failures_are_counted_by_their_tier(tmp_path: Path) -> N
     finally:
         st.close()
         close_shared_state()
+
+
+@pytest.mark.parametrize("front", ["host", "local"])
+def test_hits_on_a_faster_tier_keep_the_shared_copy_hot_for_gc(tmp_path: Path, front: str) -> None:
+    """A page hit 50 times in host memory or on the local disk is the fleet's hottest page: its
+    shared copy's LRU stamp is refreshed (in the background, rate-limited), so gc evicts a page
+    nobody read instead (before: the hot page was the first evicted from the export)."""
+    import os
+
+    from tierstore.tiers import gc
+
+    conf = cfg(tmp_path, shared_touch_interval_s=0.05,
+               **({"host_bytes": 1 << 16, "local_root": None, "local_max_bytes": None} if front == "host" else {}))
+    st = open_group_store(conf, NS, 0, metrics=MetricsRegistry())
+    try:
+        hot, cold = key(1), key(2)
+        assert store(st, hot).ok and store(st, cold).ok and st.flush(10)
+        paths = {k: Path(FileMapper(tmp_path / "shared", NS.digest, 0, 0).path_for(k)) for k in (hot, cold)}
+        for k, age in ((hot, 3600), (cold, 1800)):  # both stored long ago; the hot one first
+            os.utime(paths[k], (time.time() - age, time.time() - age))
+        served = set()
+        for _ in range(50):
+            ok, _kind, _ = load(st, hot)
+            assert ok
+            served.add(st.m_shared.get("hits"))
+            time.sleep(0.002)
+        assert served == {0}, "every hit came from the faster tier"
+        end = time.monotonic() + 10
+        while paths[hot].stat().st_mtime < time.time() - 60 and time.monotonic() < end:
+            time.sleep(0.05)
+        page = paths[hot].stat().st_size
+        rep = gc.collect(tmp_path / "shared", max_bytes=page + page // 2, low_watermark=1.0)
+        assert rep.evicted == 1 and paths[hot].exists() and not paths[cold].exists(), rep
+    finally:
+        st.close()
+        close_shared_state()

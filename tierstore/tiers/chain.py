@@ -229,6 +229,8 @@ class TierChain:
             self._ask_next(job)
             return
         assert r.slot is not None
+        if self.shared is not None and tier is not self.shared:
+            self.shared.stamp_hit(r.key)  # gc's LRU lives on the export: a local hit is a fleet hit
         for faster in self.promotion.targets(self.tiers, self.tiers.index(tier)):
             sub = faster.store_copy(r.key, r.slot.view, self.tokens_per_page, no_slot=NO_SLOT_KIND)
             self._track(faster, sub, lambda p, t=faster: self.promotion.stored(t, p))

@@ -12,7 +12,8 @@ Contract (``EngineTier`` plus):
   engine): a lone root that has not answered yet still lends slots, and refuses each job at
   once as ``down``, so an engine starts while the export hangs and serves misses.
 - LRU stamp: a hit refreshes the file's mtime in the background, at most once per
-  ``shared_touch_interval_s`` per page; ``tierstore gc`` evicts by it. The stamp is an
+  ``shared_touch_interval_s`` per page, and so does a hit on a faster tier of the chain
+  (``stamp_hit``); ``tierstore gc`` evicts by it. The stamp is an
   fd-based ``utime`` (futimens) on the page opened like a load opens it (``touch_page``: the
   fan-out directory through the rank directory's fd without following a symlink, the file
   O_NOFOLLOW|O_NONBLOCK and only if regular with one link), never a path-based ``utime``: a
@@ -202,6 +203,14 @@ class SharedTier(EngineTier):
             self.metrics.failure("timeout")
             self.health.mark_down(str(exc))
             return False
+
+    def stamp_hit(self, key: bytes) -> None:
+        """A faster tier (host memory, the local disk) served ``key``: refresh the shared copy's
+        LRU stamp as a hit here would (rate-limited per page, on the touch threads, never on the
+        request path), so gc keeps the fleet's hottest pages, not the ones only a new node reads.
+        A page the export does not hold costs one failed open on a touch thread."""
+        if self.health.up:
+            self._touch(key)
 
     def _touch(self, key: bytes) -> None:
         """Stamp ``key``'s page soon: queued for the touch threads (at most 2, ``fire``), so a
