@@ -155,6 +155,13 @@ BAD_CONTENT_KINDS: frozenset[str] = frozenset(
 # (``tierstore fsck --repair --remove-unverifiable``).
 UNVERIFIABLE_KINDS: frozenset[str] = frozenset({"mac"})
 
+# errno values of a file server that did not answer this time (a soft NFS mount during a server
+# restart, a stale handle, the network): a tier that meets one while opening starts down and is
+# reopened by its health probe, never given up for the life of the process.
+TRANSIENT_ERRNOS: tuple[int, ...] = (_errno.EIO, _errno.ESTALE, _errno.ETIMEDOUT, _errno.EAGAIN, _errno.ENOLCK,
+                                     _errno.ENETDOWN, _errno.ENETUNREACH, _errno.EHOSTDOWN, _errno.EHOSTUNREACH,
+                                     _errno.ECONNREFUSED, _errno.ECONNRESET, _errno.ECONNABORTED)
+
 # errno values that mean "the file system has no room": full (ENOSPC) or over a quota (EDQUOT).
 SPACE_ERRNOS: tuple[int, ...] = (_errno.ENOSPC, _errno.EDQUOT)
 

@@ -521,3 +521,42 @@ def test_hits_on_a_faster_tier_keep_the_shared_copy_hot_for_gc(tmp_path: Path, f
     finally:
         st.close()
         close_shared_state()
+
+
+@pytest.mark.parametrize("lone", [True, False])
+def test_a_transient_error_while_opening_starts_the_tier_down_and_it_reopens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lone: bool) -> None:
+    """One EIO while opening the root (a soft NFS mount while its server restarts): a lone root
+    still starts, down (misses and skipped stores at once), and a chain's shared tier too; the
+    health probe opens it again once the root answers and it serves (before: the lone root's
+    constructor raised, and a chain never used its shared tier for the life of the process)."""
+    import errno
+
+    from tierstore.tiers import shared
+
+    failures = [OSError(errno.EIO, "Input/output error")]
+    real_engine = shared.IOEngine
+
+    def flaky_engine(*a: object, **k: object) -> object:
+        if failures:
+            raise failures.pop()
+        return real_engine(*a, **k)
+
+    monkeypatch.setattr(shared, "IOEngine", flaky_engine)
+    conf = (TierStoreConfig.from_dict({"root": str(tmp_path / "r"), "deadline_s": 2.0}) if lone
+            else cfg(tmp_path, shared_deadline_s=2.0))
+    st = open_group_store(conf, NS, 0, metrics=MetricsRegistry())
+    try:
+        top = st.tiers[-1]
+        assert not top.available and isinstance(top.open_error, OSError)
+        if lone:
+            assert store(st, key(1)).error.kind == "timeout" and load(st, key(1))[1] == "timeout"
+        end = time.monotonic() + 15
+        while not top.available and time.monotonic() < end:
+            time.sleep(0.05)
+        assert top.available and top.open_error is None and not failures
+        assert store(st, key(2)).ok and st.flush(10)
+        assert Path(FileMapper(tmp_path / ("r" if lone else "shared"), NS.digest, 0, 0).path_for(key(2))).exists()
+    finally:
+        st.close()
+        close_shared_state()

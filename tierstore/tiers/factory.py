@@ -98,12 +98,13 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
         if front is None:
             raise ValueError("a chain needs a durable tier: local_root or the root")
         if front is root and root.engine() is None:
-            if root.open_error is not None:  # it answered, with an error: the user's to fix
-                raise root.open_error
+            if root.open_error is not None and not root.open_failed_transiently:
+                raise root.open_error  # it answered, with an error: the user's to fix
             setting = "deadline_s" if root.name == "root" else "shared_deadline_s"
-            log.warning('tierstore: the root %s did not open within %s (%.1f s); starting with it down: '
-                        "every load misses and every store is skipped until it answers (check the mount)",
-                        config.root, setting, root.deadline_s)
+            if root.open_error is None:  # (a transient error was said by the tier itself)
+                log.warning('tierstore: the root %s did not open within %s (%.1f s); starting with it down: '
+                            "every load misses and every store is skipped until it answers (check the mount)",
+                            config.root, setting, root.deadline_s)
     except BaseException:
         for tier in (local, root):
             if tier is not None:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import PageError, PageMissing, PageTimeout, PageUnsafe
+from tierstore.errors import TRANSIENT_ERRNOS, PageError, PageMissing, PageTimeout, PageUnsafe
 from tierstore.format.identity import Namespace
 from tierstore.fs.deadline import DeadlineRunner, Health, probe_root
 from tierstore.fs.mapper import FileMapper, fanout
@@ -101,23 +101,41 @@ class SharedTier(EngineTier):
                                                       bool(kwargs.pop("pin", False)))
         self.open_error: BaseException | None = None  # why the engine could not be built (logged)
         metrics.set_up(self._up_token, False)  # not serving until the engine is open
+        self._open_args = (config, namespace, group_index, rank, kwargs)
+        self._reopening = threading.Lock()  # one reopen at a time (a probe may outlive its deadline)
         threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
-                         args=(config, namespace, group_index, rank, kwargs)).start()
+                         args=self._open_args).start()
         if not self._opened.wait(self.deadline_s):
             self.health.mark_down(f"opening {self.root} took longer than {self.deadline_s:.3f} s")
         self._publish_up()  # the state the constructor returns with (the open thread's may come later)
 
     def _open(self, config: TierStoreConfig, namespace: Namespace, group_index: int, rank: int,
               kwargs: dict[str, Any]) -> None:
+        """Build the engine (the open thread, then the health probe's reopens). Failure policy:
+        an error with an errno of ``TRANSIENT_ERRNOS`` (EIO on a soft mount while its server
+        restarts, ESTALE) marks the tier down, and the probe loop reopens it once the root
+        answers; any other error is the user's to fix (``open_error``: a lone root raises it)."""
         try:
             self._engine = IOEngine(config.root, namespace, group_index, rank=rank, config=config,
                                     deadline_s=self.deadline_s, **kwargs)
+            self.open_error = None
         except Exception as exc:
             self.open_error = exc
-            log.warning("tierstore %s tier could not be opened: %s", self.name, exc)
+            if self.open_failed_transiently:
+                log.warning("tierstore %s tier could not be opened (%s); down until its root answers, then "
+                            "opened again", self.name, exc)
+                self.health.mark_down(f"opening failed: {exc}")
+            else:
+                log.warning("tierstore %s tier could not be opened: %s", self.name, exc)
         finally:
             self._opened.set()
             self._publish_up()
+
+    @property
+    def open_failed_transiently(self) -> bool:
+        """The last open failed with an error the file server may not repeat (``_open``)."""
+        exc = self.open_error
+        return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
     # ------------------------------------------------------------------ health
     def on_health(self, callback: Callable[[bool], None]) -> None:
@@ -137,8 +155,15 @@ class SharedTier(EngineTier):
 
     def _probe(self) -> None:
         probe_root(self.root)
+        if self._opened.is_set() and self._engine is None and self.open_failed_transiently:
+            if not self._reopening.acquire(blocking=False):
+                raise PageTimeout(f"the {self.name} engine is still reopening")
+            try:
+                self._open(*self._open_args)  # the root answers: open again, on the probe's thread
+            finally:
+                self._reopening.release()
         if self.engine() is None:
-            raise PageTimeout(f"the {self.name} engine is still opening")
+            raise PageTimeout(f"the {self.name} engine is still opening ({self.open_error or 'not answered yet'})")
 
     def engine(self) -> IOEngine | None:
         return self._engine if self._opened.is_set() else None
