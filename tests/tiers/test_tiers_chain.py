@@ -560,3 +560,39 @@ def test_a_transient_error_while_opening_starts_the_tier_down_and_it_reopens(
     finally:
         st.close()
         close_shared_state()
+
+
+def test_the_groups_of_a_model_on_a_hung_root_share_one_deadline(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid model opens one tier per group, one after another: on an export that does not
+    answer they start within one deadline in all (before: one deadline per group, 3 x 1 s), and
+    all serve once it answers."""
+    from tierstore.testing.pages import hybrid_namespace
+    from tierstore.tiers import shared
+
+    answers = threading.Event()
+    real_engine = shared.IOEngine
+
+    def hung_engine(*a: object, **k: object) -> object:
+        answers.wait(30)
+        return real_engine(*a, **k)
+
+    monkeypatch.setattr(shared, "IOEngine", hung_engine)
+    ns = hybrid_namespace()
+    assert len(ns.groups) >= 3
+    conf = TierStoreConfig.from_dict({"root": str(tmp_path / "r"), "deadline_s": 1.0})
+    t0 = time.monotonic()
+    stores = [open_group_store(conf, ns, g) for g in range(len(ns.groups))]
+    took = time.monotonic() - t0
+    try:
+        assert took < 1.0 + 0.8, took
+        assert not any(st.tiers[-1].available for st in stores)
+        answers.set()
+        end = time.monotonic() + 15
+        while not all(st.tiers[-1].available for st in stores) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert all(st.tiers[-1].available for st in stores)
+    finally:
+        answers.set()
+        for st in stores:
+            st.close()

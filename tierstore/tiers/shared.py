@@ -65,6 +65,28 @@ _SHARED_ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin", "ra
 _TOUCHED_MAX = 100_000  # pages whose last touch is remembered (then the memory starts over)
 
 
+# Roots whose open has not answered yet in this process: when the first tier began waiting. A
+# model's groups open one tier each, one after another: they share one deadline per root, so a
+# hung export delays the start by one deadline, not groups x deadline (3 groups at 2 s: 6.05 s).
+_UNANSWERED: dict[Path, float] = {}
+_UNANSWERED_LOCK = threading.Lock()
+
+
+def _open_wait_s(root: Path, deadline_s: float) -> float:
+    """How long a new tier on ``root`` waits for its open: what is left of the deadline that
+    began when the first tier of a root that has not answered yet began waiting."""
+    now = time.monotonic()
+    with _UNANSWERED_LOCK:
+        since = _UNANSWERED.setdefault(root.absolute(), now)
+    return max(since + deadline_s - now, 0.0)
+
+
+def _root_answered(root: Path) -> None:
+    """An engine on ``root`` opened: later tiers on it wait their whole deadline again."""
+    with _UNANSWERED_LOCK:
+        _UNANSWERED.pop(root.absolute(), None)
+
+
 class SharedTier(EngineTier):
     """The shared export: health, deadlines, background open, touch-on-hit; see module docstring."""
 
@@ -103,9 +125,10 @@ class SharedTier(EngineTier):
         metrics.set_up(self._up_token, False)  # not serving until the engine is open
         self._open_args = (config, namespace, group_index, rank, kwargs)
         self._reopening = threading.Lock()  # one reopen at a time (a probe may outlive its deadline)
+        wait_s = _open_wait_s(self.root, self.deadline_s)  # before the open: its success clears the entry
         threading.Thread(target=self._open, name="tierstore-shared-open", daemon=True,
                          args=self._open_args).start()
-        if not self._opened.wait(self.deadline_s):
+        if not self._opened.wait(wait_s):
             self.health.mark_down(f"opening {self.root} took longer than {self.deadline_s:.3f} s")
         self._publish_up()  # the state the constructor returns with (the open thread's may come later)
 
@@ -119,6 +142,7 @@ class SharedTier(EngineTier):
             self._engine = IOEngine(config.root, namespace, group_index, rank=rank, config=config,
                                     deadline_s=self.deadline_s, **kwargs)
             self.open_error = None
+            _root_answered(self.root)
         except Exception as exc:
             self.open_error = exc
             if self.open_failed_transiently:
