@@ -596,3 +596,37 @@ def test_the_groups_of_a_model_on_a_hung_root_share_one_deadline(tmp_path: Path,
         answers.set()
         for st in stores:
             st.close()
+
+
+def test_close_does_not_wait_for_a_stamp_hung_in_a_dead_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first stamp of a hit opens the rank directory on a touch thread; if the mount hangs
+    right then, closing the chain (vLLM's shutdown) still returns within its timeout (before:
+    it waited for the server, on the directory's lock)."""
+    from tierstore.fs import safefs
+
+    st = open_group_store(TierStoreConfig(root=str(tmp_path / "r")), NS, 0)
+    assert store(st, key(1)).ok
+    server = threading.Event()
+    hung: list[str] = []
+    real_open_root = safefs.open_root
+
+    def dead_mount(root: object) -> int:
+        if "touch" in threading.current_thread().name:
+            hung.append(threading.current_thread().name)
+            server.wait(60)  # a hard mount whose server is gone
+        return real_open_root(root)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(safefs, "open_root", dead_mount)
+    try:
+        assert load(st, key(1))[0]  # a hit: its stamp goes to a touch thread
+        end = time.monotonic() + 5
+        while not hung and time.monotonic() < end:
+            time.sleep(0.02)
+        assert hung, "the stamp never reached the directory's open"
+        t0 = time.monotonic()
+        closer = threading.Thread(target=st.close, args=(2.0,), daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive() and time.monotonic() - t0 < 4.0
+    finally:
+        server.set()

@@ -354,7 +354,8 @@ class RankDir:
         self.root, self.parts, self.perms = os.fspath(root), parts, perms
         self._fd = -1
         self._old: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held across the (re)open's file-system calls
+        self._closed = False
         self._on_reopen = on_reopen
         self._next_check = 0.0  # monotonic time of the next identity check of the held fd
         self._reopened_at = -RANK_DIR_REOPEN_MIN_S  # monotonic time of the last reopen of a stale fd
@@ -369,6 +370,9 @@ class RankDir:
                 fd = safefs.open_dir_path(root_fd, self.parts, create=create, perms=self.perms)
             finally:
                 os.close(root_fd)
+            if self._closed:  # closed while this open hung in the file system (``close``)
+                os.close(fd)
+                raise OSError(errno.EBADF, f"{os.path.join(self.root, *self.parts)}: closed while opening")
             if self._fd >= 0:
                 self._old.append(self._fd)
             self._fd = fd
@@ -500,13 +504,22 @@ class RankDir:
         finally:
             os.close(dir_fd)
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, timeout: float | None = None) -> bool:
+        """Close the held fds; False if an open hung in the file system (a hard mount whose
+        server is gone) held the directory past ``timeout`` (None: wait): that open closes what
+        it opens when it returns, so a shutdown never waits on the server."""
+        self._closed = True
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
             for fd in (*self._old, self._fd):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
             self._fd, self._old = -1, []
+        finally:
+            self._lock.release()
+        return True
 
 
 def directory_error(exc: OSError, where: str) -> str:
