@@ -396,3 +396,42 @@ def test_an_unreadable_format_marker_fails_the_pass_a_foreign_one_refuses(tmp_pa
     monkeypatch.setattr(mapper, "read_format_marker", eio)
     with pytest.raises(OSError, match="Input/output error"):
         gc.collect(root, 1 << 30)
+
+
+def test_probe_and_lease_files_left_behind_are_removed_once_old(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A health probe or a lease clock probe whose unlink failed (a soft mount's timeout, a
+    killed process) is removed by gc once older than its temp age, at the root and in a group
+    directory (the head-slice fallback probes there), and never counted as foreign bytes;
+    younger ones are kept (their writer may still be about to unlink them)."""
+    import errno
+
+    from tierstore.fs import deadline, safefs
+    from tierstore.fs import lease as lease_mod
+
+    fill_pages(tmp_path, NS, pages_per_group=2)
+    group_dir = tmp_path / NS.digest / "g0"
+
+    def unlink_times_out(*a: object, **k: object) -> None:
+        raise OSError(errno.EIO, "the server did not answer the unlink")
+
+    before = set(tmp_path.rglob(".tierstore*"))
+    with monkeypatch.context() as soft_mount:  # the real writers, their unlinks failing
+        soft_mount.setattr(deadline.os, "unlink", unlink_times_out)
+        soft_mount.setattr(lease_mod.os, "unlink", unlink_times_out)
+        for where in (tmp_path, group_dir, group_dir):
+            with pytest.raises(OSError):
+                deadline.probe_root(where)
+        root_fd = safefs.open_root(tmp_path)
+        try:
+            assert lease_mod.server_now(root_fd) is not None
+        finally:
+            os.close(root_fd)
+    left = sorted(set(tmp_path.rglob(".tierstore*")) - before)
+    assert len(left) == 4, left
+    fresh, *old = left
+    for path in old:
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    rep = gc.collect(tmp_path, max_bytes=1 << 40, temp_max_age_s=3600)
+    assert not any(p.exists() for p in old) and fresh.exists()
+    assert rep.temps_removed == len(old) and rep.other_bytes == 0, rep

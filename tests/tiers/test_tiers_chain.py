@@ -630,3 +630,20 @@ def test_close_does_not_wait_for_a_stamp_hung_in_a_dead_mount(tmp_path: Path, mo
         assert not closer.is_alive() and time.monotonic() - t0 < 4.0
     finally:
         server.set()
+
+
+def test_a_local_root_on_nfs_is_refused_before_anything_is_created_there(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal names the setting, and nothing (no sqlite index, no session lock) was made
+    under local_root first (before: its index and locks were created there, and on a hung
+    export the sqlite open blocked before the refusal could be said)."""
+    from tierstore.fs.mounts import Mount
+    from tierstore.tiers import local
+
+    local_root = tmp_path / "local"
+    local_root.mkdir()
+    monkeypatch.setattr(local, "mount_of", lambda path: Mount(str(local_root), "nfs4", "server:/export"))
+    with pytest.raises(ConfigError, match='"local_root"'):
+        open_group_store(cfg(tmp_path), NS, 0)
+    assert list(local_root.iterdir()) == []
+    close_shared_state()

@@ -312,6 +312,11 @@ FORMAT_MARKER_NAME = ".tierstore-format"
 # the marker being written: a writer killed before its rename leaves this at the root
 FORMAT_MARKER_TEMP_RE = re.compile(r"^\.tierstore-format\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")
 FORMAT_MARKER_VERSION = 1
+# a file tierstore creates and unlinks at once: a health probe (``fs.deadline.probe_root``, at the
+# root and in a group directory), the lease's server-clock probe and the lease being published
+# (``fs.lease``). A soft mount's timed-out unlink or a killed process leaves one; gc removes
+# those older than its temp age (``tiers.gc``).
+PROBE_LEFTOVER_RE = re.compile(r"^\.tierstore-(probe-[0-9a-f]{32}|gc\.lease\.(clock\.)?[0-9a-f]{12}\.tmp)$")
 LAYOUT_RANK_DIRS = "rank_dirs"  # ROOT/<ns>/g<g>/r<rank>/<aa>/<key>.kvp
 LAYOUT_HEAD_SLICE_DIRS = "head_slice_dirs"  # ROOT/<ns>/g<g>/h<start>-<count>/<aa>/<key>.kvp
 KNOWN_LAYOUTS = (LAYOUT_RANK_DIRS, LAYOUT_HEAD_SLICE_DIRS)

@@ -75,7 +75,9 @@ def _local_index(config: TierStoreConfig) -> LocalIndex | None:
     if not config.local_root:
         return None
     from tierstore.index.local_index import LocalIndex
+    from tierstore.tiers.local import refuse_network_local_root
 
+    refuse_network_local_root(config.local_root)  # before sqlite creates anything there
     with _guard:
         idx = _indexes.get(config.local_root)
         if idx is None or idx.cap_bytes != config.local_max_bytes:

@@ -6,7 +6,7 @@ Contract (``tierstore gc ROOT --max-bytes N``, and ``GcDaemon`` as the backgroun
    the lease cannot be written because the export is full (ENOSPC, EDQUOT), first unlink a few
    least recently used pages without it (``_make_room``), then take it.
 2. Sweep the trash dir ``ROOT/.tierstore-trash``: unlink entries older than ``trash_grace_s``.
-3. Scan every namespace under ROOT: page files (LRU stamp = mtime, which readers refresh with
+3. Scan every namespace under ROOT (and the root's own probe and lease leftovers): page files (LRU stamp = mtime, which readers refresh with
    a rate-limited ``utime`` on hit), temp files (those older than ``temp_max_age_s`` were
    abandoned by a dead writer and are removed), tierstore's own metadata (a namespace's
    ``manifest.json``, the name fsck's walk accepts there: ``metadata_bytes``) and anything
@@ -85,6 +85,7 @@ from tierstore.fs.mapper import (
     FORMAT_MARKER_TEMP_RE,
     NAMESPACE_DIR_RE,
     PAGE_SUFFIX,
+    PROBE_LEFTOVER_RE,
     RESERVED_PREFIX,
     fanout,
     host_tag,
@@ -251,6 +252,8 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
             for name, st in d.entries:
                 if FORMAT_MARKER_TEMP_RE.match(name) and stat.S_ISREG(st.st_mode):
                     _sweep_temp(d.fd, name, st, temp_writer(name), temp_max_age_s, now, rep)
+                elif PROBE_LEFTOVER_RE.match(name) and stat.S_ISREG(st.st_mode):
+                    _sweep_leftover(d.fd, name, st, temp_max_age_s, now, rep)
             continue
         for name, st in d.entries:
             where = "/".join((*d.parts, name))
@@ -274,12 +277,30 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
                 rep.page_bytes += _file_bytes(st)
             elif (writer := temp_writer(name)) is not None:
                 _sweep_temp(d.fd, name, st, writer, temp_max_age_s, now, rep)
+            elif PROBE_LEFTOVER_RE.match(name):
+                _sweep_leftover(d.fd, name, st, temp_max_age_s, now, rep)
             elif len(d.parts) == 1 and name == MANIFEST_NAME:  # fsck's rule (inventory.fan_dirs): ours
                 rep.metadata_bytes += _file_bytes(st)
             else:
                 rep.other_bytes += _file_bytes(st)
     rep.pages = len(pages)
     return pages
+
+
+def _sweep_leftover(dir_fd: int, name: str, st: os.stat_result, temp_max_age_s: float, now: float,
+                    rep: GcReport) -> None:
+    """Remove a probe or lease file left behind (``mapper.PROBE_LEFTOVER_RE``: its writer unlinks
+    it within a call) once older than ``temp_max_age_s``, counted with the stale temps; a
+    younger one is counted as a temp. Failure policy: one that cannot be removed is kept."""
+    if now - st.st_mtime > temp_max_age_s:
+        try:
+            if not rep.dry_run:
+                safefs.unlink_at(name, dir_fd, safefs.identity(st))
+            rep.temps_removed += 1
+            return
+        except OSError:
+            pass
+    rep.temp_bytes += _file_bytes(st)
 
 
 def _sweep_temp(dir_fd: int, name: str, st: os.stat_result, writer: TempWriter | None, temp_max_age_s: float,
