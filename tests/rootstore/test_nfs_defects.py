@@ -470,3 +470,31 @@ def test_an_expired_lease_is_taken_by_a_node_whose_clock_lags(tmp_path: Path, mo
         assert b.acquire()
     assert not a.renew_if_due() or a.read()["owner"] == "node-b"  # type: ignore[index]
     assert [p.name for p in tmp_path.iterdir() if ".clock." in p.name] == []  # the probes are removed
+
+
+def test_rm_rf_of_the_whole_root_with_no_restart_brings_the_metadata_back(tmp_path: Path,
+                                                                           nfs_stale_handles: None) -> None:
+    """``rm -rf ROOT/*`` while one engine runs and none restarts: its stores come back, and so
+    do the namespace's manifest and the root's format marker, so fsck finds a whole cache again
+    (before: fsck exited 4 on every run, "run an engine ... or delete the directory")."""
+    from tierstore.admin.fsck import FsckOptions, run_fsck
+    from tierstore.format.identity import MANIFEST_NAME
+    from tierstore.fs.mapper import FORMAT_MARKER_NAME
+
+    root = tmp_path / "root"
+    a = _engine(root)
+    assert _store(a, 0).ok
+    deadline = time.monotonic() + 5
+    while not (root / FORMAT_MARKER_NAME).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for entry in root.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    stored = [_store(a, i).ok for i in range(1, 4)]
+    assert stored[-1], stored  # the call that found the stale handle: at worst one failure
+    manifest = a.mapper.base.parent.parent / MANIFEST_NAME
+    deadline = time.monotonic() + 5
+    while not (manifest.exists() and (root / FORMAT_MARKER_NAME).exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manifest.exists() and (root / FORMAT_MARKER_NAME).exists()
+    a.close()
+    assert run_fsck(FsckOptions(root=root)).exit_code == 0

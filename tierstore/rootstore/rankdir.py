@@ -56,7 +56,7 @@ import zstandard
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageStoreError, PageUnsafe
-from tierstore.format.identity import Namespace
+from tierstore.format.identity import MANIFEST_NAME, Namespace, write_manifest
 from tierstore.format.mac import PageMac
 from tierstore.format.page import (
     FLAG_MAC,
@@ -121,6 +121,24 @@ def mark_root_soon(root: str | os.PathLike[str], perms: safefs.Perms) -> None:
         thread.start()
 
 
+def restore_root_metadata_soon(root: str | os.PathLike[str], namespace: Namespace, perms: safefs.Perms) -> None:
+    """A rank directory was found removed and made again (``rm -rf ROOT/*`` with engines
+    running): write the namespace's manifest and the root's format marker again, on a thread of
+    its own (the caller is an I/O thread), so fsck and gc see a whole cache again without an
+    engine restart. Failure policy: logged, never raised (the next reopen tries again)."""
+    where = os.path.abspath(root)
+
+    def write() -> None:
+        for what, make in ((MANIFEST_NAME, lambda: write_manifest(where, namespace, perms=perms)),
+                           (FORMAT_MARKER_NAME, lambda: write_format_marker(where, perms=perms))):
+            try:
+                make()
+            except OSError as exc:
+                logger.warning("tierstore: cannot write %s again under %s (%s)", what, where, exc.strerror or exc)
+
+    threading.Thread(target=write, name="tierstore-root-metadata", daemon=True).start()
+
+
 def settle_format_marker(root: str | os.PathLike[str], timeout: float = MARKER_SETTLE_S) -> bool:
     """Wait up to ``timeout`` for this process's marker write of ``root`` (``mark_root_soon``):
     True when none is running, so the write's temp is renamed or removed. A process that exits
@@ -172,9 +190,14 @@ class PageFiles(NativeFileCalls):
         self._local = _ThreadState()
         self._marked = False  # the root's format marker asked for (first store)
         self._dirs = pagefile.RankDir(mapper.root, mapper.dir_parts, perms,
-                                      on_reopen=lambda: count("rank_dir_reopens"))
+                                      on_reopen=self._reopened)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
+
+    def _reopened(self) -> None:
+        """The rank directory was removed and made again: count it, restore the root's metadata."""
+        self._count("rank_dir_reopens")
+        restore_root_metadata_soon(self.mapper.root, self.namespace, self.perms)
 
     def close(self) -> None:
         """Close the directory fds (only once no I/O thread can still use them) after the root's
