@@ -195,3 +195,29 @@ def test_doctor_in_a_fresh_process_with_progress(root: Path) -> None:
     assert out.returncode in (0, 16), out.stderr
     assert "doctor" in out.stderr and "check/s" in out.stderr and "9/9" in out.stderr
     assert "rename:" in out.stdout
+
+
+def test_a_hung_root_is_said_within_the_deadline(root: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root whose file server stopped answering (its stat still answered from a cache):
+    doctor says so within --deadline-s and exits 8 (before: it hung with the mount)."""
+    import threading
+    import time
+
+    server = threading.Event()
+    real_probe = doctor.probe_root
+
+    def hung(path: Path) -> None:
+        server.wait(60)
+        real_probe(path)
+
+    monkeypatch.setattr(doctor, "probe_root", hung)
+    t0 = time.monotonic()
+    try:
+        rc = cli.main(["doctor", str(root), "--json", "--deadline-s", "0.5", *FAST])
+    finally:
+        server.set()
+    out = capsys.readouterr()
+    assert rc == 8 and time.monotonic() - t0 < 5
+    assert "did not answer a create within 0.5 s (--deadline-s)" in out.err
+    assert json.loads(out.out)["exit_code"] == 8

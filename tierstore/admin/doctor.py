@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import ConfigError
+from tierstore.errors import ConfigError, PageTimeout
 from tierstore.fs import mounts, trust
+from tierstore.fs.deadline import DeadlineRunner, probe_root
 from tierstore.fs.display import escape, iso_utc, parse_size
 from tierstore.fs.mapper import NAMESPACE_DIR_RE
 
@@ -470,6 +471,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mountinfo", metavar="FILE",
                         help="read the mount table from FILE instead of /proc/self/mountinfo")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema key tierstore_doctor)")
+    parser.add_argument("--deadline-s", type=float, default=10.0, metavar="S",
+                        help="how long ROOT may take to answer a create before doctor gives up on it as a hung "
+                        "mount (default 10)")
 
 
 def _size(text: str) -> int:
@@ -525,14 +529,25 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tierstore doctor: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    try:
+    deadline_s = getattr(args, "deadline_s", 10.0)
+
+    def answers() -> str | None:
         st = os.stat(opts.root)
-        problem = None if stat.S_ISDIR(st.st_mode) else "not a directory"
+        if not stat.S_ISDIR(st.st_mode):
+            return "not a directory"
+        probe_root(opts.root)  # a create the file server must answer (a stat may come from a cache)
+        return None
+
+    try:
+        problem = DeadlineRunner("doctor-probe", max_inflight=1).call(answers, deadline_s)
+        hint = "create it, or pass the directory given as \"root\""
+    except PageTimeout:
+        problem = f"it did not answer a create within {deadline_s:g} s (--deadline-s): a hung mount?"
+        hint = "check the mount and its server"
     except OSError as exc:
-        problem = exc.strerror
+        problem, hint = exc.strerror, "create it, or pass the directory given as \"root\""
     if problem is not None:
-        message = (f"ROOT {escape(opts.root)} is not accessible: {problem} (create it, or pass the directory "
-                   "given as \"root\")")
+        message = f"ROOT {escape(opts.root)} is not accessible: {problem} ({hint})"
         print(f"tierstore doctor: {message}", file=sys.stderr)
         if args.json:
             print(json.dumps({"tierstore_doctor": SCHEMA_VERSION, "error": message, "exit_code": EXIT_OPERATIONAL}))
