@@ -225,18 +225,38 @@ def test_real_sized_layouts_bit_exact_on_gpu(name: str) -> None:
 
 @pytest.mark.gpu
 @_NO_CUDA
-@pytest.mark.parametrize("sections,kib", [(32, 64), (32, 256)])
-def test_gpu_throughput_sanity(sections: int, kib: int) -> None:
-    """Prints GB/s of hash() for 256 pages (no timing assert)."""
-    lay = byte_layout(tuple([kib * 1024] * sections))
-    pages = random_pages(256, lay.nbytes, 5, "cuda")
+def test_a_batch_past_2_gib_hashes_bit_exactly_in_two_queued_launches() -> None:
+    """A batch of real-sized pages (32 x 256 KiB sections and a short one: the transfer's
+    batches of a large model) spanning more than 2 GiB: pages whose bytes lie past 2**31 from
+    the batch's start (offsets an int32 cannot hold) hash bit-exactly; a call is one launch per
+    kernel (long and short sections) whatever the page count, and only queues them: it returns
+    while the stream is still busy (the thread that drives transfers never waits on the GPU)."""
+    from tierstore.kernels import checksum
+
+    lay = byte_layout(tuple([256 * 1024] * 32) + (112,))  # rows stay 16-byte aligned
+    n = (1 << 31) // lay.nbytes + 4
+    assert (n - 3) * lay.nbytes > 1 << 31  # the last three pages start past 2 GiB
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    pages = torch.randint(0, 256, (n, lay.nbytes), dtype=torch.uint8, device="cuda", generator=gen)
     hasher = SectionHasher(lay, "cuda")
-    hasher.hash(pages)
+    hasher.hash(pages)  # compiled (or loaded) here, outside the timed call
     torch.cuda.synchronize()
-    reps = 10
+
+    def launches() -> dict[str, int]:
+        return {name: sum(lw.counts().values()) for name, lw in checksum._LAUNCH.items()}
+
+    before = launches()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5-1 s of GPU time queued ahead of the hash
     t0 = time.perf_counter()
-    for _ in range(reps):
-        hasher.hash(pages)
+    sums = hasher.hash(pages)
+    took = time.perf_counter() - t0
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query(), "the stream finished during hash(): it waited for the GPU"
+    assert took < 0.1, f"hash() took {took:.3f} s behind a busy stream"
+    after = launches()
+    assert {k: after[k] - before[k] for k in after} == {"hash_long": 1, "hash_short": 1, "check_mask": 0}
     torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / reps
-    print(f"\nSectionHasher: 256 pages x {sections} x {kib} KiB: {pages.numel() / dt / 1e9:.0f} GB/s")
+    rows = [0, n - 4, n - 3, n - 1]  # the first page, the one across 2 GiB, two past it
+    got = unsigned(sums[rows])
+    assert got == expected(pages[rows], lay)

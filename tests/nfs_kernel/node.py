@@ -585,6 +585,7 @@ class SchedulerSteps:
                                     deadline_s=DEADLINE_S).start()
         self.keys = [key(i, seed) for i in range(keys)]
         self.t0, self.steps = t0, []  # (seconds since t0, step seconds)
+        self.started: list[float] = []  # each step's monotonic start (for the guest's delay during it)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="scheduler-steps", daemon=True)
         self.thread.start()
@@ -598,15 +599,21 @@ class SchedulerSteps:
             while not self.lookup.results.empty():  # the prober's verdicts, as the manager drains them
                 self.lookup.results.get_nowait()
             done = time.monotonic()
+            self.started.append(started)
             self.steps.append((started - self.t0, done - started))
             time.sleep(STEP_S)
 
-    def summary(self, stopped: float, restarted: float) -> dict[str, Any]:
+    def summary(self, stopped: float, restarted: float, oversleep: Oversleep, control: ControlCalls) -> dict[str, Any]:
+        """The steps' figures; each step longer than the deadline, with the guest's worst
+        oversleep and the control node's slowest call during it (what excuses it: the test)."""
         self.stop.set()
         self.thread.join(5)
         during = [d for t, d in self.steps if stopped <= t <= restarted]
+        slow = [{"at_s": round(t, 2), "seconds": round(d, 3), "oversleep_s": round(oversleep.worst(a, a + d), 3),
+                 "control_s": round(control.worst(a, a + d), 3)}
+                for a, (t, d) in zip(self.started, self.steps, strict=True) if d > DEADLINE_S]
         self.lookup.close()
-        return {"steps": len(self.steps), "steps_during_outage": len(during),
+        return {"steps": len(self.steps), "steps_during_outage": len(during), "steps_over_deadline": slow,
                 "longest_step_ms": round(max((d for _, d in self.steps), default=0.0) * 1000, 3),
                 "longest_step_during_outage_ms": round(max(during, default=0.0) * 1000, 3),
                 "p99_step_ms": round(sorted(d for _, d in self.steps)[int(0.99 * len(self.steps))] * 1000, 3)
@@ -728,7 +735,7 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
                               if timeline["stopped"] <= t <= timeline["restarted"])) for n, ev in events.items()}
     new_nodes: dict[str, Node] = late.pop("nodes", {})
     every = {**nodes, **new_nodes}
-    scheduler_steps = scheduler.summary(timeline["stopped"], timeline["restarted"])
+    scheduler_steps = scheduler.summary(timeline["stopped"], timeline["restarted"], oversleep, control)
     for node in every.values():  # each late call beside the guest's worst oversleep during it
         for call in node.late:
             call["oversleep_s"] = round(oversleep.worst(call["at"], call["at"] + call["seconds"]), 3)

@@ -180,10 +180,15 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     assert new["outage_stored_on"]["new_chain"] == {"stored_on:local": 5}, new["outage_stored_on"]
     assert all(s is not None for s in new["serve_after_restart_s"].values()), new["serve_after_restart_s"]
     # the scheduler thread's lookups never wait on the hung mount (a wait would last the
-    # deadline, or the whole outage): every step returns well within the 2 s deadline
+    # deadline, or the whole outage): a step longer than the 2 s deadline is excused only by as
+    # much as the guest delayed its other threads during it (a CI run: a 3.98 s step while a
+    # sleeping thread overslept 2.65 s and a tmpfs control call took 7.8 s), as the calls are
     steps = c["scheduler_steps"]
     assert steps["steps_during_outage"] > 100 and not steps["thread_stuck"], steps
-    assert steps["longest_step_during_outage_ms"] < 1000 * c["deadline_s"], steps
+    blamed = [s for s in steps["steps_over_deadline"]
+              if s["seconds"] - c["deadline_s"] > max(s["oversleep_s"], s["control_s"])]
+    assert not blamed, (blamed, steps, c["oversleep"])
+    assert steps["p99_step_ms"] < 1000 * c["deadline_s"], steps
 
 
 def test_full_export_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[str, Any]]) -> None:
@@ -204,16 +209,23 @@ def test_full_export_stores_fail_typed_loads_still_verify(scenarios: dict[str, d
 
 def test_gc_nodes_with_skewed_clocks_do_not_over_evict(scenarios: dict[str, dict[str, Any]]) -> None:
     """Defect 6: two `tierstore gc` loops (v3 and v4.2 mounts of one root, lease ttl 5 s), one
-    with its clock 30 s ahead, while a node stores a new page every ~0.25 s for 30 s: together
-    they evict at most 1.5 times what the cap needs (the lease is judged by the server's clock,
-    so the skewed node neither takes a live lease nor keeps a dead one) and no load returns a
-    wrong page; the same run with both clocks right is printed beside it."""
+    with its clock 30 s ahead, while a node stores a new page every ~0.25 s for 30 s: no two
+    passes that held the lease overlap in time and together they evict at most 1.5 times what
+    the cap needs (the lease is judged by the server's clock, so the skewed node neither takes a
+    live lease nor keeps a dead one), and no load returns a wrong page; the same holds for the
+    run with both clocks right."""
     e = _ok(scenarios["e"])
     figures = {run: {k: v for k, v in r.items() if k not in ("node", "gc_stderr")} for run, r in e.items()
                if isinstance(r, dict) and "over_eviction_factor" in r}
     print(json.dumps(figures, indent=1))
     for run in ("skewed", "right"):
         r = e[run]
+        # A pass holds the lease from taking it to releasing it at its end, renewing it every
+        # ttl/3; another node takes it only once it is released, or once it has gone unrenewed
+        # for ttl + skew by the server's clock. So one gc's passes may follow the other's closely
+        # (passes_both_active_within_lease_ttl counts those: turns, not a fault), but none may
+        # overlap one of the other's in time, whichever node's clock is wrong.
+        assert r["overlapping_active_passes"] == 0, (run, figures[run])
         assert r["over_eviction_factor"] <= 1.5, (run, figures[run])
         assert r["node"]["counts"].get("wrong", 0) == 0, run
         assert r["loads"].get("wrong", 0) == 0, run

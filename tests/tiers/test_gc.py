@@ -435,3 +435,14 @@ def test_probe_and_lease_files_left_behind_are_removed_once_old(tmp_path: Path,
     rep = gc.collect(tmp_path, max_bytes=1 << 40, temp_max_age_s=3600)
     assert not any(p.exists() for p in old) and fresh.exists()
     assert rep.temps_removed == len(old) and rep.other_bytes == 0, rep
+
+
+def test_a_silly_renamed_file_at_the_root_does_not_make_it_foreign(tmp_path: Path) -> None:
+    """An NFS or FUSE client leaves ``.nfs*`` / ``.fuse_hidden*`` in place of a file replaced
+    while open (the lease, read by one node while another renamed its new lease over it): gc
+    still takes the root for a cache (before: "not a cache directory", and the gc loop exited;
+    seen with two sshfs mounts under load)."""
+    (tmp_path / ".fuse_hidden0000000a00000001").write_text("{}")
+    (tmp_path / ".nfs000000000012345600000001").write_text("{}")
+    rep = gc.collect(tmp_path, max_bytes=1 << 30)
+    assert rep.refused is None, rep.refused

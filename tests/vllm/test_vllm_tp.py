@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-from vllm_helpers import namespace_dir, run_engine_script  # noqa: E402
+from vllm_helpers import namespace_dir, rank_dir, run_engine_script  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -63,9 +64,20 @@ def test_tp2_each_rank_writes_its_own_pages(tp_run) -> None:
 
 
 def test_tp2_one_ranks_damaged_pages_recompute_with_identical_tokens(tp_run) -> None:
-    root, res, out = tp_run
+    _, res, out = tp_run
     assert "DAMAGED 2" in out
-    assert res["damaged_rank1"]["tokens"] == res["store"]["tokens"]
+    damaged, cold = res["damaged_rank1"], res["store"]
+    # Rank 1 found both of its pages damaged (a flipped payload byte fails a section checksum);
+    # rank 0's pages were intact and loaded without a failure.
+    failed = re.findall(r"load of page [0-9a-f]+\.\. \(group 0\) failed: checksum: .*\[(.+?)\]", out)
+    assert len(failed) == 2 and all(f"/g0/{rank_dir(1)}/" in path for path in failed), failed
+    # The hit was withdrawn and the whole prompt computed again: a served page would leave the
+    # restore's 256 cached tokens (a damaged byte in the KV need not change greedy tokens).
+    assert damaged["cached"] == 0 and res["restore"]["cached"] == 256
+    # Computed again with the same batch shapes as the cold run (the prompt from token 0, in the
+    # same chunks): the same tokens and bit-identical logprobs.
+    assert damaged["tokens"] == cold["tokens"]
+    assert damaged["logprobs"] == cold["logprobs"] and damaged["first_top"] == cold["first_top"]
 
 
 def test_tp2_fsck_and_stats_report_ranks(tp_run, tmp_path: Path) -> None:

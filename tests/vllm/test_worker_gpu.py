@@ -18,6 +18,7 @@ Skipped without CUDA. Must not run with TRITON_INTERPRET=1 (the kernels would be
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -110,12 +111,80 @@ def _warm_up(worker: Any, views: list[torch.Tensor], ids: torch.Tensor) -> None:
     assert _finish(worker, 90_001).success
 
 
-def test_checksums_run_on_the_gpu(tmp_path: Path) -> None:
-    case = _case()
+def _checksum_launches() -> dict[str, int]:
+    """Launches of each checksum kernel in this process so far (through libcuda or Triton)."""
+    from tierstore.kernels import checksum
+
+    return {name: sum(launcher.counts().values()) for name, launcher in checksum._LAUNCH.items()}
+
+
+def test_checksums_run_on_the_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A store hashes its pages with the GPU kernels and hands the sums to the page store (the
+    I/O threads hash nothing); a load has the page store read the pages unchecked and the GPU
+    kernels check them after the copy: a damaged page is caught there, its blocks untouched."""
+    from tierstore.rootstore.engine import IOEngine
+
+    case = _case(seed=3)
     views, ids = case.build("LBHNC", 8, "cuda")
     worker, engine = _worker(case, views, ids.shape[1], tmp_path)
-    assert worker.groups[0].transfer.checksums_on_gpu, "the GPU path should hash (Triton + SectionHasher)"
+    transfer = worker.groups[0].transfer
+    assert transfer.checksums_on_gpu, transfer.checksum_reason
+    handed: list[Any] = []  # the sums each store handed to the page store (None: it hashes)
+    checked_by_store: list[bool] = []  # each load's verify: whether the page store checks the sums
+    real_store, real_load = IOEngine.submit_store, IOEngine.submit_load
+
+    def submit_store(self: IOEngine, key: bytes, slot: Any, token_count: int, sums: Any = None) -> int:
+        handed.append(sums)
+        return real_store(self, key, slot, token_count, sums)
+
+    def submit_load(self: IOEngine, key: bytes, verify: bool = True) -> int:
+        checked_by_store.append(verify)
+        return real_load(self, key, verify)
+
+    monkeypatch.setattr(IOEngine, "submit_store", submit_store)
+    monkeypatch.setattr(IOEngine, "submit_load", submit_load)
+    keys = _keys(500)
+    gpu, files = _specs(ids, keys, TOKENS)
+    before = _checksum_launches()
+    worker.submit_store(1, gpu, files)
+    assert _finish(worker, 1).success
+    after = _checksum_launches()
+    assert after["hash_long"] > before["hash_long"]  # each section (2 x 16 x 2 x 64 bf16) is a long one
+    assert len(handed) == PAGES and all(sums is not None for sums in handed), handed
+    # The GPU's sums are the format's: the page store's own check (on the CPU) passes every page.
+    assert torch.equal(_stored_pages(engine, keys), case.expected_pages())
     worker.shutdown()
+
+    bad = 4
+    path = engine.mapper.path_for(keys[bad])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # a payload byte of the last section (the header is intact)
+    path.write_bytes(bytes(data))
+    nb = PAGES * 2 + 3
+    _, views2 = make_attention_caches("LBHNC", LAYERS, nb, HEADS, 8, HEAD, case.dtype, "cuda")
+    for v in views2:
+        v.fill_(7.0)  # poison
+    poisoned = [v.clone() for v in views2]
+    ids2 = torch.randperm(nb, generator=torch.Generator().manual_seed(4))[: PAGES * 2].view(PAGES, 2)
+    reader, _ = _worker(case, views2, 2, tmp_path)
+    gpu2, files2 = _specs(ids2, keys, TOKENS)
+    checked_by_store.clear()
+    before = _checksum_launches()
+    with caplog.at_level(logging.WARNING, logger="tierstore.vllm"):
+        reader.submit_load(2, files2, gpu2)
+        res = _finish(reader, 2)
+    after = _checksum_launches()
+    assert not res.success
+    assert checked_by_store and not any(checked_by_store), checked_by_store  # read unchecked ...
+    assert after["check_mask"] > before["check_mask"]  # ... and the GPU compared their sums
+    assert after["hash_long"] > before["hash_long"]
+    assert {(k, kind) for _job, _g, k, kind in reader.failed_loads} == {(keys[bad], "checksum")}
+    assert any("after the copy to the device" in r.getMessage() for r in caplog.records), caplog.records
+    blocks = ids2[bad].cuda()
+    for v, p in zip(views2, poisoned, strict=True):
+        assert torch.equal(bits(v[blocks]), bits(p[blocks])), "a damaged page's blocks were written"
+    reader.shutdown()
 
 
 def test_store_behind_gpu_work_never_blocks_and_stores_what_the_stream_wrote(tmp_path: Path) -> None:

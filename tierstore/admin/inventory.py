@@ -71,6 +71,7 @@ from tierstore.fs.mapper import (
     PAGE_NAME_RE,
     PAGE_SUFFIX,
     RESERVED_PREFIX,
+    SILLY_RENAME_PREFIXES,
     fanout,
     host_tag,
     is_fanout_name,
@@ -122,7 +123,6 @@ class _OpenGate:
 _NO_GATE = _OpenGate()
 GATE_BATCH = 32  # entries of a fan-out directory between two progress reports to the walk's gate
 
-_SILLY_PREFIXES = (".nfs", ".fuse_hidden")
 # IOEngine's O_DIRECT probe file (engine.probe_odirect); removed by the engine unless killed.
 _PROBE_RE = re.compile(r"^\.odirect-probe\.\d+\.\d+\.tmp$")
 
@@ -409,7 +409,7 @@ class _Classifier:
                 inv.temps_active += 1
                 return
             f.category, f.kind, f.message = STALE_TEMP, "temp", f"O_DIRECT probe file of an engine; {why}"
-        elif entry.name.startswith(_SILLY_PREFIXES):
+        elif entry.name.startswith(SILLY_RENAME_PREFIXES):
             stale, why = self.temp_is_stale("", 0, st.st_mtime)
             if not stale:
                 inv.temps_active += 1

@@ -308,6 +308,9 @@ class FileMapper:
 # Root entries named so are tierstore's own state (lease, trash, format marker, probes, the
 # local index): skipped by every walk, never taken for foreign content.
 RESERVED_PREFIX = ".tierstore"
+# what an NFS or FUSE client leaves in place of a file unlinked or renamed over while open (a
+# silly rename): the client's, never foreign content, and removed by the client when closed
+SILLY_RENAME_PREFIXES = (".nfs", ".fuse_hidden")
 FORMAT_MARKER_NAME = ".tierstore-format"
 # the marker being written: a writer killed before its rename leaves this at the root
 FORMAT_MARKER_TEMP_RE = re.compile(r"^\.tierstore-format\.([A-Za-z0-9-]+)\.(\d+)\.([0-9a-f]+)\.tmp$")

@@ -87,6 +87,7 @@ from tierstore.fs.mapper import (
     PAGE_SUFFIX,
     PROBE_LEFTOVER_RE,
     RESERVED_PREFIX,
+    SILLY_RENAME_PREFIXES,
     fanout,
     host_tag,
     parse_index_dir,
@@ -404,7 +405,9 @@ def not_a_cache(root_fd: int) -> str | None:
     """Why the directory ``root_fd`` is not a cache root (entries, none a namespace directory),
     or None (a cache root, or empty: a cache not written yet)."""
     # tierstore's own entries (a down tier's probe files too) say nothing about what the root is
-    names = [name for name, _ in safefs._list(root_fd) if not name.startswith(RESERVED_PREFIX)]
+    # (a silly-renamed lease, read by one node while another replaced it, says nothing either)
+    names = [name for name, _ in safefs._list(root_fd)
+             if not name.startswith(RESERVED_PREFIX) and not name.startswith(SILLY_RENAME_PREFIXES)]
     if not names or any(NAMESPACE_DIR_RE.match(name) for name in names):
         return None
     shown = ", ".join(escape(n) for n in sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
