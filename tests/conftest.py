@@ -69,6 +69,8 @@ def fsck_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 # in earlier runs), and a variable job must not be the tail. Within a file the order is unchanged.
 SLOW_FILES_FIRST = (
     "test_kernel_nfs.py",  # 827 s: one QEMU TCG guest, every scenario
+    "test_multi_connector_serve_hybrid.py",  # 184 s: 50 clients, two rounds
+    "test_multi_connector_serve.py",  # 150 s
     "test_vllm_tp_mamba.py",  # 177 s (130-450 s)
     "test_vllm_serve_recipes.py",  # 299 s
     "test_vllm_mla.py",  # 220 s
