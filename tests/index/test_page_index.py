@@ -273,3 +273,30 @@ def test_refresh_of_an_unchanged_tree_reads_a_tenth_of_the_entries(tmp_path: Pat
     assert f["list_all_readdir"] == 256 and f["list_all_entries"] == 3000
     assert f["changed_only_stat"] == 256 and f["changed_only_readdir"] == 256 / every
     assert f["changed_only_entries"] == 3000 / every
+
+
+def test_the_refresh_sees_another_nodes_page_past_a_cached_directory_stat(tmp_path: Path, monkeypatch) -> None:
+    """An NFS client answers ``stat`` of a directory from its attribute cache (30-60 s); the
+    refresh reads the directory's change through an open (close-to-open revalidates), so
+    another node's new page is listed at the next refresh, not once the cache expires. The
+    cache is played by an ``os.stat`` that returns the directory's attributes from before."""
+    import time
+
+    mapper = FileMapper(tmp_path, "ns", 0)
+    first = key_of(1)
+    d = fingerprint(first) >> 56
+    second = next(key_of(i) for i in range(2, 10_000) if fingerprint(key_of(i)) >> 56 == d)
+    make_pages(mapper, [first])
+    directory = mapper.path_for(first).parent
+    old = time.time() - 3600
+    os.utime(directory, (old, old))  # settled: its signature is remembered
+    index = PageIndex(mapper.base)
+    index.load_all()
+    assert index.contains(first) and index.contains(second) is False
+    cached = os.stat(directory)
+    make_pages(mapper, [second])  # another node's store: the directory changed on the server
+    real_stat = os.stat
+    monkeypatch.setattr(page_index.os, "stat",
+                        lambda p, *a, **k: cached if str(p) == str(directory) else real_stat(p, *a, **k))
+    index.load_dir(d)
+    assert index.contains(second), "the refresh trusted the cached directory attributes"

@@ -280,12 +280,23 @@ class PageIndex:
 
 
 def _dir_signature(directory: str) -> tuple[int, int, int] | None:
-    """(inode, mtime_ns, ctime_ns) of a fan-out directory; None when it cannot be stat'ed (the
-    listing then says why, or finds it empty)."""
+    """(inode, mtime_ns, ctime_ns) of a fan-out directory; None when it cannot be read (the
+    listing then says why, or finds it empty).
+
+    Read on an fd opened for it, not by ``stat``: an NFS client answers a ``stat`` from its
+    attribute cache (acdirmin 30 s, up to 60 s), so another node's new page stayed invisible to
+    the refresh for up to ``index_refresh_s`` + 60 s; an open revalidates the attributes with
+    the server (close-to-open: one GETATTR, no READDIR)."""
     try:
-        st = os.stat(directory)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
 

@@ -359,7 +359,7 @@ class _Evictor:
         name = pages.name(i)
         ident = (pages.dev[i], pages.ino[i])
         try:
-            st = safefs.lstat_at(name, dir_fd)
+            st = _fresh_stat(name, dir_fd)
         except OSError:
             rep.vanished += 1
             return
@@ -383,6 +383,24 @@ class _Evictor:
             raise
         rep.evicted += 1
         rep.evicted_bytes += pages.size[i]
+
+
+def _fresh_stat(name: str, dir_fd: int) -> os.stat_result:
+    """A victim's attributes as the file server has them now, for the re-check before evicting:
+    an ``lstat`` on NFS is answered from the attribute cache (acregmax 60 s), so a page another
+    node stamped seconds ago still looked cold; an open revalidates (close-to-open). The open
+    follows no symlink and never blocks (O_NONBLOCK: a FIFO planted under the name); anything
+    that cannot be opened that way falls back to ``lstat``, whose type check then refuses it."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in GONE_ERRNOS:
+            raise
+        return safefs.lstat_at(name, dir_fd)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def _open_trash(root_fd: int, rep: GcReport) -> int | None:
