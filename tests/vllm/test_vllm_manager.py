@@ -251,7 +251,7 @@ def test_a_page_deleted_behind_our_back_costs_at_most_one_failed_load(tmp_path: 
 
 
 def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stat that hangs (an NFS server that stopped answering): lookups keep answering at once
+    """A server that stopped answering (stats and creates hang): lookups keep answering at once
     (RETRY while in doubt), MISS once the deadline marked the root down; it comes back by
     itself."""
     root = tmp_path / "shared"
@@ -262,19 +262,19 @@ def test_a_hung_shared_root_never_blocks_lookups(tmp_path: Path, monkeypatch: py
     assert ask(manager, key, ctx) is LookupResult.HIT
 
     hang = threading.Event()
-    real_identity, real_stat = index_prober.file_identity, os.stat
+    real_identity, real_open = index_prober.file_identity, os.open
 
     def hanging_identity(path):  # type: ignore[no-untyped-def]
         hang.wait(30)
         return real_identity(path)
 
-    def hanging_stat(path, *a, **kw):  # type: ignore[no-untyped-def]  # the health probe
-        if str(path) == str(root):
+    def hanging_create(path, flags, *a, **kw):  # type: ignore[no-untyped-def]  # the health probe
+        if flags & os.O_CREAT and str(path).startswith(str(root)):
             hang.wait(30)
-        return real_stat(path, *a, **kw)
+        return real_open(path, flags, *a, **kw)
 
     monkeypatch.setattr(index_prober, "file_identity", hanging_identity)
-    monkeypatch.setattr(index_prober.os, "stat", hanging_stat)
+    monkeypatch.setattr(os, "open", hanging_create)
     other = make_offload_key(b"o" * 32, VLLM_GROUP)
     assert manager.lookup(other, ctx) is LookupResult.RETRY
     manager.on_schedule_end(None)

@@ -478,17 +478,25 @@ def expected_header_len(layout: PageLayout, key_len: int) -> int:
     return _align(PREAMBLE_LEN + key_len + table + _CHECKSUM.size, HEADER_ALIGN)
 
 
-def check_header_shape(prefix: bytes | memoryview, header_len: int, layout: PageLayout, key_len: int, *,
+def check_header_shape(header: bytes | memoryview, header_len: int, layout: PageLayout, key_len: int, *,
                        path: str | None = None) -> None:
     """Refuse, before anything is parsed, a header whose length or section count is not the
-    expected layout's (``prefix``: at least the preamble, already passed ``header_len_of``).
+    expected layout's (``header``: its ``header_len`` bytes, which passed ``header_len_of``).
 
     The parse is a Python loop over the declared sections, up to 65,535 of them (about 450 ms
     of GIL for a crafted, checksum-valid header); a reader that knows the layout it wants
     checks these two numbers first, so no header costs more to reject than one of its own
-    pages costs to read. Failure policy: ``PageFormatError`` (not a page of this layout)."""
+    pages costs to read. The header checksum is verified first (an xxh3 of the bytes, no
+    parse), so damage is still told from a foreign page. Failure policy: ``PageCorrupt`` for a
+    header checksum mismatch, else ``PageFormatError`` (not a page of this layout)."""
+    view = memoryview(header)
+    if len(view) < header_len:
+        raise PageTruncated(f"file ends inside its {header_len}-byte header", path=path)
+    (stored_sum,) = _CHECKSUM.unpack_from(view, header_len - 8)
+    if checksum(view[: header_len - 8]) != stored_sum:
+        raise PageCorrupt("header checksum mismatch", path=path)
     want = expected_header_len(layout, key_len)
-    (nsec,) = struct.unpack_from("<H", prefix, PREAMBLE_OFFSETS["n_sections"])
+    (nsec,) = struct.unpack_from("<H", view, PREAMBLE_OFFSETS["n_sections"])
     if header_len != want or nsec != len(layout.sections):
         raise PageFormatError(f"header of {header_len} bytes with {nsec} sections; pages of the expected layout "
                               f"have {want} bytes and {len(layout.sections)} sections: not parsed", path=path)

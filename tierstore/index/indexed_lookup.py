@@ -137,9 +137,7 @@ class IndexedLookup:
         self._removal_listeners: list[Callable[[int | None, bytes | None], None]] = []
         self._shared_live = True  # the hot path's view of the shared health (set first)
         self._shared_up = True  # what ``shared_up`` reports (set last)
-        # the worker's probe (a create the file server must answer): a stat of the root was
-        # answered from the attribute cache while an NFS server was stopped, and the index came
-        # back up 50 ms after each down, promising hits the worker's down tier refused
+        # the worker's probe (fs.deadline.probe_root): a stat is answered by an NFS client's cache
         health = Health("shared root (scheduler lookups)", probe=lambda: probe_root(Path(shared_root)),
                         deadline_s=deadline_s, on_change=self._health_changed)
         self.shared = TierIndexes("shared", shared_mappers, health, self._removed)

@@ -704,20 +704,20 @@ def _parse_checked(hbytes: bytes, path: str, file_size: int, expect: PageExpecta
 def _read_header(fd: int, path: str, file_size: int,
                  expect: PageExpectation | None = None) -> tuple[PageHeader, bytes]:
     """The verified header of the open page and its bytes (``_parse_checked``). With an
-    expected layout, a header of another length or section count (``check_header_shape``) and
-    a file larger than any page of it are refused before the rest of the header is read or
-    parsed."""
+    expected layout, a file larger than any page of it is refused before the rest of the header
+    is read, and a header of another length or section count (``check_header_shape``) before
+    it is parsed."""
     layout = expect.layout if expect is not None else None
     first = os.pread(fd, HEADER_ALIGN, 0)
     header_len = header_len_of(first, path=path)
-    if layout is not None:
-        assert expect is not None
-        check_header_shape(first, header_len, layout, len(expect.key), path=path)
-        if file_size > max_file_size(layout, header_len):
-            raise PageFormatError(f"file has {file_size} bytes, more than any page of the expected layout "
-                                  f"({max_file_size(layout, header_len)}); not read", path=path)
+    if layout is not None and file_size > max_file_size(layout, header_len):
+        raise PageFormatError(f"file has {file_size} bytes, more than any page of the expected layout "
+                              f"({max_file_size(layout, header_len)}); not read", path=path)
     buf = first if header_len <= len(first) else first + os.pread(fd, header_len - len(first), len(first))
     hbytes = buf[:header_len]
+    if layout is not None:
+        assert expect is not None
+        check_header_shape(hbytes, header_len, layout, len(expect.key), path=path)
     return _parse_checked(hbytes, path, file_size, expect), hbytes
 
 
