@@ -18,7 +18,8 @@ Counters (monotonically increasing):
     stores / stored_bytes        pages written (new files) and their payload bytes
     bytes_read                   payload bytes of the pages the tier served
     failures[kind]               typed faults by ``PageError.kind`` (checksum, timeout,
-                                 enospc, io, queue_full, down, ...); a miss is not a failure
+                                 enospc, io, queue_full, down, ...); a miss is not a failure,
+                                 except that a miss from a stale NFS handle is also ``estale``
     evictions / evicted_bytes    pages removed to keep the tier under its cap (file bytes)
     promotions                   pages copied into this tier from a slower one
     backlog_uploads              (shared) pages uploaded later: the local tier took them while

@@ -498,3 +498,19 @@ def test_rm_rf_of_the_whole_root_with_no_restart_brings_the_metadata_back(tmp_pa
     assert manifest.exists() and (root / FORMAT_MARKER_NAME).exists()
     a.close()
     assert run_fsck(FsckOptions(root=root)).exit_code == 0
+
+
+def test_a_stale_handle_on_a_load_is_a_miss_counted_as_estale() -> None:
+    """ESTALE on a page's read (another client replaced or removed it under a large uncached
+    read) is a miss, and the tier counts it as ``failures["estale"]`` (before: the errno was
+    dropped, so "ESTALE counted" was 0 by construction); a plain ENOENT is a miss only."""
+    from tierstore.metrics import MetricsRegistry
+    from tierstore.store import IOResult as Result
+    from tierstore.tiers.tier import count_result
+
+    metrics = MetricsRegistry().tier("shared")
+    for code in (errno.ESTALE, errno.ENOENT):
+        error = pageops.read_error(OSError(code, os.strerror(code)), "read", "/r/p.kvp", b"k")
+        assert error.kind == "missing" and error.errno == code
+        count_result(metrics, Result(1, "load", b"k", False, error, None, False, 0, 0.0), 16)
+    assert metrics.get("misses") == 2 and metrics.failures() == {"estale": 1}

@@ -107,8 +107,9 @@ _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 # ------------------------------------------------------------------ errors and raw I/O
 def read_error(exc: OSError, doing: str, path: str | Path, key: bytes | None) -> PageError:
     """The typed error of a failed read step (see the module docstring)."""
-    if exc.errno in MISSING_ERRNOS:
-        return PageMissing("no such page" if doing == "open" else "page vanished while reading", path=path, key=key)
+    if exc.errno in MISSING_ERRNOS:  # the errno kept: ESTALE (another client replaced it) is counted
+        return PageMissing("no such page" if doing == "open" else "page vanished while reading", path=path, key=key,
+                           errno=exc.errno)
     return PageIOError(f"{'cannot open page' if doing == 'open' else 'read failed'}: {exc.strerror}",
                        errno=exc.errno, path=path, key=key)
 
@@ -426,7 +427,8 @@ class RankDir:
                 fd = self._reopen_stale(create, fd)
                 if fd < 0:
                     raise PageMissing("the page's directory was removed or replaced (stale handle); it is "
-                                      "reopened within a second", path=os.path.join(self.root, *self.parts))
+                                      "reopened within a second", path=os.path.join(self.root, *self.parts),
+                                      errno=errno.ESTALE)
         return fd
 
     def held_fd(self) -> int:
@@ -475,7 +477,7 @@ class RankDir:
             fd = self._reopen_stale(create, fd)
             if fd < 0:
                 raise PageMissing("the page's directory was removed or replaced (stale handle); it is reopened "
-                                  "within a second", path=where, key=key)
+                                  "within a second", path=where, key=key, errno=errno.ESTALE)
             return self._open_fanout(name, fd, create)
         except safefs.UnsafeEntry as exc:
             raise PageUnsafe(f"a directory on the way to the page is not one tierstore made ({exc}); "
@@ -485,7 +487,7 @@ class RankDir:
         except OSError as exc:
             if exc.errno == errno.ESTALE:
                 raise PageMissing("the page's directory went stale again right after it was reopened",
-                                  path=where, key=key) from exc
+                                  path=where, key=key, errno=errno.ESTALE) from exc
             if create:
                 raise  # the store names it (PageStoreError, its kind from the errno)
             raise PageIOError(directory_error(exc, where), errno=exc.errno, path=where, key=key) from exc

@@ -53,7 +53,8 @@ MISS_KINDS: frozenset[str] = frozenset({"missing", PageUnsafe.kind})
 def count_result(metrics: TierMetrics, r: IOResult, tokens: int) -> None:
     """The one rule for counting a page result in a tier's metrics: a verified load is a hit
     (an unverified one is counted at ``settle``), a load failure in ``MISS_KINDS`` a miss (and,
-    unless ``missing``, a failure of its kind too), any other failure a failure; a store that
+    unless ``missing``, a failure of its kind too; a ``missing`` from ESTALE also a failure
+    ``estale``), any other failure a failure; a store that
     wrote a page counts its bytes."""
     kind = r.error.kind if r.error is not None else "error"
     if r.op == "load":
@@ -64,6 +65,8 @@ def count_result(metrics: TierMetrics, r: IOResult, tokens: int) -> None:
             metrics.miss(tokens)
             if kind != "missing":
                 metrics.failure(kind)
+            elif r.error is not None and r.error.errno == errno.ESTALE:
+                metrics.failure("estale")  # a miss, but a stale NFS handle: worth seeing on a dashboard
         else:
             metrics.failure(kind)
     elif r.ok:
