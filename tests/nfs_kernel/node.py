@@ -848,8 +848,9 @@ def _fill(path: Path) -> int:
 
 
 def scenario_d(results: Path) -> dict[str, Any]:
-    """A full export (a size-capped tmpfs): stores must fail typed `enospc`, loads of existing
-    pages still verify, nothing wrong is served; what the engine reports; recovery once freed."""
+    """A full export (a size-capped tmpfs filled to its last block): stores must fail typed
+    `enospc`, loads of existing pages still verify, nothing wrong is served; then `tierstore gc`
+    runs with nobody deleting anything, and the nodes store again (how long after gc)."""
     seed, pages = PAGE_SEEDS["d"], 16
     ma = mounted(nfs_guest.SMALL_EXPORT, "sa3", V3)
     mb = mounted(nfs_guest.SMALL_EXPORT, "sb42", V42)
@@ -863,10 +864,14 @@ def scenario_d(results: Path) -> dict[str, Any]:
     full_stores = {n.name: Counter(n.store(100 * (k + 1) + i, seed)[1] or "ok" for i in range(8))
                    for k, n in enumerate((a, b))}
     loads_full = {n.name: Counter(n.load(i, seed) for i in range(pages)) for n in (a, b)}
-    filler.unlink()
+    # nobody deletes anything: `tierstore gc` on node A's mount, the cap half the pages found
+    # (its lease cannot be written on the full export: it makes room without it first)
+    page_bytes = sum(f.stat().st_size for f in (Path(nfs_guest.SMALL_EXPORT) / "d_root").rglob("*.kvp"))
+    gc_rc, gc_out, gc_err = _tool("gc", str(ma / "d_root"), "--max-bytes", str(page_bytes // 2), "--json")
+    gc_docs = [json.loads(line) for line in gc_out.splitlines() if line.startswith("{")]
     freed = time.monotonic()
-    # once space is freed: a store per node every second until one succeeds (a back-off after
-    # ENOSPC may hold stores off for a while; how long is the figure)
+    # then a store per node every second until one succeeds: the tier's trial store (one per
+    # probe interval) finds the room; how long it takes is the figure
     after: dict[str, Counter[str]] = {n.name: Counter() for n in (a, b)}
     stores_again_s: dict[str, float | None] = {n.name: None for n in (a, b)}
     i = 0
@@ -880,7 +885,10 @@ def scenario_d(results: Path) -> dict[str, Any]:
         i += 1
         time.sleep(1.0)
     logging.getLogger("tierstore").removeHandler(capture)
+    filler.unlink()  # the figures are taken: leave the export as it was
     out = {"pages": pages, "stored_before": stored, "filler_bytes": filled,
+           "gc": {"rc": gc_rc, "report": gc_docs[-1] if gc_docs else None, "stderr": gc_err[-600:],
+                  "cap": page_bytes // 2},
            "stores_while_full": {k: dict(v) for k, v in full_stores.items()},
            "loads_while_full": {k: dict(v) for k, v in loads_full.items()},
            "stores_after_freeing": {k: dict(v) for k, v in after.items()},
