@@ -102,3 +102,18 @@ def test_no_class_over_300_lines_and_only_entry_points_at_the_top() -> None:
            if isinstance(n, ast.ClassDef) and n.end_lineno is not None and n.end_lineno - n.lineno + 1 > 300]
     assert big == []
     assert {p.name for p in PKG.glob("*.py")} == TOP_LEVEL
+
+
+def test_one_list_of_gone_errnos() -> None:
+    """"The file is gone" is decided by ``errors.GONE_ERRNOS`` alone: no other module spells a
+    tuple, list or set of ENOENT beside ESTALE (three lists once disagreed on ENOTDIR)."""
+    spelled = []
+    for path in PKG.rglob("*.py"):
+        if path == PKG / "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = {elt.attr for elt in node.elts if isinstance(elt, ast.Attribute)}
+                if {"ENOENT", "ESTALE"} <= names:
+                    spelled.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    assert spelled == []

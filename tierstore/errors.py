@@ -165,5 +165,6 @@ TRANSIENT_ERRNOS: tuple[int, ...] = (_errno.EIO, _errno.ESTALE, _errno.ETIMEDOUT
 # errno values that mean "the file system has no room": full (ENOSPC) or over a quota (EDQUOT).
 SPACE_ERRNOS: tuple[int, ...] = (_errno.ENOSPC, _errno.EDQUOT)
 
-# errno values that mean "the file is gone" (ESTALE: removed by another NFS client).
-GONE_ERRNOS: tuple[int, ...] = (_errno.ENOENT, _errno.ESTALE)
+# errno values that mean "the file is gone" (ESTALE: removed by another NFS client; ENOTDIR: a
+# directory on its path is gone too, a file in its place). The one list: every module uses it.
+GONE_ERRNOS: tuple[int, ...] = (_errno.ENOENT, _errno.ESTALE, _errno.ENOTDIR)

@@ -38,7 +38,6 @@ from pool threads and must be thread-safe. Results are merged on the calling thr
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import re
@@ -926,7 +925,7 @@ def read_header(path: str) -> PageHeader:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ESTALE):
+        if exc.errno in GONE_ERRNOS:
             raise PageMissing("no such page", path=path) from exc
         raise PageIOError(f"cannot open: {exc.strerror}", errno=exc.errno, path=path) from exc
     try:

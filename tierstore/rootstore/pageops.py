@@ -52,6 +52,7 @@ from typing import Any
 import xxhash
 
 from tierstore.errors import (
+    GONE_ERRNOS,
     PageCorrupt,
     PageError,
     PageFormatError,
@@ -86,13 +87,12 @@ from tierstore.fs.directio import ALIGN, O_DIRECT
 from tierstore.native import loader as native
 
 __all__ = [
-    "O_DIRECT", "MISSING_ERRNOS", "FileIdentity", "RankDir", "file_identity", "inspect_page", "open_page",
+    "O_DIRECT", "FileIdentity", "RankDir", "file_identity", "inspect_page", "open_page",
     "preadv_upto", "probe_odirect", "publish", "publish_page", "pwritev_all", "read_error",
     "check_section_sums", "read_own_page", "read_page", "read_page_fd", "read_plan", "readinto_exact", "remove_damaged",
     "remove_damaged_at", "temp_flags",
 ]
 
-MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 logger = logging.getLogger("tierstore.pagefile")
 FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns): one file, not one name
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -107,7 +107,7 @@ _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 # ------------------------------------------------------------------ errors and raw I/O
 def read_error(exc: OSError, doing: str, path: str | Path, key: bytes | None) -> PageError:
     """The typed error of a failed read step (see the module docstring)."""
-    if exc.errno in MISSING_ERRNOS:  # the errno kept: ESTALE (another client replaced it) is counted
+    if exc.errno in GONE_ERRNOS:  # the errno kept: ESTALE (another client replaced it) is counted
         return PageMissing("no such page" if doing == "open" else "page vanished while reading", path=path, key=key,
                            errno=exc.errno)
     return PageIOError(f"{'cannot open page' if doing == 'open' else 'read failed'}: {exc.strerror}",
