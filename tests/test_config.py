@@ -294,46 +294,28 @@ DEADLINES = [("deadline_s", "deadline_ms", 10.0), ("shared_deadline_s", "shared_
 def test_deadlines_are_seconds_with_the_old_defaults() -> None:
     cfg = TierStoreConfig.from_dict(dict(ROOT))
     assert (cfg.deadline_s, cfg.shared_deadline_s) == (10.0, 5.0)
-    assert (cfg.deadline_ms, cfg.shared_deadline_ms) == (10_000, 5_000)  # read-only, for internal callers
     cfg = TierStoreConfig.from_dict({**ROOT, "deadline_s": 0.25, "shared_deadline_s": 3})
-    assert (cfg.deadline_s, cfg.shared_deadline_s, cfg.deadline_ms, cfg.shared_deadline_ms) == (0.25, 3, 250, 3000)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.deadline_ms = 5  # type: ignore[misc]
+    assert (cfg.deadline_s, cfg.shared_deadline_s) == (0.25, 3)
+    assert not hasattr(cfg, "deadline_ms") and not hasattr(cfg, "shared_deadline_ms")
 
 
 @pytest.mark.parametrize(("new", "old", "default"), DEADLINES)
-def test_old_millisecond_names_are_read_with_one_warning(new: str, old: str, default: float,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="tierstore.config"):
-        cfg = TierStoreConfig.from_dict({**ROOT, old: 2500})
-    assert getattr(cfg, new) == 2.5 and getattr(cfg, old) == 2500
-    assert cfg == TierStoreConfig.from_dict({**ROOT, new: 2.5})
-    warnings = [r for r in caplog.records if r.name == "tierstore.config"]
-    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
-    assert f'"{old}": 2500 read as "{new}": 2.5' in warnings[0].getMessage()
-    assert "deprecated" in warnings[0].getMessage()
-
-
-def test_both_old_names_give_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="tierstore.config"):
-        cfg = TierStoreConfig.from_dict({**ROOT, "deadline_ms": 100, "shared_deadline_ms": 50})
-    assert (cfg.deadline_s, cfg.shared_deadline_s) == (0.1, 0.05)
-    (warning,) = [r for r in caplog.records if r.name == "tierstore.config"]
-    assert '"deadline_s"' in warning.getMessage() and '"shared_deadline_s"' in warning.getMessage()
+def test_the_removed_millisecond_names_are_refused_naming_the_seconds_setting(new: str, old: str,
+                                                                               default: float) -> None:
+    """0.3's millisecond settings: an error that names the seconds setting and the value to
+    write (2500 ms: 2.5), alone, beside the new name, or with a value that is no duration."""
+    for given in ({old: 2500}, {old: 2500, new: 2.5}):
+        with pytest.raises(ConfigError, match=f'setting "{old}" \\(milliseconds\\) was removed in 0.4') as e:
+            TierStoreConfig.from_dict({**ROOT, **given})
+        assert f'write "{new}" in seconds instead, e.g. "{new}": 2.5' in str(e.value)
+    with pytest.raises(ConfigError, match=f'"{new}": 5'):
+        TierStoreConfig.from_dict({**ROOT, old: "fast"})
 
 
 def test_new_names_log_nothing(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING", logger="tierstore.config"):
         TierStoreConfig.from_dict({**ROOT, "deadline_s": 1, "shared_deadline_s": 1})
     assert not [r for r in caplog.records if r.name == "tierstore.config"]
-
-
-@pytest.mark.parametrize(("new", "old", "default"), DEADLINES)
-def test_old_and_new_name_together_are_refused(new: str, old: str, default: float) -> None:
-    for first, second in ((old, new), (new, old)):
-        with pytest.raises(ConfigError, match=f'settings "{old}" and "{new}" are both given') as e:
-            TierStoreConfig.from_dict({**ROOT, first: 1000, second: 1})
-        assert f'keep only "{new}", in seconds' in str(e.value)
 
 
 @pytest.mark.parametrize(("new", "old", "default"), DEADLINES)
@@ -345,18 +327,11 @@ def test_bad_deadlines_are_refused_naming_the_setting_and_the_form(new: str, old
     with pytest.raises(ConfigError, match=f'setting "{new}" must be a finite number of seconds > 0') as e:
         TierStoreConfig.from_dict({**ROOT, new: value})
     assert why in str(e.value)
-    with pytest.raises(ConfigError, match=f'setting "{old}" \\(deprecated: write "{new}" in seconds') as e:
-        TierStoreConfig.from_dict({**ROOT, old: value})
-    assert "a finite number of milliseconds > 0" in str(e.value) and why in str(e.value)
 
 
-def test_replace_reads_the_old_names_too(caplog: pytest.LogCaptureFixture) -> None:
+def test_replace_refuses_the_removed_names_too() -> None:
     cfg = TierStoreConfig.from_dict(dict(ROOT))
     assert cfg.replace(deadline_s=2).deadline_s == 2
-    with caplog.at_level("WARNING", logger="tierstore.config"):
-        assert cfg.replace(deadline_ms=300).deadline_s == 0.3
-        assert cfg.replace(shared_deadline_ms=1500).shared_deadline_s == 1.5
-    assert len([r for r in caplog.records if r.name == "tierstore.config"]) == 2
-    for bad in ({"deadline_s": float("inf")}, {"deadline_ms": "10"}, {"deadline_ms": 1, "deadline_s": 1}):
+    for bad in ({"deadline_s": float("inf")}, {"deadline_ms": 300}, {"shared_deadline_ms": 1500}):
         with pytest.raises(ConfigError, match="deadline"):
             cfg.replace(**bad)

@@ -5,9 +5,9 @@ Built from vLLM's ``kv_connector_extra_config`` dict or from CLI options with
 setting and what to do; nothing is silently ignored or coerced: booleans are JSON true/false,
 integers never true/false, floats or strings, byte sizes an integer or a size string as
 ``tierstore gc --max-bytes`` reads it ("500G"; a float is refused), durations are seconds
-(``*_s``, a finite number), and ``local_root`` is a directory apart from ``root``. The renamed
-settings ``deadline_ms`` and ``shared_deadline_ms`` are still read (converted to ``deadline_s``
-and ``shared_deadline_s``, with one logged deprecation warning per config read). Defaults are
+(``*_s``, a finite number), and ``local_root`` is a directory apart from ``root``. The
+millisecond settings of 0.3 (``deadline_ms``, ``shared_deadline_ms``) are refused with an error
+naming their seconds setting (``deadline_s``, ``shared_deadline_s``) and the value to write. Defaults are
 documented here, in README.md (one line each) and docs/SETTINGS.md (forms, units, rationale).
 Immutable once built; safe to share between threads.
 """
@@ -15,7 +15,6 @@ Immutable once built; safe to share between threads.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -24,8 +23,6 @@ from typing import Any
 
 from tierstore.errors import ConfigError
 from tierstore.fs.display import parse_size
-
-logger = logging.getLogger("tierstore.config")
 
 _CODECS = ("none", "zstd")
 
@@ -92,9 +89,9 @@ _SECONDS = ("gc_interval_s", "shared_touch_interval_s", "index_refresh_s", "flus
             "shared_deadline_s")
 # Seconds that must be above 0: a deadline of 0 would fail every operation.
 _POSITIVE_SECONDS = ("deadline_s", "shared_deadline_s")
-# Renamed settings still read: old name -> (new name, old units per second). Durations were
-# milliseconds in these two and seconds everywhere else (issue 34): one convention now.
-_RENAMED: dict[str, tuple[str, int]] = {
+# Settings of 0.3 that were removed: old name -> (the setting to write, old units per second).
+# Durations were milliseconds in these two and seconds everywhere else: one convention now.
+_REMOVED: dict[str, tuple[str, int]] = {
     "deadline_ms": ("deadline_s", 1000),
     "shared_deadline_ms": ("shared_deadline_s", 1000),
 }
@@ -134,31 +131,16 @@ def _byte_size(name: str, v: object) -> int | None:
     return v
 
 
-def _read_renamed(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with each renamed setting (``_RENAMED``) converted to its new name and unit,
-    and one deprecation warning logged for the lot. Refused, naming the setting: the old and the
-    new name together (which one counts would be a guess), and an old value that is not a
-    finite number of milliseconds above 0."""
-    renamed = [old for old in _RENAMED if old in values]
-    if not renamed:
-        return values
-    out = dict(values)
-    notes = []
-    for old in renamed:
-        new, per_second = _RENAMED[old]
-        if new in values:
-            raise ConfigError(f'settings "{old}" and "{new}" are both given: "{old}" is the old name of "{new}" '
-                              f'(milliseconds then, seconds now); keep only "{new}", in seconds')
-        v = out.pop(old)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ConfigError(f'setting "{old}" (deprecated: write "{new}" in seconds, e.g. "{new}": 5) must be '
-                              f"a finite number of milliseconds > 0, got {v!r}"
-                              f"{_why_not(v) if isinstance(v, (bool, str)) else ''}")
-        out[new] = v / per_second
-        notes.append(f'"{old}": {v!r} read as "{new}": {out[new]!r}')
-    logger.warning("deprecated tierstore setting(s): %s; write the seconds settings instead (the millisecond "
-                   "names will be removed)", "; ".join(notes))
-    return out
+def _refuse_removed(values: dict[str, Any]) -> None:
+    """Raise ``ConfigError`` for a removed millisecond setting (``_REMOVED``), naming the
+    seconds setting to write instead and, for a usable old value, the value in seconds."""
+    for old, (new, per_second) in _REMOVED.items():
+        if old in values:
+            v = values[old]
+            usable = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+            example = f'"{new}": {v / per_second:g}' if usable else f'"{new}": 5'
+            raise ConfigError(f'setting "{old}" (milliseconds) was removed in 0.4: write "{new}" in seconds '
+                              f"instead, e.g. {example}")
 
 
 def _read_sizes(values: dict[str, Any]) -> dict[str, Any]:
@@ -244,7 +226,8 @@ class TierStoreConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known) - set(_RENAMED))
+        _refuse_removed(d)
+        unknown = sorted(set(d) - set(known))
         if unknown:
             raise ConfigError(
                 f"unknown tierstore setting(s) {unknown}; known settings: {sorted(known)}"
@@ -254,7 +237,7 @@ class TierStoreConfig:
                 'tierstore needs a cache directory: set "root" in kv_connector_extra_config '
                 '(for example {"root": "/mnt/kvcache"})'
             )
-        cfg = cls(**_read_sizes(_read_renamed(d)))
+        cfg = cls(**_read_sizes(d))
         cfg.validate()
         return cfg
 
@@ -310,19 +293,10 @@ class TierStoreConfig:
     def root_path(self) -> Path:
         return Path(self.root)
 
-    @property
-    def deadline_ms(self) -> float:
-        """``deadline_s`` in milliseconds, for callers written against the old setting."""
-        return self.deadline_s * 1000.0
-
-    @property
-    def shared_deadline_ms(self) -> float:
-        """``shared_deadline_s`` in milliseconds, for callers written against the old setting."""
-        return self.shared_deadline_s * 1000.0
-
     def replace(self, **changes: Any) -> TierStoreConfig:
-        """A validated copy with ``changes``; size strings and the renamed millisecond settings
-        are read as ``from_dict`` reads them."""
-        cfg = dataclasses.replace(self, **_read_sizes(_read_renamed(changes)))
+        """A validated copy with ``changes``; size strings are read and removed settings refused
+        as ``from_dict`` does."""
+        _refuse_removed(changes)
+        cfg = dataclasses.replace(self, **_read_sizes(changes))
         cfg.validate()
         return cfg

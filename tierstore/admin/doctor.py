@@ -152,7 +152,7 @@ def nfs_advice(mount: mounts.Mount) -> tuple[str, list[str]]:
     if mount.option("soft") is not None or mount.option("softerr") is not None:
         warn("`soft`: a slow server turns into EIO in the middle of a write or read; tierstore rejects such "
              "pages by checksum, but stores fail and loads miss whenever the server pauses. Mount `hard` "
-             "(the default): tierstore bounds its own waits (deadline_ms) and marks the tier down, so a hung "
+             "(the default): tierstore bounds its own waits (deadline_s) and marks the tier down, so a hung "
              "server costs misses, not errors")
     if mount.option("noac") is not None:
         warn("`noac`: every write is synchronous and every stat a round trip; stores slow down several times. "

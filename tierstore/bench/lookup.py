@@ -13,7 +13,7 @@ scheduler does:
   index; absent keys take the full path again);
 - ``stat``: a plain ``os.stat`` loop over the page paths (the floor of any stat-based lookup);
 - ``old_sync``: the previous manager's path, one ``stat`` through a 2-thread pool waited for
-  under the deadline (``shared_deadline_ms``).
+  under the deadline (``shared_deadline_s``).
 
 Per way: median and p99 of the per-call time (each call timed alone), lookups/s (a loop timed
 as a whole), and 4,096 lookups at that rate. Ratios are baseline over ``index-1st`` (higher:

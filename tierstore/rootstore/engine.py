@@ -171,7 +171,7 @@ class IOEngine:
         self.tier_name = tier_name
         self.mapper = FileMapper(self.root, namespace.digest, group_index, rank, rank_dir)
         self.codec = Codec.ZSTD if self.config.codec == "zstd" else Codec.NONE
-        self.deadline_s = deadline_s if deadline_s is not None else self.config.deadline_ms / 1000.0
+        self.deadline_s = deadline_s if deadline_s is not None else self.config.deadline_s
         self.perms = safefs.GROUP_SHARED if self.config.shared_group_access else safefs.PRIVATE
         self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
         _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)

@@ -455,7 +455,7 @@ class JobQueue:
         if wake is None:
             return None
         # At most LONGEST_WAIT_S: a Condition refuses a timeout past threading.TIMEOUT_MAX, which a
-        # huge deadline_ms reaches (the caller loops and waits again).
+        # huge deadline_s reaches (the caller loops and waits again).
         return min(max(wake - now, 0.0) + (0.001 if wake != end else 0.0), LONGEST_WAIT_S)
 
     def _expire_locked(self, now: float) -> None:

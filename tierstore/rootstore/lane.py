@@ -122,7 +122,7 @@ os.register_at_fork(after_in_child=_forget_lanes_in_child)
 
 def deadline_ns(deadline: float) -> int:
     """A job's deadline (time.monotonic() seconds) as the lane records it: ns, at most
-    DEADLINE_NS_MAX (an infinite or huge ``deadline_ms`` never overflows int64)."""
+    DEADLINE_NS_MAX (an infinite or huge ``deadline_s`` never overflows int64)."""
     ns = deadline * 1e9
     return int(ns) if ns < DEADLINE_NS_MAX else DEADLINE_NS_MAX  # NaN: the latest too
 

@@ -205,7 +205,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
-                shared_deadline_s=self.ts_config.shared_deadline_ms / 1000,
+                shared_deadline_s=self.ts_config.shared_deadline_s,
                 index_refresh_s=self.ts_config.index_refresh_s, slices=slices,
             )
         return self._manager
@@ -247,7 +247,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         groups = [self._build_group(i, gcfg, gspec, kv_caches)
                   for i, (gcfg, gspec) in enumerate(zip(self.config.groups, self.namespace.groups, strict=True))]
         self._worker = TierStoreWorker(groups, self.ts_config.flush_timeout_s,
-                                       defer_limit_s=self.ts_config.deadline_ms / 1000.0)
+                                       defer_limit_s=self.ts_config.deadline_s)
         return self._worker
 
     def _build_group(self, i: int, gcfg: Any, gspec: Any, kv_caches: dict[str, torch.Tensor]) -> WorkerGroup:
