@@ -22,7 +22,7 @@ What it proves, in one engine lifetime of B (tests/nfs_vllm_live_node.py, driven
    all finish with the tokens of an uncached run, the new ones in about the time of their
    uncached run before the hang (less than half the mount deadline more); no
    ``schedule()`` call of B's engine waits on the mount (the longest is asserted far below
-   ``shared_deadline_ms``). The mount is resumed before B shuts down, and B's log has no
+   ``shared_deadline_s``). The mount is resumed before B shuts down, and B's log has no
    traceback.
 
 The token comparisons can fail: the tiny random model's greedy continuations differ between
@@ -53,7 +53,7 @@ from tierstore.testing.tiny_models import cached_tiny_model  # noqa: E402
 HERE = Path(__file__).resolve().parents[1]  # tests/: the node scripts and stand-ins
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-DEADLINE_MS = 5000  # B's shared_deadline_ms and deadline_ms: a load on the hung mount gives up after it
+DEADLINE_S = 5.0  # B's shared_deadline_s and deadline_s: a load on the hung mount gives up after it
 REFRESH_S = 1  # B's index_refresh_s
 SCHEDULE_LIMIT_S = 0.5  # the longest schedule() of B allowed while its mount hangs
 PROMPTS = [{"offset": 0}, {"offset": 40}]  # the prompts nfs_vllm_node.py (node A) generates
@@ -142,8 +142,8 @@ def test_live_engine_b_sees_refreshes_deletions_and_survives_a_hung_mount(
         two_nodes: TwoNodeMount, tmp_path: Path) -> None:
     fs = two_nodes
     model = cached_tiny_model("llama")
-    cfg_b = {"root": str(fs.b), "index_refresh_s": REFRESH_S, "shared_deadline_s": DEADLINE_MS / 1000,
-             "deadline_s": DEADLINE_MS / 1000, "flush_timeout_s": 15}
+    cfg_b = {"root": str(fs.b), "index_refresh_s": REFRESH_S, "shared_deadline_s": DEADLINE_S,
+             "deadline_s": DEADLINE_S, "flush_timeout_s": 15}
     report: dict[str, Any] = {}
     t0 = time.monotonic()
     timeline: dict[str, float] = {}
@@ -253,7 +253,7 @@ def test_live_engine_b_sees_refreshes_deletions_and_survives_a_hung_mount(
         assert hung["timing"]["schedule"]["longest_s"] < SCHEDULE_LIMIT_S, report["3_hung"]
         # Waiting on the mount would cost a new prompt the deadline on top of its compute
         # (the same prompts' uncached reference run, same engine, just before the hang).
-        assert max(o["seconds"] for o in outs[2:]) < refs["seconds"] + DEADLINE_MS / 1000 / 2, (refs["seconds"], outs)
+        assert max(o["seconds"] for o in outs[2:]) < refs["seconds"] + DEADLINE_S / 2, (refs["seconds"], outs)
         # The prompts on the hung mount were hits per B's index: their loads timed out and
         # they were recomputed.
         assert worker4.get("load_failed:timeout", 0) > 0, report["3_hung"]
