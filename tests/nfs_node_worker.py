@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiers_helpers import expected, key  # noqa: E402
 
 from tierstore.config import TierStoreConfig  # noqa: E402
+from tierstore.format.identity import page_file_size  # noqa: E402
 from tierstore.metrics import MetricsRegistry  # noqa: E402
 from tierstore.testing.pages import simple_namespace  # noqa: E402
 from tierstore.tiers import TierChain  # noqa: E402
-from tierstore.tiers.chain import page_file_size  # noqa: E402
 
 
 def namespace():

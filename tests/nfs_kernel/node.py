@@ -44,13 +44,13 @@ from tiers_helpers import expected, key  # noqa: E402
 from tierstore.config import TierStoreConfig  # noqa: E402
 from tierstore.errors import BAD_CONTENT_KINDS  # noqa: E402
 from tierstore.format.head_slices import HeadRange, slice_layout, split_dir_name  # noqa: E402
+from tierstore.format.identity import page_file_size  # noqa: E402
 from tierstore.fs.mapper import PAGE_SUFFIX, FileMapper, fanout  # noqa: E402
 from tierstore.index import page_index  # noqa: E402
 from tierstore.metrics import MetricsRegistry  # noqa: E402
 from tierstore.testing import nfs_guest  # noqa: E402
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace  # noqa: E402
 from tierstore.tiers import TierChain  # noqa: E402
-from tierstore.tiers.chain import page_file_size  # noqa: E402
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore  # noqa: E402
 
 V3 = "vers=3,nosharecache,nolock"

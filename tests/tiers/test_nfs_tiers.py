@@ -20,12 +20,12 @@ from nfs_standin import PROFILES, TwoNodeMount, unavailable_reason
 from tiers_helpers import expected, key, load, store
 
 from tierstore.config import TierStoreConfig
+from tierstore.format.identity import page_file_size
 from tierstore.fs.mapper import FileMapper
 from tierstore.metrics import MetricsRegistry
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_bytes, simple_namespace, write_page
 from tierstore.tiers import TierChain, gc
-from tierstore.tiers.chain import page_file_size
 
 HERE = Path(__file__).resolve().parents[1]  # tests/: the node scripts and stand-ins
 

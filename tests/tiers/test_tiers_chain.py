@@ -195,7 +195,7 @@ def test_host_and_shared_without_local(tmp_path: Path) -> None:
 
 
 def test_background_gc_keeps_root_under_cap(tmp_path: Path) -> None:
-    from tierstore.tiers.chain import page_file_size
+    from tierstore.format.identity import page_file_size
     from tierstore.tiers.gc import GcDaemon
 
     page = page_file_size(NS, 0)

@@ -48,10 +48,10 @@ from typing import Any
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageMissing
-from tierstore.format.identity import Namespace, page_file_size
+from tierstore.format.identity import Namespace
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry, TierMetrics, default_registry
-from tierstore.rootstore.engine import StagingSlot
+from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.backlog import SHARED_BACKLOG_MAX, SharedBacklog
 from tierstore.tiers.factory import build_tiers, tier_specs
@@ -59,7 +59,7 @@ from tierstore.tiers.host import HostTier
 from tierstore.tiers.promotion import NO_SLOT_KIND, Promotion
 from tierstore.tiers.tier import ChainTier
 
-__all__ = ["TierChain", "page_file_size", "SHARED_BACKLOG_MAX"]
+__all__ = ["TierChain", "SHARED_BACKLOG_MAX"]
 
 
 

@@ -30,7 +30,8 @@ from tierstore.fs.mounts import is_network, mount_of
 from tierstore.index import page_index
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import TierMetrics
-from tierstore.rootstore.engine import IOEngine, StagingSlot
+from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.admission import LocalAdmission
 from tierstore.tiers.tier import EngineTier, TierJob

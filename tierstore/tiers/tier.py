@@ -43,7 +43,8 @@ from typing import Any, Protocol
 from tierstore.errors import PageError, PageQueueFull, PageStoreError, PageUnsafe
 from tierstore.fs.deadline import SpaceBackoff
 from tierstore.metrics import TierMetrics
-from tierstore.rootstore.engine import IOEngine, StagingSlot
+from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult, PageStore
 
 # Load failure kinds that mean "this tier has no page for the key" (a miss, not a fault).
