@@ -80,7 +80,13 @@ from tierstore.fs.mapper import (
     parse_slice_dir,
     parse_temp_name,
 )
-from tierstore.fs.stale_temps import MANIFEST_TEMP_RE, PID_LIMIT, TempWriter, writer_gone
+from tierstore.fs.stale_temps import (
+    MANIFEST_TEMP_RE,
+    PID_LIMIT,
+    TempWriter,
+    pid_possible,
+    writer_gone,
+)
 
 # Finding categories. Every one except TEMP_ACTIVE is a problem for fsck.
 BAD_PAGE = "bad_page"  # a page file that fails verification (kind: the PageError kind)
@@ -376,12 +382,6 @@ class _Classifier:
         self.tmp_age = tmp_age
         self.host = host_tag()
 
-    @staticmethod
-    def pid_possible(pid: int) -> bool:
-        """Whether a temp name's pid could be a process id (a 20-digit one would overflow
-        ``os.kill``): names with another are not tierstore's."""
-        return 0 < pid <= PID_LIMIT
-
     def temp_is_stale(self, host: str, pid: int, mtime: float) -> tuple[bool, str]:
         """``stale_temps``' one rule: stale only when its writer is provably gone (``host`` ""
         when the name does not say; then by age against ``--tmp-age``)."""
@@ -423,7 +423,7 @@ class _Classifier:
 
     def temp(self, e: os.DirEntry[str], inv: Inventory, host: str, pid: int) -> None:
         """Record a temp file of a writer: active, or stale once the writer is provably gone."""
-        if not self.pid_possible(pid):
+        if not pid_possible(pid):
             self.other(e, inv, f"temp files named with a pid of at most {PID_LIMIT}")
             return
         st = _lstat_entry(e, inv)

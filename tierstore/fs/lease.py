@@ -49,7 +49,7 @@ from pathlib import Path
 
 from tierstore.fs import safefs
 from tierstore.fs.mapper import host_tag
-from tierstore.fs.stale_temps import PID_LIMIT, process_alive
+from tierstore.fs.stale_temps import pid_possible, process_alive
 
 LEASE_NAME = ".tierstore-gc.lease"
 MAX_LEASE_BYTES = 4096
@@ -145,7 +145,7 @@ class Lease:
                 return None
             data = {**data, "live_until": expires + self.skew_s, "server_now": time.time()}
         pid, host = data.get("pid"), data.get("host")
-        dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_LIMIT or not process_alive(pid)
+        dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not pid_possible(pid) or not process_alive(pid)
         # Its pid means something here only in our PID namespace: a pod with our host name in
         # another one (hostNetwork) writes another ``writer`` and is judged by expiry alone.
         same_writer = data.get("writer", host_tag()) == host_tag()
