@@ -802,7 +802,10 @@ def _gc_pair(root: Path, mount_b: Path, skew_s: float, seed: int, seconds: float
     # passes of one gc that held the lease within a lease ttl of a pass of the other (turns taken
     # quickly: each pass releases the lease at its end), and passes whose spans really overlapped
     near = sum(1 for p in active["v3"] if any(abs(p["at"] - q["at"]) <= GC_LEASE_TTL_S for q in active["v42"]))
-    spans = {name: [w for p in passes if (w := _wall_interval(p, gcs[name].skew_s)) is not None]
+    # A pass that found at a renewal that its lease had expired (a guest that starved it past
+    # ttl + skew: the lease is advisory) stops at once and says ``lease_lost``; the overlap that
+    # counts is between passes that kept the lease to their end.
+    spans = {name: [w for p in passes if not p.get("lease_lost") and (w := _wall_interval(p, gcs[name].skew_s))]
              for name, passes in active.items()}
     overlapping = sum(1 for a0, a1 in spans["v3"] if any(a0 < b1 and b0 < a1 for b0, b1 in spans["v42"]))
     out = {"skew_s": skew_s, "cap": cap, "page_bytes": page, "pages_stored": stored, "evicted": evicted,

@@ -229,8 +229,10 @@ def test_gc_nodes_with_skewed_clocks_do_not_over_evict(scenarios: dict[str, dict
         # A pass holds the lease from taking it to releasing it at its end, renewing it every
         # ttl/3; another node takes it only once it is released, or once it has gone unrenewed
         # for ttl + skew by the server's clock. So one gc's passes may follow the other's closely
-        # (passes_both_active_within_lease_ttl counts those: turns, not a fault), but none may
-        # overlap one of the other's in time, whichever node's clock is wrong.
+        # (passes_both_active_within_lease_ttl counts those: turns, not a fault), but none that
+        # kept the lease to its end may overlap one of the other's in time, whichever node's clock
+        # is wrong (a pass starved past ttl + skew finds its lease lost at its next renewal and
+        # stops: a CI run's v3 pass, which had evicted nothing by then).
         assert r["overlapping_active_passes"] == 0, (run, figures[run])
         assert r["over_eviction_factor"] <= 1.5, (run, figures[run])
         assert r["node"]["counts"].get("wrong", 0) == 0, run
@@ -264,17 +266,20 @@ def test_page_index_refresh_server_operations(scenarios: dict[str, dict[str, Any
     """Issue item 5: nfsd operations per refresh of an unchanged page index of 10^4 pages, per
     client (v3, v3 actimeo=0, v4.2), for the current rule (a directory re-listed only when its
     mtime changed, all of them every FULL_RELIST_EVERY-th refresh) against the old one (all 256
-    every refresh): the old rule costs the server at least twice as much on every client with
-    attribute caching (3-10x measured: when a directory's cached attributes expire varies), and
-    1.5x where every stat reaches the server (``actimeo=0``: 2.1x measured)."""
+    every refresh). The current rule reads each directory's change through an open, which the
+    server answers (close-to-open: at least one GETATTR per directory and refresh, on every
+    client): another node's page is seen at the next refresh, not when the client's cached
+    attributes expire (up to 60 s later; a stat-only check cost 0 server operations on v3 with
+    caching, and missed it). The old rule still costs the server at least 1.5x as much
+    (1.82-1.93x measured at 58d335d)."""
     g = _ok(scenarios["g"])
     print(json.dumps(g, indent=1))
     for name, client in g["clients"].items():
-        assert client["unchanged_stat_only"]["listings_per_refresh"] == 0, (name, client)
+        unchanged = client["unchanged_stat_only"]
+        assert unchanged["listings_per_refresh"] == 0, (name, client)
+        assert unchanged["ops"].get("getattr", 0) >= 256 * unchanged["refreshes"], (name, client)  # the server asked
         assert client["full_relist"]["listings_per_refresh"] == 256, (name, client)
-        # every stat reaching the server costs the current rule a path walk per directory too
-        # (actimeo=0: about 2x); with attribute caching, the listings' opens are what is left
-        assert client["old_over_current"] >= (1.5 if name == "v3_actimeo0" else 2), (name, client)
+        assert client["old_over_current"] >= 1.5, (name, client)
 
 
 def test_quota_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[str, Any]]) -> None:
