@@ -48,7 +48,7 @@ def _run(tmp_path: Path, reason: str, ci: bool, *args: str) -> subprocess.Comple
         env["CI"] = "true"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                            "-c", os.devnull, "--rootdir", str(tmp_path), *args, "test_probe.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # a fresh interpreter and an xdist worker on a saturated CI machine
 
 
 @pytest.mark.parametrize(("reason", "ci", "fails"), [
