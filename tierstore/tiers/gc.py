@@ -290,26 +290,23 @@ def _scan(root_fd: int, temp_max_age_s: float, rep: GcReport, lease: Lease) -> _
 
 def _sweep_leftover(dir_fd: int, name: str, st: os.stat_result, temp_max_age_s: float, now: float,
                     rep: GcReport) -> None:
-    """Remove a probe or lease file left behind (``mapper.PROBE_LEFTOVER_RE``: its writer unlinks
-    it within a call) once older than ``temp_max_age_s``, counted with the stale temps; a
-    younger one is counted as a temp. Failure policy: one that cannot be removed is kept."""
-    if now - st.st_mtime > temp_max_age_s:
-        try:
-            if not rep.dry_run:
-                safefs.unlink_at(name, dir_fd, safefs.identity(st))
-            rep.temps_removed += 1
-            return
-        except OSError:
-            pass
-    rep.temp_bytes += _file_bytes(st)
+    """A probe or lease file left behind (``mapper.PROBE_LEFTOVER_RE``: its writer unlinks it
+    within a call): removed once older than ``temp_max_age_s`` (``_remove_or_count``)."""
+    _remove_or_count(dir_fd, name, st, now - st.st_mtime > temp_max_age_s, rep)
 
 
 def _sweep_temp(dir_fd: int, name: str, st: os.stat_result, writer: TempWriter | None, temp_max_age_s: float,
                 now: float, rep: GcReport) -> None:
-    """Remove the temp ``name`` if its ``writer`` (``temp_writer``'s parse of the name) is gone
-    (``writer_gone``), else count its bytes. Failure policy: a temp that cannot be removed is
-    counted as kept."""
-    if writer is not None and writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]:
+    """The temp ``name``: removed if its ``writer`` (``temp_writer``'s parse of the name) is gone
+    (``writer_gone``; ``_remove_or_count``)."""
+    stale = writer is not None and writer_gone(writer, st.st_mtime, grace_s=temp_max_age_s, now=now)[0]
+    _remove_or_count(dir_fd, name, st, stale, rep)
+
+
+def _remove_or_count(dir_fd: int, name: str, st: os.stat_result, stale: bool, rep: GcReport) -> None:
+    """Unlink a ``stale`` temp (not in a dry run) and count it removed; count any other's bytes
+    as temp bytes. Failure policy: one that cannot be removed is counted as kept."""
+    if stale:
         try:
             if not rep.dry_run:
                 safefs.unlink_at(name, dir_fd, safefs.identity(st))
