@@ -441,3 +441,15 @@ def test_shutdown_drains_started_transfers_and_releases_every_slot() -> None:
     worker.shutdown()
     assert {page_key(10), page_key(11), page_key(12)} <= set(engine.pages)
     assert engine.free_slots == len(engine.slots) and not engine.held_by_transfer and not transfer.inflight
+
+
+def test_flush_resolves_the_jobs_whose_stores_it_waited_for() -> None:
+    """After ``flush`` every store it waited for is resolved in the job tracker (not left in the
+    page store's results until the next step), and the job is reported at the next call."""
+    worker, engine, transfer, _copier, _caches, _layout = _setup(done_after=2)
+    worker.submit_store(1, *_spec([3, 5, 7, 9, 11, 13], 0))
+    assert worker.flush(5.0)
+    assert len(engine.pages) == 6
+    assert worker.jobs.open_jobs == 0, "flush returned with the store job still open"
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    _no_leaks(worker, engine, transfer)

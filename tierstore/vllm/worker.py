@@ -156,8 +156,9 @@ class TierStoreWorker(OffloadingWorker):
         return {f"g{g.index}": g.engine.stats for g in self.groups}
 
     def flush(self, timeout: float | None) -> bool:
-        """Wait until every queued store has reached the disk (or failed). Blocks on the GPU for
-        started transfers (the only place besides ``shutdown`` that does)."""
+        """Wait until every queued store has reached the disk (or failed) and its job is resolved
+        (reported at the next ``get_finished``). Blocks on the GPU for started transfers (the only
+        place besides ``shutdown`` that does)."""
         end = None if timeout is None else time.monotonic() + timeout
         done = True
         for p in self.pipelines:
@@ -165,6 +166,8 @@ class TierStoreWorker(OffloadingWorker):
         for g in self.groups:
             left = None if end is None else max(0.0, end - time.monotonic())
             done = g.engine.flush(left) and done
+        for p in self.pipelines:
+            p.route_results()  # the stores waited for resolve their jobs now, not at the next step
         return done
 
     def shutdown(self) -> None:
