@@ -95,7 +95,7 @@ _REMOVED: dict[str, tuple[str, int]] = {
     "deadline_ms": ("deadline_s", 1000),
     "shared_deadline_ms": ("shared_deadline_s", 1000),
 }
-_PATHS = ("root", "local_root", "mac_key_file")
+_PATHS = ("root", "local_root", "mac_key_file", "encryption_key_file")
 _CHOICES = {"codec": _CODECS, "odirect": _ODIRECT, "io_loop": _IO_LOOPS}
 _NAMES = ("model_id", "namespace_tag")  # free-form strings
 
@@ -222,6 +222,9 @@ class TierStoreConfig:
     shared_group_access: bool = False  # create files 0660 and directories 2770 (a fleet's service group)
     trust_shared_root: bool = False  # accept a root that other users can write to (trust.py)
     mac_key_file: str | None = None  # fleet key: every page carries a MAC; pages without a valid one are refused
+    # Encryption at rest (format/sealing.py): 32 random bytes, mode 0600. Page bodies are
+    # AES-256-GCM, names are keyed hashes of the block hashes, the namespace is the key's own.
+    encryption_key_file: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
@@ -286,6 +289,13 @@ class TierStoreConfig:
         if self.mac_key_file is not None and (not isinstance(self.mac_key_file, str) or not self.mac_key_file):
             raise ConfigError(f'setting "mac_key_file" must be the path of the fleet key file (at least 16 '
                               f"secret bytes, mode 0600), got {self.mac_key_file!r}; leave it unset for no MAC")
+        if self.encryption_key_file is not None:
+            if not isinstance(self.encryption_key_file, str) or not self.encryption_key_file:
+                raise ConfigError('setting "encryption_key_file" must be the path of a file of 32 random bytes '
+                                  f"(mode 0600), got {self.encryption_key_file!r}; leave it unset for plain pages")
+            if self.codec != "none":
+                raise ConfigError('setting "encryption_key_file" needs "codec": "none" (encrypted pages are not '
+                                  f'compressed; KV bytes gain little from zstd), got "codec": {self.codec!r}')
         if self.gc_interval_s and self.max_bytes is None:
             raise ConfigError('setting "gc_interval_s" needs "max_bytes" (the cap that gc keeps "root" under)')
 

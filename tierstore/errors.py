@@ -64,6 +64,14 @@ class PageCorrupt(PageError):
     kind = "checksum"
 
 
+class PageSealedCorrupt(PageCorrupt):
+    """An encrypted page's ciphertext checksums do not match, found by a reader without the key
+    (fsck without ``--encryption-key-file``): damage, reported, and not removed (nothing is
+    deleted that the reader cannot authenticate; fsck with the key repairs it)."""
+
+    kind = "sealed_checksum"
+
+
 class PageFormatError(PageError):
     """Not a tierstore page, an unsupported format version, or an inconsistent header."""
 

@@ -72,6 +72,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "serve": ("tierstore.bench.serve", "vllm serve TTFT cold vs restored vs no connector (vLLM's bench client)"),
     "scale": ("tierstore.bench.scale", "whole-root tools' time and memory against page count, vs plain walks"),
     "gil": ("tierstore.bench.gil", "engine stores/loads vs raw files, alone and beside a busy Python thread"),
+    "sealing": ("tierstore.bench.sealing", "engine stores/loads with encryption_key_file vs without"),
 }
 
 
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mac-key-file", metavar="PATH", default=None,
                    help="the fleet key (setting mac_key_file): every page must carry a valid MAC tag; one that "
                    "does not verify with it is counted as not verifiable (exit 64), never deleted")
+    p.add_argument("--encryption-key-file", metavar="PATH", default=None,
+                   help="the encryption key (setting encryption_key_file): encrypted pages are decrypted and fully "
+                   "checked; without it their ciphertext checksums are, and damage found is reported, never deleted")
     p.add_argument("--remove-unverifiable", action="store_true",
                    help="with --repair and --mac-key-file: also delete the pages not verifiable with that key "
                    "(only once it is the fleet's one key: during a rotation they are the other key's pages)")
@@ -190,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve, scale, gil")
+    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve, scale, gil, sealing")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name, (_, help_text) in BENCH.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)
@@ -273,7 +277,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
         root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
         tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
         group_access=True if args.group_access else None, mac_key_file=args.mac_key_file,
-        remove_unverifiable=args.remove_unverifiable,
+        remove_unverifiable=args.remove_unverifiable, encryption_key_file=args.encryption_key_file,
     ))
     if report.error:
         print(f"tierstore fsck: {report.error}", file=sys.stderr)

@@ -96,7 +96,7 @@ from tierstore.admin.inventory import (
     stats_from_inventory,
     walk_root,
 )
-from tierstore.errors import PageError
+from tierstore.errors import PageError, PageSealedCorrupt
 from tierstore.format.identity import MANIFEST_NAME
 from tierstore.format.mac import PageMac
 from tierstore.format.page import (
@@ -104,6 +104,7 @@ from tierstore.format.page import (
     check_stored_gaps,
     decode_header_any_version,
 )
+from tierstore.format.sealing import PageSealer
 from tierstore.fs import display, safefs
 from tierstore.fs.mapper import RESERVED_PREFIX, unknown_format
 
@@ -141,6 +142,8 @@ class FsckOptions:
     budget_bytes: int = 1 << 30  # page buffers of all threads together (fsck_read.BufferPool)
     mac_key_file: str | os.PathLike[str] | None = None  # the fleet key: check every page's MAC tag
     remove_unverifiable: bool = False  # with repair: delete pages not verifiable with mac_key_file too
+    # the encryption key: decrypt and fully check sealed pages (without it: ciphertext checksums)
+    encryption_key_file: str | os.PathLike[str] | None = None
 
 
 @dataclass
@@ -438,6 +441,10 @@ def _repair(report: FsckReport, root: Path, quarantine_bad: bool, remove_unverif
                     shared = p.kind == MODE_GROUP_SHARED
                     safe.chmod(p.path, p.fingerprint, (safefs.GROUP_SHARED if shared else safefs.PRIVATE).file_mode)
                     p.action = "chmod"
+                elif p.kind == PageSealedCorrupt.kind:
+                    p.repair_error = ("damage found in an encrypted page without its key: kept (nothing is removed "
+                                      "that this fsck cannot authenticate); run fsck --repair with "
+                                      "--encryption-key-file to remove it")
                 elif p.category == UNVERIFIABLE or (p.category in _DELETE
                                                      and not (quarantine_bad and p.category == BAD_PAGE)):
                     safe.unlink(p.path, p.fingerprint)
@@ -498,8 +505,10 @@ def _run_fsck(options: FsckOptions, report: FsckReport) -> None:
         first_limit = jobs if root_latency_s(root) > SLOW_ROOT_S else 1
         gate = AdaptiveGate(jobs, adaptive=options.jobs is None, start=first_limit)
         mac = PageMac.from_key_file(options.mac_key_file) if options.mac_key_file is not None else None
+        sealer = (PageSealer.from_key_file(options.encryption_key_file)
+                  if options.encryption_key_file is not None else None)
         verifier = PageVerifier(root, deep=options.deep, budget_bytes=options.budget_bytes,
-                                group_access=options.group_access, mac=mac)
+                                group_access=options.group_access, mac=mac, sealer=sealer)
         inv: Inventory = walk_root(
             root, visitor=verifier, namespace=options.namespace, jobs=jobs,
             tmp_age=options.tmp_age, progress=progress, gate=gate,

@@ -80,6 +80,7 @@ from tierstore.format.page import (
     max_file_size,
     nonzero_gap,
 )
+from tierstore.format.sealing import PageSealer
 from tierstore.fs import safefs
 from tierstore.fs.mapper import parse_slice_dir
 from tierstore.native import loader as native
@@ -132,10 +133,13 @@ class PageVerifier:
 
     def __init__(self, root: str | os.PathLike[str], *, deep: bool = False, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  max_page_bytes: int = MAX_UNMANIFESTED_PAGE_BYTES, group_access: bool | None = None,
-                 mac: PageMac | None = None) -> None:
+                 mac: PageMac | None = None, sealer: PageSealer | None = None) -> None:
         self.root = os.path.realpath(root)  # as inventory.check_root: the walk's paths start with it
         self.deep = deep
         self.mac = mac  # the fleet key: every page must carry a valid tag (kind "mac" otherwise)
+        # the encryption key: sealed pages are decrypted and fully checked; without it their
+        # ciphertext checksums are (damage found is reported and kept: ``PageSealedCorrupt``)
+        self.sealer = sealer
         self.pool = BufferPool(budget_bytes)
         self.max_page_bytes = min(max_page_bytes, MAX_PAGE_BYTES)
         self.group_access = group_access
@@ -199,7 +203,7 @@ class PageVerifier:
         kernels not compiled)."""
         ns_bytes = nsd.digest_bytes
         skip: list[tuple[PageRef, PageVerdict] | None] = [None] * len(pages)
-        if self.deep or self.mac is not None or ns_bytes is None or not pages or not self._batch.ready():
+        if self.deep or self.mac is not None or self.sealer is not None or ns_bytes is None or not pages or not self._batch.ready():
             return skip
         key_len, name_len = len(pages[0][1]), len(pages[0][0])
         if any(len(k) != key_len or len(n) != name_len for n, k in pages):
@@ -321,7 +325,8 @@ class PageVerifier:
             return self._verify_unmanifested(ref, fd, st, ns_bytes)
         layout = ref.group.layout
         tmpl = self._template(ref, ns_bytes)
-        if st.st_size == tmpl.header_len + layout.nbytes and self.mac is None and layout.nbytes <= VERIFY_PIECE_BYTES:
+        if (st.st_size == tmpl.header_len + layout.nbytes and self.mac is None and self.sealer is None
+                and layout.nbytes <= VERIFY_PIECE_BYTES):
             verdict = self._fast(ref, fd, tmpl)
             if verdict is not None:
                 return verdict
@@ -413,8 +418,9 @@ class PageVerifier:
         self.pool.hold(extra)
         try:
             page = memoryview(buf)
-            header = read_page_fd(fd, st, ref.path, expect, page, mac=self.mac)
-            if self.deep:
+            header = read_page_fd(fd, st, ref.path, expect, page, mac=self.mac, sealer=self.sealer,
+                                  keyless=self.sealer is None)
+            if self.deep and not (header.sealed and self.sealer is None):  # ciphertext has no values to check
                 bad = deep_check_page(header, page)
                 if bad is not None:
                     return PageVerdict(problem=self._finding(ref, BAD_PAGE, *bad))
@@ -433,7 +439,9 @@ def _verify_in_pieces(v: PageVerifier, ref: PageRef, fd: int, st: os.stat_result
     a ``--deep`` finding is returned as the verdict's problem."""
     if header.layout.nbytes <= VERIFY_PIECE_BYTES or not in_pieces_applies(st, header):
         return None
-    check = functools.partial(deep_check_piece, header) if v.deep else None
+    if header.sealed and v.sealer is not None:
+        return None  # decrypted whole (bounded by the manifest's layout)
+    check = functools.partial(deep_check_piece, header) if v.deep and not header.sealed else None
     buf = v.pool.acquire(VERIFY_PIECE_BYTES)
     try:
         bad = verify_in_pieces(fd, st, header, hbytes, ref.path, memoryview(buf), mac=v.mac, check_piece=check)

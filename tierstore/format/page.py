@@ -8,7 +8,7 @@ integers little-endian; documented in docs/DESIGN.md):
     preamble (72 bytes)
       0  8  magic  b"TSKVPAGE"
       8  2  format version (FORMAT_VERSION, 3)
-     10  2  flags (FLAG_MAC or 0; readers reject unknown bits)
+     10  2  flags (FLAG_MAC, FLAG_SEALED or 0; readers reject unknown bits)
      12  4  header_len: payload starts here; a multiple of HEADER_ALIGN (4096)
      16  8  payload_len
      24 16  namespace digest
@@ -25,6 +25,11 @@ integers little-endian; documented in docs/DESIGN.md):
     payload: each section at its stored offset (multiples of SECTION_ALIGN), gaps zero.
     trailer (only with flag FLAG_MAC, MAC_TRAILER_LEN bytes): the keyed tag of mac.PageMac over
             the header and the stored payload (opt-in fleet key, ``mac_key_file``).
+    trailer (only with flag FLAG_SEALED, SEALED_TRAILER_LEN bytes): the payload is AES-256-GCM
+            ciphertext (sealing.py, ``encryption_key_file``; codec NONE only), the section
+            checksums are the ciphertext's, and the trailer holds the GCM tag, the key id and
+            the nonce. The authenticated data is ``sealed_aad``: the header with every checksum
+            zeroed. The canonical promise is then the plaintext's (the decrypted page buffer).
 
 With codec NONE the payload is byte-for-byte the page buffer of ``PageLayout`` (same offsets),
 so a load is one ``readinto`` plus checksums. With codec ZSTD each section is one zstd frame,
@@ -90,8 +95,10 @@ MAX_HEADER_LEN = 1 << 24  # a header larger than 16 MiB is garbage, not a page
 # ``pagefile.inspect_page`` allocate what a header declares, so the bound is checked here.
 MAX_PAGE_BYTES = 64 << 30
 FLAG_MAC = 0x1  # a MAC trailer follows the payload (mac.py)
-KNOWN_FLAGS = FLAG_MAC
+FLAG_SEALED = 0x2  # the payload is encrypted; a sealing trailer follows it (sealing.py)
+KNOWN_FLAGS = FLAG_MAC | FLAG_SEALED
 MAC_TRAILER_LEN = 40  # mac.TRAILER_LEN (tests check they agree)
+SEALED_TRAILER_LEN = 44  # sealing.TRAILER_LEN (tests check they agree)
 # The preamble's fields in order (the table in the module docstring): one source for the
 # struct and for the byte offset of each field (``PREAMBLE_OFFSETS``, used by HeaderTemplate).
 _PREAMBLE_FIELDS = (
@@ -207,7 +214,7 @@ def zstd_payload_bound(layout: PageLayout) -> int:
 def max_file_size(layout: PageLayout, header_len: int) -> int:
     """Largest valid file of a page of ``layout`` with an ``header_len``-byte header (either
     codec, with a MAC trailer): readers refuse a larger file before reading its payload."""
-    return header_len + max(layout.nbytes, zstd_payload_bound(layout)) + MAC_TRAILER_LEN
+    return header_len + max(layout.nbytes, zstd_payload_bound(layout)) + max(MAC_TRAILER_LEN, SEALED_TRAILER_LEN)
 
 
 @dataclass(frozen=True)
@@ -403,8 +410,12 @@ class PageHeader:
         return bool(self.flags & FLAG_MAC)
 
     @property
+    def sealed(self) -> bool:
+        return bool(self.flags & FLAG_SEALED)
+
+    @property
     def file_size(self) -> int:
-        return self.header_len + self.payload_len + (MAC_TRAILER_LEN if self.has_mac else 0)
+        return self.header_len + self.payload_len + trailer_len(self.flags)
 
 
 @dataclass(frozen=True)
@@ -416,6 +427,19 @@ class PageExpectation:
     group_index: int
     rank: int = 0
     layout: PageLayout | None = None
+
+
+def trailer_len(flags: int) -> int:
+    """Bytes after the payload of a page with header ``flags``."""
+    return (MAC_TRAILER_LEN if flags & FLAG_MAC else 0) + (SEALED_TRAILER_LEN if flags & FLAG_SEALED else 0)
+
+
+def sealed_aad(header: PageHeader) -> bytes:
+    """The authenticated data of a sealed page (sealing.py): its header as ``encode_header``
+    writes it with every section checksum zero (``HeaderTemplate.fill`` with zero sums gives
+    the same bytes)."""
+    entries = [SectionEntry(e.spec, e.stored_offset, e.stored_len, 0) for e in header.sections]
+    return encode_header(header.meta, header.codec, entries, header.payload_len, header.flags)
 
 
 def encode_header(meta: PageMeta, codec: Codec, sections: Sequence[SectionEntry], payload_len: int,
@@ -571,6 +595,8 @@ def _parse_header(buf: memoryview, header_len: int) -> PageHeader:
     header = PageHeader(meta, Codec(codec), tuple(entries), header_len, payload_len, flags)
     if header.layout.nbytes > MAX_PAGE_BYTES:
         raise ValueError(f"layout declares {header.layout.nbytes} bytes, more than any page ({MAX_PAGE_BYTES})")
+    if header.sealed and (header.codec != Codec.NONE or header.flags & FLAG_MAC):
+        raise ValueError("a sealed page is codec none and carries no MAC trailer")
 
     if header.codec == Codec.NONE:
         lay = header.layout

@@ -35,7 +35,9 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac":
   not verifiable with this key, a miss; the file is left in place, never removed: it may be
   another key's good page during a rotation, ``errors.UNVERIFIABLE_KINDS``); such an engine
-  writes and reads buffered (the 40-byte trailer does not fit O_DIRECT's alignment).
+  writes and reads buffered (the 40-byte trailer does not fit O_DIRECT's alignment). With
+  ``encryption_key_file`` pages are sealed instead (format/sealing.py: AES-256-GCM bodies, the
+  GCM tag authenticates them; no MAC), on the Python I/O threads and buffered as well.
 - Verification and damaged pages (the rule is store.py's): a load whose
   bytes prove bad (``errors.BAD_CONTENT_KINDS``) removes the file it read, once, so the key can
   be stored again; a load with ``verify=False`` is settled by the caller (``settle``), which
@@ -73,6 +75,7 @@ from tierstore.errors import (
 from tierstore.format.identity import Namespace, namespace_dir, write_manifest
 from tierstore.format.mac import PageMac
 from tierstore.format.page import Codec, PageExpectation, PageLayout
+from tierstore.format.sealing import PageSealer
 from tierstore.fs import safefs
 from tierstore.fs.directio import ALIGN, FrameGeometry, cachestat_available
 from tierstore.fs.mapper import FileMapper, check_key
@@ -174,8 +177,15 @@ class IOEngine:
         self.deadline_s = deadline_s if deadline_s is not None else self.config.deadline_s
         self.perms = safefs.GROUP_SHARED if self.config.shared_group_access else safefs.PRIVATE
         self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
+        key_file = self.config.encryption_key_file
+        self.sealer = PageSealer.from_key_file(key_file) if key_file else None
         _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
-        if self.mac is not None:
+        if self.sealer is not None:
+            if self.config.odirect == "on":
+                raise ConfigError('setting "odirect" is "on" but "encryption_key_file" appends a 44-byte trailer to '
+                                  'each page, which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
+            self.odirect, self.odirect_reason = False, "encryption_key_file: pages carry an unaligned trailer"
+        elif self.mac is not None:
             if self.config.io_loop == "native":
                 say_mac_costs(self.mac.name)
             if self.config.odirect == "on":
@@ -193,7 +203,7 @@ class IOEngine:
         self._removals_lock = threading.Lock()
         self.files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
                                head_count=head_count, config=self.config, codec=self.codec, perms=self.perms,
-                               mac=self.mac, odirect=self.odirect,
+                               mac=self.mac, sealer=self.sealer, odirect=self.odirect,
                                direct_loads=self.odirect and cachestat_available(), count=self.counters.count,
                                layout=self.layout)
         self.geometry: FrameGeometry = self.files.geometry

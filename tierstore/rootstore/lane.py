@@ -162,7 +162,7 @@ class NativeLane:
         native store does not apply to this engine (yet: the kernels may still compile)."""
         kernels = native.lane_kernels()
         plan = self.files.native_store_plan(key_len) if kernels is not None else None
-        if plan is None or self.files.mac is not None or self._on_ready is None:
+        if plan is None or self.files.python_only or self._on_ready is None:
             return False
         np = native.numpy()
         files, cap = self.files, len(self.pool)

@@ -58,6 +58,7 @@ from tierstore.errors import (
     PageFormatError,
     PageIOError,
     PageMissing,
+    PageSealedCorrupt,
     PageStoreError,
     PageTruncated,
     PageUnsafe,
@@ -80,8 +81,11 @@ from tierstore.format.page import (
     decode_payload,
     header_len_of,
     max_file_size,
+    sealed_aad,
     section_sums,
+    trailer_len,
 )
+from tierstore.format.sealing import PageSealer
 from tierstore.fs import safefs
 from tierstore.fs.directio import ALIGN, O_DIRECT
 from tierstore.native import loader as native
@@ -744,25 +748,66 @@ def authenticate(mac: PageMac, header_bytes: bytes | memoryview, payload: Any, t
         raise
 
 
+def check_sealed_sums(layout: PageLayout, want: Sequence[int], ciphertext: memoryview, *, path: str,
+                      key: bytes | None, keyless: bool) -> None:
+    """The content check of a sealed page that needs no key: every section checksum of the
+    ciphertext. Failure policy: ``PageSealedCorrupt`` when ``keyless`` (damage a reader without
+    the key cannot authenticate: reported, never removed), else ``PageCorrupt``."""
+    got = section_sums(layout.spans, ciphertext)
+    for spec, c, w in zip(layout.sections, got, want, strict=True):
+        if c != w:
+            cls = PageSealedCorrupt if keyless else PageCorrupt
+            raise cls(f"section {spec.name!r}: ciphertext checksum mismatch", path=path, key=key)
+
+
+def open_sealed(sealer: PageSealer | None, aad: bytes | memoryview, sealed: memoryview, out: memoryview, *,
+                layout: PageLayout, sums: Sequence[int], path: str, key: bytes | None) -> None:
+    """The verify-then-serve step of a sealed page (``read_page_fd`` and the engine's own read,
+    ``rankdir.PageFiles``): decrypt ``sealed`` (ciphertext, then the trailer) into ``out``, then
+    check that the plaintext's alignment gaps are zero.
+
+    Failure policy: with no ``sealer`` (this node has no ``encryption_key_file``), or a tag that
+    does not verify (another key, a moved or forged page), ``PageUnauthenticated`` (kind "mac":
+    a miss, never removed), unless the ciphertext checksums show damage first
+    (``PageCorrupt``: removed like any damaged page when a sealer is given)."""
+    n = len(out)
+    if sealer is None:
+        check_sealed_sums(layout, sums, sealed[:n], path=path, key=key, keyless=True)
+        raise PageUnauthenticated("page is encrypted and this node has no key (setting \"encryption_key_file\"): "
+                                  "not verifiable here, not served, left in place", path=path, key=key)
+    try:
+        sealer.open(aad, sealed, out, path=path, key=key)
+    except PageUnauthenticated:
+        check_sealed_sums(layout, sums, sealed[:n], path=path, key=key, keyless=False)
+        raise
+    check_gaps(layout, out, path=path, key=key)
+
+
 def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation | None, out: memoryview,
-                 *, mac: PageMac | None = None) -> PageHeader:
+                 *, mac: PageMac | None = None, sealer: PageSealer | None = None, keyless: bool = False) -> PageHeader:
     """Verify, then serve: the page read on an fd ``open_page`` opened and checked (the caller
     closes it) into ``out``, and its header. Every general reader goes through here (an
-    engine's pages not byte for byte its own, the shared backlog, fsck, ``read_page``); the
-    engine's own fast read makes the same checks with the same ``authenticate`` step.
+    engine's pages not byte for byte its own, the shared backlog, the head-slice fallback,
+    fsck, ``read_page``); the engine's own fast read makes the same checks with the same
+    ``authenticate`` and ``open_sealed`` steps.
 
     Order (nothing is allocated before the checks that bound it): the file size against the
     expected layout, the header checksum, the exact file size, the expectation (namespace,
     key, group, rank, layout), the zstd payload bound, then the payload is read (codec NONE
     straight into ``out``), its MAC trailer verified when ``mac`` is given, and every section
-    checksum and gap checked. Failure policy: a typed ``PageError``; a page that cannot be
-    authenticated with ``mac`` is ``PageUnauthenticated`` (kind "mac", never removed) unless
-    its content is damaged (``authenticate``); ``out`` then holds garbage.
+    checksum and gap checked. A sealed page (``format.FLAG_SEALED``) is decrypted with
+    ``sealer`` (``open_sealed``); with ``keyless`` (fsck without the key) it is checked by its
+    ciphertext checksums only and ``out`` holds the ciphertext: never serve it. A reader with
+    ``sealer`` serves only sealed pages. Failure policy: a typed ``PageError``; a page that
+    cannot be authenticated with ``mac`` or ``sealer`` is ``PageUnauthenticated`` (kind "mac",
+    never removed) unless its content is damaged (``authenticate``); ``out`` then holds garbage.
     """
     key = expect.key if expect else None
     try:
         header, hbytes = _read_header(fd, path, st.st_size, expect)
         out = memoryview(out).cast("B")
+        if header.sealed:
+            return _read_sealed(fd, header, path, key, out, mac=mac, sealer=sealer, keyless=keyless)
         in_place = header.codec == Codec.NONE and len(out) == header.payload_len
         payload = out if in_place else memoryview(bytearray(header.payload_len))
         readinto_exact(fd, payload, header.header_len, path)
@@ -770,6 +815,10 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
         def content() -> None:
             decode_payload(header, None if in_place else payload, out, path=path)
 
+        if sealer is not None:
+            content()
+            raise PageUnauthenticated("page is not encrypted and this node has a key (setting "
+                                      "\"encryption_key_file\"): not served, left in place", path=path, key=key)
         if mac is not None:
             if not header.has_mac:
                 content()
@@ -780,6 +829,25 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
         content()
     except OSError as exc:
         raise read_error(exc, "read", path, key) from exc
+    return header
+
+
+def _read_sealed(fd: int, header: PageHeader, path: str, key: bytes | None, out: memoryview, *,
+                 mac: PageMac | None, sealer: PageSealer | None, keyless: bool) -> PageHeader:
+    """``read_page_fd`` of a sealed page (codec none: ``format._parse_header`` refuses others)."""
+    if len(out) != header.payload_len:
+        raise ValueError(f"output buffer has {len(out)} bytes, page needs {header.payload_len}")
+    sealed = memoryview(bytearray(header.payload_len + trailer_len(header.flags)))
+    readinto_exact(fd, sealed, header.header_len, path)
+    sums = [e.checksum for e in header.sections]
+    if keyless or (sealer is None and mac is not None):
+        check_sealed_sums(header.layout, sums, sealed[:header.payload_len], path=path, key=key, keyless=True)
+        if keyless:
+            out[:] = sealed[:header.payload_len]
+            return header
+        raise PageUnauthenticated("page is encrypted, not MAC-tagged, and this node has no key (setting "
+                                  "\"encryption_key_file\"): not verifiable here, left in place", path=path, key=key)
+    open_sealed(sealer, sealed_aad(header), sealed, out, layout=header.layout, sums=sums, path=path, key=key)
     return header
 
 
@@ -829,10 +897,10 @@ def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, hbytes: by
                     if bad is not None:
                         found.append(bad)
                 i += 1
-            while first_gap < len(gaps) and gaps[first_gap][1] <= pos:
+            while not header.sealed and first_gap < len(gaps) and gaps[first_gap][1] <= pos:  # ciphertext gaps
                 first_gap += 1
             i = first_gap
-            while i < len(gaps) and gaps[i][0] < end:
+            while not header.sealed and i < len(gaps) and gaps[i][0] < end:
                 a, b = max(gaps[i][0], pos), min(gaps[i][1], end)
                 if any(piece[a - pos:b - pos]):
                     raise PageCorrupt(f"non-zero bytes in the alignment gap at page bytes {gaps[i][0]}..{gaps[i][1]}: "
@@ -848,10 +916,12 @@ def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, hbytes: by
             pass
         for e, h in zip(header.sections, hashers, strict=True):
             if h.intdigest() != e.checksum:
+                if header.sealed:  # verified without the key (callers decrypt sealed pages whole)
+                    raise PageSealedCorrupt(f"section {e.spec.name!r}: ciphertext checksum mismatch", path=path, key=key)
                 raise PageCorrupt(f"section {e.spec.name!r} checksum mismatch", path=path, key=key)
 
     try:
-        if mac is not None:
+        if mac is not None and not header.sealed:
             if not header.has_mac:
                 content()
                 raise PageUnauthenticated("page has no MAC tag (a fleet key is configured): not verifiable with this "
@@ -865,7 +935,8 @@ def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, hbytes: by
 
 
 def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
-              decompressor: object | None = None, *, mac: PageMac | None = None) -> PageHeader:
+              decompressor: object | None = None, *, mac: PageMac | None = None,
+              sealer: PageSealer | None = None) -> PageHeader:
     """Read, verify and decode a page into ``out`` (``layout.nbytes`` bytes); its header.
 
     Verifies the header checksum, namespace, key/group/rank and layout (``expect``), the exact
@@ -876,13 +947,13 @@ def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
     spath = str(path)
     fd, st = open_page(spath, expect.key if expect else None)
     try:
-        return read_page_fd(fd, st, spath, expect, out, mac=mac)
+        return read_page_fd(fd, st, spath, expect, out, mac=mac, sealer=sealer)
     finally:
         os.close(fd)
 
 
 def inspect_page(path: Path, decompressor: object | None = None, *, max_page_bytes: int = MAX_PAGE_BYTES,
-                 mac: PageMac | None = None) -> PageHeader:
+                 mac: PageMac | None = None, sealer: PageSealer | None = None) -> PageHeader:
     """Fully verify a page with no expectation; its header. The page buffer its header declares
     is allocated only if it is at most ``max_page_bytes`` (fsck passes the manifest's layout
     size) and the zstd payload is within its bound. Failure policy: ``read_page``'s."""
@@ -898,6 +969,6 @@ def inspect_page(path: Path, decompressor: object | None = None, *, max_page_byt
                                   f"{max_page_bytes}; not read", path=spath)
         check_payload_bound(header, path=spath)
         out = memoryview(bytearray(header.layout.nbytes))
-        return read_page_fd(fd, st, spath, None, out, mac=mac)
+        return read_page_fd(fd, st, spath, None, out, mac=mac, sealer=sealer, keyless=sealer is None)
     finally:
         os.close(fd)

@@ -60,7 +60,9 @@ from tierstore.format.identity import MANIFEST_NAME, Namespace, write_manifest
 from tierstore.format.mac import PageMac
 from tierstore.format.page import (
     FLAG_MAC,
+    FLAG_SEALED,
     MAC_TRAILER_LEN,
+    SEALED_TRAILER_LEN,
     Codec,
     HeaderTemplate,
     PageExpectation,
@@ -71,6 +73,7 @@ from tierstore.format.page import (
     section_sums,
     zero_gaps,
 )
+from tierstore.format.sealing import PageSealer
 from tierstore.fs import safefs
 from tierstore.fs.directio import CachestatArgs, FrameGeometry, cachestat_pages
 from tierstore.fs.mapper import (
@@ -85,6 +88,7 @@ from tierstore.native import page as native_page
 from tierstore.rootstore import pageops as pagefile
 from tierstore.rootstore.pageops import WARM_PIECE_BYTES, FileIdentity
 from tierstore.rootstore.rankdir_native import NativeFileCalls
+from tierstore.rootstore.sealed_pages import SealedPages
 from tierstore.rootstore.staging import StagingSlot
 
 __all__ = ["WARM_PIECE_BYTES", "PageFiles"]
@@ -165,22 +169,29 @@ class PageFiles(NativeFileCalls):
     def __init__(self, mapper: FileMapper, namespace: Namespace, group_index: int, rank: int, *, head_start: int,
                  head_count: int, config: TierStoreConfig, codec: Codec, perms: safefs.Perms, mac: PageMac | None,
                  odirect: bool, direct_loads: bool, count: Callable[[str], None],
-                 layout: PageLayout | None = None) -> None:
+                 layout: PageLayout | None = None, sealer: PageSealer | None = None) -> None:
         self.mapper = mapper
         self.namespace, self.group_index, self.rank = namespace, group_index, rank
         self.group = namespace.groups[group_index]
         # A head slice's layout comes from the caller; the group's (one rank's) otherwise.
         self.layout: PageLayout = layout if layout is not None else self.group.layout
         self.head_start, self.head_count = head_start, head_count
-        self.codec, self.perms, self.mac = codec, perms, mac
+        self.codec, self.perms = codec, perms
         self.fsync, self.zstd_level = config.fsync, config.zstd_level
         self.odirect = odirect  # stores write with O_DIRECT (codec none, no MAC)
         self.direct_loads = direct_loads  # cold loads read with O_DIRECT (odirect + cachestat)
         self.warm_piece_bytes = WARM_PIECE_BYTES
         self._count = count
         self._nbytes = self.layout.nbytes
-        self._flags = FLAG_MAC if mac is not None else 0
-        self._trailer = MAC_TRAILER_LEN if mac is not None else 0
+        # With a key, pages are sealed (codec none, TierStoreConfig checks) and carry no MAC:
+        # the GCM tag authenticates them.
+        self.sealer = sealer
+        self.mac = mac if sealer is None else None
+        self._flags = FLAG_SEALED if sealer is not None else FLAG_MAC if mac is not None else 0
+        self._trailer = SEALED_TRAILER_LEN if sealer is not None else MAC_TRAILER_LEN if mac is not None else 0
+        self.sealed_pages = SealedPages(sealer, self.layout) if sealer is not None else None
+        # Native calls (the lane, GIL-free batches) neither tag nor seal: such pages run in Python.
+        self.python_only = self.mac is not None or sealer is not None
         self._templates: dict[int, HeaderTemplate] = {}  # key length -> header of our pages
         self._plans: dict[tuple[int, int], ReadPlan] = {}
         self._shapes: dict[tuple[int, bool, int], native_page.PageShape] = {}
@@ -241,7 +252,12 @@ class PageFiles(NativeFileCalls):
             self._clear_planted(dir_fd, name, st, final, key)
         tmp = os.path.basename(self.mapper.temp_path(key, final))
         mode = self.perms.file_mode
-        if self.codec == Codec.NONE:
+        if self.sealer is not None:
+            zero_gaps(self.layout, slot.view)  # canonical plaintext
+            header, sealed = self.sealed_pages.seal(self._template(len(key)), key, slot.view, token_count)
+            pagefile.publish(name, tmp, [header, sealed], key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode,
+                             where=final)
+        elif self.codec == Codec.NONE:
             tmpl = self._template(len(key))
             hl = tmpl.header_len
             zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
@@ -326,7 +342,7 @@ class PageFiles(NativeFileCalls):
     def load(self, key: bytes, slot: StagingSlot, verify: bool) -> tuple[int, tuple[int, ...] | None]:
         """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""
         path = self.mapper.final_path(key)
-        if self.mac is None and self.codec == Codec.NONE:
+        if not self.python_only and self.codec == Codec.NONE:
             done = self._load_native(key, slot, path, verify)
             if done is not None:
                 return done
@@ -366,7 +382,10 @@ class PageFiles(NativeFileCalls):
             os.close(dir_fd)
         slot.source = pagefile.file_identity(st)
         try:
-            if st.st_size == hl + self._nbytes + self._trailer:
+            if self.sealed_pages is not None and st.st_size == hl + self._nbytes + self._trailer:
+                if self.sealed_pages.open(fd, tmpl, key, slot.view, path):
+                    return self._nbytes, None
+            elif st.st_size == hl + self._nbytes + self._trailer:
                 file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
                 cold = self.direct_loads and cachestat_pages(fd, self._local.cachestat) <= 0
                 if cold:
@@ -392,7 +411,7 @@ class PageFiles(NativeFileCalls):
             # Not byte for byte the header this engine writes (another codec or header length, a
             # wrong size, a damaged header): the general reader verifies it or names the error.
             self._count("loads_general_reader")
-            pagefile.read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac)
+            pagefile.read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac, sealer=self.sealer)
             return self._nbytes, None
         except OSError as exc:
             raise pagefile.read_error(exc, "read", path, key) from exc

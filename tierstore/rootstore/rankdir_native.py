@@ -5,7 +5,7 @@ Contract: each method returns None (or leaves an item unset) where the native ca
 apply (another codec, a MAC, group-shared modes, not compiled, a slot of another slab) or did
 not succeed; the caller's Python path (``PageFiles``) then redoes the work and names the error.
 A mixin of ``PageFiles``: it reads the attributes ``PageFiles.__init__`` sets (mapper, layout,
-geometry, codec, mac, perms, odirect, direct_loads, fsync, warm_piece_bytes, the rank directory
+geometry, codec, python_only, perms, odirect, direct_loads, fsync, warm_piece_bytes, the rank directory
 ``_dirs``, the caches and counters) and calls its ``_note_stored``, ``_template``,
 ``read_plan`` and ``_count``. The native lane (``lane.py``) builds its jobs from the same calls.
 
@@ -62,7 +62,7 @@ class NativeFileCalls:
     def native_store_plan(self, key_len: int) -> tuple[native_page.PageShape, tuple[int, int], int, int] | None:
         """``_native_store_target`` without the rank directory (no file system call): (page
         shape, open flags, the file's start in the frame, bytes written), or None."""
-        if self.codec != Codec.NONE or self.mac is not None or self.perms.file_mode & 0o070 or not native.ready():
+        if self.codec != Codec.NONE or self.python_only or self.perms.file_mode & 0o070 or not native.ready():
             return None
         shape = self._shape(key_len, True)
         hl = shape.header_len
@@ -152,7 +152,7 @@ class NativeFileCalls:
                           out: list[tuple[int, tuple[int, ...] | None] | PageError | None]) -> bool:
         """``_load_native`` of every item in one call, results into ``out`` (None where the
         Python path must redo the load). False: not applicable (the caller loads one by one)."""
-        if self.mac is not None or self.codec != Codec.NONE or native.page_kernels() is None:
+        if self.python_only or self.codec != Codec.NONE or native.page_kernels() is None:
             return False
         key_len, verify = len(items[0][0]), items[0][2]
         if any(len(k) != key_len or v != verify for k, _, v in items):

@@ -28,6 +28,7 @@ from tierstore.errors import BAD_CONTENT_KINDS, PageError
 from tierstore.format.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
 from tierstore.format.mac import PageMac
 from tierstore.format.page import PageExpectation, PageLayout
+from tierstore.format.sealing import PageSealer
 from tierstore.rootstore import pageops as pagefile
 
 
@@ -71,11 +72,12 @@ def open_slice_file(path: Path, key: bytes) -> tuple[int, os.stat_result]:
 def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayout, out: memoryview,
              locate: Callable[[HeadRange], tuple[Path, PageExpectation]],
              on_damage: Callable[[Path, pagefile.FileIdentity, PageError], None] | None = None,
-             *, mac: PageMac | None = None) -> AssembleCost:
+             *, mac: PageMac | None = None, sealer: PageSealer | None = None) -> AssembleCost:
     """Fill ``out`` (the ``slice_layout(full_layout, need)`` page) from the files of ``pieces``
     (``cover``'s answer). ``locate(piece)`` gives a piece's path and its writer's expectation
     (layout ``slice_layout(full_layout, piece)``). Each file is opened by ``open_slice_file``
-    and read and verified in full (``read_page_fd``, its MAC with ``mac``) into a scratch buffer
+    and read and verified in full (``read_page_fd``: its MAC with ``mac``, decrypted with
+    ``sealer`` under ``encryption_key_file``) into a scratch buffer
     before any of its bytes is copied; see the module's failure policy.
     ``on_damage(path, identity, error)``: called for a file whose content is bad
     (``BAD_CONTENT_KINDS``; not kind ``mac``, which is not damage) before the error is raised,
@@ -92,7 +94,8 @@ def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayo
         scratch = memoryview(bytearray(layout.nbytes))
         fd, st = open_slice_file(path, expect.key)  # read_page's steps, keeping the file's identity
         try:
-            header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=mac)  # as every page served
+            header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=mac,  # as every page served
+                                           sealer=sealer)
         except PageError as exc:
             if on_damage is not None and exc.kind in BAD_CONTENT_KINDS:
                 on_damage(path, pagefile.file_identity(st), exc)

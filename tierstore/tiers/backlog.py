@@ -131,6 +131,7 @@ class SharedBacklog:
         finally:
             os.close(dir_fd)
         try:
-            return pagefile.read_page_fd(fd, st, path, src.expectation(key), out, mac=src.mac)
+            return pagefile.read_page_fd(fd, st, path, src.expectation(key), out, mac=src.mac,
+                                         sealer=src.sealer)
         finally:
             os.close(fd)

@@ -71,6 +71,7 @@ from tierstore.format.head_slices import (
 )
 from tierstore.format.mac import PageMac
 from tierstore.format.page import PageExpectation, PageLayout
+from tierstore.format.sealing import PageSealer
 from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
 from tierstore.index import page_index
@@ -103,6 +104,15 @@ def inner_mac(inner: PageStore) -> PageMac | None:
         return mac
     key_file = getattr(getattr(inner, "config", None), "mac_key_file", None)
     return PageMac.from_key_file(key_file) if isinstance(key_file, str | os.PathLike) and key_file else None
+
+
+def inner_sealer(inner: PageStore) -> PageSealer | None:
+    """The encryption key the inner store seals its pages with (as ``inner_mac``)."""
+    sealer = getattr(inner, "sealer", None)
+    if isinstance(sealer, PageSealer):
+        return sealer
+    key_file = getattr(getattr(inner, "config", None), "encryption_key_file", None)
+    return PageSealer.from_key_file(key_file) if isinstance(key_file, str | os.PathLike) and key_file else None
 
 
 def _inner_deadline(inner: PageStore) -> float:
@@ -185,6 +195,7 @@ class HeadSliceStore:
         the key of the pages this store serves, so the fallback never serves less)."""
         self.inner = inner
         self.mac = mac if mac is not None else inner_mac(inner)
+        self.sealer = inner_sealer(inner)  # covering files are decrypted with it, as every page served
         self.store_back = store_back
         self.layout = inner.layout
         self.heads, self.full_layout, self.slices = heads, full_layout, slices
@@ -413,7 +424,7 @@ class HeadSliceStore:
         try:
             cost = assemble(self.heads, plan, self.full_layout, slot.view, lambda h: self.slices.locate(h, key),
                             on_damage=lambda path, ident, exc: self._remove_damaged(path, ident, key, exc),
-                            mac=self.mac)
+                            mac=self.mac, sealer=self.sealer)
         except PageError as exc:
             self.inner.release_slot(slot)
             with self._lock:

@@ -50,14 +50,17 @@ misses at once, is recomputed and stored again by that rank (the others find the
 skip), instead of hitting and failing to load on that rank forever.
 
 Page keys are vLLM's block hashes (the offload key without its 4-byte group suffix); the
-group is part of the path. Threading: every public method is called from the scheduler thread
+group is part of the path. With ``encryption_key_file`` a page key is the keyed name of the
+block hash (``namer``: format/sealing.py's ``KeyNamer``), made here and nowhere else: every
+index question and every transfer spec uses it, so the worker and the files never see a block
+hash; a failed load's key is mapped back to vLLM's (``_named``). Threading: every public method is called from the scheduler thread
 only; ``IndexedLookup`` owns the background threads.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
@@ -114,7 +117,8 @@ class TierStoreManager(OffloadingManager):
                  retry_after_s: float = 30.0,
                  local_mappers: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
-                 load_index: bool = True, slices: Sequence[SliceGroup | None] | None = None) -> None:
+                 load_index: bool = True, slices: Sequence[SliceGroup | None] | None = None,
+                 namer: Callable[[bytes], bytes] | None = None) -> None:
         self.mappers = list(mappers)
         self.local_mappers = list(local_mappers) if local_mappers else []
         # ``slices``: groups stored as KV-head slices (their mappers: one per slice directory).
@@ -128,6 +132,8 @@ class TierStoreManager(OffloadingManager):
         self.tokens_per_chunk = list(tokens_per_chunk)
         self.state_groups = list(state_groups)  # True: a page is a state after its end token
         self.retry_after_s = retry_after_s
+        self._namer = namer  # block hash -> page key (None: the block hash itself)
+        self._named: dict[bytes, OffloadKey] = {}  # named page key + suffix -> vLLM's key (loads, bounded)
         self._storing: set[OffloadKey] = set()
         self._failed: dict[OffloadKey, _FailedLoad] = {}
         self._probing: set[OffloadKey] = set()  # handed to the prober, verdict not applied yet
@@ -219,7 +225,7 @@ class TierStoreManager(OffloadingManager):
         group = self._route[keys[0][-4:]]
         step = LEAD_KEYS
         while start + step < len(keys):
-            if self.pages.answer(group, keys[start + step][:-4]) is not True:
+            if self.pages.answer(group, self._page_key(keys[start + step])) is not True:
                 return start + step
             step *= 2
         return len(keys)
@@ -231,7 +237,9 @@ class TierStoreManager(OffloadingManager):
         if self._probing and not self.pages.results.empty():
             self._apply_results()
         removals = self.pages.removals
-        m = self.pages.known_prefix(self._route[keys[0][-4:]], keys, suffix_len=4)
+        group = self._route[keys[0][-4:]]
+        named = keys if self._namer is None else [self._page_key(k) for k in keys]
+        m = self.pages.known_prefix(group, named, suffix_len=4 if self._namer is None else 0)
         if m and (self._failed or self._probing):
             for i, key in enumerate(keys[:m]):
                 if key in self._failed or key in self._probing:  # MISS or RETRY: ``lookup`` decides
@@ -259,7 +267,7 @@ class TierStoreManager(OffloadingManager):
             self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
         removals = self.pages.removals
-        found = self.pages.answer(self._route[key[-4:]], key[:-4])
+        found = self.pages.answer(self._route[key[-4:]], self._page_key(key))
         if found:
             self._index_hits += 1
             if removals == self.pages.removals:  # else this answer may predate a removal
@@ -273,10 +281,13 @@ class TierStoreManager(OffloadingManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
+    def _page_key(self, key: OffloadKey) -> bytes:  # the block hash, or its keyed name
+        return get_offload_block_hash(key) if self._namer is None else self._namer(get_offload_block_hash(key))
+
     def _forget_hits(self, group: int | None, page_key: bytes | None) -> None:
         """``IndexedLookup`` removal listener (any thread): drop the cached HITs that may be
         stale, those of one page (an eviction, a removed damaged page) or all."""
-        if group is None or page_key is None:
+        if group is None or page_key is None or self._namer is not None:  # a named key has no way back
             self._hits.clear()
             return
         for suffix in self._suffixes.get(group, ()):
@@ -297,7 +308,7 @@ class TierStoreManager(OffloadingManager):
     def _probe(self, key: OffloadKey) -> None:
         if key not in self._probing:
             self._probing.add(key)
-            self._batch.append((key, self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key)))
+            self._batch.append((key, self.group_of[get_offload_group_idx(key)], self._page_key(key)))
 
     def _apply_results(self) -> None:
         while not self.pages.results.empty():
@@ -325,6 +336,7 @@ class TierStoreManager(OffloadingManager):
     def mark_failed(self, key: OffloadKey, kind: str) -> None:
         """Remember that loading ``key`` failed with error ``kind`` (its identity is read by the
         prober, off this thread)."""
+        key = self._named.get(key, key)  # type: ignore[call-overload]
         if len(self._failed) >= MAX_FAILED_KEYS:
             self._failed.pop(next(iter(self._failed)))
         try:
@@ -343,14 +355,19 @@ class TierStoreManager(OffloadingManager):
         for key in keys:
             g = route[key[-4:]]
             spec.groups.append(g)
-            spec.keys.append(key[:-4])
+            spec.keys.append(self._page_key(key))
             # An attention page holds one chunk's tokens; a Mamba page the state after ``end``.
             end = req_context.get_offload_key_position(key) if state_groups[g] else None
             spec.token_counts.append(tokens[g] if end is None else end)
         return spec
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return self._spec(keys, req_context)
+        spec = self._spec(keys, req_context)
+        if self._namer is not None:  # the worker reports a failed load by its page key
+            if len(self._named) > MAX_FAILED_KEYS:
+                self._named.clear()
+            self._named.update((pk + k[-4:], k) for k, pk in zip(keys, spec.keys, strict=True))
+        return spec
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         todo = []
@@ -358,7 +375,7 @@ class TierStoreManager(OffloadingManager):
             if key in self._storing:
                 continue
             if key not in self._failed and self.pages.answer_tier(
-                    "shared", self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key)):
+                    "shared", self.group_of[get_offload_group_idx(key)], self._page_key(key)):
                 continue  # the shared tier has it (an unlisted directory: store; the engine skips)
             todo.append(key)
         self._storing.update(todo)
@@ -371,7 +388,7 @@ class TierStoreManager(OffloadingManager):
         for key in keys:
             # vLLM reports the job, not each page (a page may have been dropped): confirm the
             # pages the index does not have yet; they answer RETRY meanwhile, never a false MISS.
-            if not self.pages.answer(self.group_of[get_offload_group_idx(key)], get_offload_block_hash(key)):
+            if not self.pages.answer(self.group_of[get_offload_group_idx(key)], self._page_key(key)):
                 self._probe(key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

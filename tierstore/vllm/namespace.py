@@ -45,6 +45,7 @@ from tierstore.format.head_slices import rank_heads, slice_layout, slice_units
 from tierstore.format.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
 from tierstore.format.page import GroupKind, PageLayout, SectionSpec
+from tierstore.format.sealing import PageSealer
 from tierstore.vllm.deepseek_v4 import V4_REFUSAL
 from tierstore.vllm.sparse_mla import (
     dsa_layout,
@@ -558,6 +559,8 @@ def build_namespace(
     extra: list[tuple[str, str]] = [("hash_seed", marker), ("tokens_per_hash", str(offloading_config.cache.tokens_per_hash))]
     if ts_config.namespace_tag:
         extra.append(("tag", ts_config.namespace_tag))
+    if ts_config.encryption_key_file:  # sealed trees of one key only: never plain ones or another key's
+        extra.append(("encryption", PageSealer.from_key_file(ts_config.encryption_key_file).namespace_marker))
     scales = kv_scales_marker(vllm_config.model_config, cache_dtype)
     if scales is not None:  # quantized KV: the bytes mean nothing without the dtype and scales
         extra += [("kv_cache_dtype", str(kv_storage_dtype(cache_dtype))), ("kv_scales", scales)]
