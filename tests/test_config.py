@@ -90,10 +90,11 @@ def test_replace_validates() -> None:
 # ------------------------------------------------------------------ strict types (issue 34, item 5)
 
 def test_every_setting_has_one_kind_of_rule() -> None:
-    """Each field is a bool, an integer, a byte size, seconds, a path, a choice or a free name:
+    """Each field is a bool, an integer, a byte size, seconds, a path, a choice, a free name or a
+    map of names to paths:
     exactly one, so a new setting cannot slip past the strict checks."""
     kinds = [set(cfgmod._BOOLS), set(cfgmod._INTEGERS), set(cfgmod._BYTE_SIZES), set(cfgmod._SECONDS),
-             set(cfgmod._PATHS), set(cfgmod._CHOICES), set(cfgmod._NAMES)]
+             set(cfgmod._PATHS), set(cfgmod._CHOICES), set(cfgmod._NAMES), set(cfgmod._PATH_MAPS)]
     names = [f.name for f in dataclasses.fields(TierStoreConfig)]
     assert sorted(n for kind in kinds for n in kind) == sorted(names)
 

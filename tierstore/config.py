@@ -61,7 +61,7 @@ _IO_LOOPS = ("native", "python")
 
 # The kinds of setting, each with one rule (``validate``). tests/test_config.py checks that every
 # field is in exactly one of them.
-_BOOLS = ("fsync", "shared_group_access", "trust_shared_root")  # JSON true/false only
+_BOOLS = ("fsync", "shared_group_access", "trust_shared_root", "require_cache_salt")  # JSON true/false only
 # Integers (never true/false, a float or a string): name -> (least, most or None, what the number
 # counts, what unset (None) means; "" where it must be set).
 _INTEGERS: dict[str, tuple[int, int | None, str, str]] = {
@@ -98,6 +98,7 @@ _REMOVED: dict[str, tuple[str, int]] = {
 _PATHS = ("root", "local_root", "mac_key_file", "encryption_key_file")
 _CHOICES = {"codec": _CODECS, "odirect": _ODIRECT, "io_loop": _IO_LOOPS}
 _NAMES = ("model_id", "namespace_tag")  # free-form strings
+_PATH_MAPS = ("tenant_key_files",)  # a name (cache_salt) -> a path, each
 
 
 def _why_not(v: object) -> str:
@@ -225,6 +226,10 @@ class TierStoreConfig:
     # Encryption at rest (format/sealing.py): 32 random bytes, mode 0600. Page bodies are
     # AES-256-GCM, names are keyed hashes of the block hashes, the namespace is the key's own.
     encryption_key_file: str | None = None
+    # Keys per tenant: vLLM cache_salt -> its own key file (same rules); a request's pages are
+    # named and sealed with its salt's key. With any, a salt without a key is not cached.
+    tenant_key_files: dict[str, str] | None = None
+    require_cache_salt: bool = False  # requests without a cache_salt (or without its key) are not cached
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TierStoreConfig:
@@ -296,6 +301,14 @@ class TierStoreConfig:
             if self.codec != "none":
                 raise ConfigError('setting "encryption_key_file" needs "codec": "none" (encrypted pages are not '
                                   f'compressed; KV bytes gain little from zstd), got "codec": {self.codec!r}')
+        if self.tenant_key_files is not None:
+            if not self.encryption_key_file:
+                raise ConfigError('setting "tenant_key_files" needs "encryption_key_file" (the key of requests '
+                                  "without a cache_salt)")
+            if not isinstance(self.tenant_key_files, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.tenant_key_files.items()):
+                raise ConfigError('setting "tenant_key_files" must map each cache_salt (a string) to the path of its '
+                                  f"key file (32 random bytes, mode 0600), got {self.tenant_key_files!r}")
         if self.gc_interval_s and self.max_bytes is None:
             raise ConfigError('setting "gc_interval_s" needs "max_bytes" (the cap that gc keeps "root" under)')
 

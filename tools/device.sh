@@ -4,7 +4,8 @@
 #   bash tools/device.sh tests    # the GPU test set, then the golden files' check
 #   bash tools/device.sh bench    # the GPU path (`tierstore bench kernels`, transfers at 16 I/O
 #                                 # threads) and the CPU path (`tierstore bench io`, 2 MiB pages)
-#   bash tools/device.sh all      # both, tests first
+#   bash tools/device.sh sealed   # the GPU path with encryption_key_file and without (16 I/O threads)
+#   bash tools/device.sh all      # tests and bench, tests first
 # The device runs behind docs/measurements/scaling.md and lane.md used experiment modes of this
 # script's predecessor, tools/device_scaling.sh; each record names its commit, where that
 # script is (`git show 463dc0b:tools/device_scaling.sh`).
@@ -46,9 +47,22 @@ gpu_bench() {
     echo "bench io rc=$?"; grep -A5 "^| MiB" "$OUT/bench_io.txt"
 }
 
+# The GPU path with encryption_key_file against the same run without it (16 I/O threads).
+sealed_bench() {
+    head -c 32 /dev/urandom > /dev/shm/tsk.key && chmod 600 /dev/shm/tsk.key
+    for mode in plain sealed; do
+        key=(); [ "$mode" = sealed ] && key=(--encryption-key-file /dev/shm/tsk.key)
+        timeout 250 python -m tierstore bench kernels --skip-kernels --no-cold --repeats "${REPEATS:-2}" \
+            --transfer-mib "${TRANSFER_MIB:-2048}" --io-threads 16 --root /dev/shm/tsk "${key[@]}" \
+            --json-out "$OUT/bench_kernels_$mode.json" > "$OUT/bench_kernels_$mode.txt" 2>&1
+        echo "bench kernels $mode rc=$?"; grep -A6 "^| case" "$OUT/bench_kernels_$mode.txt"
+    done
+}
+
 case "${1:-tests}" in
 tests) gpu_tests ;;
 bench) gpu_bench ;;
+sealed) sealed_bench ;;
 all) gpu_tests; gpu_bench ;;
-*) echo "usage: bash tools/device.sh [tests|bench|all]" >&2; exit 2 ;;
+*) echo "usage: bash tools/device.sh [tests|bench|sealed|all]" >&2; exit 2 ;;
 esac

@@ -203,3 +203,23 @@ def test_encryption_with_zstd_is_refused_naming_both_settings(tmp_path: Path) ->
 
 def test_trailer_lengths_agree() -> None:
     assert sealing.TRAILER_LEN == SEALED_TRAILER_LEN
+
+
+def test_a_page_is_sealed_with_the_key_its_page_key_names_and_opens_only_with_it(tmp_path: Path) -> None:
+    """Tenants' keys (``tenant_key_files``): a page key starting with tenant A's key id is sealed
+    with A's key; a node whose ring lacks A's key misses it and deletes nothing."""
+    root, fleet, a, b = tmp_path / "root", key_file(tmp_path, "f"), key_file(tmp_path, "a"), key_file(tmp_path, "b")
+    ring = sealing.KeyRing.from_files(fleet, {"tenant-a": str(a)})
+    k = sealing.KeyRing.page_key(ring.tenants["tenant-a"], page_key(0))
+    writer = engine(root, fleet, tenant_key_files={"tenant-a": str(a)})
+    assert store(writer, k).ok
+    path = writer.mapper.path_for(k)
+    raw = path.read_bytes()
+    assert raw[-12 - 8:-12] == ring.tenants["tenant-a"].key_id  # the trailer names A's key
+    assert load(writer, k)[2] == expected(writer, k)
+    writer.close()
+    other = engine(root, fleet, tenant_key_files={"tenant-b": str(b)})
+    res, data = load_page(other, k)
+    assert not res.ok and res.error.kind == "mac" and data is None, res.error
+    other.close()
+    assert path.read_bytes() == raw

@@ -475,3 +475,22 @@ def test_the_recheck_before_evicting_reads_the_servers_attributes(tmp_path: Path
     rep = gc.collect(tmp_path, max_bytes=others, low_watermark=1.0)
     assert hot.exists() and not cold.exists(), rep
     assert rep.skipped_recent == 1, rep
+
+
+def test_a_pass_whose_lease_was_taken_over_says_so(tmp_path: Path) -> None:
+    """A pass starved past its lease's ttl between renewals: another node takes the expired lease
+    and the pass ends before its next renewal. It must report ``lease_lost`` (its span overlapped
+    the other's) and leave the other's lease in place (before: it reported a clean pass)."""
+    fill(tmp_path, 5)
+
+    class TakenOver(Lease):
+        def acquire(self) -> bool:
+            ok = super().acquire()
+            if ok:  # another node's write, as if ours had expired unrenewed
+                (tmp_path / LEASE_NAME).write_text(json.dumps({"owner": "other:1:x", "expires": time.time() + 60}))
+            return ok
+
+    rep = gc.collect(tmp_path, 1, lease=TakenOver(tmp_path, settle_s=0, ttl_s=3600))
+    assert rep.lease_lost and not rep.busy
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["owner"] == "other:1:x"
+    assert gc.collect(tmp_path, 1, lease=Lease(tmp_path, settle_s=0)).busy  # the other's lease is live

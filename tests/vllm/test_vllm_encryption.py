@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 from vllm_helpers import MODELS, chunk_keys, copy_root, failures, prompt_ids, run_engine  # noqa: E402
 
-from tierstore.format.sealing import PageSealer  # noqa: E402
+from tierstore.format.sealing import KeyRing  # noqa: E402
 from tierstore.rootstore.pageops import inspect_page, read_page  # noqa: E402
 
 N = MODELS["llama"]["N"]
@@ -59,9 +59,9 @@ def test_no_block_hash_and_no_plaintext_under_the_root(first) -> None:
     assert len(hashes) >= 2
     for h in hashes:  # raw bytes in any file, hex in any name or file (manifest, marker)
         assert h not in blob and h.hex().encode() not in blob and h.hex().encode() not in names
-    sealer = PageSealer.from_key_file(key)
+    sealer = KeyRing.from_files(key)
     pages = [p for p in on_disk if p.suffix == ".kvp"]
-    assert {p.stem for p in pages} >= {sealer.namer(h).hex() for h in hashes}  # the keyed names
+    assert {p.stem for p in pages} >= {KeyRing.page_key(sealer.default, h).hex() for h in hashes}  # keyed names
     for path in pages:
         header = inspect_page(path, sealer=sealer)
         plain = bytearray(header.layout.nbytes)
@@ -114,9 +114,9 @@ def test_the_inversion_attack_recovers_a_plain_page_and_nothing_of_a_sealed_one(
     plain_root = tmp_path / "plain"
     run_engine("llama", plain_root, [{"prompt_token_ids": ids}])
     chunk0 = chunk_keys(ids, N, N)[0]
-    sealer = PageSealer.from_key_file(key)
+    sealer = KeyRing.from_files(key)
     plain_path = next(plain_root.rglob(f"{chunk0.hex()}.kvp"))
-    sealed_path = next(root.rglob(f"{sealer.namer(chunk0).hex()}.kvp"))
+    sealed_path = next(root.rglob(f"{KeyRing.page_key(sealer.default, chunk0).hex()}.kvp"))
     recovered = {}
     for name, path in (("plain", plain_path), ("sealed", sealed_path)):
         header = inspect_page(path, sealer=sealer if name == "sealed" else None)
@@ -127,3 +127,35 @@ def test_the_inversion_attack_recovers_a_plain_page_and_nothing_of_a_sealed_one(
     print(f"inversion: {recovered} tokens of {N} recovered")
     assert recovered["plain"] >= 0.95 * N, recovered
     assert recovered["sealed"] <= 0.05 * N, recovered
+
+
+def test_two_tenants_with_their_own_keys_never_read_each_others_pages(tmp_path: Path) -> None:
+    """``tenant_key_files``: each cache_salt's pages are named and sealed with its own key; a
+    request without a salt is not cached (``require_cache_salt``); a node holding only tenant
+    A's key hits A's pages and neither reads nor deletes B's."""
+    keys = {name: key_file(tmp_path / f"{name}.key") for name in ("fleet", "a", "b")}
+    ring = KeyRing.from_files(keys["fleet"], {"tenant-a": str(keys["a"]), "tenant-b": str(keys["b"])})
+    ids = prompt_ids("llama")
+    reqs = [{"prompt_token_ids": ids, "cache_salt": "tenant-a"}, {"prompt_token_ids": ids, "cache_salt": "tenant-b"},
+            {"prompt_token_ids": prompt_ids("llama", offset=3)}]
+    extra = {"encryption_key_file": str(keys["fleet"]), "require_cache_salt": True,
+             "tenant_key_files": {"tenant-a": str(keys["a"]), "tenant-b": str(keys["b"])}}
+    root = tmp_path / "root"
+    first = run_engine("llama", root, reqs, extra=extra)
+    assert [o.cached for o in first.outputs] == [0, 0, 0]
+    by_id: dict[str, int] = {}
+    for p in root.rglob("*.kvp"):
+        by_id[p.stem[:16]] = by_id.get(p.stem[:16], 0) + 1
+    ids_of = {name: sealer.key_id.hex() for name, sealer in (("a", ring.tenants["tenant-a"]),
+                                                             ("b", ring.tenants["tenant-b"]))}
+    chunks = len(ids) // N
+    assert by_id == {ids_of["a"]: chunks, ids_of["b"]: chunks}, by_id  # nothing of the unsalted request
+    both = run_engine("llama", copy_root(root, tmp_path / "both"), reqs[:2], extra=extra)
+    for out, cold in zip(both.outputs, first.outputs[:2], strict=True):
+        assert out.tokens == cold.tokens and out.cached >= 0.9 * chunks * N, (out.cached, chunks)
+    work = copy_root(root, tmp_path / "only-a")
+    before = files(work)
+    only_a = run_engine("llama", work, reqs[:2], extra={**extra, "tenant_key_files": {"tenant-a": str(keys["a"])}})
+    assert only_a.outputs[0].cached >= 0.9 * chunks * N and only_a.outputs[1].cached == 0
+    assert only_a.outputs[1].tokens == first.outputs[1].tokens
+    assert {p: b for p, b in files(work).items() if p in before} == before

@@ -156,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mac-key-file", metavar="PATH", default=None,
                    help="the fleet key (setting mac_key_file): every page must carry a valid MAC tag; one that "
                    "does not verify with it is counted as not verifiable (exit 64), never deleted")
-    p.add_argument("--encryption-key-file", metavar="PATH", default=None,
-                   help="the encryption key (setting encryption_key_file): encrypted pages are decrypted and fully "
-                   "checked; without it their ciphertext checksums are, and damage found is reported, never deleted")
+    p.add_argument("--encryption-key-file", metavar="PATH", default=None, action="append",
+                   help="an encryption key (settings encryption_key_file, tenant_key_files; repeat it for each): "
+                   "encrypted pages are decrypted and fully checked; without their key their ciphertext checksums "
+                   "are, and damage found is reported, never deleted")
     p.add_argument("--remove-unverifiable", action="store_true",
                    help="with --repair and --mac-key-file: also delete the pages not verifiable with that key "
                    "(only once it is the fleet's one key: during a rotation they are the other key's pages)")

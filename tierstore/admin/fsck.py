@@ -104,7 +104,7 @@ from tierstore.format.page import (
     check_stored_gaps,
     decode_header_any_version,
 )
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing, PageSealer
 from tierstore.fs import display, safefs
 from tierstore.fs.mapper import RESERVED_PREFIX, unknown_format
 
@@ -143,7 +143,7 @@ class FsckOptions:
     mac_key_file: str | os.PathLike[str] | None = None  # the fleet key: check every page's MAC tag
     remove_unverifiable: bool = False  # with repair: delete pages not verifiable with mac_key_file too
     # the encryption key: decrypt and fully check sealed pages (without it: ciphertext checksums)
-    encryption_key_file: str | os.PathLike[str] | None = None
+    encryption_key_file: str | os.PathLike[str] | list[str] | None = None  # one or several (tenants' keys)
 
 
 @dataclass
@@ -425,6 +425,16 @@ class SafeRoot:
 _before_repair_hook: Callable[[], None] | None = None
 
 
+def _key_ring(files: str | os.PathLike[str] | list[str] | None) -> KeyRing | None:
+    """The keys fsck opens sealed pages with: every ``--encryption-key-file`` (the default key
+    and tenants' keys alike: a page's trailer names its key)."""
+    paths = [files] if isinstance(files, str | os.PathLike) else list(files or ())
+    if not paths:
+        return None
+    first, *rest = paths
+    return KeyRing(PageSealer.from_key_file(first), {f"#{i}": PageSealer.from_key_file(p) for i, p in enumerate(rest)})
+
+
 def _repair(report: FsckReport, root: Path, quarantine_bad: bool, remove_unverifiable: bool = False) -> None:
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     qdir = PurePosixPath(QUARANTINE_DIR) / f"{stamp}-{os.getpid()}"
@@ -505,8 +515,7 @@ def _run_fsck(options: FsckOptions, report: FsckReport) -> None:
         first_limit = jobs if root_latency_s(root) > SLOW_ROOT_S else 1
         gate = AdaptiveGate(jobs, adaptive=options.jobs is None, start=first_limit)
         mac = PageMac.from_key_file(options.mac_key_file) if options.mac_key_file is not None else None
-        sealer = (PageSealer.from_key_file(options.encryption_key_file)
-                  if options.encryption_key_file is not None else None)
+        sealer = _key_ring(options.encryption_key_file)
         verifier = PageVerifier(root, deep=options.deep, budget_bytes=options.budget_bytes,
                                 group_access=options.group_access, mac=mac, sealer=sealer)
         inv: Inventory = walk_root(

@@ -80,7 +80,7 @@ from tierstore.format.page import (
     max_file_size,
     nonzero_gap,
 )
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.mapper import parse_slice_dir
 from tierstore.native import loader as native
@@ -133,7 +133,7 @@ class PageVerifier:
 
     def __init__(self, root: str | os.PathLike[str], *, deep: bool = False, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  max_page_bytes: int = MAX_UNMANIFESTED_PAGE_BYTES, group_access: bool | None = None,
-                 mac: PageMac | None = None, sealer: PageSealer | None = None) -> None:
+                 mac: PageMac | None = None, sealer: KeyRing | None = None) -> None:
         self.root = os.path.realpath(root)  # as inventory.check_root: the walk's paths start with it
         self.deep = deep
         self.mac = mac  # the fleet key: every page must carry a valid tag (kind "mac" otherwise)

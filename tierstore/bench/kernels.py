@@ -300,6 +300,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="IOEngine io_batch_pages (default: the setting's default; 1 = no batches)")
     parser.add_argument("--io-loop", default=None, choices=("native", "python"),
                         help="IOEngine io_loop (default: the setting's default, native)")
+    parser.add_argument("--encryption-key-file", default=None, metavar="PATH",
+                        help="IOEngine encryption_key_file: the transfer path with sealed pages")
     parser.add_argument("--skip-kernels", action="store_true", help="transfer path only")
     parser.add_argument("--rep-s", type=float, default=0.1, metavar="SECONDS",
                         help="time each kernel is repeated for (triton's do_bench rep; default 0.1)")
@@ -439,7 +441,7 @@ def _transfer_repeat(args: argparse.Namespace, case: Case, tmp: Path, bufs: list
                            else transfer_scratch_pages(1 << 30, page, None, args.io_threads))
     t = transfer_pipeline(case, tmp, batch, args.io_threads, cold=not args.no_cold, slots=args.slots,
                           io_batch_pages=args.io_batch_pages, scratch_pages=args.scratch_batches * batch,
-                          io_loop=args.io_loop)
+                          io_loop=args.io_loop, encryption_key_file=args.encryption_key_file)
     t["raw_files"] = raw
     t["store_ratio"] = round(t["store_gbps"] / min(pcie["d2h_gbps"], raw["write_gbps"]), 3)
     t["load_warm_ratio"] = round(t["load_warm_gbps"] / min(pcie["h2d_gbps"], raw["read_warm_gbps"]), 3)

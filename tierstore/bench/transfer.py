@@ -302,11 +302,11 @@ def default_slots(batch: int, threads: int) -> int:
 
 def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: bool, slots: int = 0,
                       io_batch_pages: int | None = None, scratch_pages: int = 0,
-                      io_loop: str | None = None) -> dict[str, Any]:
+                      io_loop: str | None = None, encryption_key_file: str | None = None) -> dict[str, Any]:
     """Store then load every page of ``case`` through the worker's pipelines (see the module
     docstring); the engine alone after them. ``slots``: staging slots (default ``default_slots``);
     ``scratch_pages``: the transfer's device scratch (default two batches); ``io_loop``: the
-    engine's setting (default the setting's default)."""
+    engine's setting (default the setting's default); ``encryption_key_file``: sealed pages."""
     from tierstore.config import TierStoreConfig
     from tierstore.format.page import GroupKind
     from tierstore.kernels import GroupCopier
@@ -329,7 +329,8 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     shutil.rmtree(root / "ts", ignore_errors=True)
     config = TierStoreConfig(root=str(root / "ts"), io_threads=threads, odirect="off",
                              **({} if io_batch_pages is None else {"io_batch_pages": io_batch_pages}),
-                             **({} if io_loop is None else {"io_loop": io_loop}))
+                             **({} if io_loop is None else {"io_loop": io_loop}),
+                             encryption_key_file=encryption_key_file)
     n_slots = slots or default_slots(batch, threads)
     transfer = PageTransfer(GroupCopier(views, lay, bpp, cds), scratch_pages=scratch_pages or 2 * batch)
     transfer.warm_up()

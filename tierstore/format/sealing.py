@@ -182,3 +182,58 @@ def trailer_key_id(trailer: bytes | memoryview) -> bytes | None:
         return None
     _tag, magic, _alg, key_id, _nonce = _TRAILER.unpack(bytes(trailer))
     return key_id if magic == _MAGIC else None
+
+
+class KeyRing:
+    """The keys of a fleet: the default one (``encryption_key_file``) and one per vLLM
+    ``cache_salt`` (``tenant_key_files``, each a file the operator provides: tenants' keys are
+    not derived from one master). A page key is the sealing key's id followed by that key's
+    keyed name of the block hash (``page_key``), so a worker seals with the key the scheduler
+    named the page under (``seal``) and a reader opens with the key the trailer names
+    (``open``): a reader without that key gets ``PageUnauthenticated`` (a miss, never removed).
+    Keys without a known id prefix (callers that name pages themselves) are sealed with the
+    default key. Threading: immutable; safe from any thread."""
+
+    def __init__(self, default: PageSealer, tenants: dict[str, PageSealer] | None = None) -> None:
+        self.default = default
+        self.tenants = dict(tenants or {})
+        self.by_id = {s.key_id: s for s in (default, *self.tenants.values())}
+
+    @classmethod
+    def from_files(cls, default: str | os.PathLike[str], tenants: dict[str, str] | None = None) -> KeyRing:
+        return cls(PageSealer.from_key_file(default),
+                   {salt: PageSealer(read_key_file(path, f'"tenant_key_files" ({salt!r})'))
+                    for salt, path in (tenants or {}).items()})
+
+    @property
+    def namespace_marker(self) -> str:
+        """The namespace's record of the ring: the default key's (tenant keys come and go)."""
+        return self.default.namespace_marker
+
+    def sealer_for(self, salt: str | None) -> PageSealer | None:
+        """The key of a request's ``cache_salt``: its tenant's, else the default; None for a
+        salt that has no key while tenants have keys of their own (its pages are not cached:
+        sealing them under the default key would let every tenant's key holders read them)."""
+        if salt is None:
+            return self.default
+        sealer = self.tenants.get(salt)
+        return sealer if sealer is not None or not self.tenants else None
+
+    @staticmethod
+    def page_key(sealer: PageSealer, block_hash: bytes) -> bytes:
+        return sealer.key_id + sealer.namer(block_hash)
+
+    def seal(self, aad: bytes | memoryview, plaintext: memoryview, out: memoryview, page_key: bytes) -> None:
+        """``PageSealer.seal`` with the key whose id starts ``page_key`` (the default otherwise)."""
+        self.by_id.get(bytes(page_key[:KEY_ID_BYTES]), self.default).seal(aad, plaintext, out)
+
+    def open(self, aad: bytes | memoryview, sealed: memoryview, out: memoryview, *, path: str | None = None,
+             key: bytes | None = None) -> None:
+        """``PageSealer.open`` with the key the trailer names; ``PageUnauthenticated`` when this
+        ring does not hold it."""
+        key_id = trailer_key_id(sealed[len(out):])
+        sealer = self.by_id.get(key_id) if key_id is not None else None
+        if sealer is None:
+            raise PageUnauthenticated(f"page sealed under key id {key_id.hex() if key_id else '?'}, which this node "
+                                      "does not hold: not verifiable with its keys", path=path, key=key)
+        sealer.open(aad, sealed, out, path=path, key=key)

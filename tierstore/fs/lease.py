@@ -229,11 +229,14 @@ class Lease:
             return False
         return self.acquire()
 
-    def release(self) -> None:
+    def release(self) -> bool:
+        """Give the lease up; whether it was still ours (False: another holder took it after
+        ours expired unrenewed, or it was lost at a renewal: the pass overlapped another's)."""
         if not self.held:
-            return
+            return False
         cur = self.read()
-        if cur is not None and cur["owner"] == self.owner:
+        kept = cur is not None and cur["owner"] == self.owner
+        if kept:
             try:
                 root_fd = safefs.open_root(self.root)
                 try:
@@ -243,3 +246,4 @@ class Lease:
             except OSError:
                 pass
         self.held = False
+        return kept

@@ -75,7 +75,7 @@ from tierstore.errors import (
 from tierstore.format.identity import Namespace, namespace_dir, write_manifest
 from tierstore.format.mac import PageMac
 from tierstore.format.page import Codec, PageExpectation, PageLayout
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.directio import ALIGN, FrameGeometry, cachestat_available
 from tierstore.fs.mapper import FileMapper, check_key
@@ -178,7 +178,7 @@ class IOEngine:
         self.perms = safefs.GROUP_SHARED if self.config.shared_group_access else safefs.PRIVATE
         self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
         key_file = self.config.encryption_key_file
-        self.sealer = PageSealer.from_key_file(key_file) if key_file else None
+        self.sealer = KeyRing.from_files(key_file, self.config.tenant_key_files) if key_file else None
         _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
         if self.sealer is not None:
             if self.config.odirect == "on":

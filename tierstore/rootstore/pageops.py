@@ -85,7 +85,7 @@ from tierstore.format.page import (
     section_sums,
     trailer_len,
 )
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.directio import ALIGN, O_DIRECT
 from tierstore.native import loader as native
@@ -760,7 +760,7 @@ def check_sealed_sums(layout: PageLayout, want: Sequence[int], ciphertext: memor
             raise cls(f"section {spec.name!r}: ciphertext checksum mismatch", path=path, key=key)
 
 
-def open_sealed(sealer: PageSealer | None, aad: bytes | memoryview, sealed: memoryview, out: memoryview, *,
+def open_sealed(sealer: KeyRing | None, aad: bytes | memoryview, sealed: memoryview, out: memoryview, *,
                 layout: PageLayout, sums: Sequence[int], path: str, key: bytes | None) -> None:
     """The verify-then-serve step of a sealed page (``read_page_fd`` and the engine's own read,
     ``rankdir.PageFiles``): decrypt ``sealed`` (ciphertext, then the trailer) into ``out``, then
@@ -784,7 +784,7 @@ def open_sealed(sealer: PageSealer | None, aad: bytes | memoryview, sealed: memo
 
 
 def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation | None, out: memoryview,
-                 *, mac: PageMac | None = None, sealer: PageSealer | None = None, keyless: bool = False) -> PageHeader:
+                 *, mac: PageMac | None = None, sealer: KeyRing | None = None, keyless: bool = False) -> PageHeader:
     """Verify, then serve: the page read on an fd ``open_page`` opened and checked (the caller
     closes it) into ``out``, and its header. Every general reader goes through here (an
     engine's pages not byte for byte its own, the shared backlog, the head-slice fallback,
@@ -833,7 +833,7 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
 
 
 def _read_sealed(fd: int, header: PageHeader, path: str, key: bytes | None, out: memoryview, *,
-                 mac: PageMac | None, sealer: PageSealer | None, keyless: bool) -> PageHeader:
+                 mac: PageMac | None, sealer: KeyRing | None, keyless: bool) -> PageHeader:
     """``read_page_fd`` of a sealed page (codec none: ``format._parse_header`` refuses others)."""
     if len(out) != header.payload_len:
         raise ValueError(f"output buffer has {len(out)} bytes, page needs {header.payload_len}")
@@ -936,7 +936,7 @@ def verify_in_pieces(fd: int, st: os.stat_result, header: PageHeader, hbytes: by
 
 def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
               decompressor: object | None = None, *, mac: PageMac | None = None,
-              sealer: PageSealer | None = None) -> PageHeader:
+              sealer: KeyRing | None = None) -> PageHeader:
     """Read, verify and decode a page into ``out`` (``layout.nbytes`` bytes); its header.
 
     Verifies the header checksum, namespace, key/group/rank and layout (``expect``), the exact
@@ -953,7 +953,7 @@ def read_page(path: Path, expect: PageExpectation | None, out: memoryview,
 
 
 def inspect_page(path: Path, decompressor: object | None = None, *, max_page_bytes: int = MAX_PAGE_BYTES,
-                 mac: PageMac | None = None, sealer: PageSealer | None = None) -> PageHeader:
+                 mac: PageMac | None = None, sealer: KeyRing | None = None) -> PageHeader:
     """Fully verify a page with no expectation; its header. The page buffer its header declares
     is allocated only if it is at most ``max_page_bytes`` (fsck passes the manifest's layout
     size) and the zstd payload is within its bound. Failure policy: ``read_page``'s."""

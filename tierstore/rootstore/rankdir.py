@@ -73,7 +73,7 @@ from tierstore.format.page import (
     section_sums,
     zero_gaps,
 )
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.directio import CachestatArgs, FrameGeometry, cachestat_pages
 from tierstore.fs.mapper import (
@@ -169,7 +169,7 @@ class PageFiles(NativeFileCalls):
     def __init__(self, mapper: FileMapper, namespace: Namespace, group_index: int, rank: int, *, head_start: int,
                  head_count: int, config: TierStoreConfig, codec: Codec, perms: safefs.Perms, mac: PageMac | None,
                  odirect: bool, direct_loads: bool, count: Callable[[str], None],
-                 layout: PageLayout | None = None, sealer: PageSealer | None = None) -> None:
+                 layout: PageLayout | None = None, sealer: KeyRing | None = None) -> None:
         self.mapper = mapper
         self.namespace, self.group_index, self.rank = namespace, group_index, rank
         self.group = namespace.groups[group_index]

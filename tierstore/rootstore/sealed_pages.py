@@ -1,7 +1,7 @@
 """SealedPages: the file bytes of one rank directory's sealed pages (``encryption_key_file``).
 
 Store path: ``seal`` fills the header with zero checksums (the authenticated data,
-``format.sealed_aad``), encrypts the slot's plaintext after it (``sealing.PageSealer.seal``:
+``format.sealed_aad``), encrypts the slot's plaintext after it (``sealing.KeyRing.seal``, the key the page key names:
 ciphertext, then the trailer) and fills the header again with the ciphertext's checksums;
 ``PageFiles`` publishes the two buffers. Load path: ``open`` reads the header, accepts it only
 if it is byte for byte this writer's (``HeaderTemplate.parse``; anything else goes to the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 
 from tierstore.format.page import SEALED_TRAILER_LEN, HeaderTemplate, PageLayout, section_sums
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.rootstore import pageops
 
 
@@ -31,8 +31,8 @@ class _Buffers(threading.local):
 class SealedPages:
     """Seal and open the pages of one layout (module docstring)."""
 
-    def __init__(self, sealer: PageSealer, layout: PageLayout) -> None:
-        self.sealer, self.layout = sealer, layout
+    def __init__(self, ring: KeyRing, layout: PageLayout) -> None:
+        self.ring, self.layout = ring, layout
         self._nbytes = layout.nbytes
         self._zero_sums = (0,) * len(layout.sections)
         self._local = _Buffers()
@@ -51,7 +51,7 @@ class SealedPages:
         plaintext (gaps zeroed by the caller) is ``plaintext``."""
         header, sealed = self._buffers(tmpl.header_len)
         tmpl.fill(header, key, token_count, self._zero_sums)
-        self.sealer.seal(header, plaintext, sealed)
+        self.ring.seal(header, plaintext, sealed, key)  # the key whose id starts the page key
         tmpl.fill(header, key, token_count, section_sums(self.layout.spans, sealed[:self._nbytes]))
         return header, sealed
 
@@ -66,5 +66,5 @@ class SealedPages:
         token_count = int.from_bytes(header[tmpl.token_off:tmpl.token_off + 4], "little")
         pageops.readinto_exact(fd, sealed, tmpl.header_len, path)
         tmpl.fill(header, key, token_count, self._zero_sums)
-        pageops.open_sealed(self.sealer, header, sealed, out, layout=self.layout, sums=sums, path=path, key=key)
+        pageops.open_sealed(self.ring, header, sealed, out, layout=self.layout, sums=sums, path=path, key=key)
         return True

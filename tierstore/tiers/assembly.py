@@ -28,7 +28,7 @@ from tierstore.errors import BAD_CONTENT_KINDS, PageError
 from tierstore.format.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
 from tierstore.format.mac import PageMac
 from tierstore.format.page import PageExpectation, PageLayout
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.rootstore import pageops as pagefile
 
 
@@ -72,7 +72,7 @@ def open_slice_file(path: Path, key: bytes) -> tuple[int, os.stat_result]:
 def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayout, out: memoryview,
              locate: Callable[[HeadRange], tuple[Path, PageExpectation]],
              on_damage: Callable[[Path, pagefile.FileIdentity, PageError], None] | None = None,
-             *, mac: PageMac | None = None, sealer: PageSealer | None = None) -> AssembleCost:
+             *, mac: PageMac | None = None, sealer: KeyRing | None = None) -> AssembleCost:
     """Fill ``out`` (the ``slice_layout(full_layout, need)`` page) from the files of ``pieces``
     (``cover``'s answer). ``locate(piece)`` gives a piece's path and its writer's expectation
     (layout ``slice_layout(full_layout, piece)``). Each file is opened by ``open_slice_file``

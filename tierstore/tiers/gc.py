@@ -441,8 +441,8 @@ class DryLease:
     def renew_if_due(self) -> bool:
         return True
 
-    def release(self) -> None:
-        pass
+    def release(self) -> bool:
+        return True
 
 
 def collect(
@@ -496,7 +496,8 @@ def collect(
     finally:
         os.close(root_fd)
         rep.finished = time.time()
-        lease.release()
+        if not lease.release():  # taken over after ours expired unrenewed (a starved pass): say so
+            rep.lease_lost = True
     if rep.other_bytes:
         log.warning("tierstore gc %s: %d bytes are not pages gc can free (foreign, hard-linked or unexpected "
                     "files) and do not count toward the cap; `tierstore fsck %s` lists them", escape(root),

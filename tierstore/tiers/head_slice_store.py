@@ -71,7 +71,7 @@ from tierstore.format.head_slices import (
 )
 from tierstore.format.mac import PageMac
 from tierstore.format.page import PageExpectation, PageLayout
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
 from tierstore.index import page_index
@@ -106,13 +106,16 @@ def inner_mac(inner: PageStore) -> PageMac | None:
     return PageMac.from_key_file(key_file) if isinstance(key_file, str | os.PathLike) and key_file else None
 
 
-def inner_sealer(inner: PageStore) -> PageSealer | None:
+def inner_sealer(inner: PageStore) -> KeyRing | None:
     """The encryption key the inner store seals its pages with (as ``inner_mac``)."""
     sealer = getattr(inner, "sealer", None)
-    if isinstance(sealer, PageSealer):
+    if isinstance(sealer, KeyRing):
         return sealer
-    key_file = getattr(getattr(inner, "config", None), "encryption_key_file", None)
-    return PageSealer.from_key_file(key_file) if isinstance(key_file, str | os.PathLike) and key_file else None
+    config = getattr(inner, "config", None)
+    key_file = getattr(config, "encryption_key_file", None)
+    if not (isinstance(key_file, str | os.PathLike) and key_file):
+        return None
+    return KeyRing.from_files(key_file, getattr(config, "tenant_key_files", None))
 
 
 def _inner_deadline(inner: PageStore) -> float:

@@ -50,17 +50,19 @@ misses at once, is recomputed and stored again by that rank (the others find the
 skip), instead of hitting and failing to load on that rank forever.
 
 Page keys are vLLM's block hashes (the offload key without its 4-byte group suffix); the
-group is part of the path. With ``encryption_key_file`` a page key is the keyed name of the
-block hash (``namer``: format/sealing.py's ``KeyNamer``), made here and nowhere else: every
-index question and every transfer spec uses it, so the worker and the files never see a block
-hash; a failed load's key is mapped back to vLLM's (``_named``). Threading: every public method is called from the scheduler thread
-only; ``IndexedLookup`` owns the background threads.
+group is part of the path. With ``encryption_key_file`` or ``require_cache_salt`` a page key
+is made by ``PageNames`` (the salt's key id and keyed name of the block hash), here and nowhere
+else: every index question and transfer spec uses it, so the worker and the files never see a
+block hash; a request that may not be cached misses and is never stored.
+
+Threading: every public method is called from the scheduler thread only; ``IndexedLookup``
+owns the background threads.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
@@ -71,7 +73,6 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
-    get_offload_block_hash,
     get_offload_group_idx,
 )
 
@@ -80,6 +81,7 @@ from tierstore.fs.mapper import FileMapper
 from tierstore.index.index_prober import PageIdentity
 from tierstore.index.indexed_lookup import IndexedLookup, SliceGroup
 from tierstore.native import loader as native
+from tierstore.vllm.page_names import PageNames
 
 _HIT = LookupResult.HIT
 MAX_FAILED_KEYS = 100_000
@@ -118,32 +120,27 @@ class TierStoreManager(OffloadingManager):
                  local_mappers: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
                  load_index: bool = True, slices: Sequence[SliceGroup | None] | None = None,
-                 namer: Callable[[bytes], bytes] | None = None) -> None:
+                 names: PageNames | None = None) -> None:
         self.mappers = list(mappers)
         self.local_mappers = list(local_mappers) if local_mappers else []
         # ``slices``: groups stored as KV-head slices (their mappers: one per slice directory).
         self.pages = IndexedLookup(self.mappers, self.local_mappers or None, refresh_s=index_refresh_s,
                                    deadline_s=shared_deadline_s, slices=slices)
         self.pages.start(load=load_index)  # False: tests of a cold index
-        # The compiled key hashing of ``lookup_prefix`` (``native.record_sums``); compiles on a
-        # background thread (the worker's engines start it too when they share this process).
-        native.start()
+        native.start()  # ``lookup_prefix``'s compiled key hashing (``native.record_sums``), compiled off-thread
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index
         self.tokens_per_chunk = list(tokens_per_chunk)
         self.state_groups = list(state_groups)  # True: a page is a state after its end token
         self.retry_after_s = retry_after_s
-        self._namer = namer  # block hash -> page key (None: the block hash itself)
-        self._named: dict[bytes, OffloadKey] = {}  # named page key + suffix -> vLLM's key (loads, bounded)
+        self.names = names if names is not None else PageNames()  # offload key -> page key
         self._storing: set[OffloadKey] = set()
         self._failed: dict[OffloadKey, _FailedLoad] = {}
         self._probing: set[OffloadKey] = set()  # handed to the prober, verdict not applied yet
         self._batch: list[tuple[OffloadKey, int, bytes]] = []  # this step's keys to probe
         # vLLM's 4-byte group suffix of an offload key -> tierstore group (no int per lookup).
         self._route = {gid.to_bytes(4, "big"): g for gid, g in self.group_of.items()}
-        # Keys answered HIT since the last event that can turn a HIT into something else
-        # (``IndexedLookup.on_removal``, on that event's thread: ``_forget_hits`` drops the
-        # page's keys or clears it; a failed load drops its key). A key in it is not failed
-        # and not being probed. Bounded: cleared when full.
+        # Keys answered HIT since the last event that can turn a HIT into something else (a removal:
+        # ``_forget_hits``; a failed load). Not failed, not being probed. Bounded: cleared when full.
         self._hits: set[OffloadKey] = set()
         self._suffixes: dict[int, list[bytes]] = {}  # tierstore group -> its vLLM key suffixes
         for suffix, g in self._route.items():
@@ -168,7 +165,7 @@ class TierStoreManager(OffloadingManager):
         if key in self._hits:
             self._cached_hits += 1
             return _HIT
-        return self._lookup_index(key)
+        return self._lookup_index(key, req_context)
 
     def lookup_prefix(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> int | None:
         """vLLM's ``_maximal_prefix_lookup`` over ``lookup``: the number of leading HITs, or
@@ -199,9 +196,9 @@ class TierStoreManager(OffloadingManager):
             i += 1
             result = None
         if result is None and len(keys) - i >= MIN_BATCH_KEYS:
-            end = self._pass_end(keys, i)
+            end = self._pass_end(keys, i, req_context)
             if end - i >= MIN_BATCH_KEYS:
-                i += self._known_prefix(keys[i:end])
+                i += self._known_prefix(keys[i:end], req_context)
         count, deferred = i, False
         for key in keys[i:]:
             if result is None:
@@ -215,7 +212,7 @@ class TierStoreManager(OffloadingManager):
             result = None
         return None if deferred else count
 
-    def _pass_end(self, keys: Sequence[OffloadKey], start: int) -> int:
+    def _pass_end(self, keys: Sequence[OffloadKey], start: int, ctx: ReqContext) -> int:
         """Where a vectorized pass from ``start`` ends: at the first of the keys ``start`` +
         8, 16, 32, ... that the index does not surely hold (``IndexedLookup.answer``: no
         bookkeeping), or at the end. Keys chain the prefix and pages are stored in prefix
@@ -225,12 +222,13 @@ class TierStoreManager(OffloadingManager):
         group = self._route[keys[0][-4:]]
         step = LEAD_KEYS
         while start + step < len(keys):
-            if self.pages.answer(group, self._page_key(keys[start + step])) is not True:
+            page_key = self.names.of(keys[start + step], ctx)
+            if page_key is None or self.pages.answer(group, page_key) is not True:
                 return start + step
             step *= 2
         return len(keys)
 
-    def _known_prefix(self, keys: Sequence[OffloadKey]) -> int:
+    def _known_prefix(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> int:
         """How many leading ``keys`` are index hits that ``_lookup_index`` would answer HIT;
         records them as it would (a key that is also in ``_hits`` counts as an index lookup
         rather than a cached one: ``counters`` only report the sums, which match)."""
@@ -238,8 +236,8 @@ class TierStoreManager(OffloadingManager):
             self._apply_results()
         removals = self.pages.removals
         group = self._route[keys[0][-4:]]
-        named = keys if self._namer is None else [self._page_key(k) for k in keys]
-        m = self.pages.known_prefix(group, named, suffix_len=4 if self._namer is None else 0)
+        named, suffix_len = self.names.for_index(keys, ctx)
+        m = self.pages.known_prefix(group, named, suffix_len=suffix_len) if named else 0
         if m and (self._failed or self._probing):
             for i, key in enumerate(keys[:m]):
                 if key in self._failed or key in self._probing:  # MISS or RETRY: ``lookup`` decides
@@ -253,7 +251,7 @@ class TierStoreManager(OffloadingManager):
             self._hits.update(keys[:m])
         return m
 
-    def _lookup_index(self, key: OffloadKey) -> LookupResult:
+    def _lookup_index(self, key: OffloadKey, ctx: ReqContext | None = None) -> LookupResult:
         self._index_lookups += 1
         # (Verdicts come for probed keys only; on_schedule_end applies any left.)
         if self._probing and not self.pages.results.empty():
@@ -267,7 +265,10 @@ class TierStoreManager(OffloadingManager):
             self._counts["lookup_retries"] += 1
             return LookupResult.RETRY
         removals = self.pages.removals
-        found = self.pages.answer(self._route[key[-4:]], self._page_key(key))
+        page_key = self.names.of(key, ctx)
+        if page_key is None:
+            return LookupResult.MISS  # a request that may not be cached (PageNames)
+        found = self.pages.answer(self._route[key[-4:]], page_key)
         if found:
             self._index_hits += 1
             if removals == self.pages.removals:  # else this answer may predate a removal
@@ -281,13 +282,11 @@ class TierStoreManager(OffloadingManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
-    def _page_key(self, key: OffloadKey) -> bytes:  # the block hash, or its keyed name
-        return get_offload_block_hash(key) if self._namer is None else self._namer(get_offload_block_hash(key))
 
     def _forget_hits(self, group: int | None, page_key: bytes | None) -> None:
         """``IndexedLookup`` removal listener (any thread): drop the cached HITs that may be
         stale, those of one page (an eviction, a removed damaged page) or all."""
-        if group is None or page_key is None or self._namer is not None:  # a named key has no way back
+        if group is None or page_key is None or not self.names.plain:  # a named key has no way back
             self._hits.clear()
             return
         for suffix in self._suffixes.get(group, ()):
@@ -306,9 +305,10 @@ class TierStoreManager(OffloadingManager):
         return True
 
     def _probe(self, key: OffloadKey) -> None:
-        if key not in self._probing:
+        page_key = self.names.of(key)
+        if key not in self._probing and page_key is not None:
             self._probing.add(key)
-            self._batch.append((key, self.group_of[get_offload_group_idx(key)], self._page_key(key)))
+            self._batch.append((key, self.group_of[get_offload_group_idx(key)], page_key))
 
     def _apply_results(self) -> None:
         while not self.pages.results.empty():
@@ -336,7 +336,7 @@ class TierStoreManager(OffloadingManager):
     def mark_failed(self, key: OffloadKey, kind: str) -> None:
         """Remember that loading ``key`` failed with error ``kind`` (its identity is read by the
         prober, off this thread)."""
-        key = self._named.get(key, key)  # type: ignore[call-overload]
+        key = self.names.vllm_key(key)  # type: ignore[assignment]
         if len(self._failed) >= MAX_FAILED_KEYS:
             self._failed.pop(next(iter(self._failed)))
         try:
@@ -355,7 +355,7 @@ class TierStoreManager(OffloadingManager):
         for key in keys:
             g = route[key[-4:]]
             spec.groups.append(g)
-            spec.keys.append(self._page_key(key))
+            spec.keys.append(self.names.of(key, req_context))  # type: ignore[arg-type]  # never None: looked up
             # An attention page holds one chunk's tokens; a Mamba page the state after ``end``.
             end = req_context.get_offload_key_position(key) if state_groups[g] else None
             spec.token_counts.append(tokens[g] if end is None else end)
@@ -363,10 +363,7 @@ class TierStoreManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self._spec(keys, req_context)
-        if self._namer is not None:  # the worker reports a failed load by its page key
-            if len(self._named) > MAX_FAILED_KEYS:
-                self._named.clear()
-            self._named.update((pk + k[-4:], k) for k, pk in zip(keys, spec.keys, strict=True))
+        self.names.remember_loads(list(keys), spec.keys)
         return spec
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -374,8 +371,11 @@ class TierStoreManager(OffloadingManager):
         for key in keys:
             if key in self._storing:
                 continue
+            page_key = self.names.of(key, req_context)
+            if page_key is None:
+                continue  # a request that may not be cached
             if key not in self._failed and self.pages.answer_tier(
-                    "shared", self.group_of[get_offload_group_idx(key)], self._page_key(key)):
+                    "shared", self.group_of[get_offload_group_idx(key)], page_key):
                 continue  # the shared tier has it (an unlisted directory: store; the engine skips)
             todo.append(key)
         self._storing.update(todo)
@@ -388,7 +388,8 @@ class TierStoreManager(OffloadingManager):
         for key in keys:
             # vLLM reports the job, not each page (a page may have been dropped): confirm the
             # pages the index does not have yet; they answer RETRY meanwhile, never a false MISS.
-            if not self.pages.answer(self.group_of[get_offload_group_idx(key)], self._page_key(key)):
+            page_key = self.names.of(key, req_context)
+            if page_key is not None and not self.pages.answer(self.group_of[get_offload_group_idx(key)], page_key):
                 self._probe(key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

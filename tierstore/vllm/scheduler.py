@@ -17,6 +17,9 @@ when the load fails and the request is recomputed, so the pages a failed load wa
 bring (deleted, damaged or timed out) were not written again until a later request missed
 them entirely (found by the live two-node test, tests/vllm/test_nfs_vllm_live.py).
 
+Each new request's ``cache_salt`` is recorded in its ``ReqContext`` (``on_new_request``), for
+page keys that depend on it (``page_names.py``).
+
 Threading: vLLM calls it from the scheduler thread only.
 """
 
@@ -30,8 +33,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
 )
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
+from tierstore.vllm.page_names import CacheSalt
+
 
 class TierStoreConnectorScheduler(OffloadingConnectorScheduler):
+    def on_new_request(self, request: Any) -> None:
+        """vLLM's, then the request's ``cache_salt`` recorded in its ``ReqContext``: page keys
+        depend on it with ``encryption_key_file`` or ``require_cache_salt`` (``PageNames``)."""
+        OffloadingConnectorScheduler.on_new_request(self, request)
+        status = self._req_status.get(request.request_id)
+        if status is not None:
+            status.req_context.set_state(CacheSalt(getattr(request, "cache_salt", None)))
+
     def _maximal_prefix_lookup(self, keys: Iterable[OffloadKey], req_context: ReqContext, req: Any,
                                group_config: Any, start_chunk_idx: int) -> int | None:
         lookup_prefix = getattr(self.manager, "lookup_prefix", None)

@@ -51,7 +51,7 @@ from tierstore.format.head_slices import (
 )
 from tierstore.format.identity import Namespace
 from tierstore.format.page import GroupKind, PageLayout
-from tierstore.format.sealing import PageSealer
+from tierstore.format.sealing import KeyRing
 from tierstore.fs.mapper import FileMapper
 from tierstore.fs.mapper import group_dir as mapper_group_dir
 from tierstore.index.indexed_lookup import SliceGroup
@@ -70,6 +70,7 @@ from tierstore.vllm.namespace import (
     mamba_states,
     representative_spec,
 )
+from tierstore.vllm.page_names import PageNames
 from tierstore.vllm.sparse_mla import check_dsa_specs
 from tierstore.vllm.worker import TierStoreWorker, WorkerGroup
 
@@ -208,8 +209,8 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
                 shared_deadline_s=self.ts_config.shared_deadline_s,
                 index_refresh_s=self.ts_config.index_refresh_s, slices=slices,
-                namer=(PageSealer.from_key_file(self.ts_config.encryption_key_file).namer
-                       if self.ts_config.encryption_key_file else None),
+                names=PageNames(KeyRing.from_files(self.ts_config.encryption_key_file, self.ts_config.tenant_key_files)
+                                if self.ts_config.encryption_key_file else None, self.ts_config.require_cache_salt),
             )
         return self._manager
 
