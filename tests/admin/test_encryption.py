@@ -160,7 +160,7 @@ def test_fsck_without_the_key_finds_a_flipped_ciphertext_byte_and_deletes_nothin
     raw[-SEALED_TRAILER_LEN - 100] ^= 0x40  # a ciphertext byte of the last section
     path.write_bytes(bytes(raw))
     keyless = run_fsck(FsckOptions(root=root, repair=True))
-    assert keyless.exit_code == 4, keyless.render()
+    assert keyless.exit_code == 4, keyless.format_text()
     [finding] = keyless.problems
     assert finding.kind == "sealed_checksum" and finding.action is None and path.exists()
     keyed = run_fsck(FsckOptions(root=root, repair=True, encryption_key_file=key))

@@ -413,6 +413,8 @@ class PageVerifier:
 
     def _read_into_pool(self, ref: PageRef, fd: int, st: os.stat_result, header: PageHeader,
                         expect: PageExpectation | None, nbytes: int) -> PageVerdict:
+        if (too_large := _beyond_budget(self, ref, header, nbytes)) is not None:
+            return too_large
         extra = header.payload_len if header.codec != Codec.NONE else 0
         buf = self.pool.acquire(nbytes)
         self.pool.hold(extra)
@@ -428,6 +430,22 @@ class PageVerifier:
             self.pool.unhold(extra)
             self.pool.release(buf)
         return PageVerdict(token_count=header.meta.token_count)
+
+
+def _beyond_budget(v: PageVerifier, ref: PageRef, header: PageHeader, nbytes: int) -> PageVerdict | None:
+    """A page read whole (compressed, or sealed and decrypted) whose buffers need more than
+    fsck's whole memory budget: its size comes from a manifest or header anyone who can write
+    the root can plant, so it is reported unverified (kind ``too_large``: a human's call, never
+    deleted) instead of read into a buffer of that size; None for any other page (a plain page
+    over ``VERIFY_PIECE_BYTES`` is verified in pieces)."""
+    extra = header.payload_len if header.codec != Codec.NONE else 0
+    if not (header.codec != Codec.NONE or header.sealed) or nbytes + extra <= v.pool.budget:
+        return None
+    return PageVerdict(problem=Finding(
+        ref.path, UNREADABLE, "too_large",
+        f"not verified: reading it whole takes {nbytes + extra} bytes, more than fsck's memory budget "
+        f"({v.pool.budget}); its size comes from its manifest, which anyone who can write the root can plant",
+        size=ref.size))
 
 
 def _verify_in_pieces(v: PageVerifier, ref: PageRef, fd: int, st: os.stat_result, header: PageHeader,
