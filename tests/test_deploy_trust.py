@@ -1,6 +1,6 @@
 """The deployment examples follow docs/SECURITY.md: the NFS export reaches only the engines' nodes
 (never a whole private range), Kerberos (sec=krb5p) is named, and the vLLM pods run with a fleet
-key (mac_key_file) that tierstore will accept: a file of the pods' uid, mode 0600, copied from a
+key (encryption_key_file) that tierstore will accept: a file of the pods' uid, mode 0600, copied from a
 Secret (whose files belong to root) by an init container. Text and YAML only; nothing runs."""
 
 from __future__ import annotations
@@ -45,14 +45,15 @@ def test_the_pods_run_with_a_fleet_key_tierstore_accepts() -> None:
     pod, vllm = _deployment()
     args = vllm["args"]
     cfg = TierStoreConfig.from_dict(json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"])
-    assert cfg.mac_key_file, "the connector sets no mac_key_file: any writer of the export can forge pages"
-    key_dir = str(Path(cfg.mac_key_file).parent)
+    key_file = cfg.encryption_key_file
+    assert key_file, "the connector sets no encryption_key_file: any reader of the export reads the prompts"
+    key_dir = str(Path(key_file).parent)
     volumes = {v["name"]: v for v in pod["volumes"]}
     (mount,) = [m for m in vllm["volumeMounts"] if m["mountPath"] == key_dir]
     assert volumes[mount["name"]].get("emptyDir", {}).get("medium") == "Memory"  # never on a disk
     # an init container copies the Secret's key there, as the pods' uid, mode 0600
     (init,) = [c for c in pod["initContainers"] if any(m["name"] == mount["name"] for m in c.get("volumeMounts", []))]
-    assert init["command"][:3] == ["install", "-m", "0600"] and init["command"][-1] == cfg.mac_key_file
+    assert init["command"][:3] == ["install", "-m", "0600"] and init["command"][-1] == key_file
     src_mount = [m for m in init["volumeMounts"] if init["command"][-2].startswith(m["mountPath"] + "/")]
     assert len(src_mount) == 1 and "secret" in volumes[src_mount[0]["name"]]
     assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["fsGroup"] == 1000
