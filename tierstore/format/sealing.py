@@ -1,8 +1,8 @@
 """Opt-in encryption at rest: sealed page bodies and keyed page names (``encryption_key_file``).
 
-Store path: the engine fills a page's plaintext in its staging slot, ``PageSealer.seal`` draws
-a fresh random 96-bit nonce, derives the page's own AES-256 key from the fleet key, the nonce
-and the page's authenticated data (``subkey``), encrypts the payload with AES-256-GCM into the
+Store path: the engine fills a page's plaintext in its staging slot, ``PageSealer.seal`` takes
+a fresh 96-bit nonce (``_Nonces``: a random 64-bit prefix per thread and a counter), derives
+the write's own AES-256 key from the fleet key and the nonce (``_aead``), encrypts the payload with AES-256-GCM into the
 file buffer followed by its trailer (``TRAILER_LEN`` bytes: the GCM tag, ``b"TSENC"``, algorithm id, 2
 reserved bytes, the key id, the nonce; the tag first, so ciphertext and tag are one span). The header then records checksums of the
 *ciphertext* sections, so a reader without the key can still find damage, and nothing in the
@@ -14,9 +14,12 @@ decrypts into the caller's buffer; a tag that does not verify is ``PageUnauthent
 Authenticated data (``format.page.sealed_aad``): the whole header with its section checksums
 and header checksum zeroed (namespace digest, page name, group, rank and head range, token
 count, layout), followed by the trailer's magic, algorithm, key id and nonce: a page moved under
-another name, rank, head range or namespace fails to open. Per-page keys: ``subkey`` is keyed
-BLAKE2b over the nonce and that data, so no two writes share an AES key and the 2^32 limit of
-random GCM nonces under one key does not apply to a fleet.
+another name, rank, head range or namespace fails to open. Per-write keys: keyed BLAKE2b of
+the nonce, so no two writes share an AES key and the 2^32 limit of random GCM nonces under one
+key does not apply to a fleet (two writes share a key only if they share a nonce: a 64-bit
+prefix drawn per thread, then a counter). Neither step releases the GIL (a 12-byte hash; no
+getrandom per page): on the I/O threads each GIL hand-off per page costs throughput beside a
+busy Python thread (docs/measurements/encryption.md).
 
 Names (``KeyNamer``): with a key, a page's key, and so its file name and the key in its header,
 is keyed BLAKE2b-256 of vLLM's block hash under a subkey of the fleet key: listing the export
@@ -39,6 +42,7 @@ import hashlib
 import os
 import stat
 import struct
+import threading
 
 from tierstore.errors import ConfigError
 from tierstore.format.mac import PageUnauthenticated
@@ -60,6 +64,24 @@ _MAGIC = b"TSENC"
 _TRAILER = struct.Struct(f"<{TAG_BYTES}s5sB2x{KEY_ID_BYTES}s{NONCE_BYTES}s")
 TRAILER_LEN = _TRAILER.size  # 44
 _SETTING = '"encryption_key_file"'
+
+
+class _Nonces(threading.local):
+    """Unique 96-bit nonces without a syscall per page: a random 64-bit prefix per thread (drawn
+    again when its 32-bit counter wraps), then the counter."""
+
+    def __init__(self) -> None:
+        self.prefix, self.count = os.urandom(8), 0
+
+    def next(self) -> bytes:
+        if self.count == 1 << 32:
+            self.prefix, self.count = os.urandom(8), 0
+        self.count += 1
+        return self.prefix + (self.count - 1).to_bytes(4, "little")
+
+
+_NONCES = _Nonces()
+os.register_at_fork(after_in_child=_NONCES.__init__)  # a child never repeats its parent's nonces
 
 
 def _derive(key: bytes, person: bytes, data: bytes = b"") -> bytes:
@@ -138,21 +160,19 @@ class PageSealer:
         """What enters the namespace identity: the algorithm and the key id."""
         return f"aes-256-gcm/{self.key_id.hex()}"
 
-    def _aead(self, nonce: bytes, aad: bytes | memoryview) -> AESGCM:
-        h = hashlib.blake2b(key=self._page_key, digest_size=32, person=b"ts-page-key")
-        h.update(nonce)
-        h.update(aad)
-        return AESGCM(h.digest())
+    def _aead(self, nonce: bytes) -> AESGCM:
+        """The AES-GCM of one write: its key is keyed BLAKE2b of the nonce."""
+        return AESGCM(hashlib.blake2b(nonce, key=self._page_key, digest_size=32, person=b"ts-page-key").digest())
 
     def seal(self, aad: bytes | memoryview, plaintext: memoryview, out: memoryview) -> None:
         """Encrypt ``plaintext`` into ``out``: the ciphertext (as long as ``plaintext``), then
         the trailer (``len(out) == len(plaintext) + TRAILER_LEN``). ``aad``: the header with zero
         checksums (``format.page.sealed_aad``)."""
         n = len(plaintext)
-        nonce = os.urandom(NONCE_BYTES)
+        nonce = _NONCES.next()
         rest = _TRAILER.pack(b"", _MAGIC, ALG_AES256_GCM, self.key_id, nonce)[TAG_BYTES:]
         full_aad = bytes(aad) + rest
-        self._aead(nonce, full_aad).encrypt_into(nonce, plaintext, full_aad, out[: n + TAG_BYTES])
+        self._aead(nonce).encrypt_into(nonce, plaintext, full_aad, out[: n + TAG_BYTES])
         out[n + TAG_BYTES:] = rest
 
     def open(self, aad: bytes | memoryview, sealed: memoryview, out: memoryview, *, path: str | None = None,
@@ -170,7 +190,7 @@ class PageSealer:
                                       "not verifiable with this key", path=path, key=key)
         full_aad = bytes(aad) + bytes(sealed[n + TAG_BYTES:])
         try:
-            self._aead(nonce, full_aad).decrypt_into(nonce, sealed[: n + TAG_BYTES], full_aad, out)
+            self._aead(nonce).decrypt_into(nonce, sealed[: n + TAG_BYTES], full_aad, out)
         except InvalidTag:
             raise PageUnauthenticated("encrypted page does not open with this key (another key's page, or moved "
                                       "or forged): not verifiable with this key", path=path, key=key) from None
