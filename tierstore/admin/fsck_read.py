@@ -137,9 +137,7 @@ class PageVerifier:
         self.root = os.path.realpath(root)  # as inventory.check_root: the walk's paths start with it
         self.deep = deep
         self.mac = mac  # the fleet key: every page must carry a valid tag (kind "mac" otherwise)
-        # the encryption key: sealed pages are decrypted and fully checked; without it their
-        # ciphertext checksums are (damage found is reported and kept: ``PageSealedCorrupt``)
-        self.sealer = sealer
+        self.sealer = sealer  # sealed pages: decrypted with it; without it, their ciphertext sums only
         self.pool = BufferPool(budget_bytes)
         self.max_page_bytes = min(max_page_bytes, MAX_PAGE_BYTES)
         self.group_access = group_access
