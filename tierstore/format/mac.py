@@ -102,24 +102,8 @@ class PageMac:
     @classmethod
     def from_key_file(cls, path: str | os.PathLike[str], algorithm: int | None = None) -> PageMac:
         """Read the fleet key from ``path`` (see the module docstring for the checks)."""
-        where = os.fsdecode(path)
-        dir_fd = os.open(os.path.dirname(where) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fd, st = safefs.open_regular(os.path.basename(where), dir_fd)
-        except (OSError, safefs.UnsafeEntry) as exc:
-            raise ConfigError(f'cannot use the fleet key file {where!r} (setting "mac_key_file"): {exc}') from None
-        finally:
-            os.close(dir_fd)
-        try:
-            if st.st_uid != os.geteuid():
-                raise ConfigError(f'the fleet key file {where!r} (setting "mac_key_file") is owned by uid '
-                                  f"{st.st_uid}, not by you (uid {os.geteuid()}): chown it")
-            if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
-                raise ConfigError(f'the fleet key file {where!r} (setting "mac_key_file") has mode '
-                                  f"{stat.S_IMODE(st.st_mode):04o}: others could read or change the key; chmod 600 it")
-            raw = safefs.read_fd_capped(fd, MAX_KEY_FILE, where)
-        finally:
-            os.close(fd)
+        raw = safefs.read_secret_file(path, what="fleet key file", setting='"mac_key_file"',
+                                      mode_mask=stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP, cap=MAX_KEY_FILE)
         text = raw.strip()
         try:
             key = bytes.fromhex(text.decode("ascii"))

@@ -95,26 +95,8 @@ def read_key_file(path: str | os.PathLike[str], setting: str = _SETTING) -> byte
     regular single-link file, not owned by the running user, readable or writable by others,
     or not 32 bytes."""
     where = os.fsdecode(path)
-    try:
-        dir_fd = os.open(os.path.dirname(where) or ".", os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        raise ConfigError(f"cannot use the key file {where!r} (setting {setting}): {exc.strerror}") from None
-    try:
-        fd, st = safefs.open_regular(os.path.basename(where), dir_fd)
-    except (OSError, safefs.UnsafeEntry) as exc:
-        raise ConfigError(f"cannot use the key file {where!r} (setting {setting}): {exc}") from None
-    finally:
-        os.close(dir_fd)
-    try:
-        if st.st_uid != os.geteuid():
-            raise ConfigError(f"the key file {where!r} (setting {setting}) is owned by uid {st.st_uid}, not by "
-                              f"you (uid {os.geteuid()}): chown it")
-        if st.st_mode & (stat.S_IRWXO | stat.S_IWGRP):
-            raise ConfigError(f"the key file {where!r} (setting {setting}) has mode {stat.S_IMODE(st.st_mode):04o}: "
-                              "others could read or change the key; chmod 600 it")
-        raw = safefs.read_fd_capped(fd, 4096, where)
-    finally:
-        os.close(fd)
+    raw = safefs.read_secret_file(path, what="key file", setting=setting, mode_mask=stat.S_IRWXO | stat.S_IWGRP,
+                                  cap=4096)
     if len(raw) != KEY_BYTES:
         with contextlib.suppress(UnicodeDecodeError, ValueError):
             raw = bytes.fromhex(raw.decode("ascii").strip())

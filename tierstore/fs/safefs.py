@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierstore.errors import TierStoreError
+from tierstore.errors import ConfigError, TierStoreError
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -163,6 +163,33 @@ def read_fd_capped(fd: int, cap: int, name: str = "") -> bytes:
         if got > cap:
             raise UnsafeEntry("too_large", name, f"more than {cap} bytes")
 
+
+
+def read_secret_file(path: str | os.PathLike[str], *, what: str, setting: str, mode_mask: int, cap: int) -> bytes:
+    """The bytes of a key file (``mac_key_file``, ``encryption_key_file``): a regular file with
+    one link, owned by the running user, with none of ``mode_mask``'s bits, at most ``cap``
+    bytes. Failure policy: ConfigError naming ``what``, the ``setting`` and what to do."""
+    where = os.fsdecode(path)
+    try:
+        dir_fd = os.open(os.path.dirname(where) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise ConfigError(f"cannot use the {what} {where!r} (setting {setting}): {exc.strerror}") from None
+    try:
+        fd, st = open_regular(os.path.basename(where), dir_fd)
+    except (OSError, UnsafeEntry) as exc:
+        raise ConfigError(f"cannot use the {what} {where!r} (setting {setting}): {exc}") from None
+    finally:
+        os.close(dir_fd)
+    try:
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"the {what} {where!r} (setting {setting}) is owned by uid {st.st_uid}, not by "
+                              f"you (uid {os.geteuid()}): chown it")
+        if st.st_mode & mode_mask:
+            raise ConfigError(f"the {what} {where!r} (setting {setting}) has mode {stat.S_IMODE(st.st_mode):04o}: "
+                              "others could read or change the key; chmod 600 it")
+        return read_fd_capped(fd, cap, where)
+    finally:
+        os.close(fd)
 
 def read_small(name: str, dir_fd: int, cap: int = MAX_SMALL_FILE, *, single_link: bool = True) -> bytes:
     """Read a small file (manifest, lease, key) through a checked fd, at most ``cap`` bytes."""

@@ -807,7 +807,7 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
         header, hbytes = _read_header(fd, path, st.st_size, expect)
         out = memoryview(out).cast("B")
         if header.sealed:
-            return _read_sealed(fd, header, path, key, out, mac=mac, sealer=sealer, keyless=keyless)
+            return _read_sealed(fd, header, path, key, out, sealer=sealer, keyless=keyless)
         in_place = header.codec == Codec.NONE and len(out) == header.payload_len
         payload = out if in_place else memoryview(bytearray(header.payload_len))
         readinto_exact(fd, payload, header.header_len, path)
@@ -833,20 +833,17 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
 
 
 def _read_sealed(fd: int, header: PageHeader, path: str, key: bytes | None, out: memoryview, *,
-                 mac: PageMac | None, sealer: KeyRing | None, keyless: bool) -> PageHeader:
+                 sealer: KeyRing | None, keyless: bool) -> PageHeader:
     """``read_page_fd`` of a sealed page (codec none: ``format._parse_header`` refuses others)."""
     if len(out) != header.payload_len:
         raise ValueError(f"output buffer has {len(out)} bytes, page needs {header.payload_len}")
     sealed = memoryview(bytearray(header.payload_len + trailer_len(header.flags)))
     readinto_exact(fd, sealed, header.header_len, path)
     sums = [e.checksum for e in header.sections]
-    if keyless or (sealer is None and mac is not None):
+    if keyless:
         check_sealed_sums(header.layout, sums, sealed[:header.payload_len], path=path, key=key, keyless=True)
-        if keyless:
-            out[:] = sealed[:header.payload_len]
-            return header
-        raise PageUnauthenticated("page is encrypted, not MAC-tagged, and this node has no key (setting "
-                                  "\"encryption_key_file\"): not verifiable here, left in place", path=path, key=key)
+        out[:] = sealed[:header.payload_len]
+        return header
     open_sealed(sealer, sealed_aad(header), sealed, out, layout=header.layout, sums=sums, path=path, key=key)
     return header
 
