@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
+from tierstore.format.header import GroupKind
 from tierstore.format.identity import GroupSpec, Namespace
 from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
-from tierstore.format.page import GroupKind, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE
 from tierstore.kernels.views import make_attention_caches, mamba_state_views

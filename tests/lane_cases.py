@@ -65,7 +65,7 @@ def withdrawn(root: Path) -> dict[str, object]:
     time.sleep(0.1)  # claimed and stalled
     eng.close(0.1)
     (res,) = eng.wait([jid], 5)
-    slots = [eng.acquire_slot(0) for _ in range(len(eng._slots))]
+    slots = [eng.acquire_slot(0) for _ in range(len(eng.slots))]
     for s in slots:
         assert s is not None
         s.view[:] = b"\xa5" * len(s.view)
@@ -102,7 +102,7 @@ def running_at_close(root: Path) -> dict[str, object]:
     return {"result": "ok" if res.ok else res.error.kind, "ended_at_close": ended_at_close,
             "lane_ended_later": eng._queue._lane.ended(), "strays_in_other_root": strays,
             "landed_in_own_root": landed.exists() and landed.read_bytes().endswith(data),
-            "slot_kept": eng.free_slots < len(eng._slots)}
+            "slot_kept": eng.free_slots < len(eng.slots)}
 
 
 def fork(root: Path) -> dict[str, object]:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tierstore.config import TierStoreConfig
-from tierstore.format.page import section_checksums
+from tierstore.format.checksums import section_checksums
 from tierstore.native import loader as native
 from tierstore.native.abi import (
     FAULT_COUNT,
@@ -130,7 +130,7 @@ def main() -> int:
     if native.lane_kernels() is None:
         print(json.dumps({"error": f"native lane unavailable: {native.failure()}"}))
         return 2
-    from tierstore.native import kernels as native_kernels
+    from tierstore.native import lane_kernels as native_kernels
 
     root = Path(a.root)
     ns = hybrid_namespace()
@@ -182,8 +182,8 @@ def main() -> int:
     lane_ended = lane.ended()
     if not lane_ended:
         chk.bad("the lane's threads did not end at close")
-    if eng.free_slots != len(eng._slots):
-        chk.bad(f"{len(eng._slots) - eng.free_slots} of {len(eng._slots)} slots not back after close")
+    if eng.free_slots != len(eng.slots):
+        chk.bad(f"{len(eng.slots) - eng.free_slots} of {len(eng.slots)} slots not back after close")
     with IOEngine(root, ns, GROUP, config=seed_cfg) as reader:
         for key, data in stored.items():
             (res,) = reader.wait([reader.submit_load(key)], 30)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierstore.admin.inventory import human_bytes
+from tierstore.admin.render import human_bytes
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -395,33 +395,10 @@ def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from tierstore.testing.tiny_models import cached_tiny_model, prompt_token_ids
-
-    if args.model:
-        model = Path(args.model)
-        if not (model / "config.json").is_file():
-            raise DemoError(f"--model {model} is not a local Hugging Face checkpoint (no config.json)")
-        label = str(model)
-    else:
-        model = cached_tiny_model(args.kind, args.model_cache, size=args.size)
-        label = f"{args.size} random-weight {args.kind}, built locally"
+    model, label = _demo_model(args)
     tok = AutoTokenizer.from_pretrained(str(model))
     n_tokens = args.prompt_tokens or (2400 if args.kind == "qwen3next" and not args.model else 1000)
-    suffix = args.suffix_tokens
-    if not 0 <= suffix < n_tokens or args.prompts <= 0 or args.max_tokens <= 0:
-        raise DemoError("need 0 <= --suffix-tokens < --prompt-tokens, --prompts > 0 and --max-tokens > 0")
-    if args.repeat <= 0:
-        raise DemoError("--repeat must be positive")
-    # One set per repetition, each with its own prefix (no set hits another's pages); within a
-    # set the prompts share the prefix and differ in their last --suffix-tokens tokens.
-    prompts = []
-    for rep in range(args.repeat):
-        prefix = prompt_token_ids(tok, n_tokens - suffix, offset=3 * rep)
-        if rep:
-            prefix[0] = (prefix[0] + rep) % 256 + 3  # a different first block even if words repeat
-        for i in range(args.prompts):
-            prompts.append({"set": rep, "index": i,
-                            "ids": prefix + prompt_token_ids(tok, suffix, offset=5 + 11 * i)})
+    prompts, warmup = _demo_prompts(args, tok, n_tokens)
     try:
         extra = json.loads(args.extra_config)
     except ValueError as exc:
@@ -440,9 +417,7 @@ def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any
         # run must fit in it (0.1 is enough for tiny models only).
         spec["llm"]["gpu_memory_utilization"] = 0.4
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
-    # Each run first generates from an unrelated prompt, so the timed prefill pays no first-call
-    # costs (allocations, kernel set-up) in any run.
-    spec["warmup"] = prompt_token_ids(tok, min(256, n_tokens), offset=17)[::-1]
+    spec["warmup"] = warmup
     runs = [_spawn("vllm", {**spec, "label": "cold (empty cache)"}, work, args.timeout, env)]
     if args.drop_caches:
         if os.geteuid() != 0:
@@ -456,19 +431,60 @@ def _run_vllm(args: argparse.Namespace, root: Path, work: Path) -> dict[str, Any
     cold = runs[0]
     identical = all(r["prompts"][i]["output"] == cold["prompts"][i]["output"]
                     for r in runs[1:] for i in range(len(prompts)))
+    _add_headlines(runs)
+    ok = identical and all(r["first_prompt_cached"] > 0 for r in runs[1:]) and fsck["exit_code"] == 0
+    return {"mode": "vllm", "ok": ok, "model": str(model), "model_label": label, "model_info": _model_info(model),
+            "vllm_version": cold.get("vllm_version"), "block_size": cold.get("block_size"),
+            "prompt_tokens": n_tokens, "shared_prefix_tokens": n_tokens - args.suffix_tokens, "prompts": args.prompts,
+            "repeat": args.repeat, "max_tokens": args.max_tokens, "identical_output": identical, "runs": runs, "fsck": fsck}
+
+
+def _demo_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The checkpoint to run (``--model``, else a tiny random-weight one cached locally), and its label."""
+    from tierstore.testing.tiny_models import cached_tiny_model
+
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise DemoError(f"--model {model} is not a local Hugging Face checkpoint (no config.json)")
+        return model, str(model)
+    model = cached_tiny_model(args.kind, args.model_cache, size=args.size)
+    return model, f"{args.size} random-weight {args.kind}, built locally"
+
+
+def _demo_prompts(args: argparse.Namespace, tok: Any, n_tokens: int) -> tuple[list[dict[str, Any]], list[int]]:
+    """The prompts, ``n_tokens`` each: one set per repetition, each with its own prefix (no set hits
+    another's pages); within a set they share it and differ in their last ``--suffix-tokens``.
+    And the warm-up prompt: each run first generates from this unrelated one, so the timed
+    prefill pays no first-call costs (allocations, kernel set-up) in any run."""
+    from tierstore.testing.tiny_models import prompt_token_ids
+
+    suffix = args.suffix_tokens
+    if not 0 <= suffix < n_tokens or args.prompts <= 0 or args.max_tokens <= 0:
+        raise DemoError("need 0 <= --suffix-tokens < --prompt-tokens, --prompts > 0 and --max-tokens > 0")
+    if args.repeat <= 0:
+        raise DemoError("--repeat must be positive")
+    prompts = []
+    for rep in range(args.repeat):
+        prefix = prompt_token_ids(tok, n_tokens - suffix, offset=3 * rep)
+        if rep:
+            prefix[0] = (prefix[0] + rep) % 256 + 3  # a different first block even if words repeat
+        for i in range(args.prompts):
+            prompts.append({"set": rep, "index": i,
+                            "ids": prefix + prompt_token_ids(tok, suffix, offset=5 + 11 * i)})
+    return prompts, prompt_token_ids(tok, min(256, n_tokens), offset=17)[::-1]
+
+
+def _add_headlines(runs: list[dict[str, Any]]) -> None:
+    """Each run's headline, from the first prompt of each set (no earlier request of the process
+    warmed it: restored, its prefix can only come from tierstore); ``runs[0]`` is the cold run."""
+    cold = runs[0]
     for r in runs:
-        # Headline: the first prompt of each set, the one no earlier request of the same
-        # process has warmed (in restored runs its prefix can only come from tierstore).
         firsts = [p for p in r["prompts"] if p["index"] == 0]
         r["first_prompt_cached"] = sum(p["cached_tokens"] for p in firsts)
         r["hit_rate"] = r["first_prompt_cached"] / sum(p["prompt_tokens"] for p in firsts)
         r["prefill_s"] = statistics.median(p["prefill_s"] for p in firsts)
         r["prefill_vs_cold"] = r["prefill_s"] / cold["prefill_s"] if r is not cold else 1.0
-    ok = identical and all(r["first_prompt_cached"] > 0 for r in runs[1:]) and fsck["exit_code"] == 0
-    return {"mode": "vllm", "ok": ok, "model": str(model), "model_label": label, "model_info": _model_info(model),
-            "vllm_version": cold.get("vllm_version"), "block_size": cold.get("block_size"),
-            "prompt_tokens": n_tokens, "shared_prefix_tokens": n_tokens - suffix, "prompts": args.prompts,
-            "repeat": args.repeat, "max_tokens": args.max_tokens, "identical_output": identical, "runs": runs, "fsck": fsck}
 
 
 def _child_vllm(spec: dict[str, Any]) -> dict[str, Any]:

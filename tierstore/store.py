@@ -75,7 +75,7 @@ class PageStore(Protocol):
     1..MAX_KEY_BYTES), raised as ``ValueError`` before anything is queued.
     """
 
-    layout: Any  # tierstore.format.page.PageLayout: the byte layout of every page of this store
+    layout: Any  # tierstore.format.page_layout.PageLayout: the byte layout of every page of this store
 
     def acquire_slot(self, timeout: float | None = 0) -> StagingSlot | None:
         """A free staging slot for the caller to fill, or None if none frees within ``timeout``

@@ -38,11 +38,11 @@ class Mutant(NamedTuple):
 MUTANTS = (
     Mutant("page checksum verification", "tierstore/format/page.py",
            "if checksum(out[off : off + raw_len]) != e.checksum:", "if False:"),
-    Mutant("header checksum verification", "tierstore/format/page.py",
+    Mutant("header checksum verification", "tierstore/format/header.py",
            "if checksum(buf[: header_len - 8]) != stored_sum:", "if False:"),
-    Mutant("section bounds", "tierstore/format/page.py",
+    Mutant("section bounds", "tierstore/format/header.py",
            "if off + stored_len > payload_len:", "if False:"),
-    Mutant("zero-gap check", "tierstore/format/page.py",
+    Mutant("zero-gap check", "tierstore/format/page_layout.py",
            "bad = nonzero_gap(layout, buf)", "bad = None"),
     Mutant("fsck's verdict on a bad page", "tierstore/admin/fsck.py",
            "code = EXIT_REPAIRED if self.left == 0 else EXIT_ERRORS_LEFT", "code = EXIT_CLEAN"),
@@ -55,23 +55,23 @@ MUTANTS = (
            'data = {**data, "live_until": mtime + ttl + self.skew_s, "server_now": now}',
            'data = {**data, "live_until": math.inf, "server_now": now}'),
     Mutant("head-slice assembly verification", "tierstore/tiers/assembly.py",
-           "header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=mac)",
-           "header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=None)"),
+           "scratch, mac=mac,  # as every page served", "scratch, mac=None,  # as every page served"),
     Mutant("the MAC comparison", "tierstore/format/mac.py",
            "if not hmac.compare_digest(tag, digest):", "if False:"),
-    Mutant("the stale-handle reopen", "tierstore/rootstore/pageops.py",
+    Mutant("the stale-handle reopen", "tierstore/rootstore/rank_dir.py",
            "        try:\n            held = os.fstat(fd)\n",
            "        return False\n        try:\n            held = os.fstat(fd)\n"),
     # The same properties on the paths an engine takes: its loads compare the sums that the
     # Python or native reader computed here, not in page.py; a head-slice piece read whole but
     # never hashed; a stale rank directory detected but never reopened.
-    Mutant("engine load checksum comparison", "tierstore/rootstore/pageops.py",
+    Mutant("engine load checksum comparison", "tierstore/rootstore/own_read.py",
            "        if c != want[i]:\n", "        if False:\n"),
     Mutant("head-slice pieces read unverified", "tierstore/tiers/assembly.py",
-           "header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=mac)",
-           "header, _ = pagefile._read_header(fd, str(path), st.st_size); "
+           "header = page_read.read_page_fd(fd, st, str(path), expect, scratch, mac=mac,  # as every page served\n"
+           "                                           sealer=sealer)",
+           "header, _ = page_read._read_header(fd, str(path), st.st_size); "
            "scratch[:] = os.pread(fd, len(scratch), header.header_len)"),
-    Mutant("stale rank directory never reopened", "tierstore/rootstore/pageops.py",
+    Mutant("stale rank directory never reopened", "tierstore/rootstore/rank_dir.py",
            "        fd = self._reopen(create, stale)\n", "        fd = stale\n"),
 )
 

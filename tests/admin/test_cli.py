@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tierstore.admin import cli
-from tierstore.admin.inventory import collect_stats
+from tierstore.admin.stats import collect_stats
+from tierstore.format.header import Codec
 from tierstore.format.identity import Namespace
-from tierstore.format.page import Codec
 from tierstore.testing import fill_pages, hybrid_namespace, page_key, simple_namespace, write_page
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.admin import cli
-from tierstore.format.page import Codec
+from tierstore.format.header import Codec
 from tierstore.testing import fill_pages, hybrid_namespace, simple_namespace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,7 +204,7 @@ def test_bench_speaks_the_same_grammar(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_exit_table_is_in_every_help() -> None:
     for argv in (["--help"], *([c, "--help"] for c in ("ls", "stats", "fsck", "gc", "doctor", "demo")),
-                 *(["bench", b, "--help"] for b in ("fsck", "scale", "gil"))):
+                 *(["bench", b, "--help"] for b in ("fsck", "scale", "gil", "restore"))):
         out = subprocess.run([sys.executable, "-m", "tierstore", *argv], capture_output=True, text=True,
                              timeout=120, cwd=REPO)
         assert out.returncode == 0 and "16   doctor: warnings only" in out.stdout, (argv, out.stdout[-500:])

@@ -17,11 +17,11 @@ from tierstore.admin.fsck import EXIT_CLEAN, FsckOptions, run_fsck
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
 from tierstore.format import sealing
-from tierstore.format.page import (
-    _CHECKSUM,
+from tierstore.format.checksums import checksum
+from tierstore.format.header import (
+    CHECKSUM_FIELD,
     FLAG_SEALED,
     SEALED_TRAILER_LEN,
-    checksum,
     decode_header,
     header_len_of,
 )
@@ -123,7 +123,7 @@ def _rewrite_header(raw: bytearray, *, key: bytes | None = None, token_count: in
         raw[72:72 + len(key)] = key
     if token_count is not None:
         struct.pack_into("<I", raw, 48, token_count)
-    _CHECKSUM.pack_into(raw, hl - 8, checksum(memoryview(raw)[:hl - 8]))
+    CHECKSUM_FIELD.pack_into(raw, hl - 8, checksum(memoryview(raw)[:hl - 8]))
 
 
 @pytest.mark.parametrize("forgery", ["moved under another name", "token count changed"])

@@ -17,7 +17,8 @@ from hostile_helpers import fsck_per_page
 
 from tierstore.admin.cli import main
 from tierstore.admin.fsck import FsckReport, _repair
-from tierstore.admin.inventory import human_bytes, walk_root
+from tierstore.admin.render import human_bytes
+from tierstore.admin.walk import walk_root
 from tierstore.errors import (
     PageCorrupt,
     PageError,
@@ -26,8 +27,8 @@ from tierstore.errors import (
     PageKeyMismatch,
     PageTruncated,
 )
+from tierstore.format.header import Codec
 from tierstore.format.identity import MANIFEST_NAME, Namespace, write_manifest
-from tierstore.format.page import Codec
 from tierstore.fs.mapper import FileMapper, fanout, host_tag
 from tierstore.testing import (
     StoredPage,
@@ -582,7 +583,7 @@ def test_progress_line_only_when_enabled(root: Path, filled: list[StoredPage]) -
     import io
 
     from tierstore.admin.fsck import PageVerifier
-    from tierstore.admin.inventory import Progress
+    from tierstore.admin.progress import Progress
 
     shown, hidden = io.StringIO(), io.StringIO()
     for stream, enabled in ((shown, True), (hidden, False)):
@@ -603,7 +604,8 @@ def test_crafted_huge_page_does_not_exhaust_memory(
 ) -> None:
     # A checksum-valid zstd page declaring a huge section, in a namespace whose manifest is
     # gone (so no layout to compare with): fsck must report it, not allocate it.
-    from tierstore.format.page import GroupKind, SectionEntry, SectionSpec, encode_header
+    from tierstore.format.header import GroupKind, SectionEntry, encode_header
+    from tierstore.format.page_layout import SectionSpec
     from tierstore.testing import page_meta
 
     (root / hybrid_ns.digest / MANIFEST_NAME).unlink()
@@ -724,7 +726,9 @@ def test_deep_check_page_dtype_rules() -> None:
     import numpy as np
 
     from tierstore.admin.fsck import deep_check_page
-    from tierstore.format.page import PageLayout, SectionSpec, decode_header, encode_page
+    from tierstore.format.header import decode_header
+    from tierstore.format.page import encode_page
+    from tierstore.format.page_layout import PageLayout, SectionSpec
     from tierstore.testing.pages import page_meta
 
     for dtype, bad in (("float8_e4m3fn", 0x7F), ("float8_e5m2", 0xFC), ("float16", 0x7C00), ("uint8", None)):
@@ -745,8 +749,9 @@ def test_deep_counts_non_canonical_pages_of_an_older_format_and_leaves_them(root
     its pages with non-zero gap bytes; nothing is read as ours or changed, --repair included."""
     import dataclasses
 
-    import tierstore.format.page as fmt
-    from tierstore.format.page import PageMeta, encode_page
+    import tierstore.format.header as fmt
+    from tierstore.format.header import PageMeta
+    from tierstore.format.page import encode_page
     from tierstore.testing import golden
 
     gp = next(g for g in golden.golden_pages() if g.name == "gdn_gaps")

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tierstore.admin.fan_dir_walk import PageVerdict
+from tierstore.admin.findings import fingerprint
 from tierstore.admin.fsck import FsckOptions, run_fsck
 from tierstore.admin.fsck_batch import NativeBatch
 from tierstore.admin.fsck_read import PageVerifier
-from tierstore.admin.inventory import NamespaceDir, PageVerdict, fingerprint, walk_root
+from tierstore.admin.namespace_dirs import NamespaceDir
+from tierstore.admin.walk import walk_root
+from tierstore.format.header import Codec
 from tierstore.format.identity import Namespace, write_manifest
-from tierstore.format.page import Codec
 from tierstore.native import loader as native
 from tierstore.testing import corrupt_flip_bit, fill_pages
 from tierstore.testing.pages import page_bytes, page_key, write_page

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from hostile_helpers import fsck_per_page
 
+from tierstore.admin.findings import UNREADABLE
 from tierstore.admin.fsck import FsckOptions, run_fsck
-from tierstore.admin.inventory import UNREADABLE
+from tierstore.format.header import Codec, SectionEntry, encode_header
 from tierstore.format.identity import write_manifest
 from tierstore.format.layout import attention_layout
-from tierstore.format.page import Codec, SectionEntry, encode_header
 from tierstore.fs.mapper import FileMapper
 from tierstore.testing.pages import layout_namespace, page_key, page_meta
 

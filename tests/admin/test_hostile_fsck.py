@@ -21,7 +21,7 @@ from tierstore.errors import PageUnsafe
 from tierstore.format.identity import MANIFEST_NAME, write_manifest
 from tierstore.format.layout import attention_layout
 from tierstore.fs.mapper import FileMapper
-from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.rank_dir import RankDir
 from tierstore.testing.pages import (
     corrupt_flip_bit,
     fill_pages,
@@ -256,7 +256,7 @@ def test_text_output_escapes_names_and_survives_non_utf8(root: Path) -> None:
 # ------------------------------------------------------------------ the shared tier's touch
 def test_touch_is_fd_based_and_never_reaches_outside(root: Path, sentinel: Path) -> None:
     paths = fill(root)
-    dirs = pagefile.RankDir(root, (NS.digest, "g0", "r0"))
+    dirs = RankDir(root, (NS.digest, "g0", "r0"))
     try:
         old = time.time() - 5000
         os.utime(paths[1], (old, old))
@@ -314,6 +314,6 @@ def test_chain_unsafe_shared_page_is_a_miss_and_the_tier_stays_up(tmp_path: Path
 def test_reserved_root_names_agree_with_their_owners() -> None:
     from tierstore.fs.lease import LEASE_NAME
     from tierstore.index.local_index import INDEX_DIR
-    from tierstore.tiers.gc import TRASH_DIR
+    from tierstore.tiers.gc_scan import TRASH_DIR
 
     assert fsck_mod.RESERVED_ROOT_ENTRIES == {TRASH_DIR: True, LEASE_NAME: False, INDEX_DIR: True}

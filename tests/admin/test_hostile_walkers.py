@@ -1,4 +1,4 @@
-"""Issue 17 for ``ls``/``stats`` (inventory) and the local index: each hostile input planted next
+"""Issue 17 for ``ls``/``stats`` (the root walk) and the local index: each hostile input planted next
 to valid pages and a sentinel directory outside the root; the readers must leave the sentinel
 alone, never hang, report the bad entry and still report the valid pages."""
 
@@ -13,13 +13,10 @@ import pytest
 from hostile_helpers import nested_dirs, snapshot, within
 
 from tierstore.admin import cli
-from tierstore.admin.inventory import (
-    MANIFEST,
-    collect_stats,
-    format_listing,
-    format_stats,
-    walk_root,
-)
+from tierstore.admin.findings import MANIFEST
+from tierstore.admin.render import format_listing, format_stats
+from tierstore.admin.stats import collect_stats
+from tierstore.admin.walk import walk_root
 from tierstore.errors import ConfigError
 from tierstore.index.local_index import LocalIndex
 from tierstore.index.local_scan import Reconciler

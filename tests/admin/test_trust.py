@@ -19,7 +19,7 @@ from tierstore.admin import cli
 from tierstore.admin.fsck import EXIT_UNVERIFIABLE, FsckOptions, run_fsck
 from tierstore.config import TierStoreConfig
 from tierstore.format import mac as mac_mod
-from tierstore.format.page import MAC_TRAILER_LEN
+from tierstore.format.header import MAC_TRAILER_LEN
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
@@ -209,9 +209,10 @@ def test_fsck_verifies_a_huge_manifest_page_in_pieces(tmp_path: Path, monkeypatc
 
     from hostile_helpers import fsck_per_page
 
+    from tierstore.format.header import FLAG_MAC, Codec
     from tierstore.format.identity import write_manifest
     from tierstore.format.layout import attention_layout
-    from tierstore.format.page import FLAG_MAC, Codec, encode_page
+    from tierstore.format.page import encode_page
     from tierstore.fs.mapper import FileMapper
     from tierstore.testing.pages import layout_namespace, page_meta
 
@@ -333,7 +334,7 @@ def test_a_store_over_a_planted_entry_replaces_it_and_deletes_nothing(tmp_path: 
     blocked the key for good, nor stop at it, which blocks it until an operator repairs the
     root. The page replaces the entry (a directory is moved aside first, its content intact;
     a link's target and a hard link's other name keep their bytes) and is served after."""
-    from tierstore.admin.inventory import FOREIGN
+    from tierstore.admin.findings import FOREIGN
 
     root = tmp_path / "root"
     eng = engine(root)
@@ -380,12 +381,13 @@ def test_a_header_of_another_shape_is_refused_before_it_is_parsed(tmp_path: Path
     a keyed engine refuses it as ``format`` from its length and section count alone (the
     section table is never parsed: before, ~450 ms of GIL went into the parse, ahead of the
     MAC check), and the engine's own pages still load."""
-    from tierstore.format import page as page_mod
+    from tierstore.format import header as page_mod
+    from tierstore.format.page_layout import SectionSpec
 
     root = tmp_path / "root"
     eng = engine(root, key_file(tmp_path, "fleet.key"))
     [good, planted] = stored_pages(eng, 2)
-    sections = [page_mod.SectionEntry(page_mod.SectionSpec("s", "uint8", (1,)), 0, 0, 0)] * 65_535
+    sections = [page_mod.SectionEntry(SectionSpec("s", "uint8", (1,)), 0, 0, 0)] * 65_535
     meta = page_mod.PageMeta(NS.digest_bytes, page_key(1), 0, page_mod.GroupKind.ATTENTION, 16)
     header = page_mod.encode_header(meta, page_mod.Codec.ZSTD, sections, 0)
     planted.write_bytes(header)  # the header alone: no larger than a page of the layout may be

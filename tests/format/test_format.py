@@ -18,30 +18,28 @@ from tierstore.errors import (
     PageKeyMismatch,
     PageMissing,
 )
-from tierstore.format.identity import Namespace
-from tierstore.format.page import (
-    DTYPES,
+from tierstore.format.checksums import checksum
+from tierstore.format.header import (
     FLAG_MAC,
     FORMAT_VERSION,
     HEADER_ALIGN,
     MAGIC,
     MAX_PAGE_BYTES,
     PREAMBLE_LEN,
-    SECTION_ALIGN,
     Codec,
     GroupKind,
     PageExpectation,
-    PageLayout,
     PageMeta,
     SectionEntry,
-    SectionSpec,
-    checksum,
     decode_header,
     encode_header,
-    encode_page,
 )
+from tierstore.format.identity import Namespace
+from tierstore.format.page import encode_page
+from tierstore.format.page_layout import DTYPES, SECTION_ALIGN, PageLayout, SectionSpec
 from tierstore.fs.mapper import FileMapper
-from tierstore.rootstore.pageops import inspect_page, publish_page, read_page
+from tierstore.rootstore.page_read import inspect_page, read_page
+from tierstore.rootstore.publish import publish_page
 from tierstore.testing import (
     hybrid_namespace,
     page_bytes,
@@ -370,7 +368,8 @@ def test_publish_failure_is_typed_and_leaves_no_temp(root: Path, hybrid_ns: Name
 @pytest.mark.parametrize(("label", "make_ns", "group"), CASES[:3])
 def test_header_template_is_encode_header_with_fields_patched(label: str, make_ns, group: int, key_len: int) -> None:
     """HeaderTemplate.fill writes exactly encode_header's bytes; parse reads back only our header."""
-    from tierstore.format.page import PREAMBLE_OFFSETS, HeaderTemplate
+    from tierstore.format.header import PREAMBLE_OFFSETS
+    from tierstore.format.header_template import HeaderTemplate
 
     ns = make_ns()
     layout = ns.groups[group].layout
@@ -396,15 +395,16 @@ def test_pages_of_format_2_are_cleanly_refused(tmp_path, monkeypatch) -> None:
     reader says which version it found (its tree is another namespace, see test_fsck)."""
     import pytest
 
-    import tierstore.format.page as fmt
+    import tierstore.format.header as fmt
     from tierstore.errors import PageFormatError
-    from tierstore.rootstore.pageops import read_page
+    from tierstore.format.page import encode_page
+    from tierstore.rootstore.page_read import read_page
     from tierstore.testing import golden
 
     assert fmt.FORMAT_VERSION == 3
     gp = next(g for g in golden.golden_pages() if g.name == "gdn_gaps")
     monkeypatch.setattr(fmt, "FORMAT_VERSION", 2)
-    header, pieces = fmt.encode_page(gp.meta, gp.layout, gp.expected)
+    header, pieces = encode_page(gp.meta, gp.layout, gp.expected)
     monkeypatch.undo()
     path = tmp_path / "old.kvp"
     path.write_bytes(header + b"".join(bytes(p) for p in pieces))

@@ -17,9 +17,9 @@ import torch
 import zstandard
 
 from tierstore.config import TierStoreConfig
-from tierstore.format.page import FORMAT_VERSION, Codec, decode_header
+from tierstore.format.header import FORMAT_VERSION, Codec, decode_header
 from tierstore.rootstore.engine import IOEngine
-from tierstore.rootstore.pageops import read_page
+from tierstore.rootstore.page_read import read_page
 from tierstore.testing import golden
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

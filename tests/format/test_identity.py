@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.errors import ConfigError
+from tierstore.format.header import GroupKind
 from tierstore.format.identity import (
     MANIFEST_NAME,
     GroupSpec,
@@ -22,7 +23,6 @@ from tierstore.format.identity import (
     write_manifest,
 )
 from tierstore.format.layout import attention_layout
-from tierstore.format.page import GroupKind
 from tierstore.testing import hybrid_namespace
 
 
@@ -107,7 +107,8 @@ def test_manifest_round_trip(root: Path, hybrid_ns: Namespace) -> None:
 
 def test_manifest_temp_names_its_writer_as_fsck_reads_it(root: Path, hybrid_ns: Namespace,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierstore.admin.inventory import STALE_TEMP, walk_root
+    from tierstore.admin.findings import STALE_TEMP
+    from tierstore.admin.walk import walk_root
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

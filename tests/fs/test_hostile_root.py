@@ -17,13 +17,16 @@ from hostile_helpers import nested_dirs, snapshot, swap_for_link, traced_peak, w
 
 from tierstore.admin import gc_command
 from tierstore.errors import ConfigError, PageCorrupt
-from tierstore.format import page as format
 from tierstore.format import safe_zstd
+from tierstore.format.header import GroupKind, PageMeta, decode_header
 from tierstore.format.mac import PageMac, PageUnauthenticated
+from tierstore.format.page import encode_page
+from tierstore.format.page_layout import PageLayout, SectionSpec
 from tierstore.fs import display, safefs, trust
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.testing.pages import fill_pages, simple_namespace
 from tierstore.tiers import gc
+from tierstore.tiers.gc_scan import TRASH_DIR
 
 NS = simple_namespace()
 pytestmark = pytest.mark.timeout(60)
@@ -41,10 +44,10 @@ def fill(root: Path, n: int = 6) -> list[Path]:
 def test_symlinked_trash_is_refused_and_outside_untouched(root: Path, sentinel: Path) -> None:
     paths = fill(root)
     before = snapshot(sentinel)
-    (root / gc.TRASH_DIR).symlink_to(sentinel)
+    (root / TRASH_DIR).symlink_to(sentinel)
     rep = within(30, lambda: gc.collect(root, 1 << 40, lease=Lease(root, settle_s=0)))
     assert snapshot(sentinel) == before
-    assert any(gc.TRASH_DIR in u and "symlink" in u for u in rep.unsafe)
+    assert any(TRASH_DIR in u and "symlink" in u for u in rep.unsafe)
     rep = within(30, lambda: gc.collect(root, 1, low_watermark=0.0, lease=Lease(root, settle_s=0)))
     assert snapshot(sentinel) == before and rep.evicted == 0
     assert all(p.exists() for p in paths)
@@ -334,9 +337,9 @@ def test_trust_refuses_foreign_writable_roots(root: Path) -> None:
 
 # ------------------------------------------------------------------ MAC
 def _page() -> tuple[bytes, bytes]:
-    lay = format.PageLayout((format.SectionSpec("k", "float16", (2, 64)),))
-    meta = format.PageMeta(b"\x01" * 16, b"key", 0, format.GroupKind.ATTENTION, 16)
-    header, pieces = format.encode_page(meta, lay, os.urandom(lay.nbytes))
+    lay = PageLayout((SectionSpec("k", "float16", (2, 64)),))
+    meta = PageMeta(b"\x01" * 16, b"key", 0, GroupKind.ATTENTION, 16)
+    header, pieces = encode_page(meta, lay, os.urandom(lay.nbytes))
     return header, b"".join(bytes(p) for p in pieces)
 
 
@@ -346,7 +349,7 @@ def test_mac_rejects_pages_without_a_valid_tag(tmp_path: Path) -> None:
     key_file.chmod(0o600)
     mac = PageMac.from_key_file(key_file)
     header, payload = _page()
-    format.decode_header(header)  # the checksums are valid: a forger can do that
+    decode_header(header)  # the checksums are valid: a forger can do that
     tag = mac.tag(header, payload)
     mac.verify(header, payload, tag)
     mac.verify(header, [payload[:10], payload[10:]], tag)  # pieces as written

@@ -19,19 +19,13 @@ import zstandard
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageCorrupt, PageFormatError
-from tierstore.format.page import (
-    Codec,
-    check_gaps,
-    decode_header,
-    decode_payload,
-    encode_page,
-    nonzero_gap,
-    zero_gaps,
-)
+from tierstore.format.header import Codec, decode_header
+from tierstore.format.page import decode_payload, encode_page
+from tierstore.format.page_layout import check_gaps, nonzero_gap, zero_gaps
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.rootstore.engine import IOEngine
-from tierstore.rootstore.pageops import read_page
+from tierstore.rootstore.page_read import read_page
 from tierstore.testing import golden
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
         importlib.reload(sys.modules["tierstore.kernels.checksum"])
 
 from tierstore.format.layout import attention_layout, mamba_layout  # noqa: E402
-from tierstore.format.page import PageLayout, SectionSpec  # noqa: E402
+from tierstore.format.page_layout import PageLayout, SectionSpec  # noqa: E402
 from tierstore.kernels.checksum import HAVE_TRITON, SectionHasher  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

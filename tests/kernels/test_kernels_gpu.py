@@ -253,16 +253,16 @@ def test_adjacent_slots_copy_in_one_piece_and_touch_no_other_frame(tmp_path: Pat
     with case.engine(tmp_path, 8, pin=True) as engine:
         slots = sorted((engine.acquire_slot() for _ in range(8)), key=slot_address)
         for s in slots:
-            s._frame[:] = b"\x5a" * len(s._frame)
+            s.frame[:] = b"\x5a" * len(s.frame)
         batch = slots[1:7]
         h = t.start_store(ids, batch)
         assert h is not None
         t.wait()
         assert t.host_copies == 1, "six adjacent frames should be one device-to-host copy"
-        room = len(batch[0]._frame) - round_up(lay.nbytes)  # header room before each page
-        assert set(bytes(slots[0]._frame)) == {0x5A} and set(bytes(slots[7]._frame)) == {0x5A}
-        assert set(bytes(batch[0]._frame[:room])) == {0x5A}
-        assert set(bytes(batch[-1]._frame[room + lay.nbytes :]) or b"\x5a") == {0x5A}
+        room = len(batch[0].frame) - round_up(lay.nbytes)  # header room before each page
+        assert set(bytes(slots[0].frame)) == {0x5A} and set(bytes(slots[7].frame)) == {0x5A}
+        assert set(bytes(batch[0].frame[:room])) == {0x5A}
+        assert set(bytes(batch[-1].frame[room + lay.nbytes :]) or b"\x5a") == {0x5A}
         got = torch.stack([s.tensor.clone() for s in batch])
         assert torch.equal(got, ref.cpu())
         assert h.sums == [tuple(xxhash.xxh3_64_intdigest(memoryview(s.tensor.numpy())[o : o + sec.nbytes])
@@ -345,7 +345,7 @@ def test_torch_scatter_of_cuda_ids_does_not_wait_for_the_gpu() -> None:
 def test_gpu_paths_reproduce_golden_files(path: str) -> None:
     """Compiled Triton gather, and PageTransfer (scratch and pinned slot pre-filled with
     garbage, GPU checksums), give the committed golden files byte for byte (tests/golden/)."""
-    from tierstore.format.page import section_checksums
+    from tierstore.format.checksums import section_checksums
     from tierstore.testing import golden
 
     for fill in (0xAA, 0x55, -1):

@@ -140,7 +140,7 @@ def _direct(name: str) -> int:
 def test_direct_launches_match_tritons_and_a_wrong_pointer_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernel_cases import AttentionCase
 
-    from tierstore.format.page import section_checksums
+    from tierstore.format.checksums import section_checksums
     from tierstore.kernels import GroupCopier
     from tierstore.kernels.checksum import SectionHasher, check_and_mask
 

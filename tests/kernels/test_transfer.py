@@ -92,7 +92,7 @@ def test_scratch_ring_reserves_frees_in_order_and_wraps() -> None:
 def test_load_with_expected_sums_skips_mismatching_pages_on_cpu() -> None:
     """start_load(expect=...) on CPU checks the slots first; a page that does not match its
     checksums is listed in ``failed`` and its blocks are not written."""
-    from tierstore.format.page import checksum
+    from tierstore.format.checksums import checksum
 
     case = AttentionCase("bfloat16", n_pages=3, seed=12)
     views, ids = case.build("LBNHC", 4, "cpu")

@@ -15,7 +15,7 @@ import pytest
 from tiers_helpers import load_page, store_data
 
 from tierstore.config import TierStoreConfig
-from tierstore.format.page import section_checksums
+from tierstore.format.checksums import section_checksums
 from tierstore.native import loader as native
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import corrupt_flip_bit, hybrid_namespace, page_bytes, page_key
@@ -144,7 +144,7 @@ def test_a_job_past_its_deadline_is_not_started_late(tmp_path: Path) -> None:
     assert eng.flush(5)
     time.sleep(0.1)
     assert not eng.mapper.path_for(key).exists()
-    assert eng.free_slots == len(eng._slots)  # the lane gave the slot back
+    assert eng.free_slots == len(eng.slots)  # the lane gave the slot back
     eng.close()
 
 

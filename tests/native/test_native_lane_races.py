@@ -152,7 +152,7 @@ def test_an_engine_with_a_huge_deadline_stores_loads_and_flushes(tmp_path: Path,
         assert res.ok and got == page_bytes(eng.layout, key, 2), res
     assert eng.flush(5)
     assert (eng.stats["jobs_native_loop"] > 0) == (loop == "native")
-    assert eng.free_slots == len(eng._slots)
+    assert eng.free_slots == len(eng.slots)
     eng.close()
 
 
@@ -185,13 +185,26 @@ def test_a_warm_load_after_a_cold_one_on_the_same_entry_is_not_counted_as_o_dire
 
 
 def test_the_kernels_are_built_against_this_abi() -> None:
-    """numba's cache is keyed on native_kernels.py alone; the constants it compiles in live in
-    native_abi.py, whose digest native_kernels.py records (so a change there changes this file
+    """numba's cache is keyed on native/page_kernels.py alone; the constants it compiles in live
+    in native_abi.py, whose digest page_kernels.py records (so a change there changes this file
     and renews the cache)."""
-    text = (REPO / "tierstore" / "native" / "kernels.py").read_text()
+    text = (REPO / "tierstore" / "native" / "page_kernels.py").read_text()
     recorded = re.search(r'^ABI_DIGEST = "([0-9a-f]+)"', text, re.M)
     assert recorded and recorded.group(1) == native_abi.digest(), \
-        f"set ABI_DIGEST in tierstore/native/kernels.py to {native_abi.digest()}"
+        f"set ABI_DIGEST in tierstore/native/page_kernels.py to {native_abi.digest()}"
+
+
+def test_the_lane_kernels_are_built_against_these_page_kernels() -> None:
+    """numba's cache of native/lane_kernels.py is keyed on that file alone, yet lane_serve
+    compiles page_kernels' load_page and store_page in: lane_kernels.py records a digest of
+    page_kernels.py (so a change there changes lane_kernels.py and renews its cache too; an
+    abi change reaches it through page_kernels' ABI_DIGEST line)."""
+    import hashlib
+
+    native = REPO / "tierstore" / "native"
+    want = hashlib.sha256((native / "page_kernels.py").read_bytes()).hexdigest()[:16]
+    recorded = re.search(r'^PAGE_KERNELS_DIGEST = "([0-9a-f]+)"', (native / "lane_kernels.py").read_text(), re.M)
+    assert recorded and recorded.group(1) == want, f"set PAGE_KERNELS_DIGEST in tierstore/native/lane_kernels.py to {want}"
 
 
 def test_kernels_refuse_to_load_against_a_changed_abi(tmp_path: Path) -> None:

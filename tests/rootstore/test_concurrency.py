@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tierstore.rootstore.pageops import inspect_page
+from tierstore.rootstore.page_read import inspect_page
 
 SCRIPT = textwrap.dedent(
     """

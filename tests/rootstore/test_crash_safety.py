@@ -21,10 +21,11 @@ import textwrap
 from pathlib import Path
 
 from tierstore.admin.fsck import FsckOptions, run_fsck
+from tierstore.format.header import PageExpectation
 from tierstore.format.identity import MANIFEST_NAME
-from tierstore.format.page import PageExpectation, zero_gaps
+from tierstore.format.page_layout import zero_gaps
 from tierstore.fs.mapper import FORMAT_MARKER_TEMP_RE, locate, parse_temp_name
-from tierstore.rootstore.pageops import inspect_page, read_page
+from tierstore.rootstore.page_read import inspect_page, read_page
 from tierstore.testing.pages import hybrid_namespace
 
 KILLS = 24

@@ -15,16 +15,18 @@ import zstandard
 from tiers_helpers import load_page, store_data
 
 from tierstore.bench import io as bench_io
+from tierstore.bench.io_systems import RawSystem
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
+from tierstore.format.header import Codec
 from tierstore.format.identity import MANIFEST_NAME, Namespace, read_manifest
-from tierstore.format.page import Codec, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.fs.directio import O_DIRECT
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
 from tierstore.rootstore import engine as engine_mod
 from tierstore.rootstore.engine import IOEngine, probe_odirect
-from tierstore.rootstore.pageops import inspect_page
+from tierstore.rootstore.page_read import inspect_page
 from tierstore.testing.pages import (
     corrupt_flip_bit,
     hybrid_namespace,
@@ -205,7 +207,7 @@ def test_warm_loads_verify_piece_by_piece(root: Path, damaged_section: int | Non
     data = page_bytes(layout, key, 2)
     assert store_data(eng, key, data).ok
     path = eng.mapper.path_for(key)
-    hl = eng._header_len(len(key))
+    hl = eng.header_len(len(key))
     if damaged_section is not None:
         corrupt_flip_bit(path, hl + layout.offsets[damaged_section] + layout.sections[damaged_section].nbytes - 1)
     path.read_bytes()  # bring the whole file into the page cache: the warm path
@@ -582,7 +584,7 @@ def test_bench_io_raw_baseline_stores_into_new_files_each_repeat(tmp_path: Path)
     each repeat writes new names, and the last repeat's files are unlinked before it."""
     page = 4096
     sources = [memoryview(bytes([i]) * page) for i in range(2)]
-    raw = bench_io._Raw(tmp_path / "raw", sources, 2, page)
+    raw = RawSystem(tmp_path / "raw", sources, 2, page)
     raw.store(3, 0)
     first = list(raw.paths)
     raw.drop_files()
@@ -623,7 +625,7 @@ def test_odirect_refused_at_run_time_rewrites_buffered(root: Path, monkeypatch: 
 
 # ---------------------------------------------------------------- checksums computed by the caller
 def _section_sums(layout: PageLayout, data: bytes) -> tuple[int, ...]:
-    from tierstore.format.page import checksum
+    from tierstore.format.checksums import checksum
 
     return tuple(checksum(data[o : o + s.nbytes]) for o, s in zip(layout.offsets, layout.sections, strict=True))
 

@@ -15,7 +15,7 @@ from test_crash_safety import crash_namespace, pattern
 from tierstore.config import TierStoreConfig
 from tierstore.native import loader as native
 from tierstore.rootstore.engine import IOEngine
-from tierstore.rootstore.rankdir import settle_format_marker
+from tierstore.rootstore.page_files import settle_format_marker
 from tierstore.testing.pages import page_key
 
 GROUP = 0

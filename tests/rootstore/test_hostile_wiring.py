@@ -18,17 +18,12 @@ from tiers_helpers import load_page, store
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError, PageError
 from tierstore.format import mac as mac_mod
+from tierstore.format.header import MAC_TRAILER_LEN, Codec, PageMeta, SectionEntry, encode_header
 from tierstore.format.identity import Namespace
-from tierstore.format.page import (
-    MAC_TRAILER_LEN,
-    Codec,
-    PageMeta,
-    SectionEntry,
-    encode_header,
-    encode_page,
-)
+from tierstore.format.page import encode_page
 from tierstore.rootstore.engine import IOEngine, IOResult
-from tierstore.rootstore.pageops import file_identity, inspect_page, read_page
+from tierstore.rootstore.page_read import inspect_page, read_page
+from tierstore.rootstore.rank_dir import file_identity
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
 NS = simple_namespace()
@@ -235,7 +230,7 @@ def test_mac_pages_round_trip_and_forged_pages_are_never_served(root: Path, tmp_
     assert_served(eng, keys)
     size = eng.mapper.path_for(keys[0]).stat().st_size
     if codec == "none":
-        assert size == eng._header_len(len(keys[0])) + eng.layout.nbytes + MAC_TRAILER_LEN
+        assert size == eng.header_len(len(keys[0])) + eng.layout.nbytes + MAC_TRAILER_LEN
     # a key-less writer (valid checksums, no tag) and a writer with another key
     forged = page_key(20)
     other = page_key(21)

@@ -20,6 +20,7 @@ import pytest
 import xxhash
 
 from tierstore.config import TierStoreConfig
+from tierstore.errors import PageMissing
 from tierstore.format.identity import Namespace
 from tierstore.fs import safefs
 from tierstore.fs.mapper import FileMapper
@@ -27,8 +28,9 @@ from tierstore.index import page_index
 from tierstore.index.page_index import PageIndex
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
-from tierstore.rootstore import pageops
+from tierstore.rootstore import rank_dir
 from tierstore.rootstore.engine import IOEngine, IOResult
+from tierstore.rootstore.page_io import read_error
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 
 
@@ -125,7 +127,7 @@ def test_replaced_directory_is_noticed_at_a_bounded_rate(tmp_path: Path, monkeyp
     # An interval twice the module's (2 s): the call 2.1 s after the fd was opened falls
     # between the two, so the test fails if the check does not follow this setting. The
     # margin (up to 1.9 s of set-up) is for a loaded machine.
-    monkeypatch.setattr(pageops, "RANK_DIR_CHECK_S", 4.0)
+    monkeypatch.setattr(rank_dir, "RANK_DIR_CHECK_S", 4.0)
     root = tmp_path / "root"
     t0 = time.monotonic()  # the fd is opened after this: its check is due at t0 + 4 s or later
     a = _engine(root)
@@ -150,16 +152,16 @@ def test_stale_reopen_is_rate_bounded(tmp_path: Path, nfs_stale_handles: None,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory that goes stale again right after a reopen is not reopened on every call:
     within ``RANK_DIR_REOPEN_MIN_S`` the call is answered as a miss."""
-    monkeypatch.setattr(pageops, "RANK_DIR_REOPEN_MIN_S", 30.0)  # (a loaded machine)
+    monkeypatch.setattr(rank_dir, "RANK_DIR_REOPEN_MIN_S", 30.0)  # (a loaded machine)
     root = tmp_path / "root"
     mapper = FileMapper(root, _ns().digest, 0)
     mapper.make_fanout_dirs()
-    dirs = pageops.RankDir(root, mapper.dir_parts)
+    dirs = rank_dir.RankDir(root, mapper.dir_parts)
     os.close(dirs.fanout("00"))
     for _ in range(3):
         shutil.rmtree(root / _ns().digest)
         FileMapper(root, _ns().digest, 0).make_fanout_dirs()
-        with contextlib.suppress(pageops.PageMissing):
+        with contextlib.suppress(PageMissing):
             os.close(dirs.fanout("00"))
     assert dirs.reopens == 1  # one reopen inside the minimum interval, the rest answered missing
     dirs.close()
@@ -251,7 +253,8 @@ def test_an_unreadable_fanout_directory_is_a_typed_failure(tmp_path: Path, monke
 def _sparse_zero_page(root: Path, key: bytes, layout: object, ns: Namespace, *, damage_at: int | None = None) -> Path:
     """A valid page of zeros (sparse on disk: the planter writes only its header), filed under
     ``ns``'s directory with no manifest; ``damage_at``: one payload byte set non-zero."""
-    from tierstore.format.page import HeaderTemplate, PageMeta
+    from tierstore.format.header import PageMeta
+    from tierstore.format.header_template import HeaderTemplate
 
     sums = []
     zeros = bytes(8 << 20)
@@ -411,12 +414,12 @@ def test_a_marker_that_cannot_be_written_never_fails_a_store(tmp_path: Path, mon
                                                               caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from tierstore.rootstore import rankdir
+    from tierstore.rootstore import page_files
 
     def refuse(*a: object, **k: object) -> bool:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(rankdir, "write_format_marker", refuse)
+    monkeypatch.setattr(page_files, "write_format_marker", refuse)
     caplog.set_level(logging.WARNING, logger="tierstore.engine")
     root = tmp_path / "root"
     eng = _engine(root)
@@ -510,7 +513,7 @@ def test_a_stale_handle_on_a_load_is_a_miss_counted_as_estale() -> None:
 
     metrics = MetricsRegistry().tier("shared")
     for code in (errno.ESTALE, errno.ENOENT):
-        error = pageops.read_error(OSError(code, os.strerror(code)), "read", "/r/p.kvp", b"k")
+        error = read_error(OSError(code, os.strerror(code)), "read", "/r/p.kvp", b"k")
         assert error.kind == "missing" and error.errno == code
         count_result(metrics, Result(1, "load", b"k", False, error, None, False, 0, 0.0), 16)
     assert metrics.get("misses") == 2 and metrics.failures() == {"estale": 1}

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tierstore.config import TierStoreConfig
 from tierstore.format.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
-from tierstore.rootstore.pageops import inspect_page
+from tierstore.rootstore.page_read import inspect_page
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
-from tierstore.tiers import close_shared_state, open_group_store
+from tierstore.tiers import close_shared_state, open_group_store, open_rank_store
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
 
 H = HeadRange
@@ -23,16 +23,17 @@ FULL = NS.groups[0].layout
 
 
 def _rank_store(tmp_path: Path, node: str, heads: HeadRange) -> tuple[HeadSliceStore, DirectorySlices]:
-    """One rank's store as ``TierStoreSpec._open_store`` builds it: its own local root, the
-    shared root, its slice directory and layout in every tier, wrapped for assembly."""
-    config = TierStoreConfig(root=str(tmp_path / "shared"), local_root=str(tmp_path / node), odirect="off")
+    """One rank's store as the engine's spec opens it (``tiers.open_rank_store``): its own local
+    root, the shared root, its slice directory and layout in every tier, wrapped for assembly."""
+    config = TierStoreConfig(root=str(tmp_path / "shared"), local_root=str(tmp_path / node), odirect="off",
+                             index_refresh_s=0)
+    tp = FULL.sections[0].shape[0] // heads.count
     full = heads.count == FULL.sections[0].shape[0]
-    layout = FULL if full else slice_layout(FULL, heads)
-    inner = open_group_store(config, NS, 0, rank=heads.start // heads.count, head_start=0 if full else heads.start,
-                             head_count=0 if full else heads.count, staging_slots=6,
-                             rank_dir="r0" if full else split_dir_name(heads), layout=layout)
-    source = DirectorySlices(tmp_path / "shared" / NS.digest / "g0", NS.digest_bytes, 0, FULL, refresh_s=0)
-    return HeadSliceStore(inner, heads, FULL, source), source
+    store = open_rank_store(config, NS, 0, rank=heads.start // heads.count, tp_size=tp,
+                            layout=FULL if full else slice_layout(FULL, heads), heads=(0, 0), staging_slots=6)
+    assert isinstance(store, HeadSliceStore) and store.heads == heads
+    assert isinstance(store.slices, DirectorySlices)
+    return store, store.slices
 
 
 def _slice(full: bytes, heads: HeadRange) -> bytes:

@@ -19,7 +19,10 @@ from tierstore.format.identity import MANIFEST_NAME
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import FileMapper
 from tierstore.testing.pages import fill_pages, simple_namespace
-from tierstore.tiers import gc
+from tierstore.tiers import gc, gc_evict
+from tierstore.tiers.gc_daemon import GcDaemon
+from tierstore.tiers.gc_report import GcReport
+from tierstore.tiers.gc_scan import TRASH_DIR
 
 NS = simple_namespace()
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +64,7 @@ def test_gc_evicts_least_recently_touched_down_to_watermark(tmp_path: Path) -> N
     evicted = [p for p in paths if not p.exists()]
     assert evicted == paths[2 : 2 + len(evicted)]
     assert rep.evicted == len(evicted) > 0
-    assert list((tmp_path / gc.TRASH_DIR).iterdir()) == []  # grace 0: unlinked at once
+    assert list((tmp_path / TRASH_DIR).iterdir()) == []  # grace 0: unlinked at once
     assert not (tmp_path / LEASE_NAME).exists()  # lease released
 
 
@@ -105,11 +108,11 @@ def test_trash_grace_and_stale_temps(tmp_path: Path) -> None:
     rep = gc.collect(tmp_path, cap, low_watermark=1.0, trash_grace_s=30)
     assert rep.temps_removed == 1 and not tmp.exists()
     assert rep.evicted == 3
-    trash = list((tmp_path / gc.TRASH_DIR).iterdir())
+    trash = list((tmp_path / TRASH_DIR).iterdir())
     assert len(trash) == 3  # still there during the grace period
     rep2 = gc.collect(tmp_path, cap, low_watermark=1.0, trash_grace_s=0)
     assert rep2.trash_removed == 3 and rep2.evicted == 0
-    assert list((tmp_path / gc.TRASH_DIR).iterdir()) == []
+    assert list((tmp_path / TRASH_DIR).iterdir()) == []
 
 
 def test_open_reader_keeps_whole_page_while_evicted(tmp_path: Path) -> None:
@@ -132,17 +135,17 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rep = json.loads(capsys.readouterr().out)
     assert rep["evicted"] >= 4 and rep["total_after"] <= 4 * size
     assert rep["tierstore_gc"] == 2 and rep["started_at"].endswith("Z")  # a schema version, ISO times
-    assert gc.parse_bytes("10G") == 10 << 30 and gc.parse_bytes("512MiB") == 512 << 20
+    assert gc_command.parse_bytes("10G") == 10 << 30 and gc_command.parse_bytes("512MiB") == 512 << 20
     for bad in ("lots", "inf", "1e999", "1.5e9", "-5G", "0"):  # "inf" raised OverflowError (a traceback)
         with pytest.raises(argparse.ArgumentTypeError):
-            gc.parse_bytes(bad)
+            gc_command.parse_bytes(bad)
     assert gc_command.run(parser.parse_args([str(tmp_path / "nope"), "--max-bytes", "1"])) == 8  # as fsck, ls, stats
 
 
 @pytest.mark.parametrize("threads", [1, 8])
 def test_batches_in_directory_order_still_evict_the_exact_lru_prefix(tmp_path: Path, threads: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gc, "_EVICT_BATCH", 3)  # many batches, each reordered by directory
+    monkeypatch.setattr(gc_evict, "_EVICT_BATCH", 3)  # many batches, each reordered by directory
     paths = fill(tmp_path, 30)
     size = paths[0].stat().st_size
     os.utime(paths[4])  # hit since the fill: now the most recent, not a victim
@@ -296,10 +299,10 @@ def test_own_metadata_is_not_foreign_and_real_foreign_files_still_warn(tmp_path:
     assert doc["tierstore_gc"] == 2 and doc["metadata_bytes"] == rep.metadata_bytes  # an added field: same version
 
 
-def _run_daemon(root: Path, max_bytes: int, done: Callable[[gc.GcDaemon], bool]) -> gc.GcDaemon:
+def _run_daemon(root: Path, max_bytes: int, done: Callable[[GcDaemon], bool]) -> GcDaemon:
     """A background gc daemon on ``root`` passing every 10 ms until ``done(daemon)`` (at most
     30 s), then stopped."""
-    daemon = gc.GcDaemon(str(root), max_bytes, interval_s=0.01)
+    daemon = GcDaemon(str(root), max_bytes, interval_s=0.01)
     daemon._thread.start()
     try:
         end = time.monotonic() + 30
@@ -356,7 +359,7 @@ def test_a_loop_outlives_a_pass_that_fails_on_the_file_system(tmp_path: Path, mo
     prom = tmp_path / "gc.prom"
     real_pass, calls = gc_command.one_pass, []
 
-    def flaky_pass(*args: object) -> gc.GcReport:
+    def flaky_pass(*args: object) -> GcReport:
         calls.append(1)
         if len(calls) == 1:
             raise OSError(5, "Input/output error", str(tmp_path / "root"))

@@ -27,8 +27,9 @@ from tierstore.format.head_slices import (
     slice_layout,
     slice_units,
 )
+from tierstore.format.header import GroupKind
 from tierstore.format.layout import attention_layout, mamba_layout
-from tierstore.format.page import GroupKind, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.testing.pages import corrupt_flip_bit, layout_namespace, page_key, write_slice_page
 from tierstore.tiers.assembly import assemble
 
@@ -136,7 +137,7 @@ def test_a_damaged_rank_file_is_a_typed_error_and_wrong_bytes_change_the_result(
 
 
 def test_fsck_walk_accepts_a_gdn_slice_directory() -> None:
-    from tierstore.admin.inventory import slice_group
+    from tierstore.admin.namespace_dirs import slice_group
 
     ns = layout_namespace(gdn_layout(), 1152, kind=GroupKind.MAMBA, layer_names=LAYERS)
     got = slice_group(ns.groups[0], (2, 2))

@@ -21,8 +21,9 @@ from tierstore.format.head_slices import (
     slice_layout,
     split_dir_name,
 )
-from tierstore.format.page import Codec, PageExpectation, PageMeta, encode_page
-from tierstore.rootstore.pageops import publish_page
+from tierstore.format.header import Codec, PageExpectation, PageMeta
+from tierstore.format.page import encode_page
+from tierstore.rootstore.publish import publish_page
 from tierstore.testing.pages import corrupt_flip_bit, page_bytes, page_key, simple_namespace
 from tierstore.tiers.assembly import assemble
 

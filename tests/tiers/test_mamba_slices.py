@@ -29,8 +29,9 @@ from tierstore.format.head_slices import (
     slice_layout,
     slice_units,
 )
+from tierstore.format.header import GroupKind
 from tierstore.format.layout import mamba_layout
-from tierstore.format.page import GroupKind, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.testing.pages import layout_namespace, page_key, write_slice_page
 from tierstore.tiers.assembly import assemble
 from tierstore.vllm.namespace import head_sliced, scaled_layout
@@ -166,7 +167,7 @@ def test_namespace_slices_only_a_tp_whose_slices_are_the_engines_pages() -> None
 
 
 def test_fsck_walk_accepts_a_mamba_slice_directory() -> None:
-    from tierstore.admin.inventory import slice_group
+    from tierstore.admin.namespace_dirs import slice_group
 
     ns = layout_namespace(rank_layout("mamba2_g1", 1), 128, kind=GroupKind.MAMBA, layer_names=LAYERS)
     got = slice_group(ns.groups[0], (4, 4))

@@ -26,6 +26,7 @@ from tierstore.metrics import MetricsRegistry
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import page_bytes, simple_namespace, write_page
 from tierstore.tiers import TierChain, gc
+from tierstore.tiers.gc_scan import TRASH_DIR
 
 HERE = Path(__file__).resolve().parents[1]  # tests/: the node scripts and stand-ins
 
@@ -92,7 +93,7 @@ def _page_bytes_on_server(export: Path) -> int:
     """File bytes of the pages at their place under ``export``, read on the server's side (a
     mount's listing may lag), as gc counts them toward its cap."""
     return sum(f.stat().st_size for f in export.rglob("*.kvp")
-               if f.is_file() and gc.TRASH_DIR not in f.relative_to(export).parts)
+               if f.is_file() and TRASH_DIR not in f.relative_to(export).parts)
 
 
 def test_two_nodes_store_and_load_concurrently_with_gc(two_nodes: TwoNodeMount, tmp_path: Path) -> None:

@@ -196,7 +196,7 @@ def test_host_and_shared_without_local(tmp_path: Path) -> None:
 
 def test_background_gc_keeps_root_under_cap(tmp_path: Path) -> None:
     from tierstore.format.identity import page_file_size
-    from tierstore.tiers.gc import GcDaemon
+    from tierstore.tiers.gc_daemon import GcDaemon
 
     page = page_file_size(NS, 0)
     cap = 6 * page + 4096  # six pages and the manifest
@@ -227,7 +227,7 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
     """verify=False reaches the engine only when the page goes to the caller alone: a local hit
     without a host tier; a shared hit that is promoted (local) or cached (host) is verified
     first, so a damaged page can never be copied into another tier with fresh checksums."""
-    from tierstore.format.page import checksum
+    from tierstore.format.checksums import checksum
 
     lay = NS.groups[0].layout
     want = tuple(checksum(expected_page[o : o + s.nbytes]) for expected_page in [page_bytes_of(key(1))]
@@ -274,7 +274,7 @@ def test_unverified_loads_only_where_nobody_else_gets_the_bytes(tmp_path: Path) 
 def test_unverified_hit_counts_once_the_caller_confirms_it(tmp_path: Path) -> None:
     """A page loaded with verify=False is a tier hit only when the caller's check passed
     (settle ok); one the caller found damaged is a checksum failure and never a hit."""
-    from tierstore.format.page import checksum
+    from tierstore.format.checksums import checksum
 
     lay = NS.groups[0].layout
     for local in (True, False):  # the local tier serves it, or the shared one (no local tier)
@@ -367,7 +367,7 @@ def test_pages_stored_while_shared_is_down_are_uploaded_when_it_is_back(tmp_path
 
 # ---------------------------------------------------------------- fault injection (no monkeypatching)
 def _section_sums(data: bytes) -> tuple[int, ...]:
-    from tierstore.format.page import checksum
+    from tierstore.format.checksums import checksum
 
     lay = NS.groups[0].layout
     return tuple(checksum(data[o : o + s.nbytes]) for o, s in zip(lay.offsets, lay.sections, strict=True))

@@ -13,11 +13,13 @@ import pytest
 
 from tierstore.config import TierStoreConfig
 from tierstore.format.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
+from tierstore.format.header import Codec, PageExpectation, PageMeta
 from tierstore.format.mac import PageMac
-from tierstore.format.page import Codec, PageExpectation, PageMeta, encode_page
+from tierstore.format.page import encode_page
 from tierstore.fs.mapper import fanout
 from tierstore.rootstore.engine import IOEngine
-from tierstore.rootstore.pageops import publish_page, read_page
+from tierstore.rootstore.page_read import read_page
+from tierstore.rootstore.publish import publish_page
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
 

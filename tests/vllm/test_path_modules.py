@@ -37,7 +37,7 @@ worker_mod, manager_mod, GPULoadStoreSpec = import_worker()
 # (store, load) modules at most, per device, with the compiled I/O path: 2026-11-27's counts
 # (H200 host; CPU the same on the 2-core CI kind) plus one for timing (which poll finds a
 # result first can add a module). CPU 29 and 30: worker, pipelines, jobs, group, transfer,
-# kernels (torch), chain, tier, shared, engine, queue, lane, staging, rankdir, native page
+# kernels (torch), chain, tier, shared, engine, queue, lane, staging, page files, native page
 # calls, mapper, metrics...; CUDA 32 and 33: the Triton copies, checksums and driver besides.
 MODULES_MAX = {"cpu": (30, 31), "cuda": (33, 34)}
 # (store, load) packages at most (a top-level module counts as one): format, fs, index, kernels,

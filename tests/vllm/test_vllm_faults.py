@@ -84,7 +84,7 @@ def test_damaged_page_is_recomputed_counted_and_logged(stored, tmp_path: Path, c
 
 
 def test_timed_out_loads_are_recomputed(stored, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierstore.rootstore.rankdir import PageFiles
+    from tierstore.rootstore.page_files import PageFiles
 
     root, ids, cold, _ = stored("gemma3")
     slow_load, slow_loads = PageFiles.load, PageFiles.load_many
@@ -150,7 +150,7 @@ def test_corrupt_mamba_state_is_recomputed(stored, tmp_path: Path) -> None:
 
 
 def test_page_headers_record_chunk_tokens_and_state_positions(stored) -> None:
-    from tierstore.rootstore.pageops import inspect_page
+    from tierstore.rootstore.page_read import inspect_page
 
     root, ids, _, keys = stored("qwen3next")
     attention = {inspect_page(page_path(root, 3, k)).meta.token_count for k in keys}
@@ -167,7 +167,7 @@ def test_mamba_pages_hold_the_models_own_states(stored) -> None:
     from transformers import AutoModelForCausalLM
     from vllm_helpers import model_dir
 
-    from tierstore.rootstore.pageops import inspect_page, read_page
+    from tierstore.rootstore.page_read import inspect_page, read_page
 
     root, ids, _, keys = stored("qwen3next")
     path = page_path(root, 0, keys[0])

@@ -66,7 +66,7 @@ def test_fp8_pages_hold_the_models_keys_and_values(fp8_store) -> None:
     from transformers import AutoModelForCausalLM
     from vllm_helpers import chunk_keys, model_dir, page_path
 
-    from tierstore.rootstore.pageops import inspect_page, read_page
+    from tierstore.rootstore.page_read import inspect_page, read_page
 
     root, ids, _ = fp8_store
     model = AutoModelForCausalLM.from_pretrained(str(model_dir("llama")), dtype=torch.bfloat16)
@@ -101,7 +101,7 @@ def test_fp8_and_bf16_pages_never_serve_each_other(fp8_store, tmp_path: Path) ->
     # Same tokens and layers, half the bytes: one byte per element instead of two.
     fp8_pages, bf16_pages = sorted(fp8_ns.rglob("*.kvp")), sorted(bf16_ns.rglob("*.kvp"))
     assert len(fp8_pages) == len(bf16_pages) == 2
-    from tierstore.rootstore.pageops import inspect_page
+    from tierstore.rootstore.page_read import inspect_page
 
     fp8_data = inspect_page(fp8_pages[0]).layout.data_bytes
     bf16_data = inspect_page(bf16_pages[0]).layout.data_bytes

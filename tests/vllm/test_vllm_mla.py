@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from vllm_helpers import chunk_keys, copy_root, failures, namespace_dir, page_path, rewrite_page  # noqa: E402
 
 from tierstore.errors import ConfigError  # noqa: E402
-from tierstore.format.page import GroupKind  # noqa: E402
+from tierstore.format.header import GroupKind  # noqa: E402
 
 HERE = Path(__file__).parent
 BLOCK = 16  # vLLM-CPU forces block size 16 for MLA: one page per block

@@ -189,7 +189,7 @@ def test_pages_hold_the_models_own_keys_and_values(stored) -> None:
     from transformers import AutoModelForCausalLM
     from vllm_helpers import chunk_keys, model_dir, page_path
 
-    from tierstore.rootstore.pageops import inspect_page, read_page
+    from tierstore.rootstore.page_read import inspect_page, read_page
 
     root, ids, _ = stored("llama")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir("llama")), dtype=torch.bfloat16)

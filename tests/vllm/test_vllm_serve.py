@@ -56,7 +56,7 @@ import os
 _delay = float(os.environ.get("TIERSTORE_TEST_STORE_DELAY_S", "0") or 0)
 if _delay > 0:
     import time
-    import tierstore.rootstore.pageops as _pf
+    import tierstore.rootstore.publish as _pf  # publish writes through its pwritev_all
     _write = _pf.pwritev_all
     def _slow_pwritev_all(fd, pieces):
         time.sleep(_delay)

@@ -54,7 +54,7 @@ def test_tp2_each_rank_writes_its_own_pages(tp_run) -> None:
     r0 = sorted(p.relative_to(ns / "g0" / "h0-1") for p in (ns / "g0" / "h0-1").rglob("*.kvp"))
     r1 = sorted(p.relative_to(ns / "g0" / "h1-1") for p in (ns / "g0" / "h1-1").rglob("*.kvp"))
     assert len(r0) == 2 and r0 == r1  # same keys; each file holds one rank's KV head
-    from tierstore.rootstore.pageops import inspect_page
+    from tierstore.rootstore.page_read import inspect_page
 
     for rank in (0, 1):
         header = inspect_page(ns / "g0" / f"h{rank}-1" / r0[0])

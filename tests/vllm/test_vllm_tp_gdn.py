@@ -44,7 +44,7 @@ def test_gdn_ranks_write_slices_in_one_namespace_for_every_tp(gdn_run) -> None:
     assert res["tp2_store"]["cached"] == res["tp1_store"]["cached"] == 0
     ns = namespace_dir(root)
     assert ns.name == namespace_dir(root.with_name(root.name + "-tp1")).name  # TP is not in the digest
-    from tierstore.rootstore.pageops import inspect_page
+    from tierstore.rootstore.page_read import inspect_page
 
     for g in (*GDN_GROUPS, ATTENTION_GROUP):
         for rank in (0, 1):

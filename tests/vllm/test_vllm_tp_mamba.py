@@ -41,7 +41,7 @@ def mamba_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str
 
 
 def group_kinds(ns: Path) -> dict[int, str]:
-    from tierstore.rootstore.pageops import inspect_page
+    from tierstore.rootstore.page_read import inspect_page
 
     return {int(g.name[1:]): inspect_page(next(g.rglob("*.kvp"))).meta.group_kind.name for g in ns.glob("g*")}
 
@@ -51,7 +51,7 @@ def test_mamba_ranks_write_slices_in_one_namespace_for_every_tp(mamba_run) -> No
     assert res["tp4_store"]["cached"] == res["tp1_store"]["cached"] == 0
     ns = namespace_dir(root)
     assert ns.name == namespace_dir(root.with_name(root.name + "-tp1")).name  # TP is not in the digest
-    from tierstore.rootstore.pageops import inspect_page
+    from tierstore.rootstore.page_read import inspect_page
 
     kinds = group_kinds(ns)
     assert sorted(kinds.values()) == ["ATTENTION", "MAMBA", "MAMBA", "MAMBA"], kinds

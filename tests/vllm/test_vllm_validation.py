@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from tierstore.config import TierStoreConfig  # noqa: E402
 from tierstore.errors import ConfigError  # noqa: E402
-from tierstore.format.page import GroupKind  # noqa: E402
+from tierstore.format.header import GroupKind  # noqa: E402
 from tierstore.vllm.namespace import group_layout, hash_seed_marker  # noqa: E402
 from tierstore.vllm.validation import validate_engine  # noqa: E402
 

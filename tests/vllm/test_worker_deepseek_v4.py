@@ -151,7 +151,7 @@ def test_vllm_v4_specs_map_to_opaque_block_pages() -> None:
     from vllm.v1.kv_cache_interface import CircularBufferSpec
 
     from tierstore.errors import ConfigError
-    from tierstore.format.page import GroupKind
+    from tierstore.format.header import GroupKind
 
     specs = v4_specs()
     kind, layout, window = v4_group_layout({n: s for n, s in specs.items() if n.endswith("swa_cache")}, 1)

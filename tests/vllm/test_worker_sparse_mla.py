@@ -23,8 +23,9 @@ import torch
 from worker_import import import_worker, run_job
 
 from tierstore.config import TierStoreConfig
+from tierstore.format.header import GroupKind
 from tierstore.format.identity import GroupSpec, Namespace
-from tierstore.format.page import GroupKind, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import mla_view

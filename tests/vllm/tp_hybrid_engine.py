@@ -77,8 +77,8 @@ def swap_rank_files(root: Path, kind: str) -> int:
     rank and units); the number of files rewritten."""
     from vllm_helpers import rewrite_page
 
-    from tierstore.format.page import GroupKind
-    from tierstore.rootstore.pageops import inspect_page, read_page
+    from tierstore.format.header import GroupKind
+    from tierstore.rootstore.page_read import inspect_page, read_page
 
     n = 0
     for a in sorted(root.glob("*/g*/h0-*/*/*.kvp")):

@@ -188,8 +188,9 @@ def copy_root(src: Path, dst: Path) -> Path:
 
 def rewrite_page(path: Path, transform: Any, namespace: bytes | None = None) -> None:
     """Rewrite a page with ``transform(bytearray payload)`` applied, checksums recomputed."""
-    from tierstore.format.page import PageMeta, encode_page
-    from tierstore.rootstore.pageops import inspect_page, read_page
+    from tierstore.format.header import PageMeta
+    from tierstore.format.page import encode_page
+    from tierstore.rootstore.page_read import inspect_page, read_page
 
     header = inspect_page(path)
     buf = bytearray(header.layout.nbytes)

@@ -16,7 +16,7 @@ ls answering from the listing: the uncompressed page size x files, exact for unc
 pages, an upper bound for zstd ones), and times ISO 8601 UTC, durations in seconds
 (keys ``seconds`` or ``*_s``); in text, sizes are human-readable (KiB, MiB, ...);
 ``--progress/--no-progress`` everywhere (default: a bar with rate and ETA when stderr is a
-terminal; tqdm, see inventory.progress_bar).
+terminal; tqdm, see progress.progress_bar).
 Threading: runs on the main thread.
 """
 
@@ -73,6 +73,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "scale": ("tierstore.bench.scale", "whole-root tools' time and memory against page count, vs plain walks"),
     "gil": ("tierstore.bench.gil", "engine stores/loads vs raw files, alone and beside a busy Python thread"),
     "sealing": ("tierstore.bench.sealing", "engine stores/loads with encryption_key_file vs without"),
+    "restore": ("tierstore.bench.restore", "vLLM prefill of a long prompt: cold vs restored from tierstore pages"),
 }
 
 
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: io, kernels, lookup, fsck, serve, scale, gil, sealing")
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCH))
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name, (_, help_text) in BENCH.items():
         bench_sub.add_parser(name, help=help_text, add_help=False)
@@ -249,7 +250,7 @@ def _print_json(data: Any) -> None:
 def refuse_not_a_cache(root: str) -> None:
     """Raise ``TierStoreError`` (exit 8) when ``root`` holds entries but no namespace directory:
     every command refuses such a directory alike (gc's rule, tiers/gc.not_a_cache)."""
-    from tierstore.admin.inventory import check_root
+    from tierstore.admin.walk import check_root
     from tierstore.fs import safefs
     from tierstore.tiers.gc import not_a_cache
 
@@ -290,13 +291,9 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
-    from tierstore.admin.inventory import (
-        Progress,
-        collect_stats,
-        format_listing,
-        format_stats,
-        listing_json,
-    )
+    from tierstore.admin.progress import Progress
+    from tierstore.admin.render import format_listing, format_stats
+    from tierstore.admin.stats import collect_stats, listing_json
 
     refuse_not_a_cache(args.root)
     progress = Progress("stats" if not listing else "ls", enabled=args.progress)

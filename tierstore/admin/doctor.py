@@ -274,7 +274,7 @@ def check_clock(opts: DoctorOptions, work: Path) -> Check:
 def check_space(opts: DoctorOptions, work: Path) -> Check:
     """statvfs (which reports the export's or the user's quota where the server applies one)
     against max_bytes."""
-    from tierstore.admin.inventory import human_bytes
+    from tierstore.admin.render import human_bytes
 
     sv = os.statvfs(opts.root)
     total, avail = sv.f_blocks * sv.f_frsize, sv.f_bavail * sv.f_frsize
@@ -424,7 +424,7 @@ def work_dir_name() -> str:
 
 def diagnose(opts: DoctorOptions) -> DoctorReport:
     """Run every check on ``opts.root`` (an existing directory); see the module docstring."""
-    from tierstore.admin.inventory import progress_bar
+    from tierstore.admin.progress import progress_bar
 
     start = time.monotonic()
     rep = DoctorReport(root=str(opts.root), host=socket.gethostname(), generated=time.time())

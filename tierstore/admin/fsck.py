@@ -2,7 +2,7 @@
 
 Contract:
 
-- ``run_fsck(FsckOptions)`` walks ROOT (``inventory.walk_root``; symlinks are never followed)
+- ``run_fsck(FsckOptions)`` walks ROOT (``walk.walk_root``; symlinks are never followed)
   and verifies every page completely with ``fsck_read.PageVerifier`` against what its place and
   its namespace's manifest say: header checksum, every section checksum, exact file size,
   namespace digest = directory name, key/group/rank = path (``mapper.locate``), layout and
@@ -21,7 +21,7 @@ Contract:
   (``group_access``), cleared by ``--repair`` with fchmod on a checked fd. Text output escapes
   every name and string from the root (``display.escape``); JSON keeps them raw.
   Temp files that may still be written are counted, not reported as problems. Output: text
-  with human-readable sizes (``inventory.human_bytes``, as ls and stats); ``--json``
+  with human-readable sizes (``render.human_bytes``, as ls and stats); ``--json``
   (``FsckReport.to_json``) with the schema key ``tierstore_fsck``, exact bytes, ``seconds``
   and the run's start and end as ISO 8601 UTC (``started_at``, ``finished_at``, as gc).
 - ``--repair`` (``FsckOptions.repair``) deletes what tierstore wrote and can never serve (bad
@@ -68,6 +68,21 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tierstore.admin.adaptive_gate import AdaptiveGate
+from tierstore.admin.classifier import QUARANTINE_DIR
+from tierstore.admin.findings import (
+    BAD_PAGE,
+    FOREIGN,
+    MANIFEST,
+    NFS_LEFTOVER,
+    ORPHAN,
+    STALE_TEMP,
+    SYMLINK,
+    UNREADABLE,
+    UNVERIFIABLE,
+    Finding,
+    Fingerprint,
+    fingerprint,
+)
 from tierstore.admin.fsck_read import (
     MAX_UNMANIFESTED_PAGE_BYTES,
     MODE,
@@ -75,35 +90,16 @@ from tierstore.admin.fsck_read import (
     PageVerifier,
     deep_check_page,
 )
-from tierstore.admin.inventory import (
-    BAD_PAGE,
-    FOREIGN,
-    MANIFEST,
-    NFS_LEFTOVER,
-    ORPHAN,
-    QUARANTINE_DIR,
-    STALE_TEMP,
-    SYMLINK,
-    UNREADABLE,
-    UNVERIFIABLE,
-    Finding,
-    Fingerprint,
-    Inventory,
-    Progress,
-    check_root,
-    fingerprint,
-    human_bytes,
-    stats_from_inventory,
-    walk_root,
-)
+from tierstore.admin.progress import Progress
+from tierstore.admin.render import human_bytes
+from tierstore.admin.stats import stats_from_inventory
+from tierstore.admin.tally import Inventory
+from tierstore.admin.walk import check_root, walk_root
 from tierstore.errors import PageError, PageSealedCorrupt
+from tierstore.format.header import FORMAT_VERSION, decode_header_any_version
 from tierstore.format.identity import MANIFEST_NAME
 from tierstore.format.mac import PageMac
-from tierstore.format.page import (
-    FORMAT_VERSION,
-    check_stored_gaps,
-    decode_header_any_version,
-)
+from tierstore.format.page import check_stored_gaps
 from tierstore.format.sealing import KeyRing, PageSealer
 from tierstore.fs import display, safefs
 from tierstore.fs.mapper import RESERVED_PREFIX, unknown_format
@@ -121,7 +117,7 @@ __all__ = ["MAX_UNMANIFESTED_PAGE_BYTES", "FsckOptions", "FsckReport", "PageVeri
 CATEGORIES = (BAD_PAGE, STALE_TEMP, ORPHAN, FOREIGN, NFS_LEFTOVER, SYMLINK, MANIFEST, UNREADABLE)
 READS_IN_FLIGHT = 64  # default ``jobs``: on a 10 ms mount, reads in flight set the pace
 SLOW_ROOT_S = 0.001  # a root answering slower than this starts fsck's gate at READS_IN_FLIGHT
-# Root entries tierstore itself creates under its reserved prefix (single source: tiers/gc.py
+# Root entries tierstore itself creates under its reserved prefix (single source: tiers/gc_scan.py
 # TRASH_DIR, tiers/lease.py LEASE_NAME, tiers/local_index.py INDEX_DIR; tests check they agree;
 # not imported: the tiers package imports torch, fsck must stay light) -> whether a directory.
 RESERVED_ROOT_ENTRIES = {".tierstore-trash": True, ".tierstore-gc.lease": False, ".tierstore": True}

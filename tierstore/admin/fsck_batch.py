@@ -4,7 +4,7 @@ Why: verifying a cached 8 KiB page on the Python path is ~25 µs of GIL-held wor
 fstat, two preads, the header parse, a hash call per section, close, each a GIL hand-off), so
 fsck could not pass ~35k pages/s on any number of cores, and more threads made it slower
 (docs/measurements/fsck.md). ``native_page.verify_pages`` does all of that for up to
-``inventory.GATE_BATCH`` pages per call without the GIL; Python keeps only the walk and the
+``fan_dir_walk.GATE_BATCH`` pages per call without the GIL; Python keeps only the walk and the
 bookkeeping per page.
 
 Contract: ``NativeBatch.verify`` checks pages exactly as the engine's native load does (plain
@@ -28,10 +28,12 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tierstore.format.page import HeaderTemplate, PageLayout
+from tierstore.format.header_template import HeaderTemplate
+from tierstore.format.page_layout import PageLayout
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
-from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.own_read import WARM_PIECE_BYTES, read_plan
+from tierstore.rootstore.page_io import NATIVE_OPEN_FLAGS
 
 if TYPE_CHECKING:
     from tierstore.admin.buffer_pool import BufferPool
@@ -63,7 +65,7 @@ class NativeBatch:
         shape = self._shape(tmpl, layout)
         buf = self.pool.acquire(size)
         try:
-            return native_page.verify_pages(shape, dir_fd, file_names, keys, pagefile.NATIVE_OPEN_FLAGS,
+            return native_page.verify_pages(shape, dir_fd, file_names, keys, NATIVE_OPEN_FLAGS,
                                             native_page.frame_array(memoryview(buf)))
         finally:
             self.pool.release(buf)
@@ -71,7 +73,7 @@ class NativeBatch:
     def _shape(self, tmpl: HeaderTemplate, layout: PageLayout) -> native_page.PageShape:
         got = self._shapes.get(id(tmpl))
         if got is None or got[0] is not tmpl:
-            plan = pagefile.read_plan(layout, tmpl.header_len, pagefile.WARM_PIECE_BYTES)
+            plan = read_plan(layout, tmpl.header_len, WARM_PIECE_BYTES)
             got = (tmpl, native_page.PageShape(tmpl, layout, plan, hashed=True))
             with self._lock:
                 self._shapes[id(tmpl)] = got

@@ -2,10 +2,10 @@
 
 Contract:
 
-- ``PageVerifier(root, ...)`` is the ``inventory`` visitor of ``tierstore fsck``. A page is
+- ``PageVerifier(root, ...)`` is the walk's visitor (``fan_dir_walk.PageVisitor``) of ``tierstore fsck``. A page is
   reached through its fan-out directory opened from ROOT component by component with
   ``O_DIRECTORY|O_NOFOLLOW`` (safefs.open_dir_path) and opened with ``O_NOFOLLOW|O_NONBLOCK``
-  relative to that fd (pagefile.open_page): a directory swapped for a symlink after the
+  relative to that fd (page_io.open_page): a directory swapped for a symlink after the
   listing is never followed, a page swapped for a FIFO is refused at once instead of blocking
   a thread, a page with more than one link is reported and never read. Every exception while
   reading one page becomes a finding about that page (never the end of the walk).
@@ -16,7 +16,7 @@ Contract:
   budget. Without a usable manifest, pages declaring more than ``max_page_bytes`` are reported,
   not read. A codec-none page larger than ``VERIFY_PIECE_BYTES``, with or without a manifest,
   is verified through one buffer of that size, a piece at a time, ``--deep`` and the MAC
-  included (``pageops.verify_in_pieces``): a planted ``manifest.json`` declaring a huge page
+  included (``page_read.verify_in_pieces``): a planted ``manifest.json`` declaring a huge page
   cannot make fsck allocate it.
 - MAC (``mac``, ``tierstore fsck --mac-key-file``): every page must carry a tag that verifies
   under the fleet key (``format.mac``); one without, or with another key's, whose content
@@ -48,51 +48,37 @@ import threading
 from dataclasses import dataclass, field
 
 from tierstore.admin.buffer_pool import BufferPool
+from tierstore.admin.fan_dir_walk import PageRef, PageVerdict
+from tierstore.admin.findings import BAD_PAGE, FOREIGN, UNREADABLE, UNVERIFIABLE, Finding
 from tierstore.admin.fsck_batch import NativeBatch
-from tierstore.admin.inventory import (
-    BAD_PAGE,
-    FOREIGN,
-    UNREADABLE,
-    UNVERIFIABLE,
-    Finding,
-    NamespaceDir,
-    PageRef,
-    PageVerdict,
-)
+from tierstore.admin.namespace_dirs import NamespaceDir
 from tierstore.errors import UNVERIFIABLE_KINDS, PageError, PageIOError, PageMissing, PageUnsafe
-from tierstore.format.identity import GroupSpec
-from tierstore.format.mac import PageMac
-from tierstore.format.page import (
+from tierstore.format.checksums import checksum
+from tierstore.format.header import (
     HEADER_ALIGN,
     MAX_PAGE_BYTES,
     PREAMBLE_OFFSETS,
     Codec,
-    HeaderTemplate,
     PageExpectation,
     PageHeader,
     PageMeta,
     check_expectation,
-    check_gaps,
     check_payload_bound,
-    checksum,
     decode_header,
     header_len_of,
     max_file_size,
-    nonzero_gap,
 )
+from tierstore.format.header_template import HeaderTemplate
+from tierstore.format.identity import GroupSpec
+from tierstore.format.mac import PageMac
+from tierstore.format.page_layout import check_gaps, nonzero_gap
 from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.mapper import parse_slice_dir
 from tierstore.native import loader as native
 from tierstore.native import page as native_page
-from tierstore.rootstore.pageops import (
-    in_pieces_applies,
-    open_page,
-    read_error,
-    read_page_fd,
-    readinto_exact,
-    verify_in_pieces,
-)
+from tierstore.rootstore.page_io import open_page, read_error, readinto_exact
+from tierstore.rootstore.page_read import in_pieces_applies, read_page_fd, verify_in_pieces
 
 MODE = "mode"  # finding category: a page readable or writable by more users than configured
 MODE_PRIVATE, MODE_GROUP_SHARED = "private", "group_shared"  # its kinds: the mode it should have
@@ -134,7 +120,7 @@ class PageVerifier:
     def __init__(self, root: str | os.PathLike[str], *, deep: bool = False, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  max_page_bytes: int = MAX_UNMANIFESTED_PAGE_BYTES, group_access: bool | None = None,
                  mac: PageMac | None = None, sealer: KeyRing | None = None) -> None:
-        self.root = os.path.realpath(root)  # as inventory.check_root: the walk's paths start with it
+        self.root = os.path.realpath(root)  # as walk.check_root: the walk's paths start with it
         self.deep = deep
         self.mac = mac  # the fleet key: every page must carry a valid tag (kind "mac" otherwise)
         self.sealer = sealer  # sealed pages: decrypted with it; without it, their ciphertext sums only
@@ -451,7 +437,7 @@ def _verify_in_pieces(v: PageVerifier, ref: PageRef, fd: int, st: os.stat_result
     """A codec-none page larger than ``VERIFY_PIECE_BYTES``, verified through one buffer of
     that size (``--deep`` and the MAC included), whatever size its manifest or header
     declares; None where this does not apply (a smaller page, another codec): the caller
-    reads it whole. Failure policy: as ``pageops.verify_in_pieces`` (a typed ``PageError``);
+    reads it whole. Failure policy: as ``page_read.verify_in_pieces`` (a typed ``PageError``);
     a ``--deep`` finding is returned as the verdict's problem."""
     if header.layout.nbytes <= VERIFY_PIECE_BYTES or not in_pieces_applies(st, header):
         return None

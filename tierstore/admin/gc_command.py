@@ -33,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from tierstore.admin import metrics_export
-from tierstore.admin.inventory import human_bytes, progress_bar
-from tierstore.fs.display import escape, iso_utc
+from tierstore.admin.progress import progress_bar
+from tierstore.admin.render import human_bytes
+from tierstore.fs.display import escape, iso_utc, parse_size
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import NAMESPACE_DIR_RE
-from tierstore.tiers.gc import EVICT_THREADS, TRASH_DIR, DryLease, GcReport, collect, parse_bytes
+from tierstore.tiers.gc import EVICT_THREADS, DryLease, collect
+from tierstore.tiers.gc_report import GcReport
+from tierstore.tiers.gc_scan import TRASH_DIR
 
 EXIT_USAGE = 2
 EXIT_OPERATIONAL = 8
@@ -57,6 +60,14 @@ def report_json(rep: GcReport) -> dict[str, Any]:
     fields.pop("finished")
     return {"tierstore_gc": SCHEMA_VERSION, **fields, "started_at": iso(rep.started),
             "finished_at": iso(rep.finished)}
+
+
+def parse_bytes(text: str) -> int:
+    """``--max-bytes``: ``fs.display.parse_size``'s forms, as an argparse type."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 
 from tierstore.errors import TierStoreError
-from tierstore.tiers.gc import GcReport
+from tierstore.tiers.gc_report import GcReport
 
 log = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ from tierstore.bench.io import bench_namespace
 from tierstore.bench.transfer import engine_only, raw_files
 from tierstore.config import TierStoreConfig
 from tierstore.errors import TierStoreError
+from tierstore.format.identity import Namespace
 from tierstore.native import loader as native
 from tierstore.rootstore import engine as engine_mod
 from tierstore.rootstore.engine import IOEngine
@@ -108,7 +110,7 @@ def direct_stores(eng: IOEngine, keys: list[bytes], per_call: int, threads: int)
     """GB/s of ``keys`` stored by ``threads`` plain threads calling ``PageFiles.store_many``
     with ``per_call`` pages at a time, from the engine's slots (reused; content does not
     matter), sums handed in: the I/O without the job queue, one return to Python per call."""
-    slots = eng._slots
+    slots = eng.slots
     sums = tuple([0] * len(eng.layout.sections))
     share = -(-len(keys) // threads)
 
@@ -197,7 +199,12 @@ def _key(tag: str, i: int) -> bytes:
     return f"{tag}-{i}".encode().ljust(16, b".")
 
 
-def run(args: argparse.Namespace) -> int:
+RunId = tuple[str, tuple[int, int], str]  # (stand-in, (io_batch_pages, cap MiB), io_loop)
+
+
+def _runnable(args: argparse.Namespace) -> tuple[list[str], list[str], list[dict[str, str]]]:
+    """The stand-ins and io_loops that can run here, and the skipped variants with why (each
+    said on stderr). Raises ``TierStoreError`` when nothing is left."""
     skipped: list[dict[str, str]] = []
     kinds: list[str] = list(dict.fromkeys(args.beside))
     if "dma" in kinds and not torch.cuda.is_available():
@@ -212,50 +219,81 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierstore bench gil: skipping {s['what']}: {s['why']}", file=sys.stderr)
     if not kinds or not loops:
         raise TierStoreError("nothing left to run (see the skipped variants above)")
+    return kinds, loops, skipped
+
+
+def _measure_run(args: argparse.Namespace, r: int, run_id: RunId, ns: Namespace,
+                 bufs: list[memoryview]) -> tuple[dict[str, float], int]:
+    """Round ``r`` of one variant on a fresh engine: its figures, and the io_batch_pages the
+    engine used. Sets ``engine.IO_BATCH_BYTES`` (the caller restores it)."""
+    kind, (batch, cap), loop = run_id
+    n = len(bufs)
+    shutil.rmtree(args.root / "ts", ignore_errors=True)
+    engine_mod.IO_BATCH_BYTES = cap * MIB
+    cfg = TierStoreConfig(root=str(args.root / "ts"), io_threads=args.threads, odirect="off",
+                          io_batch_pages=batch, io_loop=loop)
+    with IOEngine(args.root / "ts", ns, 0, config=cfg, staging_slots=args.slots,
+                  pin=torch.cuda.is_available()) as eng:
+        for s in eng.slots:
+            s.view[:] = bufs[s.index % n]
+        with beside(kind):
+            got = engine_only(eng, [_key(str(r), i) for i in range(n)], 16, cold=False, hash_on_cpu=False)
+            raw = raw_files(args.root, bufs, args.threads, cold=False)
+            direct = {k: direct_stores(eng, [_key(f"d{k}-{r}", i) for i in range(n)], k, args.threads)
+                      for k in args.direct}
+        batch_used = eng.stats["io_batch_pages"]
+    values = {"engine_store_gbps": got["engine_only_store_gbps"],
+              "engine_store_s_per_job": got["engine_only_store_ms_per_job"] / 1000,
+              "engine_store_io_busy": got["engine_only_store_io_busy"],
+              "engine_load_warm_gbps": got["engine_only_load_warm_gbps"],
+              "raw_write_gbps": raw["write_gbps"], "raw_read_warm_gbps": raw["read_warm_gbps"],
+              "store_vs_raw": got["engine_only_store_gbps"] / raw["write_gbps"],
+              "load_vs_raw": got["engine_only_load_warm_gbps"] / raw["read_warm_gbps"]}
+    for k, v in direct.items():
+        values[f"direct_{k}_gbps"] = v
+        values[f"direct_{k}_vs_raw"] = v / raw["write_gbps"]
+    print(f"round {r} {kind} batch {batch}/{cap} MiB {loop}: {got} raw {raw} direct {direct} "
+          f"io_batch_pages {batch_used}", file=sys.stderr, flush=True)
+    return values, batch_used
+
+
+def _print_table(args: argparse.Namespace, rows: list[dict[str, Any]], n: int, skipped: list[dict[str, str]]) -> None:
+    """The report as text: a header line, the skipped variants, a markdown table of the rows."""
+    cols = {"engine store": "engine_store_gbps", "ms/job": "engine_store_s_per_job", "busy": "engine_store_io_busy",
+            "engine load": "engine_load_warm_gbps", "raw write": "raw_write_gbps", "raw read": "raw_read_warm_gbps",
+            "store/raw": "store_vs_raw", "load/raw": "load_vs_raw"}
+    for k in args.direct:
+        cols.update({f"direct {k}": f"direct_{k}_gbps", f"direct {k}/raw": f"direct_{k}_vs_raw"})
+    print(f"{args.page_mib} MiB pages x {n}, {args.threads} I/O threads, {args.slots} slots, {os.cpu_count()} CPUs, "
+          f"medians of {args.rounds} rounds; GB/s, ratios engine over raw files of the same round")
+    for s in skipped:
+        print(f"skipped {s['what']}: {s['why']}")
+    print("| beside | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
+    for row in rows:
+        cells = [f"{row[c] * 1000:.3g}" if c == "engine_store_s_per_job" else f"{row[c]:.3g}" for c in cols.values()]
+        print(f"| {row['beside']} batch {row['io_batch_pages']}/{row['io_batch_cap_mib']} MiB {row['io_loop']} | "
+              + " | ".join(cells) + " |")
+
+
+def run(args: argparse.Namespace) -> int:
+    kinds, loops, skipped = _runnable(args)
     page, n = args.page_mib * MIB, args.total_mib // args.page_mib
     if n <= 0:
         raise TierStoreError(f"--total-mib {args.total_mib} is less than one page of {args.page_mib} MiB")
-    runs = [(k, b, loop) for k in kinds for b in args.batches for loop in loops]
+    runs: list[RunId] = [(k, b, loop) for k in kinds for b in args.batches for loop in loops]
     ns = bench_namespace(page)
     slab = torch.randint(0, 256, (n, page), dtype=torch.uint8)
     bufs = [memoryview(slab[i].numpy()) for i in range(n)]
-    samples: dict[tuple[str, tuple[int, int], str], dict[str, list[float]]] = {r: {} for r in runs}
-    batch_used: dict[tuple[str, tuple[int, int], str], int] = {}
+    samples: dict[RunId, dict[str, list[float]]] = {r: {} for r in runs}
+    batch_used: dict[RunId, int] = {}
     args.root.mkdir(parents=True, exist_ok=True)
     cap_before = engine_mod.IO_BATCH_BYTES
     try:
         for r in range(args.rounds):
             for run_id in runs if r % 2 == 0 else list(reversed(runs)):
-                kind, (batch, cap), loop = run_id
-                shutil.rmtree(args.root / "ts", ignore_errors=True)
-                engine_mod.IO_BATCH_BYTES = cap * MIB
-                cfg = TierStoreConfig(root=str(args.root / "ts"), io_threads=args.threads, odirect="off",
-                                      io_batch_pages=batch, io_loop=loop)
-                with IOEngine(args.root / "ts", ns, 0, config=cfg, staging_slots=args.slots,
-                              pin=torch.cuda.is_available()) as eng:
-                    for s in eng._slots:
-                        s.view[:] = bufs[s.index % n]
-                    with beside(kind):
-                        got = engine_only(eng, [_key(str(r), i) for i in range(n)], 16, cold=False, hash_on_cpu=False)
-                        raw = raw_files(args.root, bufs, args.threads, cold=False)
-                        direct = {k: direct_stores(eng, [_key(f"d{k}-{r}", i) for i in range(n)], k, args.threads)
-                                  for k in args.direct}
-                    batch_used[run_id] = eng.stats["io_batch_pages"]
-                row = samples[run_id]
-                values = {"engine_store_gbps": got["engine_only_store_gbps"],
-                          "engine_store_s_per_job": got["engine_only_store_ms_per_job"] / 1000,
-                          "engine_store_io_busy": got["engine_only_store_io_busy"],
-                          "engine_load_warm_gbps": got["engine_only_load_warm_gbps"],
-                          "raw_write_gbps": raw["write_gbps"], "raw_read_warm_gbps": raw["read_warm_gbps"],
-                          "store_vs_raw": got["engine_only_store_gbps"] / raw["write_gbps"],
-                          "load_vs_raw": got["engine_only_load_warm_gbps"] / raw["read_warm_gbps"]}
-                for k, v in direct.items():
-                    values[f"direct_{k}_gbps"] = v
-                    values[f"direct_{k}_vs_raw"] = v / raw["write_gbps"]
+                values, batch_used[run_id] = _measure_run(args, r, run_id, ns, bufs)
                 for k, v in values.items():
-                    row.setdefault(k, []).append(v)
-                print(f"round {r} {kind} batch {batch}/{cap} MiB {loop}: {got} raw {raw} direct {direct} "
-                      f"io_batch_pages {batch_used[run_id]}", file=sys.stderr, flush=True)
+                    samples[run_id].setdefault(k, []).append(v)
     finally:
         engine_mod.IO_BATCH_BYTES = cap_before
         shutil.rmtree(args.root / "ts", ignore_errors=True)
@@ -271,20 +309,7 @@ def run(args: argparse.Namespace) -> int:
                           "slots": args.slots, "rounds": args.rounds, "cpus": os.cpu_count(), "skipped": skipped,
                           "rows": rows}, indent=2))
         return 0
-    cols = {"engine store": "engine_store_gbps", "ms/job": "engine_store_s_per_job", "busy": "engine_store_io_busy",
-            "engine load": "engine_load_warm_gbps", "raw write": "raw_write_gbps", "raw read": "raw_read_warm_gbps",
-            "store/raw": "store_vs_raw", "load/raw": "load_vs_raw"}
-    for k in args.direct:
-        cols.update({f"direct {k}": f"direct_{k}_gbps", f"direct {k}/raw": f"direct_{k}_vs_raw"})
-    print(f"{args.page_mib} MiB pages x {n}, {args.threads} I/O threads, {args.slots} slots, {os.cpu_count()} CPUs, "
-          f"medians of {args.rounds} rounds; GB/s, ratios engine over raw files of the same round")
-    for s in skipped:
-        print(f"skipped {s['what']}: {s['why']}")
-    print("| beside | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
-    for row in rows:
-        cells = [f"{row[c] * 1000:.3g}" if c == "engine_store_s_per_job" else f"{row[c]:.3g}" for c in cols.values()]
-        print(f"| {row['beside']} batch {row['io_batch_pages']}/{row['io_batch_cap_mib']} MiB {row['io_loop']} | "
-              + " | ".join(cells) + " |")
+    _print_table(args, rows, n, skipped)
     return 0
 
 

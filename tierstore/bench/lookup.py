@@ -272,7 +272,7 @@ def refresh_cost(base: Path, refresh_s: float = 30.0) -> dict[str, float]:
     from tierstore.index import page_index
 
     counts = {"readdir": 0, "entries": 0, "stat": 0}
-    real_list, real_sig = page_index.list_fingerprints, page_index._dir_signature
+    real_list, real_sig = page_index.list_fingerprints, page_index.dir_signature
 
     def counted_list(directory: Any, fanout_index: int) -> memoryview:
         counts["readdir"] += 1
@@ -285,7 +285,7 @@ def refresh_cost(base: Path, refresh_s: float = 30.0) -> dict[str, float]:
         return real_sig(directory)
 
     out: dict[str, float] = {}
-    page_index.list_fingerprints, page_index._dir_signature = counted_list, counted_sig  # type: ignore[assignment]
+    page_index.list_fingerprints, page_index.dir_signature = counted_list, counted_sig  # type: ignore[assignment]
     every = rounds = page_index.FULL_RELIST_EVERY
     try:
         for way, relist_every in (("list_all", 1), ("changed_only", every)):
@@ -307,7 +307,7 @@ def refresh_cost(base: Path, refresh_s: float = 30.0) -> dict[str, float]:
             out[f"{way}_ops_per_min"] = ops * 60 / refresh_s
             out[f"{way}_entries_per_min"] = per["entries"] * 60 / refresh_s
     finally:
-        page_index.list_fingerprints, page_index._dir_signature = real_list, real_sig  # type: ignore[assignment]
+        page_index.list_fingerprints, page_index.dir_signature = real_list, real_sig  # type: ignore[assignment]
         page_index.FULL_RELIST_EVERY = every
     return out
 

@@ -308,7 +308,7 @@ def transfer_pipeline(case: Any, root: Path, batch: int, threads: int, cold: boo
     ``scratch_pages``: the transfer's device scratch (default two batches); ``io_loop``: the
     engine's setting (default the setting's default); ``encryption_key_file``: sealed pages."""
     from tierstore.config import TierStoreConfig
-    from tierstore.format.page import GroupKind
+    from tierstore.format.header import GroupKind
     from tierstore.kernels import GroupCopier
     from tierstore.kernels.launch import refusals as launch_refusals
     from tierstore.kernels.launch import totals as launch_totals

@@ -49,7 +49,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierstore.format.page import PageLayout, SectionSpec
+from tierstore.format.page_layout import PageLayout, SectionSpec
 from tierstore.fs.mapper import SLICE_DIR_RE, FileMapper
 
 

@@ -29,16 +29,15 @@ from typing import Any
 import xxhash
 
 from tierstore.errors import ConfigError
-from tierstore.format.page import (
+from tierstore.format.header import (
     FORMAT_VERSION,
     Codec,
     GroupKind,
-    PageLayout,
     PageMeta,
     SectionEntry,
-    SectionSpec,
     encode_header,
 )
+from tierstore.format.page_layout import PageLayout, SectionSpec
 from tierstore.fs import safefs
 from tierstore.fs.mapper import host_tag
 
@@ -258,7 +257,7 @@ def page_file_size(namespace: Namespace, group_index: int, key_len: int = 32, ra
                    layout: PageLayout | None = None) -> int:
     """Bytes of an uncompressed page file of this group (header + payload; ``layout``: a head
     slice's instead of the group's): the one rule of the local tier's reservations and the
-    inventory's estimates."""
+    of the walk's estimates (``admin.namespace_dirs``)."""
     lay = layout if layout is not None else namespace.groups[group_index].layout
     meta = PageMeta(namespace.digest_bytes, b"\0" * key_len, group_index, namespace.groups[group_index].kind, 0, rank)
     entries = [SectionEntry(s, o, s.nbytes, 0) for s, o in zip(lay.sections, lay.offsets, strict=True)]

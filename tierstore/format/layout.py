@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierstore.format.page import PageLayout, SectionSpec
+from tierstore.format.page_layout import PageLayout, SectionSpec
 
 # Conv states are stored as [conv_dim, kernel_width - 1] ("channels first"), whatever the
 # engine uses internally; the adapter transposes views to this orientation.

@@ -11,7 +11,7 @@ Load path: ``PageSealer.open`` checks the trailer's magic and key id, derives th
 decrypts into the caller's buffer; a tag that does not verify is ``PageUnauthenticated`` (kind
 "mac": not verifiable with this key, never removed), never served bytes.
 
-Authenticated data (``format.page.sealed_aad``): the whole header with its section checksums
+Authenticated data (``format.header.sealed_aad``): the whole header with its section checksums
 and header checksum zeroed (namespace digest, page name, group, rank and head range, token
 count, layout), followed by the trailer's magic, algorithm, key id and nonce: a page moved under
 another name, rank, head range or namespace fails to open. Per-write keys: keyed BLAKE2b of
@@ -149,7 +149,7 @@ class PageSealer:
     def seal(self, aad: bytes | memoryview, plaintext: memoryview, out: memoryview) -> None:
         """Encrypt ``plaintext`` into ``out``: the ciphertext (as long as ``plaintext``), then
         the trailer (``len(out) == len(plaintext) + TRAILER_LEN``). ``aad``: the header with zero
-        checksums (``format.page.sealed_aad``)."""
+        checksums (``format.header.sealed_aad``)."""
         n = len(plaintext)
         nonce = _NONCES.next()
         rest = _TRAILER.pack(b"", _MAGIC, ALG_AES256_GCM, self.key_id, nonce)[TAG_BYTES:]

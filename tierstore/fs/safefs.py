@@ -279,7 +279,7 @@ def walk(root_fd: int, *, max_depth: int, descend: Callable[[tuple[str, ...]], b
             ref = _DirRef(fd, pending=1)  # the walk's own hold until the children are queued
             stack_len = len(stack)
             try:
-                listing = DirListing(parts, fd, _list(fd))
+                listing = DirListing(parts, fd, list_dir(fd))
                 yield listing
                 for child, st in listing.entries:
                     cparts = (*parts, child)
@@ -320,7 +320,8 @@ def _release(ref: _DirRef) -> None:
         os.close(ref.fd)
 
 
-def _list(fd: int) -> list[tuple[str, os.stat_result]]:
+def list_dir(fd: int) -> list[tuple[str, os.stat_result]]:
+    """The entries of the directory ``fd`` with their ``lstat`` (an entry gone since readdir is left out)."""
     out = []
     with os.scandir(fd) as it:
         for entry in it:

@@ -30,8 +30,8 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, Protocol
 
 
-class TierIndexes(Protocol):
-    """What the prober reads of one tier of the lookup (``indexed_lookup.TierIndexes``)."""
+class ProbedTier(Protocol):
+    """What the prober reads of one tier of the lookup (an ``indexed_lookup.TierIndexes``)."""
 
     up: bool
     health: Any  # tiers' Health, or None for a tier that cannot hang (local)
@@ -47,11 +47,11 @@ class ProbedLookup(Protocol):
     deadline_s: float
 
     @property
-    def shared(self) -> TierIndexes: ...
+    def shared(self) -> ProbedTier: ...
     @property
-    def tiers(self) -> Sequence[TierIndexes]: ...
+    def tiers(self) -> Sequence[ProbedTier]: ...
     def slice_group(self, group: int) -> Any: ...
-    def missed_deadline(self, tier: TierIndexes, pending: Any, counter: str, what: str) -> None: ...
+    def missed_deadline(self, tier: ProbedTier, pending: Any, counter: str, what: str) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class IndexProber:
             out.append((token, whole))  # type: ignore[arg-type]
         return out
 
-    def _stat_under_deadline(self, tier: TierIndexes, paths: list[Any]) -> list[Identity | None] | None:
+    def _stat_under_deadline(self, tier: ProbedTier, paths: list[Any]) -> list[Identity | None] | None:
         futures = [self._stat_pool.submit(file_identity, p) for p in paths]
         done, pending = wait_futures(futures, timeout=self._lookup.deadline_s)
         if pending:

@@ -223,7 +223,7 @@ class PageIndex:
         it has not changed since its last listing (module docstring). Raises ``OSError`` from
         the listing (the directory keeps its previous state)."""
         signature, skipped = self._unchanged[fanout_index]
-        now = _dir_signature(self._dirs[fanout_index])
+        now = dir_signature(self._dirs[fanout_index])
         if (signature is not None and now == signature and skipped + 1 < FULL_RELIST_EVERY
                 and self._arrays[fanout_index] is not None):
             self._unchanged[fanout_index] = (signature, skipped + 1)
@@ -279,7 +279,7 @@ class PageIndex:
         return f"PageIndex({self.base}, {self._loaded}/{_DIRS} directories listed)"
 
 
-def _dir_signature(directory: str) -> tuple[int, int, int] | None:
+def dir_signature(directory: str) -> tuple[int, int, int] | None:
     """(inode, mtime_ns, ctime_ns) of a fan-out directory; None when it cannot be read (the
     listing then says why, or finds it empty).
 

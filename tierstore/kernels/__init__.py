@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from tierstore.errors import ConfigError
-from tierstore.format.page import PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.kernels.geometry import PagesArg, PlannedCopier
 from tierstore.kernels.reference import ReferenceCopier
 

@@ -4,7 +4,7 @@ Contract (docs/DESIGN.md §6, checksums and the GPU path): ``SectionHasher(layou
 ``pages`` ``[n, layout.nbytes]`` uint8 (rows contiguous; a row stride larger than
 ``layout.nbytes`` is accepted) on ``device`` and returns ``[n, len(layout.sections)]`` int64
 whose bit patterns are exactly ``xxhash.xxh3_64_intdigest(section_bytes)`` (seed 0, default
-192-byte secret) -- the section checksums of the page format (``tierstore.format.page.checksum``;
+192-byte secret) -- the section checksums of the page format (``tierstore.format.checksums.checksum``;
 unchanged since format 1). Gap bytes between sections are not hashed: readers check them
 (``format.check_gaps``).
 Convert a value with ``v & 0xFFFFFFFFFFFFFFFF``. ``hash(pages, out=)`` writes given rows instead
@@ -46,7 +46,8 @@ import os
 
 import torch
 
-from tierstore.format.page import PageLayout, checksum_as_int64
+from tierstore.format.checksums import checksum_as_int64
+from tierstore.format.page_layout import PageLayout
 from tierstore.kernels.launch import Launcher
 
 try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tierstore.errors import ConfigError
-from tierstore.format.page import PageLayout, SectionSpec
+from tierstore.format.page_layout import PageLayout, SectionSpec
 
 PagesArg = torch.Tensor | Sequence[torch.Tensor]
 

@@ -38,8 +38,8 @@ _SEEN_MAX = 4096  # host buffers remembered by ScratchRows.host_info
 
 def frame_pitch(slot: Any) -> int | None:
     """Bytes from one staging slot's page to the next slot's in its pool's slab (the frame
-    stride: ``StagingSlot._frame`` spans one frame), or None for a plain tensor."""
-    frame = getattr(slot, "_frame", None)
+    stride: ``StagingSlot.frame`` spans one frame), or None for a plain tensor."""
+    frame = getattr(slot, "frame", None)
     return len(frame) if frame is not None else None
 
 

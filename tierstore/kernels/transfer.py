@@ -75,7 +75,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore.format.page import U64_MASK, checksum_as_int64, section_checksums
+from tierstore.format.checksums import U64_MASK, checksum_as_int64, section_checksums
 from tierstore.fs.directio import round_up
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.scratch import ScratchRows

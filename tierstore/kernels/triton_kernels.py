@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tierstore.format.page import PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.kernels.geometry import INT_DTYPE_BY_SIZE, PagesArg, PlannedCopier, SectionCopy
 from tierstore.kernels.launch import Launcher
 

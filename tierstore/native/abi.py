@@ -1,11 +1,12 @@
 """The numbers the compiled kernels are built with: result codes, scratch slots, the native
 lane's shared-array layout and its fault-injection points. A leaf: it imports nothing.
 
-Contract: ``native/kernels.py`` compiles these values into machine code that numba caches on disk,
-keyed on ``native/kernels.py`` alone. So ``native.kernels.ABI_DIGEST`` records ``digest()`` of
-this module, and the kernels refuse to load (the Python path serves, ``native.failure()`` says
-why) when the two differ: a change here must come with a new ``ABI_DIGEST`` there, and that
-edit renews numba's cache. ``tests/native/test_native_lane_races.py`` checks the pair.
+Contract: ``native/page_kernels.py`` and ``native/lane_kernels.py`` compile these values into
+machine code that numba caches on disk, keyed on each file alone. So
+``native.page_kernels.ABI_DIGEST`` records ``digest()`` of this module, and the kernels refuse
+to load (the Python path serves, ``native.failure()`` says why) when the two differ: a change here must come with a new ``ABI_DIGEST`` there, and that
+edit renews numba's cache (of lane_kernels.py too, through its ``PAGE_KERNELS_DIGEST``).
+``tests/native/test_native_lane_races.py`` checks both.
 
 Threading: constants, and one flag (``cache_kernels``) that ``loader`` sets before it imports
 the kernels.
@@ -49,7 +50,7 @@ DEADLINE_NS_MAX = 1 << 62
 
 # ----------------------------------------------------------------- fault injection (tests)
 # Points where a lane thread pauses in a kernel built with TIERSTORE_LANE_FAULTS set
-# (native.kernels.LANE_FAULTS); the faults array holds FAULT_FIELDS per point: pause every
+# (native.lane_kernels.LANE_FAULTS); the faults array holds FAULT_FIELDS per point: pause every
 # Nth pass (0: never), for this many ns, and a pass counter.
 FAULT_CLAIM = 0  # inside claim: between reading the ring cell and taking it (the CAS of head)
 FAULT_BEFORE_RUNNING = 1  # between the claim and the RUNNING mark
@@ -66,7 +67,7 @@ cache_kernels = True
 
 
 def digest() -> str:
-    """A digest of every upper-case constant here (``native.kernels.ABI_DIGEST`` keeps the one
+    """A digest of every upper-case constant here (``native.page_kernels.ABI_DIGEST`` keeps the one
     it was built against)."""
     items = sorted((k, v) for k, v in globals().items() if k.isupper() and isinstance(v, int))
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]

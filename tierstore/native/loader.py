@@ -7,7 +7,7 @@ threads (docs/measurements/scaling.md). Here the steps run in compiled calls tha
 (numba ``nogil=True``), calling the same functions as the Python path: ``XXH3_64bits`` of the
 loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's
 ``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
-- ``native_page.load_page`` / ``store_page`` / ``load_pages`` (compiled in ``native/kernels.py``,
+- ``native_page.load_page`` / ``store_page`` / ``load_pages`` (compiled in ``native/page_kernels.py``,
   with the others, and cached on disk): a warm load or a store of one page file, header checks
   and header fill included, in one call each, or a batch of loads in one call;
 - ``read_and_hash`` and ``section_sums``: the pieces, for callers that hold an open file;
@@ -24,7 +24,7 @@ on the Python path, which names the error. Buffers are passed by address: the ca
 them alive and C-contiguous for the call.
 
 Threading: ``start()`` compiles on one daemon thread (numba's import and compile take ~6 s of
-CPU on the 2-core machine, loading ``native/kernels.py`` from numba's on-disk cache ~0.6 s; kept
+CPU on the 2-core machine, loading ``native/page_kernels.py`` and ``native/lane_kernels.py`` from numba's on-disk cache ~0.6 s; kept
 off the engine's start-up path and out of processes that never load a page, such as the CLI);
 until it finishes ``ready()`` is False. After that the compiled functions are safe from
 any number of threads at once (they touch only the buffers they are given).
@@ -62,7 +62,7 @@ MIN_NATIVE_BYTES = 64 << 10
 # Python open and fstat, and still read and hash in one call).
 _STAT_LAYOUT_KNOWN = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
-# native/kernels.py compiles with numba's on-disk cache unless this is False (set when numba
+# native/page_kernels.py and lane_kernels.py compile with numba's on-disk cache unless this is False (set when numba
 # finds no writable cache directory).
 cache_kernels = True
 _lock = threading.Lock()
@@ -127,9 +127,9 @@ def _compile() -> None:
     global _kernels, _failure
     try:
         _kernels = _build()
-        from tierstore.format import page as page_format  # here: importing the loader stays light
+        from tierstore.format import checksums  # here: importing the loader stays light
 
-        page_format.install_span_hasher(section_sums)
+        checksums.install_span_hasher(section_sums)
     except Exception as exc:  # numba missing or broken: the Python path serves; say why once
         _failure = f"{type(exc).__name__}: {exc}"
         logger.info("tierstore: native page hashing unavailable (%s); using the Python path "
@@ -160,20 +160,22 @@ def _shield_llvmlite_from_module_scans() -> None:
 
 
 def _build() -> Any:
-    """Compile the kernels (``native/kernels.py``; loaded from numba's on-disk cache after the
-    first process) and check them against xxhash; raise if anything differs."""
+    """Compile the kernels (``native/page_kernels.py``, ``native/lane_kernels.py``; loaded from
+    numba's on-disk cache after the first process) and check them against xxhash; raise if
+    anything differs."""
     _shield_llvmlite_from_module_scans()  # before numba's import: no window for a scan
     import numpy as np
     import xxhash
     import xxhash._xxhash as ext
     from llvmlite import binding
 
-    # The kernels call XXH3 by symbol (native.kernels._xxh3_symbol): make the loaded extension's symbols visible to
+    # The kernels call XXH3 by symbol (native.page_kernels._xxh3_symbol): make the loaded extension's symbols visible to
     # LLVM (at compile and at cache load) before the kernels' module is imported.
     binding.load_library_permanently(ext.__file__)
     global cache_kernels
     try:
-        from tierstore.native import kernels as k
+        from tierstore.native import lane_kernels as lk
+        from tierstore.native import page_kernels as k
     except RuntimeError as exc:
         # numba found no writable cache directory (a read-only install and no writable home):
         # compile for this process only, as before the cache (the import left no module).
@@ -182,12 +184,13 @@ def _build() -> Any:
         logger.info("tierstore: no writable numba cache directory (%s); compiling the native kernels for this "
                     "process only (set NUMBA_CACHE_DIR to a writable directory to cache them)", exc)
         cache_kernels = abi.cache_kernels = False
-        from tierstore.native import kernels as k
+        from tierstore.native import lane_kernels as lk
+        from tierstore.native import page_kernels as k
 
     hash_spans, hash_strided, read_pieces = k.hash_spans, k.hash_strided, k.read_pieces
     load_page, store_page, verify_pages, load_pages = k.load_page, k.store_page, k.verify_pages, k.load_pages
     store_pages = k.store_pages
-    lane = (k.lane_serve, k.lane_publish, k.lane_await, k.lane_stop, k.lane_cancel)
+    lane = (lk.lane_serve, lk.lane_publish, lk.lane_await, lk.lane_stop, lk.lane_cancel)
 
     probe = np.frombuffer(bytes(range(251)) * 700, dtype=np.uint8).copy()
     spans = np.array([[0, 1000], [1000, 175700]], dtype=np.int64)

@@ -37,7 +37,7 @@ steps.
 
 Failure policy: nothing raises for I/O. ``load_page`` returns a code: LOAD_BAD_SUM and
 LOAD_BAD_GAP (the file was read and identified; the caller names the damage with
-``pagefile.check_section_sums`` / ``format.check_gaps``), anything else not a success hands
+``own_read.check_section_sums`` / ``format.check_gaps``), anything else not a success hands
 the load to the Python path, which redoes it and names the error (a header other than the
 template's goes to the general reader there). ``store_page`` returns 0, STORE_EXISTS, or a
 negative code after which no temp file is left and the Python path redoes the store. The
@@ -52,7 +52,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tierstore.format.page import HeaderTemplate, PageLayout
+from tierstore.format.header_template import HeaderTemplate
+from tierstore.format.page_layout import PageLayout
 from tierstore.fs.directio import ALIGN
 from tierstore.native import loader as native
 from tierstore.native.abi import (  # noqa: F401  (load_page's damage codes, used as native_page.X)
@@ -138,11 +139,12 @@ def load_page(shape: PageShape, rank_fd: int, fanout_name: str, file_name: str, 
     got = kernels[0](rank_fd, names, len(fanout_name) + 1, key_at, flags[0], flags[1], shape.size,
                      int(check_cache), direct_len, frame, file_off, shape.plan, shape.load_spans, shape.gaps, shape.blank,
                      shape.const_ranges, shape.sum_offsets, shape.key_off, shape.sum_off, out, header_sums, scratch)
-    return _outcome(shape, int(got), scratch, out, header_sums)
+    return load_outcome(shape, int(got), scratch, out, header_sums)
 
 
-def _outcome(shape: PageShape, got: int, scratch: Any, sums: Any, header_sums: Any) -> LoadOutcome:
-    """``load_page``'s outcome from the kernel's return value and the arrays it filled."""
+def load_outcome(shape: PageShape, got: int, scratch: Any, sums: Any, header_sums: Any) -> LoadOutcome:
+    """``load_page``'s outcome from the kernel's return value and the arrays it filled (the
+    native lane reads its entries' results with it too)."""
     if got == shape.plan_end:
         code = 0
     elif got in (LOAD_BAD_SUM, LOAD_BAD_GAP):
@@ -180,7 +182,7 @@ def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, b
     kernels[3](rank_fd, names, len(fan) + 1, key_at, flags[0], flags[1], shape.size, int(check_cache), direct_len,
                slab, offs, shape.plan, shape.load_spans, shape.gaps, shape.blank, shape.const_ranges,
                shape.sum_offsets, shape.key_off, shape.sum_off, outs, header_sums, scratch, codes)
-    return [_outcome(shape, got, scratch[i], outs[i], header_sums[i]) for i, got in enumerate(codes.tolist())]
+    return [load_outcome(shape, got, scratch[i], outs[i], header_sums[i]) for i, got in enumerate(codes.tolist())]
 
 
 def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, key: bytes,

@@ -27,7 +27,7 @@ class Served:
     """An unverified load result awaiting the caller's ``settle``."""
 
     key: bytes
-    source: tuple[int, int, int] | None  # the file its bytes came from (pageops.FileIdentity)
+    source: tuple[int, int, int] | None  # the file its bytes came from (rank_dir.FileIdentity)
     nbytes: int
     seconds: float
 

@@ -2,14 +2,15 @@
 
 The engine is policy; the mechanisms are its parts, each with its own contract:
 ``ioqueue.JobQueue`` (queues, I/O threads, deadlines, results; loads before stores, a store
-never starved), ``staging.StagingPool`` (the page buffers), ``rankdir.PageFiles`` (the
-store, load and removal of this rank directory's page files, on I/O threads; built on
-``pagefile``'s flat functions, each with its failure policy), ``mapper.FileMapper`` (every file
+never starved), ``staging.StagingPool`` (the page buffers), ``page_files.PageFiles`` (the
+store, load and removal of this rank directory's page files, on I/O threads; built on the
+flat functions of one page file, each with its failure policy: page_io.py, publish.py,
+own_read.py, page_read.py, rank_dir.py), ``mapper.FileMapper`` (every file
 name) and ``format.HeaderTemplate`` (the exact header of our pages). What the engine decides:
 
 - Setup: ``manifest.json`` of the namespace and the 256 fan-out directories are written at
   start (a read-only root is logged; loads still work). O_DIRECT is used when the ``odirect``
-  setting allows and ``pagefile.probe_odirect`` passes under the group's directory (never with
+  setting allows and ``publish.probe_odirect`` passes under the group's directory (never with
   codec zstd, whose frames are unaligned); cold loads read with O_DIRECT when, in addition, the
   kernel answers cachestat(2).
 - Store (``PageFiles.store``): an existing final file counts as stored (``stored=False``)
@@ -28,7 +29,7 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   (setting ``trust_shared_root``) and the group/rank/fan-out directories must not be symlinks
   (``FileMapper.make_fanout_dirs``, a ConfigError otherwise); files are created 0600 and
   directories 0700 (0660/2770 with ``shared_group_access``). Every load, store and discard
-  reaches its file through ``PageFiles`` (``pagefile.RankDir``: directory fds, no symlink followed) and
+  reaches its file through ``PageFiles`` (``rank_dir.RankDir``: directory fds, no symlink followed) and
   opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
   is a ``PageUnsafe`` failure, never served, never followed or removed by a load; a store of the
   key replaces that entry (a directory is moved aside: ``PageFiles._clear_planted``). With ``mac_key_file`` every page
@@ -72,9 +73,10 @@ from tierstore.errors import (
     PageError,
     PageQueueFull,
 )
+from tierstore.format.header import Codec, PageExpectation
 from tierstore.format.identity import Namespace, namespace_dir, write_manifest
 from tierstore.format.mac import PageMac
-from tierstore.format.page import Codec, PageExpectation, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.directio import ALIGN, FrameGeometry, cachestat_available
@@ -84,8 +86,10 @@ from tierstore.native import loader as native
 from tierstore.rootstore.counters import EngineCounters, Served
 from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy
 from tierstore.rootstore.lane import NativeLane
-from tierstore.rootstore.pageops import FileIdentity, probe_odirect
-from tierstore.rootstore.rankdir import WARM_PIECE_BYTES, PageFiles
+from tierstore.rootstore.own_read import WARM_PIECE_BYTES
+from tierstore.rootstore.page_files import PageFiles
+from tierstore.rootstore.publish import probe_odirect
+from tierstore.rootstore.rank_dir import FileIdentity
 from tierstore.rootstore.staging import StagingPool, StagingSlot
 from tierstore.store import IOResult
 
@@ -210,7 +214,7 @@ class IOEngine:
         # what the Python I/O threads call: the files themselves, or what a caller wrapped them in
         self.ops: PageFileOps = file_ops(self.files) if file_ops is not None else self.files
         with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
-            self.files._dirs.rank_fd()  # (a missing directory: the first store makes it)
+            self.files.rank_dir.rank_fd()  # (a missing directory: the first store makes it)
         if staging is not None and staging.geometry != self.geometry:
             raise ValueError(f"the staging pool's frames {staging.geometry} are not this engine's {self.geometry}")
         self._pool = staging if staging is not None else staging_pool(self.geometry, self.config, staging_slots, pin)
@@ -236,7 +240,7 @@ class IOEngine:
 
     @property
     def warm_piece_bytes(self) -> int:
-        """The piece size of a warm load (``pageops.WARM_PIECE_BYTES``)."""
+        """The piece size of a warm load (``own_read.WARM_PIECE_BYTES``)."""
         return self.files.warm_piece_bytes
 
     @warm_piece_bytes.setter
@@ -348,7 +352,7 @@ class IOEngine:
         return s
 
     def expectation(self, key: bytes) -> PageExpectation:
-        """What a page of ``key`` written for this engine must be (``pagefile.read_page``)."""
+        """What a page of ``key`` written for this engine must be (``page_read.read_page``)."""
         return self.files.expectation(key)
 
     # ----------------------------------------------------------------- job hooks (JobQueue)
@@ -421,16 +425,14 @@ class IOEngine:
     def _remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:
         self.files.remove_damaged(key, source, error)
 
-    def _header_len(self, key_len: int) -> int:
+    def header_len(self, key_len: int) -> int:
         """Header bytes of this engine's pages for a key of ``key_len`` bytes (bench/io.py)."""
         return self.files.header_len(key_len)
 
     @property
-    def _slots(self) -> list[StagingSlot]:
-        """Every staging slot (bench/io.py walks them)."""
+    def slots(self) -> list[StagingSlot]:
+        """Every staging slot, free or not (bench/io.py walks them)."""
         return self._pool.slots
-
-
 
 
 _MAC_COSTS_SAID = threading.Event()
@@ -456,7 +458,7 @@ def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper, config: 
     ``trust_shared_root``), make the 256 fan-out directories (ConfigError for a symlinked
     directory on the way: checked before the manifest is written into it), so stores never
     create a directory (see mapper.py; one removed later is made again by
-    ``pagefile.RankDir``), and write the manifest. A read-only root is logged: loads still work."""
+    ``rank_dir.RankDir``), and write the manifest. A read-only root is logged: loads still work."""
     with contextlib.suppress(OSError):  # reported below by the manifest and the fan-out directories
         os.makedirs(root, exist_ok=True)
     if root.is_dir():

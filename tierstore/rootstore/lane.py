@@ -4,7 +4,7 @@ Why: every return of an I/O thread to Python is a request for the GIL. Beside a 
 thread (vLLM's worker, or the GPU pipeline's driver, busy 85-93% of a transfer) such a request
 waits for the holder, and with one return per page the engine's stores lost 41% of their
 speed (docs/measurements/scaling.md). Here the I/O threads run a compiled loop
-(``native.kernels.lane_serve``, numba ``nogil``) that takes jobs from shared rings, runs
+(``native.lane_kernels.lane_serve``, numba ``nogil``) that takes jobs from shared rings, runs
 ``store_page`` / ``load_page`` on them and marks them done: they never hold the GIL, from the
 engine's start to its close.
 
@@ -24,7 +24,8 @@ Contract:
   (a missing directory, a failed write, a missing, cold, damaged or foreign file): the queue
   runs that job again on the Python path, which redoes it and names the error. So the lane
   never decides a failure itself, and the bytes and checks are the native kernels' (the same as
-  ``PageFiles``' native calls: ``tests/native/test_native.py``).
+  ``PageFiles``' native calls, ``page_files_native.NativeFileCalls``, whose page shapes, frame
+  arrays and result readings the lane uses: ``tests/native/test_native.py``).
 - Loads go before stores, a store after at most ``MAX_BYPASS`` loads taken past it
   (``ioqueue.QueuePolicy``'s rule).
 - ``stop(timeout)`` stops the threads (each finishes the page it is on) and returns the jobs
@@ -37,7 +38,7 @@ Threading: the lane's arrays are shared. Entries (one per staging slot: a job ho
 the lane never fills) go FREE -> READY (``offer``, the queue's lock held) -> RUNNING (a CAS by
 the thread that claimed its ring position) -> DONE (that thread) -> FREE (``harvest``, the lock
 held), or READY -> FREE (``stop``'s CAS, for entries no thread marked RUNNING). A thread reads
-its ring cell before the CAS that claims it (``native.kernels.claim`` says why that order is
+its ring cell before the CAS that claims it (``native.lane_kernels.claim`` says why that order is
 the safe one). Every shared transition is a sequentially consistent atomic. Idle lane threads sleep on a futex word the publisher bumps. One harvest thread waits,
 also without the GIL (``lane_await``), until some entry has stayed done and unharvested for
 ``harvest_delay_s``; only then does it take the GIL and the queue's lock (``on_ready``): a
@@ -84,11 +85,11 @@ from tierstore.native.abi import (
     OP_STORE,
     SCRATCH_LEN,
 )
-from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.page_io import NATIVE_OPEN_FLAGS
 
 if TYPE_CHECKING:
     from tierstore.rootstore.ioqueue import Job
-    from tierstore.rootstore.rankdir import PageFiles
+    from tierstore.rootstore.page_files import PageFiles
     from tierstore.rootstore.staging import StagingPool
 
 logger = logging.getLogger("tierstore.engine")
@@ -142,6 +143,7 @@ class NativeLane:
     def __init__(self, files: PageFiles, pool: StagingPool, *, threads: int, name: str,
                  harvest_delay_s: float = HARVEST_DELAY_S) -> None:
         self.files, self.pool = files, pool
+        self.calls = files.native  # the native file calls whose shapes, arrays and results the lane shares
         self.threads, self.name = threads, name
         self.harvest_delay_s = harvest_delay_s
         self._on_ready: Callable[[], None] | None = None
@@ -161,14 +163,14 @@ class NativeLane:
         """Build the arrays and start the threads for keys of ``key_len`` bytes; False when the
         native store does not apply to this engine (yet: the kernels may still compile)."""
         kernels = native.lane_kernels()
-        plan = self.files.native_store_plan(key_len) if kernels is not None else None
+        plan = self.calls.store_plan(key_len) if kernels is not None else None
         if plan is None or self.files.python_only or self._on_ready is None:
             return False
         np = native.numpy()
         files, cap = self.files, len(self.pool)
         shape, (dir_flags, store_flags), file_off, length = plan
-        load_shapes = {True: files._shape(key_len, True), False: files._shape(key_len, False)}
-        slab = files._frame_in_slab(self.pool.slots[0])[0]
+        load_shapes = {True: self.calls.shape(key_len, True), False: self.calls.shape(key_len, False)}
+        slab = self.calls.frame_in_slab(self.pool.slots[0])[0]
         sample = b"\0" * key_len
         final = files.mapper.final_path(sample)
         fan, name = fanout(sample), os.path.basename(final)
@@ -208,7 +210,7 @@ class NativeLane:
         self._serve_args = (
             self.ctl, self.words, self.states, self.ring, self.desc, self.snames, self.lnames, slab,
             self._s_tmp_at, self._s_final_at, s_key_at, len(fan) + 1, self._l_key_at, dir_flags, store_flags,
-            pagefile.NATIVE_OPEN_FLAGS[1], files.perms.file_mode, length,
+            NATIVE_OPEN_FLAGS[1], files.perms.file_mode, length,
             shape.size, int(files.fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank, shape.const_ranges,
             shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, load_shapes[True].plan,
             load_shapes[False].plan, load_shapes[False].load_spans, self.given, self.sums, self.header_sums,
@@ -258,10 +260,10 @@ class NativeLane:
         if len(job.key) != self.key_len or not self._free or job.slot is None:
             return False
         files = self.files
-        slab, off = files._frame_in_slab(job.slot)
+        slab, off = self.calls.frame_in_slab(job.slot)
         if slab is not self._slab:
             return False
-        rank_fd = files.held_rank_fd()
+        rank_fd = self.calls.held_rank_fd()
         if rank_fd < 0:  # not opened yet: the Python threads open it (the lock is held here)
             return False
         key = job.key
@@ -281,7 +283,7 @@ class NativeLane:
             if files.warm_piece_bytes != self.piece_bytes:
                 return False
             op, arg, flag = OP_LOAD, int(bool(job.verify)), int(files.direct_loads)
-            direct_len = files.direct_len(self._load_shapes[job.verify])
+            direct_len = self.calls.direct_len(self._load_shapes[job.verify])
             names = f"{fan}\0{name}\0".encode() + key
             q = 0
         e = self._free[-1]
@@ -329,19 +331,19 @@ class NativeLane:
         return out
 
     def _outcome(self, job: Job, e: int, code: int) -> Outcome | None:
-        files = self.files
+        calls = self.calls
         if code == LANE_EXPIRED:
             return job.expired_in_queue(), False, 0
         if job.op == "store":
-            done = files._native_stored(job.key, code)
+            done = calls.stored(job.key, code)
             if done is None:
                 return None
             return None, done[0], done[1]
         shape = self._load_shapes[job.verify]
-        got = native_page._outcome(shape, code, self.scratch[e], self.sums[e], self.header_sums[e])
+        got = native_page.load_outcome(shape, code, self.scratch[e], self.sums[e], self.header_sums[e])
         if got[0] != 0:
             return None  # damaged, missing, cold or foreign: the Python path names it
-        done = files._native_result(job.key, job.slot, files.mapper.final_path(job.key), job.verify, got)
+        done = calls.load_result(job.key, job.slot, self.files.mapper.final_path(job.key), job.verify, got)
         if done is None:
             return None
         job.sums = done[1]

@@ -40,8 +40,14 @@ class StagingSlot:
     # aligned I/O buffer (the header goes right before the page). Store-internal; callers use
     # ``view``/``tensor``.
     _frame: memoryview = field(repr=False)
-    # The file a load read into this slot (pagefile.FileIdentity), for removing it if damaged.
+    # The file a load read into this slot (rank_dir.FileIdentity), for removing it if damaged.
     source: tuple[int, int, int] | None = field(default=None, repr=False)
+
+    @property
+    def frame(self) -> memoryview:
+        """The slot's whole frame, [header room | page | pad to ALIGN]: the one I/O buffer of
+        its page file (the store's file operations and the transfer kernels' frame pitch)."""
+        return self._frame
 
 
 class StagingPool:

@@ -42,17 +42,11 @@ import numpy as np
 import torch
 import zstandard
 
+from tierstore.format.header import FORMAT_VERSION, Codec, GroupKind, PageExpectation, PageMeta
 from tierstore.format.identity import GroupSpec, Namespace
 from tierstore.format.layout import attention_layout, mamba_layout, mla_layout, mla_rows_layout
-from tierstore.format.page import (
-    FORMAT_VERSION,
-    Codec,
-    GroupKind,
-    PageExpectation,
-    PageLayout,
-    PageMeta,
-    encode_page,
-)
+from tierstore.format.page import encode_page
+from tierstore.format.page_layout import PageLayout
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.views import block_bytes_view, make_attention_caches, mamba_state_views
 

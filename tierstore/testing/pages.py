@@ -16,9 +16,9 @@ Contract:
   zero padding between sections), derived only from (layout, key, group, seed): the same
   arguments give the same bytes in any process.
 - ``write_page`` encodes and atomically publishes one page exactly as the engine does
-  (``format.encode_page`` + ``pagefile.publish_page`` at ``FileMapper.path_for``);
+  (``format.encode_page`` + ``publish.publish_page`` at ``FileMapper.path_for``);
   ``fill_pages`` writes the manifest and N pages per group and rank;
-  ``read_stored`` reads a page back through ``pagefile.read_page`` with the full expectation;
+  ``read_stored`` reads a page back through ``page_read.read_page`` with the full expectation;
   ``write_slice_page`` writes one tensor-parallel slice's file of a one-group namespace (its
   units ``heads`` of the full layout, ``head_slices``) under ``<dir>/h<start>-<count>/``.
 
@@ -40,19 +40,14 @@ import numpy as np
 import xxhash
 import zstandard
 
+from tierstore.format.header import Codec, GroupKind, PageExpectation, PageMeta
 from tierstore.format.identity import GroupSpec, Namespace, ParallelLayout, write_manifest
 from tierstore.format.layout import attention_layout, mamba_layout
-from tierstore.format.page import (
-    DTYPES,
-    Codec,
-    GroupKind,
-    PageExpectation,
-    PageLayout,
-    PageMeta,
-    encode_page,
-)
+from tierstore.format.page import encode_page
+from tierstore.format.page_layout import DTYPES, PageLayout
 from tierstore.fs.mapper import FileMapper
-from tierstore.rootstore.pageops import publish_page, read_page
+from tierstore.rootstore.page_read import read_page
+from tierstore.rootstore.publish import publish_page
 
 
 def hybrid_namespace(

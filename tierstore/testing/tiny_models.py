@@ -135,6 +135,13 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {KINDS}")
     cfg.update(fields)
+    _add_layer_types(kind, cfg, fields)
+    return cls, cfg
+
+
+def _add_layer_types(kind: str, cfg: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Set ``cfg``'s per-layer pattern (``layer_types``, and Gemma 4's ``per_layer_config``) for
+    a hybrid ``kind``, unless ``fields`` (the overrides) set it."""
     n = cfg["num_hidden_layers"]
     if "layer_types" not in fields:
         if kind in ("gemma3", "gptoss"):
@@ -148,7 +155,6 @@ def _kind_config(kind: str, size: str, vocab: int, fields: dict[str, Any]) -> tu
     if kind == "gemma4" and "per_layer_config" not in fields:
         cfg["per_layer_config"] = {f"{i:02d}": {"head_dim": 2 * cfg["head_dim"]}
                                    for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"}
-    return cls, cfg
 
 
 _MODEL_CLASSES = {

@@ -10,9 +10,15 @@ touch-on-hit). With only ``root`` set the chain has one tier, named ``root`` (it
 ``deadline_s``). Beside the chain: ``Promotion`` (promotion.py) and ``SharedBacklog``
 (backlog.py). The engine tiers share ``EngineTier`` (tier.py).
 
+``open_rank_store(config, namespace, group_index, rank=, tp_size=, layout=, ...)`` is the one
+place stores are composed for an engine rank: a chain in the rank's own directory, or, for a
+head-sliced namespace (``head_sliced``), a chain in the rank's slice directory wrapped in a
+``HeadSliceStore`` that assembles the rank's heads from other TPs' slices on a miss.
+``lookup_dirs`` gives the scheduler's index the same directories.
+
 Every chain of one process shares one ``HostTier`` (so ``host_bytes`` caps the whole process)
 and one ``LocalIndex`` per local root. With ``max_bytes`` and ``gc_interval_s`` set, one
-background gc thread per process keeps ``root`` under the cap (``tierstore.tiers.gc``).
+background gc thread per process keeps ``root`` under the cap (``tierstore.tiers.gc_daemon``).
 Threading: the factory is thread-safe.
 
 Importing this package is light: the engine and the chain (and with them torch, for staging
@@ -34,11 +40,15 @@ from tierstore.metrics import MetricsRegistry, default_registry
 if TYPE_CHECKING:
     from tierstore.config import TierStoreConfig
     from tierstore.format.identity import Namespace
+    from tierstore.fs.mapper import FileMapper
+    from tierstore.index.indexed_lookup import SliceGroup
     from tierstore.index.local_index import LocalIndex
+    from tierstore.store import PageStore
     from tierstore.tiers.chain import TierChain
     from tierstore.tiers.host import HostTier
 
-__all__ = ["TierChain", "HostTier", "LocalIndex", "open_group_store", "close_shared_state"]
+__all__ = ["TierChain", "HostTier", "LocalIndex", "open_group_store", "open_rank_store", "lookup_dirs",
+           "head_sliced", "close_shared_state"]
 
 _LAZY = {"TierChain": "tierstore.tiers.chain", "HostTier": "tierstore.tiers.host",
          "LocalIndex": "tierstore.index.local_index"}
@@ -105,11 +115,73 @@ def open_group_store(
 
     reg = metrics if metrics is not None else default_registry()
     if config.gc_interval_s and config.max_bytes:  # the one place the root's gc daemon starts
-        from tierstore.tiers.gc import GcDaemon
+        from tierstore.tiers.gc_daemon import GcDaemon
 
         GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier(root_tier_name(config)))
     return TierChain(config, namespace, group_index, rank=rank, host=_host_tier(config, reg),
                      local_index=_local_index(config), metrics=reg, **engine_kwargs)
+
+
+def head_sliced(namespace: Namespace) -> bool:
+    """Whether the namespace's pages are head slices readable at any TP (``vllm.namespace``
+    decided it at start: every group sliceable, and the namespace's TP is 1 whatever the
+    engine's)."""
+    from tierstore.format.head_slices import slice_units
+
+    return namespace.parallel.tp_size == 1 and all(slice_units(g.layout) for g in namespace.groups)
+
+
+def open_rank_store(config: TierStoreConfig, namespace: Namespace, group_index: int, *, rank: int, tp_size: int,
+                    layout: Any, heads: tuple[int, int], **engine_kwargs: Any) -> PageStore:
+    """The page store of group ``group_index`` for engine rank ``rank`` of ``tp_size``: per-rank
+    files (``rank`` 0 when the namespace is TP-independent, an MLA latent replicated on every
+    rank), or, head-sliced, the rank's slice directory and ``layout`` in every tier of the chain,
+    wrapped in a ``HeadSliceStore``. ``heads``: (start, count) the header records for a
+    per-rank file."""
+    if not head_sliced(namespace):
+        return open_group_store(config, namespace, group_index, rank=0 if namespace.parallel.tp_size == 1 else rank,
+                                head_start=heads[0], head_count=heads[1], **engine_kwargs)
+    from tierstore.format.head_slices import HeadRange, rank_heads, segments, split_dir_name
+    from tierstore.fs.mapper import group_dir
+    from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+
+    full_layout = namespace.groups[group_index].layout
+    full = segments(full_layout)[0]
+    mine = rank_heads(full, tp_size, rank)
+    if mine.count == full:  # TP=1: r0, the group's layout, headers as before
+        inner = open_group_store(config, namespace, group_index, rank=0, **engine_kwargs)
+    else:
+        inner = open_group_store(config, namespace, group_index, rank=mine.start // mine.count,
+                                 head_start=mine.start, head_count=mine.count, rank_dir=split_dir_name(mine),
+                                 layout=layout, **engine_kwargs)
+    source = DirectorySlices(group_dir(config.root, namespace.digest, group_index), namespace.digest_bytes,
+                             group_index, full_layout, refresh_s=config.index_refresh_s)
+    return HeadSliceStore(inner, HeadRange(mine.start, mine.count), full_layout, source)
+
+
+def lookup_dirs(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> tuple[
+        list[list[FileMapper]], list[list[FileMapper]] | None, list[SliceGroup | None] | None]:
+    """The directories the scheduler's index answers from, per group: (shared root mappers,
+    ``local_root`` mappers or None, slice groups or None). Every rank's files answer a lookup
+    (the scheduler runs beside rank 0): a page is a hit only when each rank can load its part.
+    Head-sliced: one mapper per slice directory some TP writes, combined by ``SliceGroup``."""
+    from tierstore.format.head_slices import rank_heads, segments, slice_mappers, tp_slices
+    from tierstore.fs.mapper import FileMapper
+    from tierstore.index.indexed_lookup import SliceGroup
+
+    n, digest, local = len(namespace.groups), namespace.digest, config.local_root
+    if not head_sliced(namespace):
+        ranks = range(namespace.parallel.tp_size)  # 1: a replicated MLA latent's r0
+        mappers = [[FileMapper(config.root, digest, i, r) for r in ranks] for i in range(n)]
+        local_mappers = [[FileMapper(local, digest, i, r) for r in ranks] for i in range(n)] if local else None
+        return mappers, local_mappers, None
+    units = [segments(g.layout)[0] for g in namespace.groups]
+    mappers = [slice_mappers(config.root, digest, i, units[i]) for i in range(n)]
+    local_mappers = [slice_mappers(local, digest, i, units[i]) for i in range(n)] if local else None
+    slices: list[SliceGroup | None] = [
+        SliceGroup(tuple(tp_slices(units[i])), tuple(rank_heads(units[i], tp_size, r) for r in range(tp_size)))
+        for i in range(n)]
+    return mappers, local_mappers, slices
 
 
 def close_shared_state() -> None:

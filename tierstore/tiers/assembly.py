@@ -1,13 +1,13 @@
 """Serving a page from head slices written at another tensor-parallel size: ``assemble``.
 
 ``assemble`` reads the covering files (``format.head_slices.cover``'s answer), each fully
-verified by the one verify-then-serve function of every reader (``pageops.read_page_fd`` with
+verified by the one verify-then-serve function of every reader (``page_read.read_page_fd`` with
 that writer's expectation: header checksum, namespace, key, group, rank, layout, every section
 checksum and, with the fleet key ``mac``, the MAC tag) into a scratch buffer, and copies their
 units into the reader's page. Every byte a rank scatters from it was verified as a page served
 by an engine is: with a key, a slice file written without it is never served (and so never
 stored back under the reader's slice with a valid tag). Files are opened through directory fds
-from the root down (``pageops.RankDir``: no symlinked namespace, group, slice or fan-out
+from the root down (``rank_dir.RankDir``: no symlinked namespace, group, slice or fan-out
 directory is followed, ``open_page``: no symlink, FIFO or hard link under the page's name is
 read), as every other reader opens pages. It returns the cost: bytes read and files opened
 (the read amplification of a TP change).
@@ -26,10 +26,13 @@ from pathlib import Path
 
 from tierstore.errors import BAD_CONTENT_KINDS, PageError
 from tierstore.format.head_slices import HeadRange, copy_heads, slice_layout, split_dir_name
+from tierstore.format.header import PageExpectation
 from tierstore.format.mac import PageMac
-from tierstore.format.page import PageExpectation, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.format.sealing import KeyRing
-from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore import page_read
+from tierstore.rootstore.page_io import open_page
+from tierstore.rootstore.rank_dir import FileIdentity, RankDir, file_identity
 
 
 @dataclass
@@ -58,11 +61,11 @@ def open_slice_file(path: Path, key: bytes) -> tuple[int, os.stat_result]:
     parts = path.parts
     if len(parts) < 6:
         raise ValueError(f"{path} is not ROOT/<namespace>/g<group>/<slice>/<fan-out>/<page>")
-    dirs = pagefile.RankDir(Path(*parts[:-5]), parts[-5:-2])
+    dirs = RankDir(Path(*parts[:-5]), parts[-5:-2])
     try:
         dir_fd = dirs.fanout(parts[-2], where=str(path), key=key)
         try:
-            return pagefile.open_page(parts[-1], key, dir_fd=dir_fd, where=str(path))
+            return open_page(parts[-1], key, dir_fd=dir_fd, where=str(path))
         finally:
             os.close(dir_fd)
     finally:
@@ -71,7 +74,7 @@ def open_slice_file(path: Path, key: bytes) -> tuple[int, os.stat_result]:
 
 def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayout, out: memoryview,
              locate: Callable[[HeadRange], tuple[Path, PageExpectation]],
-             on_damage: Callable[[Path, pagefile.FileIdentity, PageError], None] | None = None,
+             on_damage: Callable[[Path, FileIdentity, PageError], None] | None = None,
              *, mac: PageMac | None = None, sealer: KeyRing | None = None) -> AssembleCost:
     """Fill ``out`` (the ``slice_layout(full_layout, need)`` page) from the files of ``pieces``
     (``cover``'s answer). ``locate(piece)`` gives a piece's path and its writer's expectation
@@ -94,11 +97,11 @@ def assemble(need: HeadRange, pieces: Sequence[HeadRange], full_layout: PageLayo
         scratch = memoryview(bytearray(layout.nbytes))
         fd, st = open_slice_file(path, expect.key)  # read_page's steps, keeping the file's identity
         try:
-            header = pagefile.read_page_fd(fd, st, str(path), expect, scratch, mac=mac,  # as every page served
+            header = page_read.read_page_fd(fd, st, str(path), expect, scratch, mac=mac,  # as every page served
                                            sealer=sealer)
         except PageError as exc:
             if on_damage is not None and exc.kind in BAD_CONTENT_KINDS:
-                on_damage(path, pagefile.file_identity(st), exc)
+                on_damage(path, file_identity(st), exc)
             raise
         finally:
             os.close(fd)

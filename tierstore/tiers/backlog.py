@@ -5,7 +5,7 @@ are dropped first and counted as ``failures["backlog_full"]``). While the shared
 and the backlog is not empty, one uploader thread reads the local file, verified, into a
 shared staging slot: through the local rank directory's fd without following a symlink, the
 file opened O_NOFOLLOW|O_NONBLOCK and read only if regular with one link
-(``pagefile.RankDir``, ``open_page``, ``read_page_fd``), its MAC verified when the local engine
+(``rank_dir.RankDir``, ``page_io.open_page``, ``page_read.read_page_fd``), its MAC verified when the local engine
 has a fleet key (a page without a valid tag is never uploaded), and stores it there, one page at a time
 and only while the shared engine has no store waiting in its queue (the caller's stores go
 first). A page evicted or damaged since is skipped; an upload that fails is not retried (the
@@ -28,10 +28,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from tierstore.errors import PageError
-from tierstore.format.page import PageHeader
+from tierstore.format.header import PageHeader
 from tierstore.fs.mapper import fanout
-from tierstore.rootstore import pageops as pagefile
 from tierstore.rootstore.engine import IOEngine
+from tierstore.rootstore.page_io import open_page
+from tierstore.rootstore.page_read import read_page_fd
+from tierstore.rootstore.rank_dir import RankDir
 from tierstore.tiers.local import LocalTier
 from tierstore.tiers.shared import SharedTier
 
@@ -51,7 +53,7 @@ class SharedBacklog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._dirs: pagefile.RankDir | None = None  # the source's rank directory (opened at first upload)
+        self._dirs: RankDir | None = None  # the source's rank directory (opened at first upload)
         target.on_health(lambda up: self.kick() if up else None)
 
     def __len__(self) -> int:
@@ -123,15 +125,15 @@ class SharedBacklog:
     def _read_local(self, src: IOEngine, key: bytes, out: memoryview) -> PageHeader:
         """Read and verify the local page of ``key`` into ``out`` (see the module docstring)."""
         if self._dirs is None:
-            self._dirs = pagefile.RankDir(src.root, src.mapper.dir_parts)
+            self._dirs = RankDir(src.root, src.mapper.dir_parts)
         path = src.mapper.final_path(key)
         dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
         try:
-            fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+            fd, st = open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
         finally:
             os.close(dir_fd)
         try:
-            return pagefile.read_page_fd(fd, st, path, src.expectation(key), out, mac=src.mac,
+            return read_page_fd(fd, st, path, src.expectation(key), out, mac=src.mac,
                                          sealer=src.sealer)
         finally:
             os.close(fd)

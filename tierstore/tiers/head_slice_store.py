@@ -69,13 +69,14 @@ from tierstore.format.head_slices import (
     slice_layout,
     split_dir_name,
 )
+from tierstore.format.header import PageExpectation
 from tierstore.format.mac import PageMac
-from tierstore.format.page import PageExpectation, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.format.sealing import KeyRing
 from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
 from tierstore.index import page_index
-from tierstore.rootstore import pageops as pagefile
+from tierstore.rootstore.rank_dir import RankDir
 from tierstore.store import IOResult, PageStore
 from tierstore.tiers.assembly import assemble
 
@@ -378,7 +379,7 @@ class HeadSliceStore:
         it, and no other reader pays for reading it. Through the slice directory's fd, no
         symlink followed; never raises."""
         parts = path.parts
-        dirs = pagefile.RankDir(Path(*parts[:-5]), parts[-5:-2])  # ROOT / <ns> / g<g> / <slice> / <aa> / <name>
+        dirs = RankDir(Path(*parts[:-5]), parts[-5:-2])  # ROOT / <ns> / g<g> / <slice> / <aa> / <name>
         try:
             removed = dirs.remove_damaged(parts[-2], parts[-1], identity, where=str(path), key=key)
         finally:

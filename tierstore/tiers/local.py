@@ -155,25 +155,14 @@ class LocalTier(EngineTier):
 
         ok = self._admission.sync(timeout)
         ok = super().flush(left()) and ok
-        self.poll_into_index()
+        self.finish_completed()  # the completed stores into the index (on_store) before it syncs
         ok = self.index.sync(left()) and ok
         self.publish_capacity()
         return ok
 
-    def poll_into_index(self) -> None:
-        """Apply completed engine stores to the index now; their results stay for ``poll``."""
-        eng = self.engine()
-        if eng is None:
-            return
-        with self._cond:
-            taken = self._take(eng.poll())
-        done = self._finish(taken)  # the hooks run outside the tier's lock
-        with self._cond:
-            self._done.update((r.job_id, r) for r in done)
-
     def close(self, timeout: float | None = None) -> None:
         self._admission.close(timeout)
         super().close(timeout)
-        self.poll_into_index()
+        self.finish_completed()
         if self._own_index:
             self.index.close()

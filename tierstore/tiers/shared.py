@@ -51,8 +51,9 @@ from tierstore.format.identity import Namespace
 from tierstore.fs.deadline import DeadlineRunner, Health, probe_root
 from tierstore.fs.mapper import FileMapper, fanout
 from tierstore.metrics import TierMetrics
-from tierstore.rootstore import pageops as pagefile
 from tierstore.rootstore.engine import IOEngine, frame_geometry, staging_pool
+from tierstore.rootstore.page_io import open_page, read_error
+from tierstore.rootstore.rank_dir import RankDir
 from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult
 from tierstore.tiers.tier import EngineTier, TierJob
@@ -113,7 +114,7 @@ class SharedTier(EngineTier):
         # the touch's own directory fds (the engine's are its own): no symlink followed, and the
         # engine's directory (a head slice's h<start>-<count>, not r<rank>: FileMapper says which)
         self._mapper = FileMapper(self.root, namespace.digest, group_index, rank, engine_kwargs.get("rank_dir"))
-        self._dirs = pagefile.RankDir(self.root, self._mapper.dir_parts)
+        self._dirs = RankDir(self.root, self._mapper.dir_parts)
         kwargs = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ENGINE_KWARGS}
         self._layout = kwargs.get("layout") or namespace.groups[group_index].layout
         geometry = frame_geometry(namespace, group_index, config, rank=rank, head_start=kwargs.get("head_start", 0),
@@ -313,21 +314,21 @@ class SharedTier(EngineTier):
         self._dirs.close(timeout=0.05)  # a touch's open hung in a dead mount must not hold shutdown
 
 
-def touch_page(dirs: pagefile.RankDir, key: bytes, path: str) -> None:
+def touch_page(dirs: RankDir, key: bytes, path: str) -> None:
     """Set the page file's mtime to now through an fd: the fan-out directory opened from the
     rank directory's fd (``RankDir.fanout``, no symlink followed), the file opened as a load
-    opens it (``pagefile.open_page``: O_NOFOLLOW|O_NONBLOCK, regular, one link). Raises
+    opens it (``page_io.open_page``: O_NOFOLLOW|O_NONBLOCK, regular, one link). Raises
     ``PageMissing`` (gone), ``PageUnsafe`` (a link, a FIFO, a hard link: nothing touched) or
     ``PageIOError``."""
     dir_fd = dirs.fanout(fanout(key), where=path, key=key)
     try:
-        fd, _ = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+        fd, _ = open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
     finally:
         os.close(dir_fd)
     try:
         os.utime(fd)
     except OSError as exc:
-        raise pagefile.read_error(exc, "read", path, key) from exc
+        raise read_error(exc, "read", path, key) from exc
     finally:
         os.close(fd)
 

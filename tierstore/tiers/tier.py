@@ -339,6 +339,19 @@ class EngineTier:
             self._done.clear()
         return self._finish(taken) + done
 
+    def finish_completed(self) -> None:
+        """Run the hooks (counts, ``on_load``, ``on_store``) of the results the engine has
+        completed now and keep the results for the next ``poll``: a subclass whose hooks feed
+        its own state (the local tier's index) brings that state up to date before it syncs it."""
+        eng = self.engine()
+        if eng is None:
+            return
+        with self._cond:
+            taken = self._take(eng.poll())
+        done = self._finish(taken)  # the hooks run outside the tier's lock
+        with self._cond:
+            self._done.update((r.job_id, r) for r in done)
+
     def wait(self, job_ids: Iterable[int], timeout: float | None) -> list[IOResult]:
         ids = list(job_ids)
         end = None if timeout is None else time.monotonic() + timeout

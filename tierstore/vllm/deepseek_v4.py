@@ -34,8 +34,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierstore.errors import ConfigError
+from tierstore.format.header import GroupKind
 from tierstore.format.layout import mla_rows_layout
-from tierstore.format.page import GroupKind, PageLayout
+from tierstore.format.page_layout import PageLayout
 
 V4_REFUSAL = ("DeepSeek-V4's pages round-trip at the worker (tierstore.vllm.deepseek_v4), but no engine "
               "has run a V4 model with tierstore: its five groups of 64/256/4/8-token blocks over one packed "

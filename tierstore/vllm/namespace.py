@@ -42,9 +42,10 @@ import xxhash
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
 from tierstore.format.head_slices import rank_heads, slice_layout, slice_units
+from tierstore.format.header import GroupKind
 from tierstore.format.identity import STABLE_HASH_ALGOS, GroupSpec, Namespace, ParallelLayout
 from tierstore.format.layout import attention_layout, mamba_layout, mla_layout
-from tierstore.format.page import GroupKind, PageLayout, SectionSpec
+from tierstore.format.page_layout import PageLayout, SectionSpec
 from tierstore.format.sealing import PageSealer
 from tierstore.vllm.deepseek_v4 import V4_REFUSAL
 from tierstore.vllm.sparse_mla import (

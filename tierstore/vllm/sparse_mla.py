@@ -32,7 +32,7 @@ import torch
 
 from tierstore.errors import ConfigError
 from tierstore.format.layout import mla_rows_layout
-from tierstore.format.page import PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.vllm.deepseek_v4 import V4_REFUSAL
 
 INDEXER_SUFFIX = ".indexer.k_cache"  # the indexer cache's layer name, V3.2 and GLM-5 alike

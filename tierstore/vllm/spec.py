@@ -5,8 +5,8 @@ The spec is built by ``TierStoreConnector`` (not through vLLM's spec factory) fr
 Namespace. ``get_manager`` (scheduler process) needs only paths; ``build_worker`` (worker
 process) turns vLLM's registered per-layer KV tensors into strided views in canonical order
 (``tierstore.kernels.views``) and opens one page store per group with
-``tierstore.tiers.open_group_store`` (a ``TierChain``: host -> ``local_root`` -> ``root``, or
-``root`` alone, a chain of one).
+``tierstore.tiers.open_rank_store`` (a ``TierChain``: host -> ``local_root`` -> ``root``, or
+``root`` alone, a chain of one; head-sliced, inside a ``HeadSliceStore``).
 
 Staging slots per group (``staging_slots_for``): enough for two scheduler steps' worth of
 chunks at ``max_num_batched_tokens`` (so a step's stores never wait for a slot), at least
@@ -40,27 +40,19 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
 from tierstore.format.head_slices import (
-    HeadRange,
     rank_heads,
     segments,
     slice_layout,
-    slice_mappers,
-    slice_units,
-    split_dir_name,
-    tp_slices,
 )
+from tierstore.format.header import GroupKind
 from tierstore.format.identity import Namespace
-from tierstore.format.page import GroupKind, PageLayout
+from tierstore.format.page_layout import PageLayout
 from tierstore.format.sealing import KeyRing
-from tierstore.fs.mapper import FileMapper
-from tierstore.fs.mapper import group_dir as mapper_group_dir
-from tierstore.index.indexed_lookup import SliceGroup
 from tierstore.kernels import GroupCopier
 from tierstore.kernels.scratch import transfer_scratch_pages
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import attention_view, mamba_state_views, mla_view
-from tierstore.tiers import open_group_store
-from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
+from tierstore.tiers import head_sliced, lookup_dirs, open_rank_store
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,
@@ -171,39 +163,12 @@ class TierStoreOffloadingSpec(OffloadingSpec):
 
     @property
     def head_sliced(self) -> bool:
-        """Pages are slices readable at any TP (``namespace.head_sliced`` decided it: every group
-        sliceable, and the namespace's TP is 1 whatever the engine's)."""
-        return self.namespace.parallel.tp_size == 1 and all(slice_units(g.layout) for g in self.namespace.groups)
-
-    def _units(self, group: int) -> int:
-        """The slice units of a head-sliced group (KV heads, GDN linear key heads, Mamba2 groups,
-        ...: ``head_slices.segments``)."""
-        return segments(self.namespace.groups[group].layout)[0]
-
-    def _slice_dirs(self, root: str, group: int) -> list[FileMapper]:
-        """One mapper per slice directory some TP writes (``r0``: the full head range)."""
-        return slice_mappers(root, self.namespace.digest, group, self._units(group))
+        """Pages are slices readable at any TP (``tiers.head_sliced``)."""
+        return head_sliced(self.namespace)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            # Every rank's files answer a lookup (the scheduler runs beside rank 0): a page is a
-            # hit only when each rank can load its own part of it.
-            n, tp = len(self.namespace.groups), self.config.parallel.tp_size
-            digest, local = self.namespace.digest, self.ts_config.local_root
-            slices: list[SliceGroup | None] | None = None
-            if self.head_sliced:  # any TP's slices answer, combined with head_slices.cover
-                mappers = [self._slice_dirs(self.ts_config.root, i) for i in range(n)]
-                local_mappers = [self._slice_dirs(local, i) for i in range(n)] if local else None
-                slices = []
-                for i in range(n):
-                    full = self._units(i)
-                    have = tuple(tp_slices(full))
-                    slices.append(SliceGroup(have, tuple(rank_heads(full, tp, r) for r in range(tp))))
-            else:
-                ranks = range(self.namespace.parallel.tp_size)  # 1: a replicated MLA latent's r0
-                mappers = [[FileMapper(self.ts_config.root, digest, i, r) for r in ranks] for i in range(n)]
-                local_mappers = ([[FileMapper(local, digest, i, r) for r in ranks] for i in range(n)]
-                                 if local else None)
+            mappers, local_mappers, slices = lookup_dirs(self.ts_config, self.namespace, self.config.parallel.tp_size)
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
@@ -213,29 +178,6 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                                 if self.ts_config.encryption_key_file else None, self.ts_config.require_cache_salt),
             )
         return self._manager
-
-    def _open_store(self, i: int, layout: PageLayout, heads: tuple[int, int], slots: int, pin: bool) -> Any:
-        """The page store of group ``i`` on this rank: per-rank files, or (head slices) this
-        rank's slice directory and layout wrapped in a ``HeadSliceStore`` that assembles the
-        rank's heads from other TPs' slices on a miss."""
-        if not self.head_sliced:
-            # a TP-independent namespace (MLA latent replicated on every rank): every rank reads r0
-            rank = 0 if self.namespace.parallel.tp_size == 1 else self.rank
-            return open_group_store(self.ts_config, self.namespace, i, rank=rank, head_start=heads[0],
-                                    head_count=heads[1], staging_slots=slots, pin=pin)
-        full_layout = self.namespace.groups[i].layout
-        full = self._units(i)
-        mine = rank_heads(full, self.config.parallel.tp_size, self.rank)
-        if mine.count == full:  # TP=1: r0, the group's layout, headers as before
-            inner = open_group_store(self.ts_config, self.namespace, i, rank=0, staging_slots=slots, pin=pin)
-        else:  # the rank's slice directory and layout, in every tier of a chain too
-            inner = open_group_store(self.ts_config, self.namespace, i, rank=mine.start // mine.count,
-                                     head_start=mine.start, head_count=mine.count, staging_slots=slots, pin=pin,
-                                     rank_dir=split_dir_name(mine), layout=layout)
-        group_dir = mapper_group_dir(self.ts_config.root, self.namespace.digest, i)
-        source = DirectorySlices(group_dir, self.namespace.digest_bytes, i, full_layout,
-                                 refresh_s=self.ts_config.index_refresh_s)
-        return HeadSliceStore(inner, HeadRange(mine.start, mine.count), full_layout, source)
 
     def _layer(self, name: str) -> Any:
         ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
@@ -259,7 +201,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         tp, total_heads = self.config.parallel.tp_size, self.vllm_config.model_config.get_total_num_kv_heads()
         layout = gspec.layout  # this rank's page: its heads of a head-sliced group
         if self.head_sliced and tp > 1:
-            mine = rank_heads(self._units(i), tp, self.rank)
+            mine = rank_heads(segments(self.namespace.groups[i].layout)[0], tp, self.rank)
             layout = slice_layout(gspec.layout, mine)
         vspec = self.kv_cache_config.kv_cache_groups[gcfg.group_id].kv_cache_spec
         if gspec.kind == GroupKind.MAMBA:
@@ -291,7 +233,8 @@ class TierStoreOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"group {i}: rank {self.rank} holds {layout.sections[0].shape[0]} KV heads, "
                               f"expected {heads[1]} (of {total_heads} at tensor_parallel_size={tp})")
         # The header records which KV heads (Mamba/GDN slice: units) this rank's file holds.
-        engine = self._open_store(i, layout, heads, slots, device.type == "cuda")
+        engine = open_rank_store(self.ts_config, self.namespace, i, rank=self.rank, tp_size=tp, layout=layout,
+                                 heads=heads, staging_slots=slots, pin=device.type == "cuda")
         scratch_mib = self.ts_config.transfer_scratch_mib
         transfer = PageTransfer(copier, device,
                                 scratch_pages=transfer_scratch_pages(

@@ -30,11 +30,11 @@ No threading concerns.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ConfigError
-from tierstore.format.page import GroupKind
+from tierstore.format.header import GroupKind
 from tierstore.vllm.namespace import group_kind, hash_seed_marker
 
 if TYPE_CHECKING:
@@ -83,6 +83,20 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
     groups = kv_cache_config.kv_cache_groups
     kinds = [group_kind(groups[gid].kv_cache_spec)  # refusals first: one clear error
              for gid in kv_cache_config.prefix_cacheable_group_ids]
+    _refuse_split_mla(vllm_config, kinds)
+    mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    _refuse_mamba_without_align(mamba, cache.enable_prefix_caching)
+    _say_mla_and_prefix_caching(vllm_config, kinds)
+    chunk, unified = _chunk_tokens(kv_cache_config, cfg)
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    if mamba:
+        _warn_mamba_step_budget(budget, unified)
+    _warn_unstable_hash(str(cache.prefix_caching_hash_algo))
+    return chunk
+
+
+def _refuse_split_mla(vllm_config: VllmConfig, kinds: list[GroupKind]) -> None:
+    """An MLA latent is stored with tensor parallelism only: PP, DCP and PCP are refused."""
     par = getattr(vllm_config, "parallel_config", None)
     split = {name: getattr(par, name, 1) for name in ("pipeline_parallel_size", "decode_context_parallel_size",
                                                       "prefill_context_parallel_size")}
@@ -92,16 +106,24 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             f"{', '.join(f'{k}={v}' for k, v in split.items() if v != 1)}: set them to 1, or remove "
             "the kv_transfer_config (TierStoreConnector)"
         )
-    mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+
+
+def _refuse_mamba_without_align(mamba: list[Any], prefix_caching: bool) -> None:
+    """A Mamba/GDN group's states exist only at block ends: prefix caching in 'align' mode."""
     for g in mamba:
         mode = getattr(g.kv_cache_spec, "mamba_cache_mode", "none")
-        if mode != "align" or not cache.enable_prefix_caching:
+        if mode != "align" or not prefix_caching:
             raise ConfigError(
                 "TierStoreConnector needs prefix caching in 'align' mode for Mamba/GDN hybrid "
                 f"models (found mamba_cache_mode={mode!r}, enable_prefix_caching="
-                f"{cache.enable_prefix_caching}): start vLLM with --enable-prefix-caching "
+                f"{prefix_caching}): start vLLM with --enable-prefix-caching "
                 "(it selects mamba_cache_mode='align'), or remove the kv_transfer_config"
             )
+
+
+def _say_mla_and_prefix_caching(vllm_config: VllmConfig, kinds: list[GroupKind]) -> None:
+    """Warn about vLLM-CPU's rotary op on an MLA model, and say when prefix caching is off."""
+    prefix_caching = vllm_config.cache_config.enable_prefix_caching
     if GroupKind.MLA in kinds and cpu_rotary_op_enabled(vllm_config):
         logger.warning(
             "tierstore: vLLM-CPU's in-place rotary op mangles MLA keys (it assumes contiguous k_pe "
@@ -109,16 +131,21 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             "prefix continues differently from a cold run. Start vLLM with --compilation-config "
             "'{\"custom_ops\": [\"-rotary_embedding\"]}' (tests/vllm/test_vllm_mla.py shows why)"
         )
-    if not cache.enable_prefix_caching and GroupKind.MLA in kinds:
+    if not prefix_caching and GroupKind.MLA in kinds:
         logger.info(
             "tierstore: prefix caching is off (vLLM-CPU turns it off for MLA models): every prefix "
             "shared between requests, in this engine too, is loaded from tierstore's pages"
         )
-    elif not cache.enable_prefix_caching:
+    elif not prefix_caching:
         logger.warning(
             "tierstore: prefix caching is off (--enable-prefix-caching not set); pages are "
             "still stored and restored, but vLLM will not reuse restored blocks between requests"
         )
+
+
+def _chunk_tokens(kv_cache_config: KVCacheConfig, cfg: TierStoreConfig) -> tuple[int, int]:
+    """(tokens per stored chunk, the unified block size N), ``chunk_tokens`` checked against
+    the groups' block sizes and layers."""
     sizes = offloaded_block_sizes(kv_cache_config)
     if not sizes:
         raise ConfigError("TierStoreConnector found no prefix-cacheable KV-cache group to store")
@@ -136,6 +163,7 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             f"block size N={unified} tokens: use {((chunk + unified - 1) // unified) * unified} "
             'or remove "chunk_tokens" (default: one block per page)'
         )
+    groups = kv_cache_config.kv_cache_groups
     windowed = [g for g in groups if g.kv_cache_spec.block_size and not _is_full_attention(g.kv_cache_spec)]
     if chunk != unified and windowed:
         raise ConfigError(
@@ -143,8 +171,12 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             "with sliding-window or Mamba/GDN layers (their pages are restored block by block): "
             'remove "chunk_tokens"'
         )
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    if mamba and not unified <= budget < 2 * unified:
+    return chunk, unified
+
+
+def _warn_mamba_step_budget(budget: int, unified: int) -> None:
+    """A Mamba hybrid's ``max_num_batched_tokens`` outside [N, 2N) (the module docstring says why)."""
+    if not unified <= budget < 2 * unified:
         logger.warning(
             "tierstore: max_num_batched_tokens=%d is outside [N, 2N) = [%d, %d) for this Mamba "
             "hybrid: align-mode states exist only where a scheduler step ends on a block "
@@ -155,7 +187,10 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             else "a step cannot finish a block",
             2 * unified - 1,
         )
-    algo = str(cache.prefix_caching_hash_algo)
+
+
+def _warn_unstable_hash(algo: str) -> None:
+    """A block hash seeded at random in every process: nothing stored now can be hit again."""
     stable, _ = hash_seed_marker(algo)
     if not stable:
         logger.warning(
@@ -165,4 +200,3 @@ def validate_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg
             "--prefix-caching-hash-algo sha256_cbor. The namespace is marked unstable.",
             algo,
         )
-    return chunk

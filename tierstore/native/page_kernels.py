@@ -1,6 +1,9 @@
-"""The compiled kernels of ``native`` and ``native_page``, cached on disk (numba ``cache=_CACHE``).
+"""The compiled page file kernels of ``native`` and ``native_page``: section hashing, page file
+reads and writes, ``load_page``/``store_page`` and their batches, and the C functions they call,
+cached on disk (numba ``cache=_CACHE``).
 
-Imported only by ``loader._build`` (it imports numba; the package works without it). Every
+Imported only by ``loader._build`` and by ``lane_kernels`` (it imports numba; the package works
+without it). Every
 function is compiled for an explicit signature at import, or loaded from numba's cache: the
 ``__pycache__`` beside this file when it is writable, else numba's per-user cache directory
 (``NUMBA_CACHE_DIR`` overrides; where none is writable ``loader._build`` imports this module
@@ -10,7 +13,7 @@ TP=2 on the 2-core machine an engine's first step waited ~9 s, and an engine sta
 against 26.6 s with the native path off (docs/DESIGN.md §6, the page store on one root). Loading the cache
 takes a fraction of a second.
 
-What makes caching possible: C functions are called by symbol through ``_c_function``'s
+What makes caching possible: C functions are called by symbol through ``c_function``'s
 intrinsics (resolved by LLVM when the code is loaded), not through ctypes pointers, which numba
 cannot cache. XXH3 is the loaded xxhash extension's own, ``XXH3_64bits_dispatch`` where it is
 exported, else ``XXH3_64bits`` (``_xxh3_symbol``). ``loader._build`` makes its symbols visible with ``llvmlite.binding.load_library_permanently`` first, and checks the
@@ -20,8 +23,9 @@ ctypes prototypes used before: ``openat`` always gets its mode argument (0 unles
 numba's cache is keyed on this file (its path, size and time stamp) and the CPU. The constants
 compiled in come from ``native/abi.py`` alone, and ``ABI_DIGEST`` below ties that module to this
 file: a changed constant without a new digest here stops the import (the Python path serves).
-A fault build (``TIERSTORE_LANE_FAULTS``, tests only) compiles the lane's kernels for its own
-process, outside the cache.
+The native lane's loop (``lane_kernels``) compiles this file's ``load_page`` and ``store_page``
+into its own cached kernels, so it records a digest of this file
+(``lane_kernels.PAGE_KERNELS_DIGEST``): an edit here comes with a new digest there.
 
 Threading: the kernels hold no GIL (``nogil=True``) and touch only the buffers they are given.
 """
@@ -29,7 +33,6 @@ Threading: the kernels hold no GIL (``nogil=True``) and touch only the buffers t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import numba
@@ -41,35 +44,6 @@ from numba.extending import intrinsic
 from tierstore.native import abi as native_abi
 from tierstore.native.abi import (
     BAD_SECTION,
-    CTL_DONE_WAITER,
-    CTL_HEAD,
-    CTL_SLEEPERS,
-    CTL_STOP,
-    CTL_TAIL,
-    ENTRY_DONE,
-    ENTRY_FREE,
-    ENTRY_READY,
-    ENTRY_RUNNING,
-    F_ARG,
-    F_CODE,
-    F_DEADLINE,
-    F_DIRECT_LEN,
-    F_FLAG,
-    F_GEN,
-    F_OFF,
-    F_OP,
-    F_RANK_FD,
-    F_T0,
-    F_T1,
-    FAULT_BEFORE_DONE,
-    FAULT_BEFORE_IO,
-    FAULT_BEFORE_RUNNING,
-    FAULT_CLAIM,
-    FAULT_COUNT,
-    FAULT_EVERY,
-    FAULT_FIELDS,
-    FAULT_PAUSE_NS,
-    LANE_EXPIRED,
     LOAD_BAD_GAP,
     LOAD_BAD_HEADER,
     LOAD_BAD_SUM,
@@ -77,15 +51,11 @@ from tierstore.native.abi import (
     LOAD_NOT_PLAIN,
     LOAD_OPEN_FAILED,
     LOAD_READ_FAILED,
-    MAX_BYPASS,
-    OP_STORE,
     READ_ODIRECT,
     STORE_EXISTS,
     STORE_FAILED,
     STORE_NO_DIR,
     VERIFY_TOKENS,
-    WORD_DONE,
-    WORD_JOBS,
 )
 
 # native_abi.digest() of the constants compiled in below. numba keys its cache on this file
@@ -94,39 +64,9 @@ from tierstore.native.abi import (
 ABI_DIGEST = "b57b8232ac8806db"
 if native_abi.digest() != ABI_DIGEST:
     raise RuntimeError(f"tierstore/native/abi.py changed (digest {native_abi.digest()}) since the native kernels were "
-                       f"last built against it ({ABI_DIGEST}): set ABI_DIGEST in tierstore/native/kernels.py to the "
+                       f"last built against it ({ABI_DIGEST}): set ABI_DIGEST in tierstore/native/page_kernels.py to the "
                        "new digest, after checking every kernel that uses a changed constant")
 
-
-
-def lane_faults(env: Mapping[str, str]) -> int:
-    """The fault build ``TIERSTORE_LANE_FAULTS`` asks for (tests only): 0 none ("" or "0", the
-    production kernels); 1 ("1") the lane's fault-injection pauses (native_abi.FAULT_*) with
-    today's claim and RUNNING mark; 2 ("unfixed") the pauses with the claim and RUNNING mark that
-    had the wrong-page races (the ring cell read after the claim's CAS, the RUNNING mark and
-    stop's cancel as plain stores), to prove the race tests can fail. Either fault build's lane
-    kernels are compiled for this process only, never read from or written to numba's cache.
-
-    Failure policy: any other value, and a fault build ("1" or "unfixed") without
-    ``TIERSTORE_LANE_FAULTS_TESTS_ONLY=1`` beside it (the lane's race tests set both), raise
-    ``RuntimeError`` naming the setting: the kernels do not load (the loader reports why and
-    the Python path serves), so a stray variable never compiles a fault build, let alone the
-    known race, into an install."""
-    value = env.get("TIERSTORE_LANE_FAULTS", "")
-    level = {"": 0, "0": 0, "1": 1, "unfixed": 2}.get(value)
-    if level is None:
-        raise RuntimeError(f"TIERSTORE_LANE_FAULTS={value!r} is not a known value ('' or '0': the production kernels; "
-                           "'1' and 'unfixed': fault builds for tests only); unset it")
-    if level and env.get("TIERSTORE_LANE_FAULTS_TESTS_ONLY") != "1":
-        what = "a known wrong-page race" if level == 2 else "fault-injection pauses"
-        raise RuntimeError(f"TIERSTORE_LANE_FAULTS={value} compiles {what} into the lane's kernels and is for the "
-                           "lane's race tests only: set TIERSTORE_LANE_FAULTS_TESTS_ONLY=1 beside it there, and unset "
-                           "TIERSTORE_LANE_FAULTS everywhere else")
-    return level
-
-
-LANE_FAULTS = lane_faults(os.environ)
-UNFIXED = 1 if LANE_FAULTS == 2 else 0
 _CACHE = native_abi.cache_kernels  # False: no writable cache directory (loader._build); compile only
 _LL = {"i32": ir.IntType(32), "i64": ir.IntType(64)}
 
@@ -140,7 +80,7 @@ def _fit(builder: Any, value: Any, to: Any, signed: bool) -> Any:
     return value
 
 
-def _c_function(name: str, ret: str, params: tuple[str, ...], unsigned: bool = False) -> Any:
+def c_function(name: str, ret: str, params: tuple[str, ...], unsigned: bool = False) -> Any:
     """An intrinsic that calls the C function ``name`` (params and result: "i32" C int, "i64"
     long/ssize_t/size_t/off_t/pointer) with any integer arguments; the result is an int64
     (uint64 with ``unsigned``)."""
@@ -183,19 +123,19 @@ def _xxh3_symbol() -> str:
 
 
 XXH3_SYMBOL = _xxh3_symbol()
-xxh3 = _c_function(XXH3_SYMBOL, "i64", ("i64", "i64"), unsigned=True)
-openat = _c_function("openat", "i32", ("i32", "i64", "i32", "i32"))  # with its mode, as creating
-close = _c_function("close", "i32", ("i32",))
-fstat = _c_function("fstat", "i32", ("i32", "i64"))
-fstatat = _c_function("fstatat", "i32", ("i32", "i64", "i64", "i32"))
-pread = _c_function("pread", "i64", ("i32", "i64", "i64", "i64"))
-pwrite = _c_function("pwrite", "i64", ("i32", "i64", "i64", "i64"))
-fsync = _c_function("fsync", "i32", ("i32",))
-ftruncate = _c_function("ftruncate", "i32", ("i32", "i64"))
-renameat = _c_function("renameat", "i32", ("i32", "i64", "i32", "i64"))
-unlinkat = _c_function("unlinkat", "i32", ("i32", "i64", "i32"))
-fcntl = _c_function("fcntl", "i32", ("i32", "i32", "i64"))
-syscall = _c_function("syscall", "i64", ("i64", "i64", "i64", "i64", "i64"))
+xxh3 = c_function(XXH3_SYMBOL, "i64", ("i64", "i64"), unsigned=True)
+openat = c_function("openat", "i32", ("i32", "i64", "i32", "i32"))  # with its mode, as creating
+close = c_function("close", "i32", ("i32",))
+fstat = c_function("fstat", "i32", ("i32", "i64"))
+fstatat = c_function("fstatat", "i32", ("i32", "i64", "i64", "i32"))
+pread = c_function("pread", "i64", ("i32", "i64", "i64", "i64"))
+pwrite = c_function("pwrite", "i64", ("i32", "i64", "i64", "i64"))
+fsync = c_function("fsync", "i32", ("i32",))
+ftruncate = c_function("ftruncate", "i32", ("i32", "i64"))
+renameat = c_function("renameat", "i32", ("i32", "i64", "i32", "i64"))
+unlinkat = c_function("unlinkat", "i32", ("i32", "i64", "i32"))
+fcntl = c_function("fcntl", "i32", ("i32", "i32", "i64"))
+syscall = c_function("syscall", "i64", ("i64", "i64", "i64", "i64", "i64"))
 
 
 # Explicit signatures: compiled (or loaded from the cache) at import, once, for exactly the
@@ -519,275 +459,3 @@ def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: in
                               file_offs[i], length, exact_len, do_fsync, piece, spans, gaps, blank, sum_offsets, key_off,
                               token_off, sum_off, token_counts[i], given[i], sums[i], scratch[i])
     return names.shape[0]
-
-
-# ----------------------------------------------------------------- the native I/O loop (rootstore/lane.py)
-# Atomics on one element of a 1-D integer array (sequentially consistent): the lane's rings,
-# states and futex words are shared by its threads and the Python side.
-def _operands(context: Any, builder: Any, sig: Any, args: Any) -> tuple[Any, list[Any]]:
-    """The pointer to ``args[0][args[1]]`` and the further arguments cast to its type."""
-    aryty, dt = sig.args[0], sig.args[0].dtype
-    arr = context.make_array(aryty)(context, builder, args[0])
-    i = context.cast(builder, args[1], sig.args[1], types.intp)
-    ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
-    return ptr, [context.cast(builder, v, t, dt) for v, t in zip(args[2:], sig.args[2:], strict=True)]
-
-
-def _atomic_typer(ary: Any, idx: Any) -> bool:
-    return isinstance(ary, types.Array) and ary.ndim == 1 and isinstance(ary.dtype, types.Integer) \
-        and isinstance(idx, types.Integer)
-
-
-@intrinsic
-def atomic_load(typingctx: Any, ary: Any, idx: Any) -> Any:
-    if not _atomic_typer(ary, idx):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr, _ = _operands(context, builder, sig, args)
-        return builder.load_atomic(ptr, "seq_cst", sig.args[0].dtype.bitwidth // 8)
-
-    return ary.dtype(ary, idx), codegen
-
-
-@intrinsic
-def atomic_store(typingctx: Any, ary: Any, idx: Any, val: Any) -> Any:
-    if not _atomic_typer(ary, idx) or not isinstance(val, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr, (v,) = _operands(context, builder, sig, args)
-        builder.store_atomic(v, ptr, "seq_cst", sig.args[0].dtype.bitwidth // 8)
-        return context.get_dummy_value()
-
-    return types.void(ary, idx, val), codegen
-
-
-@intrinsic
-def atomic_add(typingctx: Any, ary: Any, idx: Any, val: Any) -> Any:
-    """Add ``val``; the old value."""
-    if not _atomic_typer(ary, idx) or not isinstance(val, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr, (v,) = _operands(context, builder, sig, args)
-        return builder.atomic_rmw("add", ptr, v, "seq_cst")
-
-    return ary.dtype(ary, idx, val), codegen
-
-
-@intrinsic
-def atomic_cas(typingctx: Any, ary: Any, idx: Any, expected: Any, new: Any) -> Any:
-    """Compare and swap; the old value (== ``expected``: swapped)."""
-    if not _atomic_typer(ary, idx) or not isinstance(expected, types.Integer) or not isinstance(new, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr, (cmp, v) = _operands(context, builder, sig, args)
-        return builder.extract_value(builder.cmpxchg(ptr, cmp, v, "seq_cst", "seq_cst"), 0)
-
-    return ary.dtype(ary, idx, expected, new), codegen
-
-
-clock_gettime = _c_function("clock_gettime", "i32", ("i32", "i64"))
-nanosleep = _c_function("nanosleep", "i32", ("i64", "i64"))
-
-SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129
-
-ctl_t = t.Array(i64, 1, "C")
-words_t = t.Array(t.int32, 1, "C")
-desc_t = t.Array(i64, 2, "C")
-names_t = t.Array(u8, 2, "C")
-u64_2d = t.Array(t.uint64, 2, "C")
-u64_1d = t.Array(t.uint64, 1, "C")
-timespec_t = t.Array(i64, 1, "C", readonly=True)
-_LANE_CACHE = _CACHE and LANE_FAULTS == 0  # a fault build never meets the production cache
-
-
-@numba.njit(inline="always")
-def now_ns(clock: Any) -> int:
-    clock_gettime(1, clock.ctypes.data)  # CLOCK_MONOTONIC: time.monotonic()'s clock
-    return clock[0] * 1_000_000_000 + clock[1]
-
-
-@numba.njit(inline="always")
-def fault_pause(faults: Any, point: int, clock: Any) -> None:
-    # A fault build's pause at ``point`` (native_abi.FAULT_*), on every Nth pass through it;
-    # clock[2:4] is the thread's timespec. Compiled out (LANE_FAULTS is 0) otherwise.
-    if LANE_FAULTS != 0 and faults.shape[0] > 0:
-        at = point * FAULT_FIELDS
-        every = faults[at + FAULT_EVERY]
-        if every > 0 and atomic_add(faults, at + FAULT_COUNT, 1) % every == every - 1:
-            ns = faults[at + FAULT_PAUSE_NS]
-            clock[2] = ns // 1_000_000_000
-            clock[3] = ns % 1_000_000_000
-            nanosleep(clock.ctypes.data + 16, 0)
-
-
-@numba.njit(inline="always")
-def claim(ctl: Any, ring: Any, q: int, cap: int, faults: Any, clock: Any) -> int:
-    # The next entry of queue q (ring cells q * cap .. q * cap + cap - 1), or -1 when it is
-    # empty (a lost race retries). The cell is read before the CAS of head: while head is
-    # still h, position h + cap cannot be published (at most cap entries exist, and one is at
-    # position h), so the cell read is the entry the CAS takes. Read after the CAS, a thread
-    # descheduled in between could find the cell already reused for another job.
-    while True:
-        h = atomic_load(ctl, CTL_HEAD + 2 * q)
-        if h >= atomic_load(ctl, CTL_TAIL + 2 * q):
-            return -1
-        if UNFIXED:
-            if atomic_cas(ctl, CTL_HEAD + 2 * q, h, h + 1) == h:
-                fault_pause(faults, FAULT_CLAIM, clock)
-                return atomic_load(ring, q * cap + h % cap)
-            continue
-        e = atomic_load(ring, q * cap + h % cap)
-        fault_pause(faults, FAULT_CLAIM, clock)
-        if atomic_cas(ctl, CTL_HEAD + 2 * q, h, h + 1) == h:
-            return e
-
-
-@numba.njit(inline="always")
-def queued(ctl: Any, q: int) -> bool:
-    return atomic_load(ctl, CTL_HEAD + 2 * q) < atomic_load(ctl, CTL_TAIL + 2 * q)
-
-
-@numba.njit(inline="always")
-def take(states: Any, e: int) -> bool:
-    # READY -> RUNNING for the thread that claimed e; False: stop withdrew the entry first
-    # (lane_cancel), and it must not run.
-    if UNFIXED:
-        atomic_store(states, e, ENTRY_RUNNING)
-        return True
-    return atomic_cas(states, e, ENTRY_READY, ENTRY_RUNNING) == ENTRY_READY
-
-
-@numba.njit(i64(ctl_t, words_t, ctl_t, ctl_t, desc_t, names_t, names_t, frame_t,
-                i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                rows, rows, bytes_ro, rows, vec, i64, i64, i64, rows, rows, rows,
-                u64_2d, u64_2d, u64_2d, stats_t, u64_1d, timespec_t, ctl_t, ctl_t), nogil=True, cache=_LANE_CACHE)
-def lane_serve(ctl: Any, words: Any, states: Any, ring: Any, desc: Any, snames: Any, lnames: Any, slab: Any,
-               s_tmp_at: int, s_final_at: int, s_key_at: int, l_file_at: int, l_key_at: int, dir_flags: int,
-               store_flags: int, load_flags: int, mode: int, length: int, size: int, do_fsync: int, piece: int,
-               spans: Any, gaps: Any, blank: Any, const_ranges: Any, sum_offsets: Any, key_off: int,
-               token_off: int, sum_off: int, plan_verify: Any, plan_raw: Any, no_spans: Any, given: Any, sums: Any,
-               header_sums: Any, scratch: Any, no_given: Any, timeout: Any, faults: Any, clock: Any) -> int:
-    # One I/O thread of a lane, until CTL_STOP: take an entry (loads first, a store after
-    # MAX_BYPASS loads taken past waiting stores), run store_page / load_page on it, mark it
-    # done; sleep on the jobs futex word when both queues are empty. ``clock``: this thread's
-    # 4 int64s (clock_gettime's timespec, a fault pause's).
-    cap = states.shape[0]
-    bypass = 0
-    while atomic_load(ctl, CTL_STOP) == 0:
-        first = 1 if bypass >= MAX_BYPASS else 0
-        e = claim(ctl, ring, first, cap, faults, clock)
-        q = first
-        if e < 0:
-            q = 1 - first
-            e = claim(ctl, ring, q, cap, faults, clock)
-        if e < 0:
-            seq = atomic_load(words, WORD_JOBS)
-            atomic_add(ctl, CTL_SLEEPERS, 1)
-            if not queued(ctl, 0) and not queued(ctl, 1) and atomic_load(ctl, CTL_STOP) == 0:
-                syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAIT_PRIVATE, seq, timeout.ctypes.data)
-            atomic_add(ctl, CTL_SLEEPERS, -1)
-            continue
-        if q == 0 and queued(ctl, 1):
-            bypass += 1
-        elif q == 1:
-            bypass = 0
-        fault_pause(faults, FAULT_BEFORE_RUNNING, clock)
-        if not take(states, e):
-            continue
-        t0 = now_ns(clock)
-        desc[e, F_T0] = t0
-        if t0 > desc[e, F_DEADLINE]:
-            code = LANE_EXPIRED  # the queue completed it as timed out: do not start it late
-        elif desc[e, F_OP] == OP_STORE:
-            fault_pause(faults, FAULT_BEFORE_IO, clock)
-            g = given[e] if desc[e, F_FLAG] != 0 else no_given
-            code = store_page(desc[e, F_RANK_FD], snames[e], s_tmp_at, s_final_at, s_key_at, dir_flags, store_flags,
-                              mode, slab, desc[e, F_OFF], length, size, do_fsync, piece, spans, gaps, blank, sum_offsets,
-                              key_off, token_off, sum_off, desc[e, F_ARG], g, sums[e], scratch[e])
-        else:
-            fault_pause(faults, FAULT_BEFORE_IO, clock)
-            plan = plan_verify if desc[e, F_ARG] != 0 else plan_raw
-            load_spans = spans if desc[e, F_ARG] != 0 else no_spans
-            code = load_page(desc[e, F_RANK_FD], lnames[e], l_file_at, l_key_at, dir_flags, load_flags, size,
-                             desc[e, F_FLAG], desc[e, F_DIRECT_LEN], slab, desc[e, F_OFF], plan, load_spans, gaps,
-                             blank, const_ranges, sum_offsets, key_off, sum_off, sums[e], header_sums[e], scratch[e])
-        desc[e, F_CODE] = code
-        desc[e, F_T1] = now_ns(clock)
-        fault_pause(faults, FAULT_BEFORE_DONE, clock)
-        atomic_store(states, e, ENTRY_DONE)
-        atomic_add(words, WORD_DONE, 1)
-        if atomic_load(ctl, CTL_DONE_WAITER) != 0:
-            syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_DONE, FUTEX_WAKE_PRIVATE, 1, 0)
-    return 0
-
-
-@numba.njit(t.void(ctl_t, words_t, ctl_t, ctl_t, i64, i64), nogil=False, cache=_LANE_CACHE)
-def lane_publish(ctl: Any, words: Any, states: Any, ring: Any, q: int, e: int) -> None:
-    # Called with the queue's lock held (one producer at a time): entry e (its fields written)
-    # goes to the tail of queue q; a sleeping lane thread is woken.
-    cap = states.shape[0]
-    atomic_store(states, e, ENTRY_READY)
-    tail = atomic_load(ctl, CTL_TAIL + 2 * q)
-    atomic_store(ring, q * cap + tail % cap, e)
-    atomic_store(ctl, CTL_TAIL + 2 * q, tail + 1)
-    atomic_add(words, WORD_JOBS, 1)
-    if atomic_load(ctl, CTL_SLEEPERS) > 0:
-        syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAKE_PRIVATE, 1, 0)
-
-
-@numba.njit(i64(ctl_t, ctl_t), nogil=False, cache=_LANE_CACHE)
-def lane_cancel(states: Any, won: Any) -> int:
-    # stop's withdrawal: every READY entry that no thread has marked RUNNING goes to FREE (a
-    # CAS, so an entry is either run by its claimer or withdrawn here, never both); their
-    # numbers go to won[:n], n returned.
-    n = 0
-    for e in range(states.shape[0]):
-        if UNFIXED:
-            if atomic_load(states, e) == ENTRY_READY:
-                atomic_store(states, e, ENTRY_FREE)
-                won[n] = e
-                n += 1
-        elif atomic_cas(states, e, ENTRY_READY, ENTRY_FREE) == ENTRY_READY:
-            won[n] = e
-            n += 1
-    return n
-
-
-@numba.njit(i64(ctl_t, words_t, ctl_t, desc_t, ctl_t, timespec_t, timespec_t), nogil=True, cache=_LANE_CACHE)
-def lane_await(ctl: Any, words: Any, states: Any, desc: Any, seen: Any, delay: Any, timeout: Any) -> int:
-    # The lane's harvest thread, without the GIL: return 1 once some entry has been done and
-    # not harvested for at least ``delay`` (the driver's own polls usually harvest first, and
-    # then this thread never asks for the GIL), 0 at CTL_STOP.
-    n = states.shape[0]
-    while atomic_load(ctl, CTL_STOP) == 0:
-        seq = atomic_load(words, WORD_DONE)
-        found = 0
-        for e in range(n):
-            if atomic_load(states, e) == ENTRY_DONE:
-                seen[found] = e
-                seen[n + found] = desc[e, F_GEN]
-                found += 1
-        if found == 0:
-            atomic_store(ctl, CTL_DONE_WAITER, 1)
-            syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_DONE, FUTEX_WAIT_PRIVATE, seq, timeout.ctypes.data)
-            atomic_store(ctl, CTL_DONE_WAITER, 0)
-            continue
-        nanosleep(delay.ctypes.data, 0)
-        for j in range(found):
-            e = seen[j]
-            if atomic_load(states, e) == ENTRY_DONE and desc[e, F_GEN] == seen[n + j]:
-                return 1
-    return 0
-
-
-@numba.njit(t.void(ctl_t, words_t), nogil=False, cache=_LANE_CACHE)
-def lane_stop(ctl: Any, words: Any) -> None:
-    atomic_store(ctl, CTL_STOP, 1)
-    atomic_add(words, WORD_JOBS, 1)
-    atomic_add(words, WORD_DONE, 1)
-    syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_JOBS, FUTEX_WAKE_PRIVATE, 1 << 30, 0)
-    syscall(SYS_FUTEX, words.ctypes.data + 4 * WORD_DONE, FUTEX_WAKE_PRIVATE, 1 << 30, 0)

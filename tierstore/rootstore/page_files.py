@@ -1,9 +1,9 @@
 """PageFiles: the file operations of one (root, namespace, group, rank) directory, in the exact
 format of one ``IOEngine`` (its header, codec, MAC trailer and O_DIRECT choice).
 
-``pagefile`` holds one flat function per operation on one page file; this class binds them to
-one rank directory and one page shape, and caches what every page of that shape shares (the
-header template per key length, the warm read plan). ``IOEngine`` decides when an operation
+The flat functions of one page file (page_io.py, publish.py, own_read.py, page_read.py,
+rank_dir.py) are bound here to one rank directory and one page shape; this class caches what
+every page of that shape shares (the header template per key length, the warm read plan). ``IOEngine`` decides when an operation
 runs and what its result means (queue, slots, stats, settle); this module only does it.
 
 - ``store``: an existing final file (regular, one link) counts as stored (``stored=False``)
@@ -15,13 +15,13 @@ runs and what its result means (queue, slots, stats, settle); this module only d
   truncated). Codec zstd: ``format.encode_page``. With a MAC the tag is appended. Failures are
   ``PageStoreError`` (or ``PageUnsafe`` for a directory that is not ours).
 - ``load``: a file of exactly our size is read into the slot's frame
-  (``pagefile.read_own_page``): a page whose first block is cached is copied piece by piece
+  (``own_read.read_own_page``): a page whose first block is cached is copied piece by piece
   (about ``warm_piece_bytes``), each piece hashed while in the CPU cache; an uncached one is
   read with O_DIRECT in one request when ``direct_loads``. A header that is not byte for byte
-  ours (another codec or header length, damage) goes through ``pagefile.read_page_fd``, which
-  names the error. Once ``native`` has compiled, the common case (a plain file of exactly
+  ours (another codec or header length, damage) goes through ``page_read.read_page_fd``, which
+  names the error. Once the native kernels have compiled, the common case (a plain file of exactly
   our size and header, cached or read with O_DIRECT) is opened, checked, read, hashed and
-  closed in one GIL-free call (``_load_native``, ``native_page.load_page``; one GIL hand-off
+  closed in one GIL-free call (``native.load``, ``native_page.load_page``; one GIL hand-off
   per page instead of ~8), header, checksum and gap checks included; anything else falls back
   to the path above. The identity of the file read is left in ``slot.source`` (for
   ``remove_damaged``); errors are ``PageError``s, never served bytes.
@@ -29,12 +29,14 @@ runs and what its result means (queue, slots, stats, settle); this module only d
   the common case of every page in one GIL-free call (``native_page.load_pages``, keys of one
   length, one ``verify``, slots of one staging slab), the rest one by one as ``load`` does.
 - ``remove_damaged``: removes the file a load read, and only that one
-  (``pagefile.remove_damaged_at`` compares file identity): a file republished under the name
+  (``rank_dir.remove_damaged_at`` compares file identity): a file republished under the name
   meanwhile stays, and so does one that was never identified.
 
-The native half (one GIL-free call per page or batch) is ``rankdir_native.NativeFileCalls``,
-a mixin of this class. Every file is reached through ``pagefile.RankDir`` (directory fds, no symlink followed) and
-opened ``O_NOFOLLOW|O_NONBLOCK``. Counters the owner keeps (``loads_odirect``,
+The native half (one GIL-free call per page or batch) is ``native``, a
+``page_files_native.NativeFileCalls`` built with this object: it reads this object's settings
+and shares its header templates and read plans. Every file is reached through ``rank_dir``
+(a ``rank_dir.RankDir``: directory fds, no symlink followed) and opened
+``O_NOFOLLOW|O_NONBLOCK``. Counters the owner keeps (``loads_odirect``,
 ``loads_general_reader``, ``bad_pages_discarded``) are reported through the ``count`` callback.
 
 Threading: ``store``, ``load`` and ``remove_damaged`` may run on several threads at once
@@ -56,23 +58,21 @@ import zstandard
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import PageError, PageStoreError, PageUnsafe
-from tierstore.format.identity import MANIFEST_NAME, Namespace, write_manifest
-from tierstore.format.mac import PageMac
-from tierstore.format.page import (
+from tierstore.format.checksums import section_checksums, section_sums
+from tierstore.format.header import (
     FLAG_MAC,
     FLAG_SEALED,
     MAC_TRAILER_LEN,
     SEALED_TRAILER_LEN,
     Codec,
-    HeaderTemplate,
     PageExpectation,
-    PageLayout,
     PageMeta,
-    encode_page,
-    section_checksums,
-    section_sums,
-    zero_gaps,
 )
+from tierstore.format.header_template import HeaderTemplate
+from tierstore.format.identity import MANIFEST_NAME, Namespace, write_manifest
+from tierstore.format.mac import PageMac
+from tierstore.format.page import encode_page
+from tierstore.format.page_layout import PageLayout, zero_gaps
 from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.directio import CachestatArgs, FrameGeometry, cachestat_pages
@@ -84,18 +84,19 @@ from tierstore.fs.mapper import (
     write_format_marker,
 )
 from tierstore.index import page_index
-from tierstore.native import page as native_page
-from tierstore.rootstore import pageops as pagefile
-from tierstore.rootstore.pageops import WARM_PIECE_BYTES, FileIdentity
-from tierstore.rootstore.rankdir_native import NativeFileCalls
+from tierstore.rootstore import own_read
+from tierstore.rootstore.own_read import WARM_PIECE_BYTES, ReadPlan, check_section_sums
+from tierstore.rootstore.page_files_native import NativeFileCalls
+from tierstore.rootstore.page_io import open_page, read_error
+from tierstore.rootstore.page_read import authenticate, read_page_fd
+from tierstore.rootstore.publish import publish
+from tierstore.rootstore.rank_dir import FileIdentity, RankDir, directory_error, file_identity
 from tierstore.rootstore.sealed_pages import SealedPages
 from tierstore.rootstore.staging import StagingSlot
 
-__all__ = ["WARM_PIECE_BYTES", "PageFiles"]
+__all__ = ["PageFiles", "mark_root_soon", "restore_root_metadata_soon", "settle_format_marker"]
 
 logger = logging.getLogger("tierstore.engine")  # the engine's log: what operators filter on
-
-ReadPlan = list[tuple[int, int, int, int]]
 
 
 _MARKER_WRITES: dict[str, threading.Thread] = {}  # root -> the thread that writes (wrote) its marker
@@ -163,7 +164,7 @@ class _ThreadState(threading.local):
         self.cachestat = CachestatArgs()
 
 
-class PageFiles(NativeFileCalls):
+class PageFiles:
     """Stores, loads and removes the page files of one rank directory (module docstring)."""
 
     def __init__(self, mapper: FileMapper, namespace: Namespace, group_index: int, rank: int, *, head_start: int,
@@ -194,16 +195,17 @@ class PageFiles(NativeFileCalls):
         self.python_only = self.mac is not None or sealer is not None
         self._templates: dict[int, HeaderTemplate] = {}  # key length -> header of our pages
         self._plans: dict[tuple[int, int], ReadPlan] = {}
-        self._shapes: dict[tuple[int, bool, int], native_page.PageShape] = {}
-        self._frames: dict[int, tuple[memoryview, Any]] = {}  # id(slot frame) -> (frame, its array)
-        self._slabs: dict[int, tuple[memoryview, Any, int]] = {}  # id(slot frame) -> (frame, slab array, offset)
-        self._slab_arrays: dict[int, tuple[Any, Any]] = {}  # id(buffer owner) -> (owner, its uint8 array)
         self._local = _ThreadState()
         self._marked = False  # the root's format marker asked for (first store)
-        self._dirs = pagefile.RankDir(mapper.root, mapper.dir_parts, perms,
-                                      on_reopen=self._reopened)
+        self._dirs = RankDir(mapper.root, mapper.dir_parts, perms, on_reopen=self._reopened)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
+        self.native = NativeFileCalls(self, self._dirs, count)
+
+    @property
+    def rank_dir(self) -> RankDir:
+        """The rank directory every file is reached through (held fds; do not close them)."""
+        return self._dirs
 
     def _reopened(self) -> None:
         """The rank directory was removed and made again: count it, restore the root's metadata."""
@@ -223,18 +225,18 @@ class PageFiles(NativeFileCalls):
         when a file of that name exists already."""
         final = self.mapper.final_path(key)
         name = os.path.basename(final)
-        done = self._store_native(key, name, final, slot, token_count, sums)
+        done = self.native.store(key, name, final, slot, token_count, sums)
         if done is not None:
             return done
         try:
             dir_fd = self._dirs.fanout(fanout(key), create=True, where=final, key=key)
         except OSError as exc:
-            raise PageStoreError(pagefile.directory_error(exc, final), errno=exc.errno, path=final, key=key) from exc
+            raise PageStoreError(directory_error(exc, final), errno=exc.errno, path=final, key=key) from exc
         try:
             result = self._store_in(dir_fd, name, final, key, slot, token_count, sums)
         finally:
             os.close(dir_fd)
-        self._note_stored(key)
+        self.note_stored(key)
         return result
 
     def _store_in(self, dir_fd: int, name: str, final: str, key: bytes, slot: StagingSlot, token_count: int,
@@ -254,19 +256,19 @@ class PageFiles(NativeFileCalls):
         mode = self.perms.file_mode
         if self.sealer is not None:
             zero_gaps(self.layout, slot.view)  # canonical plaintext
-            header, sealed = self.sealed_pages.seal(self._template(len(key)), key, slot.view, token_count)
-            pagefile.publish(name, tmp, [header, sealed], key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode,
+            header, sealed = self.sealed_pages.seal(self.template(len(key)), key, slot.view, token_count)
+            publish(name, tmp, [header, sealed], key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode,
                              where=final)
         elif self.codec == Codec.NONE:
-            tmpl = self._template(len(key))
+            tmpl = self.template(len(key))
             hl = tmpl.header_len
             zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
-            file_buf = self.geometry.file_view(slot._frame, hl, padded=self.odirect)
+            file_buf = self.geometry.file_view(slot.frame, hl, padded=self.odirect)
             tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else section_checksums(self.layout, slot.view))
             pieces: list[Any] = [file_buf]
             if self.mac is not None:
                 pieces.append(self.mac.tag(file_buf[:hl], slot.view))
-            pagefile.publish(name, tmp, pieces, key=key, fsync=self.fsync, direct=self.odirect,
+            publish(name, tmp, pieces, key=key, fsync=self.fsync, direct=self.odirect,
                              exact_len=hl + self._nbytes, dir_fd=dir_fd, mode=mode, where=final)
         else:
             st = self._local
@@ -277,7 +279,7 @@ class PageFiles(NativeFileCalls):
             pieces = [header, *payload]
             if self.mac is not None:
                 pieces.append(self.mac.tag(header, payload))
-            pagefile.publish(name, tmp, pieces, key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode, where=final)
+            publish(name, tmp, pieces, key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode, where=final)
         return True, self._nbytes
 
     def _clear_planted(self, dir_fd: int, name: str, st: os.stat_result, final: str, key: bytes) -> None:
@@ -305,7 +307,7 @@ class PageFiles(NativeFileCalls):
                            "a link" if stat.S_ISLNK(st.st_mode) else "an entry", final, what)
         self._count("planted_replaced")
 
-    def _note_stored(self, key: bytes) -> None:
+    def note_stored(self, key: bytes) -> None:
         """The one place a store tells the page index (this process's own pages: never a stale
         miss), whichever path wrote it (Python, a native call, the lane); the first store also
         leaves the root's format marker (``mark_root_soon``)."""
@@ -326,7 +328,7 @@ class PageFiles(NativeFileCalls):
         out: list[tuple[bool, int] | PageError | None] = [None] * len(items)
         try:
             if len(items) > 1:
-                self._store_native_many(items, out)
+                self.native.store_many(items, out)
         except Exception:  # a bug in the batch path must not fail the batch: store one by one
             logger.exception("tierstore: batch store of %d pages failed; storing them one by one", len(items))
             out = [None] * len(items)
@@ -343,7 +345,7 @@ class PageFiles(NativeFileCalls):
         """Read ``key`` into ``slot``: (bytes, None) when verified here, else (bytes, header sums)."""
         path = self.mapper.final_path(key)
         if not self.python_only and self.codec == Codec.NONE:
-            done = self._load_native(key, slot, path, verify)
+            done = self.native.load(key, slot, path, verify)
             if done is not None:
                 return done
         return self._load_python(key, slot, path, verify)
@@ -355,7 +357,7 @@ class PageFiles(NativeFileCalls):
         and each page the native call hands back, one by one (``load``'s paths)."""
         out: list[tuple[int, tuple[int, ...] | None] | PageError | None] = [None] * len(items)
         try:
-            native_done = self._load_native_many(items, out) if len(items) > 1 else False
+            native_done = self.native.load_many(items, out) if len(items) > 1 else False
         except Exception:  # a bug in the batch path must not fail the batch: load one by one
             logger.exception("tierstore: batch load of %d pages failed; loading them one by one", len(items))
             native_done, out = False, [None] * len(items)
@@ -368,33 +370,33 @@ class PageFiles(NativeFileCalls):
             except PageError as exc:
                 out[i] = exc
             except OSError as exc:  # the Python path names I/O errors; this is a guard
-                out[i] = pagefile.read_error(exc, "read", self.mapper.final_path(key), key)
+                out[i] = read_error(exc, "read", self.mapper.final_path(key), key)
         return out  # type: ignore[return-value]
 
     def _load_python(self, key: bytes, slot: StagingSlot, path: str, verify: bool) -> tuple[int, tuple[int, ...] | None]:
         """``load`` without the native call: names every error."""
-        tmpl = self._template(len(key))
+        tmpl = self.template(len(key))
         hl = tmpl.header_len
         dir_fd = self._dirs.fanout(fanout(key), where=path, key=key)
         try:
-            fd, st = pagefile.open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
+            fd, st = open_page(os.path.basename(path), key, dir_fd=dir_fd, where=path)
         finally:
             os.close(dir_fd)
-        slot.source = pagefile.file_identity(st)
+        slot.source = file_identity(st)
         try:
             if self.sealed_pages is not None and st.st_size == hl + self._nbytes + self._trailer:
                 if self.sealed_pages.open(fd, tmpl, key, slot.view, path):
                     return self._nbytes, None
             elif st.st_size == hl + self._nbytes + self._trailer:
-                file_buf = self.geometry.file_view(slot._frame, hl, padded=True)
+                file_buf = self.geometry.file_view(slot.frame, hl, padded=True)
                 cold = self.direct_loads and cachestat_pages(fd, self._local.cachestat) <= 0
                 if cold:
                     self._count("loads_odirect")
-                read = cold and pagefile.read_direct(fd, file_buf, hl + self._nbytes, path)
-                sums = pagefile.read_own_page(fd, tmpl, file_buf, slot.view, self.layout, self.read_plan(hl),
+                read = cold and own_read.read_direct(fd, file_buf, hl + self._nbytes, path)
+                sums = own_read.read_own_page(fd, tmpl, file_buf, slot.view, self.layout, self.read_plan(hl),
                                               key=key, path=path, verify=verify, already_read=read)
                 if read:  # the general reader below and the trailer are unaligned reads
-                    pagefile.clear_direct(fd)
+                    own_read.clear_direct(fd)
                 if sums is not None:
                     if self.mac is not None:  # never served without a valid tag, verified or not
                         trailer = os.pread(fd, MAC_TRAILER_LEN, hl + self._nbytes)
@@ -402,19 +404,19 @@ class PageFiles(NativeFileCalls):
 
                         def content() -> None:  # verify=False hashed nothing yet: damage is told apart here
                             if not verify:
-                                pagefile.check_section_sums(self.layout, section_sums(self.layout.spans, slot.view),
+                                check_section_sums(self.layout, section_sums(self.layout.spans, slot.view),
                                                             got, 0, path=path, key=key)
 
-                        pagefile.authenticate(self.mac, file_buf[:hl], slot.view, trailer, path=path, key=key,
+                        authenticate(self.mac, file_buf[:hl], slot.view, trailer, path=path, key=key,
                                               check_content=content)
                     return self._nbytes, (None if verify else tuple(sums))
             # Not byte for byte the header this engine writes (another codec or header length, a
             # wrong size, a damaged header): the general reader verifies it or names the error.
             self._count("loads_general_reader")
-            pagefile.read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac, sealer=self.sealer)
+            read_page_fd(fd, st, path, self.expectation(key), slot.view, mac=self.mac, sealer=self.sealer)
             return self._nbytes, None
         except OSError as exc:
-            raise pagefile.read_error(exc, "read", path, key) from exc
+            raise read_error(exc, "read", path, key) from exc
         finally:
             os.close(fd)
 
@@ -435,26 +437,27 @@ class PageFiles(NativeFileCalls):
 
     # ----------------------------------------------------------------- cached shapes
     def expectation(self, key: bytes) -> PageExpectation:
-        """What a page of ``key`` written here must be (``pagefile.read_page``)."""
+        """What a page of ``key`` written here must be (``page_read.read_page``)."""
         return PageExpectation(self.namespace.digest_bytes, key, self.group_index, self.rank, self.layout)
 
     def header_len(self, key_len: int) -> int:
         """Header bytes of these pages for a key of ``key_len`` bytes."""
-        return self._template(key_len).header_len
+        return self.template(key_len).header_len
 
     def read_plan(self, header_len: int) -> ReadPlan:
-        """``pagefile.read_plan`` for this layout and ``warm_piece_bytes`` (cached)."""
+        """``own_read.read_plan`` for this layout and ``warm_piece_bytes`` (cached)."""
         k = (header_len, self.warm_piece_bytes)
         plan = self._plans.get(k)
         if plan is None:
-            plan = self._plans[k] = pagefile.read_plan(self.layout, header_len, self.warm_piece_bytes)
+            plan = self._plans[k] = own_read.read_plan(self.layout, header_len, self.warm_piece_bytes)
         return plan
 
     def _meta(self, key: bytes, token_count: int) -> PageMeta:
         return PageMeta(self.namespace.digest_bytes, key, self.group_index, self.group.kind, token_count,
                         self.rank, self.head_start, self.head_count)
 
-    def _template(self, key_len: int) -> HeaderTemplate:
+    def template(self, key_len: int) -> HeaderTemplate:
+        """The header of these pages for a key of ``key_len`` bytes (cached)."""
         tmpl = self._templates.get(key_len)
         if tmpl is None:
             tmpl = self._templates[key_len] = HeaderTemplate(self._meta(b"\0" * key_len, 0), self.layout, self._flags)
