@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 from vllm_helpers import MODELS, chunk_keys, copy_root, failures, prompt_ids, run_engine  # noqa: E402
 
 from tierstore.format.sealing import KeyRing  # noqa: E402
-from tierstore.rootstore.pageops import inspect_page, read_page  # noqa: E402
+from tierstore.rootstore.page_read import inspect_page, read_page  # noqa: E402
 
 N = MODELS["llama"]["N"]
 
@@ -150,7 +150,9 @@ def test_two_tenants_with_their_own_keys_never_read_each_others_pages(tmp_path: 
                                                              ("b", ring.tenants["tenant-b"]))}
     chunks = len(ids) // N
     assert by_id == {ids_of["a"]: chunks, ids_of["b"]: chunks}, by_id  # nothing of the unsalted request
+    assert 0 < first.scheduler["pages_refused"] <= chunks  # the unsalted request's pages, counted
     both = run_engine("llama", copy_root(root, tmp_path / "both"), reqs[:2], extra=extra)
+    assert both.scheduler["pages_refused"] == 0
     for out, cold in zip(both.outputs, first.outputs[:2], strict=True):
         assert out.tokens == cold.tokens and out.cached >= 0.9 * chunks * N, (out.cached, chunks)
     work = copy_root(root, tmp_path / "only-a")

@@ -154,9 +154,9 @@ class TierStoreManager(OffloadingManager):
     @property
     def counters(self) -> dict[str, int]:
         """Lookup counters (a copy): lookups, lookup_hits, skipped_failed, lookup_retries,
-        lookup_probes."""
+        lookup_probes, pages_refused (``PageNames.refused``)."""
         return {"lookups": self._cached_hits + self._index_lookups, "lookup_hits": self._cached_hits + self._index_hits,
-                **self._counts}
+                **self._counts, "pages_refused": self.names.refused}
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:

@@ -75,6 +75,7 @@ PAGE_BYTES = PREFIX + "page_bytes_total"
 LOAD_JOBS = PREFIX + "load_jobs_total"
 STORE_BATCHES = PREFIX + "store_batches_total"
 STORE_DEFERRALS = PREFIX + "store_deferrals_total"
+PAGES_REFUSED = PREFIX + "pages_refused_total"
 
 ADAPTER_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
     LOOKUPS: (("result",), "Scheduler page lookups by answer: hit (load it), miss (compute it), retry "
@@ -96,6 +97,9 @@ ADAPTER_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
                 "(a page failed; the request recomputes)."),
     STORE_BATCHES: ((), "Gathers of KV blocks into staging slots."),
     STORE_DEFERRALS: ((), "Store pages put off to a later step for want of a free staging slot."),
+    PAGES_REFUSED: ((), "Pages neither looked up nor stored because their request may not be cached: no "
+                     "cache_salt while require_cache_salt is set, or a cache_salt without a key in "
+                     "tenant_key_files while encryption_key_file is set."),
 }
 
 # Adapter counter key (``name`` or ``name:label``) -> [(family, label values)]; "{}" is the key's label.
@@ -116,6 +120,7 @@ _ADAPTER_KEYS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "load_jobs_failed": ((LOAD_JOBS, ("failed",)),),
     "store_batches": ((STORE_BATCHES, ()),),
     "store_deferrals": ((STORE_DEFERRALS, ()),),
+    "pages_refused": ((PAGES_REFUSED, ()),),
 }
 
 # Tier families (registry snapshot -> exported), all labelled ``tier`` first.
