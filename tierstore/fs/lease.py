@@ -146,10 +146,12 @@ class Lease:
             data = {**data, "live_until": expires + self.skew_s, "server_now": time.time()}
         pid, host = data.get("pid"), data.get("host")
         dead_pid = isinstance(pid, bool) or not isinstance(pid, int) or not pid_possible(pid) or not process_alive(pid)
-        # Its pid means something here only in our PID namespace: a pod with our host name in
-        # another one (hostNetwork) writes another ``writer`` and is judged by expiry alone.
-        same_writer = data.get("writer", host_tag()) == host_tag()
-        if host == socket.gethostname() and same_writer and data["owner"] != self.owner and dead_pid:
+        # Its pid means something here only in our PID namespace: "written here" is the one rule
+        # of temp names (``host_tag``: host name, boot, PID namespace), so a pod with our host name
+        # in another namespace (hostNetwork) is judged by expiry alone. A lease of a tierstore
+        # before ``writer`` was recorded falls back to its host name.
+        here = data["writer"] == host_tag() if "writer" in data else host == socket.gethostname()
+        if here and data["owner"] != self.owner and dead_pid:
             return None  # a dead holder on this host
         return data
 
