@@ -157,3 +157,20 @@ def test_a_hit_on_a_shared_head_slice_stamps_that_slice_file(tmp_path: Path) -> 
         reader.close()
     finally:
         close_shared_state()
+
+
+def test_the_fallback_reads_the_root_under_its_tiers_deadline(tmp_path: Path) -> None:
+    """``open_rank_store`` gives the head-slice fallback the deadline of the tier the covering
+    files are on: ``shared_deadline_s`` behind a local tier, ``deadline_s`` on a lone root."""
+    try:
+        for extra, want in (({"local_root": str(tmp_path / "local")}, 2.5), ({}, 7.0)):
+            config = TierStoreConfig(root=str(tmp_path / "shared"), odirect="off", deadline_s=7.0,
+                                     shared_deadline_s=2.5, **extra)
+            store = open_rank_store(config, NS, 0, rank=0, tp_size=2, layout=slice_layout(FULL, H(0, 1)),
+                                    heads=(0, 0), staging_slots=4)
+            try:
+                assert isinstance(store, HeadSliceStore) and store.deadline_s == want
+            finally:
+                store.close(5)
+    finally:
+        close_shared_state()

@@ -143,6 +143,7 @@ def open_rank_store(config: TierStoreConfig, namespace: Namespace, group_index: 
                                 head_start=heads[0], head_count=heads[1], **engine_kwargs)
     from tierstore.format.head_slices import HeadRange, rank_heads, segments, split_dir_name
     from tierstore.fs.mapper import group_dir
+    from tierstore.tiers.factory import tier_specs
     from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore
 
     full_layout = namespace.groups[group_index].layout
@@ -156,7 +157,10 @@ def open_rank_store(config: TierStoreConfig, namespace: Namespace, group_index: 
                                  layout=layout, **engine_kwargs)
     source = DirectorySlices(group_dir(config.root, namespace.digest, group_index), namespace.digest_bytes,
                              group_index, full_layout, refresh_s=config.index_refresh_s)
-    return HeadSliceStore(inner, HeadRange(mine.start, mine.count), full_layout, source)
+    # The covering files are on the root: its tier's deadline (a lone root's deadline_s, else
+    # shared_deadline_s), as the factory gives that tier.
+    deadline_s = next(s.deadline_s for s in tier_specs(config) if s.kind in ("root", "shared"))
+    return HeadSliceStore(inner, HeadRange(mine.start, mine.count), full_layout, source, deadline_s=deadline_s)
 
 
 def lookup_dirs(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> tuple[

@@ -120,7 +120,8 @@ def inner_sealer(inner: PageStore) -> KeyRing | None:
 
 
 def _inner_deadline(inner: PageStore) -> float:
-    """The inner store's ``shared_deadline_s`` (an engine or a chain carries its config)."""
+    """The inner store's ``shared_deadline_s`` (an engine or a chain carries its config): the
+    default of a store built by hand; ``tiers.open_rank_store`` passes the root tier's deadline."""
     value = getattr(getattr(inner, "config", None), "shared_deadline_s", None)
     return float(value) if isinstance(value, int | float) and value > 0 else DEFAULT_FALLBACK_DEADLINE_S
 
