@@ -784,7 +784,11 @@ def _gc_pair(root: Path, mount_b: Path, skew_s: float, seed: int, seconds: float
         gc.first_pass.wait(120)
     end, i = time.monotonic() + seconds, E_PAGES
     loads: Counter[str] = Counter()
-    while time.monotonic() < end:
+    # Both gcs must have held the lease for the run to show anything about turns: a guest starved
+    # by the other CI worker once gave one of them no turn in 30 s (21 passes, every one busy), so
+    # the stores go on, at most ``seconds`` more, until each has had one.
+    while time.monotonic() < end or (time.monotonic() < end + seconds
+                                     and not all(gc.active() for gc in gcs.values())):
         ok, _kind = node.store(i, seed)
         stored += ok
         loads[node.load(i - random.randrange(4), seed)] += 1  # a recent page: a hit, or a miss once evicted
