@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierstore.fs import safefs
+from tierstore.index.eviction import SQL_ORDER, victims_until
 from tierstore.index.local_scan import Reconciler, ReconcileReport
 from tierstore.index.local_sessions import INDEX_DIR, INDEX_NAME, SESSIONS_DIR, IndexHome
 
@@ -163,16 +164,15 @@ class LocalIndex:
         victims: list[Evicted] = []
         while used + reserved + need > self.cap_bytes:
             rows = self._db.execute(
-                "SELECT path, size FROM pages WHERE path != ? ORDER BY stamp LIMIT ?", (keep, _EVICT_BATCH)
+                f"SELECT path, size FROM pages WHERE path != ? {SQL_ORDER} LIMIT ?", (keep, _EVICT_BATCH)
             ).fetchall()
             if not rows:
                 break
-            for path, size in rows:
-                if used + reserved + need <= self.cap_bytes:
-                    break
-                self._db.execute("DELETE FROM pages WHERE path = ?", (path,))
-                victims.append(Evicted(path, int(size)))
-                used -= int(size)
+            sizes = [int(size) for _, size in rows]
+            for j in victims_until(range(len(rows)), sizes, used + reserved + need, self.cap_bytes):
+                self._db.execute("DELETE FROM pages WHERE path = ?", (rows[j][0],))
+                victims.append(Evicted(rows[j][0], sizes[j]))
+                used -= sizes[j]
         return victims
 
     def _record_locked(self, reservation: int | None, relpath: str, size: int, stamp: int) -> None:
@@ -302,7 +302,7 @@ class LocalIndex:
     def lru_order(self, limit: int | None = None) -> list[str]:
         """Relative paths, least recently used first (for tests and ``tierstore stats``)."""
         with self._lock:
-            q = "SELECT path FROM pages ORDER BY stamp"
+            q = f"SELECT path FROM pages {SQL_ORDER}"
             rows = self._db.execute(q + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
         return [r[0] for r in rows]
 

@@ -34,11 +34,13 @@ import stat
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 
 from tierstore.errors import GONE_ERRNOS
 from tierstore.fs import safefs
 from tierstore.fs.lease import Lease
 from tierstore.fs.mapper import host_tag
+from tierstore.index.eviction import victims_until
 from tierstore.tiers.gc_report import GC_LOG, UNSAFE_LISTED, GcReport, note_unsafe
 from tierstore.tiers.gc_scan import ScanTable
 
@@ -48,9 +50,7 @@ _EVICT_BATCH = 4096  # victims per batch evicted in directory order
 def plan_down_to(pages: ScanTable, target: int, live: int, grace_s: float, rep: GcReport) -> int:
     """A dry run's eviction: the LRU prefix ``evict_down_to`` would evict, counted in ``rep``
     (with a grace period, its bytes as the trash's); the live bytes after."""
-    for i in pages.lru_order():
-        if live <= target:
-            break
+    for i in victims_until(pages.lru_order(), pages.size, live, target):
         rep.evicted += 1
         rep.evicted_bytes += pages.size[i]
         rep.trash_bytes += pages.size[i] if grace_s > 0 else 0
@@ -198,12 +198,7 @@ def evict_down_to(pages: ScanTable, target: int, live: int, victims: Victims, le
     order = pages.lru_order()
     try:
         while live > target:
-            batch, need = [], live - target
-            for i in order:
-                batch.append(i)
-                need -= pages.size[i]
-                if need <= 0 or len(batch) >= _EVICT_BATCH:
-                    break
+            batch = list(islice(victims_until(order, pages.size, live, target), _EVICT_BATCH))
             if not batch:
                 break  # every page tried
             if not lease.renew_if_due():

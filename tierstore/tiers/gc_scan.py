@@ -45,6 +45,7 @@ from tierstore.fs.mapper import (
     parse_rank_dir,
 )
 from tierstore.fs.stale_temps import TempWriter, temp_writer, writer_gone
+from tierstore.index import eviction
 from tierstore.tiers.gc_report import GcReport, note_unsafe
 
 TRASH_DIR = ".tierstore-trash"
@@ -89,10 +90,9 @@ class ScanTable:
         return self._keys[o:o + self._key_len[i]].hex() + PAGE_SUFFIX
 
     def lru_order(self) -> Iterator[int]:
-        """Page indexes, least recently stamped first (stable: ties in scan order)."""
-        import numpy as np  # already loaded with the tiers package; 8 bytes a page, not ~70 for a list
-
-        yield from (int(i) for i in np.argsort(np.frombuffer(self.stamp, dtype=np.int64), kind="stable"))
+        """Page indexes in the eviction policy's order (``index.eviction``: least recently
+        stamped first, ties in scan order)."""
+        return eviction.lru_order(self.stamp)
 
 
 def _file_bytes(st: os.stat_result) -> int:
