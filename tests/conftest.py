@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Generator
 from pathlib import Path
 
@@ -93,13 +95,29 @@ SLOW_FILES_FIRST = (
 )
 
 
+_VLLM_IPC_DIR: str | None = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # vLLM names its engines' ZMQ sockets VLLM_RPC_BASE_PATH/<uuid> (default: the temp
+    # directory) and an engine that is stopped or killed leaves them there: a full run left about
+    # a thousand in /tmp. Each test process gets a directory of its own, removed at its end
+    # (engines and servers started by the tests inherit it).
+    # (A socket's path must fit in 107 bytes: a longer temp directory keeps vLLM's default.)
+    global _VLLM_IPC_DIR
+    if "VLLM_RPC_BASE_PATH" not in os.environ and len(tempfile.gettempdir()) < 40:
+        _VLLM_IPC_DIR = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="tierstore-vllm-ipc-")
     # pytest-xdist 3.8 hands out --dist loadfile's files by their number of tests, most first,
     # unless told not to: SLOW_FILES_FIRST then had no effect, and the kernel-NFS module (8 tests,
     # the longest file) started mid-run. An explicit --loadscope-reorder still wins.
     if (getattr(config.option, "loadscopereorder", None)
             and "--loadscope-reorder" not in config.invocation_params.args):
         config.option.loadscopereorder = False
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _VLLM_IPC_DIR is not None:
+        shutil.rmtree(_VLLM_IPC_DIR, ignore_errors=True)
 
 
 # ``bash tools/test.sh --quick`` (``-m quick``): the check before every push, about 2 minutes on
