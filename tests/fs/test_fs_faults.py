@@ -20,7 +20,7 @@ import pytest
 from tierstore.config import TierStoreConfig
 from tierstore.format.identity import Namespace
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore import engine as engine_mod
 from tierstore.rootstore.engine import IOEngine, IOResult
 from tierstore.testing.pages import page_bytes, page_key, simple_namespace

@@ -19,7 +19,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.format.checksums import section_sums
 from tierstore.fs import safefs
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore.engine import IOEngine
 from tierstore.rootstore.page_io import READ_FLAGS
 from tierstore.testing.pages import (

@@ -23,7 +23,7 @@ from tierstore.format.identity import MANIFEST_NAME, Namespace, read_manifest
 from tierstore.format.page_layout import PageLayout
 from tierstore.fs.directio import O_DIRECT
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore import engine as engine_mod
 from tierstore.rootstore.engine import IOEngine, probe_odirect
 from tierstore.rootstore.page_read import inspect_page

@@ -127,7 +127,7 @@ def test_a_failing_batch_call_falls_back_to_one_by_one(tmp_path: Path, op: str, 
     costs speed, not pages."""
     if not native.start(wait=True):
         pytest.skip(f"native path unavailable: {native.failure()}")
-    from tierstore.native import page as native_page
+    from tierstore.native import page_calls as native_page
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected")
@@ -181,7 +181,7 @@ def test_a_batch_of_stores_gives_each_page_its_own_result(tmp_path: Path, path: 
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Stores of new and already stored keys taken as batches: each its own result (stored or
     not), every page readable and verified after; on the native path one GIL-free call per batch."""
-    from tierstore.native import page as native_page
+    from tierstore.native import page_calls as native_page
 
     sizes: list[int] = []
     real_many = native_page.store_pages

@@ -27,7 +27,7 @@ from tierstore.fs.mapper import FileMapper
 from tierstore.index import page_index
 from tierstore.index.page_index import PageIndex
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore import rank_dir
 from tierstore.rootstore.engine import IOEngine, IOResult
 from tierstore.rootstore.page_io import read_error

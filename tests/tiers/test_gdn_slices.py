@@ -137,9 +137,9 @@ def test_a_damaged_rank_file_is_a_typed_error_and_wrong_bytes_change_the_result(
 
 
 def test_fsck_walk_accepts_a_gdn_slice_directory() -> None:
-    from tierstore.admin.namespace_dirs import slice_group
+    from tierstore.admin.namespace_dirs import sliced_group_spec
 
     ns = layout_namespace(gdn_layout(), 1152, kind=GroupKind.MAMBA, layer_names=LAYERS)
-    got = slice_group(ns.groups[0], (2, 2))
+    got = sliced_group_spec(ns.groups[0], (2, 2))
     assert got is not None and got.layout == gdn_layout(2)
-    assert slice_group(ns.groups[0], (4, 1)) is None  # beyond the group's 4 key heads
+    assert sliced_group_spec(ns.groups[0], (4, 1)) is None  # beyond the group's 4 key heads

@@ -167,10 +167,10 @@ def test_namespace_slices_only_a_tp_whose_slices_are_the_engines_pages() -> None
 
 
 def test_fsck_walk_accepts_a_mamba_slice_directory() -> None:
-    from tierstore.admin.namespace_dirs import slice_group
+    from tierstore.admin.namespace_dirs import sliced_group_spec
 
     ns = layout_namespace(rank_layout("mamba2_g1", 1), 128, kind=GroupKind.MAMBA, layer_names=LAYERS)
-    got = slice_group(ns.groups[0], (4, 4))
+    got = sliced_group_spec(ns.groups[0], (4, 4))
     assert got is not None and got.layout == rank_layout("mamba2_g1", 2)
-    assert slice_group(ns.groups[0], (8, 1)) is None  # beyond the group's 8 units
+    assert sliced_group_spec(ns.groups[0], (8, 1)) is None  # beyond the group's 8 units
     assert slice_units(rank_layout("mamba1", 1)) == 16

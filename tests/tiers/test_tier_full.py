@@ -18,7 +18,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.fs import deadline
 from tierstore.metrics import MetricsRegistry
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore import engine as engine_mod
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import simple_namespace

@@ -115,7 +115,7 @@ def test_a_store_and_a_load_run_through_no_more_modules_than_today(tmp_path: Pat
     chain = TierChain(TierStoreConfig(root=str(tmp_path), io_loop=io_loop), namespace, 0, staging_slots=8, pin=device == "cuda")
     copier = GroupCopier(views, case.layout, ids.shape[1], [1] * case.layers)
     group = worker_mod.WorkerGroup(
-        index=0, vllm_group_id=0, copier=copier, engine=chain, blocks_per_chunk=ids.shape[1], kernel_ratio=1,
+        index=0, vllm_group_id=0, copier=copier, store=chain, blocks_per_chunk=ids.shape[1], kernel_ratio=1,
         device=views[0].device, tokens_per_page=case.tokens,
         transfer=PageTransfer(copier, views[0].device, scratch_pages=4))
     worker = worker_mod.TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0)

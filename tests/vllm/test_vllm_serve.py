@@ -62,7 +62,7 @@ if _delay > 0:
         time.sleep(_delay)
         return _write(fd, pieces)
     _pf.pwritev_all = _slow_pwritev_all
-    import tierstore.native.page as _native_page  # its store writes without pwritev_all: slowed the same
+    import tierstore.native.page_calls as _native_page  # its store writes without pwritev_all: slowed the same
     _native_store = _native_page.store_page
     def _slow_store_page(*args):
         time.sleep(_delay)

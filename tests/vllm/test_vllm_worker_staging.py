@@ -55,7 +55,7 @@ def _setup(root: Path, slots: int, store_delay_s: float, monkeypatch: pytest.Mon
 
         monkeypatch.setattr(engine.ops, "store", slow)
         monkeypatch.setattr(engine.ops, "store_many", slow_many)
-    group = WorkerGroup(index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=1,
+    group = WorkerGroup(index=0, vllm_group_id=0, copier=copier, store=engine, blocks_per_chunk=1,
                         kernel_ratio=1, device=torch.device("cpu"), tokens_per_page=N)
     return TierStoreWorker([group], flush_timeout_s=30.0, defer_limit_s=30.0), copier, engine, layout
 

@@ -237,7 +237,7 @@ def _setup(*, slots: int = 8, scratch: int = 4, done_after: int = 3, checksums_o
     engine = FakeEngine(layout.nbytes, slots)
     transfer = FakeTransfer(copier, engine, done_after=done_after, scratch=scratch,
                             checksums_on_gpu=checksums_on_gpu)
-    group = WorkerGroup(index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=1,
+    group = WorkerGroup(index=0, vllm_group_id=0, copier=copier, store=engine, blocks_per_chunk=1,
                         kernel_ratio=1, device=torch.device("cpu"), tokens_per_page=N, transfer=transfer)
     worker = TierStoreWorker([group], flush_timeout_s=5.0, defer_limit_s=30.0, fence_slot_wait_s=0.05)
     return worker, engine, transfer, copier, caches, layout

@@ -194,7 +194,7 @@ def test_every_v4_group_round_trips_through_the_worker(tmp_path: Path, device: s
                 views = [block_bytes_view(target[n]) for n in specs]
             copier = GroupCopier(views, layout, 1, [0] * len(views))
             chain = TierChain(TierStoreConfig(root=str(tmp_path)), ns, 0, staging_slots=8, pin=device == "cuda")
-            wg = worker_mod.WorkerGroup(index=0, vllm_group_id=gi, copier=copier, engine=chain, blocks_per_chunk=1,
+            wg = worker_mod.WorkerGroup(index=0, vllm_group_id=gi, copier=copier, store=chain, blocks_per_chunk=1,
                                         kernel_ratio=1, device=torch.device(device), tokens_per_page=g["block_size"],
                                         transfer=PageTransfer(copier, torch.device(device), scratch_pages=4))
             worker = worker_mod.TierStoreWorker([wg], flush_timeout_s=30.0, defer_limit_s=30.0)

@@ -55,7 +55,7 @@ def _worker(case: AttentionCase, views: list[torch.Tensor], bpp: int, root: Path
     engine = engine if engine is not None else case.engine(root, slots, pin=True)
     copier = GroupCopier(views, case.layout, bpp, [1] * case.layers)
     group = worker_mod.WorkerGroup(
-        index=0, vllm_group_id=0, copier=copier, engine=engine, blocks_per_chunk=bpp, kernel_ratio=1,
+        index=0, vllm_group_id=0, copier=copier, store=engine, blocks_per_chunk=bpp, kernel_ratio=1,
         device=views[0].device, tokens_per_page=case.tokens,
         transfer=PageTransfer(copier, views[0].device, scratch_pages=scratch))
     group.transfer.warm_up()  # as spec.py does at startup

@@ -73,7 +73,7 @@ def worker_for(layout: PageLayout, views: dict[str, torch.Tensor], chain: Any, d
     sources = [mla_view(views[s.name], s.shape[1]) for s in layout.sections]
     copier = GroupCopier(sources, layout, 1, [0] * len(sources))
     group = worker_mod.WorkerGroup(
-        index=0, vllm_group_id=0, copier=copier, engine=chain, blocks_per_chunk=1, kernel_ratio=1,
+        index=0, vllm_group_id=0, copier=copier, store=chain, blocks_per_chunk=1, kernel_ratio=1,
         device=torch.device(device), tokens_per_page=BLOCK, transfer=PageTransfer(copier, torch.device(device),
                                                                                  scratch_pages=4))
     group.transfer.warm_up()

@@ -34,7 +34,7 @@ from pathlib import Path
 from tierstore.admin.adaptive_gate import AdaptiveGate
 from tierstore.admin.classifier import Classifier, is_skipped, lstat_entry, scandir_sorted
 from tierstore.admin.findings import BAD_PAGE, ORPHAN, UNREADABLE, Finding, Fingerprint, fingerprint
-from tierstore.admin.namespace_dirs import NamespaceDir, estimated_page_bytes, slice_group
+from tierstore.admin.namespace_dirs import NamespaceDir, estimated_page_bytes, sliced_group_spec
 from tierstore.admin.progress import Progress
 from tierstore.admin.tally import GroupTally, Inventory
 from tierstore.errors import GONE_ERRNOS
@@ -138,7 +138,7 @@ class FanDirWalker:
         group = nsd.group(g)
         heads = parse_slice_dir(aa.parent.name)
         if heads is not None and group is not None and not orphan:
-            group = slice_group(group, heads)  # its pages hold those heads: the slice's layout
+            group = sliced_group_spec(group, heads)  # its pages hold those heads: the slice's layout
         if self.listing and not orphan:
             return self._fan_dir_listed(inv, nsd, aa, g, r, group)
         fan = aa.name

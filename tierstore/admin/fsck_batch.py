@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tierstore.format.header_template import HeaderTemplate
 from tierstore.format.page_layout import PageLayout
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore.own_read import WARM_PIECE_BYTES, read_plan
 from tierstore.rootstore.page_io import NATIVE_OPEN_FLAGS
 

@@ -76,7 +76,7 @@ from tierstore.format.sealing import KeyRing
 from tierstore.fs import safefs
 from tierstore.fs.mapper import parse_slice_dir
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore.page_io import open_page, read_error, readinto_exact
 from tierstore.rootstore.page_read import in_pieces_applies, read_page_fd, verify_in_pieces
 

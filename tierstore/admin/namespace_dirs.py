@@ -1,6 +1,6 @@
 """A namespace directory under a tierstore root and what its manifest says about its groups:
 ``NamespaceDir``, reading its manifest (``load_manifest``), the group spec of a head slice
-(``slice_group``) and the size of a group's page file (``estimated_page_bytes``).
+(``sliced_group_spec``) and the size of a group's page file (``estimated_page_bytes``).
 
 Contract:
 
@@ -8,7 +8,7 @@ Contract:
   at most ``MANIFEST_MAX_BYTES``); every exception while reading or checking it becomes
   ``NamespaceDir.error``, never the end of a walk. A manifest of another page format marks the
   directory as not to be walked (``walk=False``): its contents are neither read nor repaired.
-- ``slice_group`` is the group as a head slice ``h<start>-<count>`` holds it (None when the
+- ``sliced_group_spec`` is the group as a head slice ``h<start>-<count>`` holds it (None when the
   group has no such slice); ``estimated_page_bytes`` is 0 when the manifest gives no usable
   size (a listing then counts no bytes rather than failing).
 
@@ -124,7 +124,7 @@ def _check_namespace_values(ns: Namespace) -> None:
     dict(ns.extra)
 
 
-def slice_group(group: GroupSpec, heads: tuple[int, int]) -> GroupSpec | None:
+def sliced_group_spec(group: GroupSpec, heads: tuple[int, int]) -> GroupSpec | None:
     """The group as its slice ``h<start>-<count>`` holds it (``head_slices.slice_layout``:
     attention sections cut to ``count`` KV heads, Gated DeltaNet states to ``count`` linear key
     heads; docs/DESIGN.md §9); None when the group has no such slice (another Mamba group, or

@@ -34,7 +34,7 @@ from tierstore.admin.adaptive_gate import AdaptiveGate
 from tierstore.admin.classifier import SKIP_AT_ROOT, Classifier, is_skipped, scandir_sorted
 from tierstore.admin.fan_dir_walk import FanDirWalker, PageVisitor
 from tierstore.admin.findings import MANIFEST, Finding
-from tierstore.admin.namespace_dirs import NamespaceDir, load_manifest, slice_group
+from tierstore.admin.namespace_dirs import NamespaceDir, load_manifest, sliced_group_spec
 from tierstore.admin.progress import Progress
 from tierstore.admin.tally import Inventory
 from tierstore.errors import ConfigError
@@ -131,7 +131,7 @@ def fan_dirs(nsd: NamespaceDir, inv: Inventory, cls: Classifier) -> list[FanDir]
                 orphan = not group_known or (world is not None and r >= world)
             else:  # a head slice: any TP may have written it; its heads must be the group's
                 orphan = not group_known or (nsd.namespace is not None
-                                             and slice_group(nsd.namespace.groups[g], heads) is None)
+                                             and sliced_group_spec(nsd.namespace.groups[g], heads) is None)
             for a_entry in scandir_sorted(Path(r_entry.path), inv):
                 if is_skipped(a_entry.name):
                     continue

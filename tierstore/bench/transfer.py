@@ -137,7 +137,7 @@ class WorkerPipelines:
         from tierstore.vllm.pipelines import GroupPipelines
 
         views, _lay, bpp, _cds = case.copier_args
-        group = WorkerGroup(index=0, vllm_group_id=0, copier=transfer.copier, engine=engine, blocks_per_chunk=bpp,
+        group = WorkerGroup(index=0, vllm_group_id=0, copier=transfer.copier, store=engine, blocks_per_chunk=bpp,
                             kernel_ratio=1, device=views[0].device, tokens_per_page=tokens, transfer=transfer)
         self.counters: Counter[str] = Counter()
         self.jobs = JobTracker(self.counters, [0])
@@ -165,7 +165,7 @@ class WorkerPipelines:
         self.jobs.seal(job)
         last, state = time.perf_counter(), None
         t_run = last
-        pipes, engine = self.pipes, self.pipes.g.engine
+        pipes, engine = self.pipes, self.pipes.g.store
         side = pipes.loads if is_load else pipes.stores
         census = dict.fromkeys(("free", "in_engine", "waiting_scratch", "in_transfer"), 0.0)
         t_prev = t_run
@@ -189,7 +189,7 @@ class WorkerPipelines:
             state = now
             if stalled:
                 raise RuntimeError(f"{op} pipeline stalled: {dict(self.counters)}, state {now}, "
-                                   f"engine {self.pipes.g.engine.stats}")
+                                   f"engine {self.pipes.g.store.stats}")
         if is_load and self.pipes.g.device.type == "cuda":
             torch.cuda.synchronize()
         run_s = time.perf_counter() - t_run
@@ -241,7 +241,7 @@ class IoBusy:
 def _store_timed(pipes: WorkerPipelines, keys: list[bytes], ids_cpu: torch.Tensor, total: int) -> dict[str, Any]:
     os.sync()
     torch.cuda.synchronize()
-    io = IoBusy(pipes.pipes.g.engine)
+    io = IoBusy(pipes.pipes.g.store)
     t0 = time.perf_counter()
     busy0, wall0 = pipes.busy_s, pipes.wall_s
     pipes.run("store", keys, ids_cpu)
@@ -272,7 +272,7 @@ def _load_checked(case: Any, pipes: WorkerPipelines, keys: list[bytes], ids_cpu:
         for v in views:
             v[case.block_ids_flat] = 0  # poison
         torch.cuda.synchronize()
-        io = IoBusy(pipes.pipes.g.engine)
+        io = IoBusy(pipes.pipes.g.store)
         t0 = time.perf_counter()
         busy0, wall0 = pipes.busy_s, pipes.wall_s
         pipes.run("load", keys, ids_cpu)

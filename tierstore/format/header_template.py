@@ -1,7 +1,7 @@
 """HeaderTemplate: one writer's exact codec-NONE page header, its variable fields patched in
 place (the key, the token count, the section checksums and the header's own checksum).
 
-The fast path of writers and readers that know their layout (``rootstore``, ``native.page``,
+The fast path of writers and readers that know their layout (``rootstore``, ``native.page_calls``,
 fsck's batches); any header it does not accept goes through ``header.decode_header``.
 Threading: a template is immutable after construction; safe from any thread.
 """

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstore.fs.mapper import fanout
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.native.abi import (
     CTL_LEN,
     DEADLINE_NS_MAX,

@@ -30,7 +30,7 @@ from tierstore.fs import safefs
 from tierstore.fs.directio import FrameGeometry
 from tierstore.fs.mapper import FileMapper, fanout
 from tierstore.native import loader as native
-from tierstore.native import page as native_page
+from tierstore.native import page_calls as native_page
 from tierstore.rootstore.own_read import ReadPlan, check_section_sums
 from tierstore.rootstore.page_io import NATIVE_OPEN_FLAGS
 from tierstore.rootstore.publish import temp_flags

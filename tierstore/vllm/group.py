@@ -38,7 +38,7 @@ class WorkerGroup:
     index: int  # tierstore group index (position among offloaded groups)
     vllm_group_id: int
     copier: GroupCopier
-    engine: PageStore  # the group's page store (a TierChain, a HeadSliceStore around one, a test double)
+    store: PageStore  # the group's page store (a TierChain, a HeadSliceStore around one, a test double)
     blocks_per_chunk: int  # scheduler blocks per page (1 for Mamba)
     kernel_ratio: int  # kernel blocks per scheduler block
     device: torch.device
@@ -50,7 +50,7 @@ class WorkerGroup:
 
     def release(self, slots: list[Any]) -> None:
         for slot in slots:
-            self.engine.release_slot(slot)
+            self.store.release_slot(slot)
 
 
 def kernel_rows(g: WorkerGroup, block_ids: list[int], pages: int) -> torch.Tensor:

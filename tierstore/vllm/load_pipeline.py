@@ -76,9 +76,9 @@ class LoadPipeline:
         """Queue reads of waiting pages while the page store has free staging slots."""
         g = self.g
         verify = g.fixup is not None or not g.transfer.checksums_on_gpu
-        while self.queue and g.engine.free_slots > 0:
+        while self.queue and g.store.free_slots > 0:
             page = self.queue.popleft()
-            self._by_store_job[g.engine.submit_load(page.key, verify=verify)] = page
+            self._by_store_job[g.store.submit_load(page.key, verify=verify)] = page
 
     def pending(self) -> int:
         """Pages submitted to the page store whose result has not come back."""
@@ -91,16 +91,16 @@ class LoadPipeline:
         page = self._by_store_job.pop(res.job_id, None)
         if page is None:
             if res.slot is not None:
-                g.engine.release_slot(res.slot)
+                g.store.release_slot(res.slot)
             return
         if not (res.ok and res.slot is not None):
             err = res.error
             self.jobs.page_failed(page.job_id, g.index, res.key, err.kind if err else "error", str(err))
         elif self.jobs.is_lost(page.job_id):  # the job is lost anyway: skip the copy
-            g.engine.release_slot(res.slot)
+            g.store.release_slot(res.slot)
             self.jobs.page_skipped(page.job_id)
         elif self.closed:
-            g.engine.release_slot(res.slot)
+            g.store.release_slot(res.slot)
             self.jobs.page_failed(page.job_id, g.index, res.key, "cancelled", "the worker is shutting down")
         else:
             page.res = res
@@ -123,7 +123,7 @@ class LoadPipeline:
         while self.ready and len(batch) < want:
             page = self.ready.popleft()
             if self.jobs.is_lost(page.job_id):  # the job is lost anyway: skip the copy
-                self.g.engine.release_slot(page.res.slot)
+                self.g.store.release_slot(page.res.slot)
                 self.jobs.page_skipped(page.job_id)
                 continue
             batch.append(page)
@@ -174,12 +174,12 @@ class LoadPipeline:
     def _settle(self, res: IOResult, ok: bool) -> None:
         g = self.g
         reason = "" if ok else "section checksum mismatch after the copy to the device"
-        g.engine.settle(res, ok, reason)
+        g.store.settle(res, ok, reason)
 
     # ------------------------------------------------------------ shutdown
     def cancel_ready(self) -> None:
         """Shutdown: pages read but not started go back (their jobs fail: cancelled)."""
         while self.ready:
             page = self.ready.popleft()
-            self.g.engine.release_slot(page.res.slot)
+            self.g.store.release_slot(page.res.slot)
             self.jobs.page_failed(page.job_id, self.g.index, page.key, "cancelled", "the worker is shutting down")

@@ -39,7 +39,7 @@ class GroupPipelines:
 
     def route_results(self) -> None:
         """Hand each finished page-store job to the pipeline that submitted it."""
-        for res in self.g.engine.poll():
+        for res in self.g.store.poll():
             (self.loads if res.op == "load" else self.stores).on_result(res)
 
     def step(self) -> None:
@@ -81,4 +81,4 @@ class GroupPipelines:
         self.route_results()
         self.poller.poll(block=True)
         self.loads.cancel_ready()
-        self.g.engine.close(timeout)
+        self.g.store.close(timeout)

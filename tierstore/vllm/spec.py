@@ -248,7 +248,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                     f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
                     copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
         return WorkerGroup(
-            index=i, vllm_group_id=gcfg.group_id, copier=copier, engine=engine,
+            index=i, vllm_group_id=gcfg.group_id, copier=copier, store=engine,
             blocks_per_chunk=1 if gspec.kind == GroupKind.MAMBA else self.blocks_per_chunk,
             kernel_ratio=ratio, device=device,
             fixup=KTransposeFixup(layout, k_transposed_tokens) if k_transposed_tokens else None,

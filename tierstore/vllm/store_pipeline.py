@@ -129,12 +129,12 @@ class StorePipeline:
         want = max_batch(g, len(todo), self.batch_limit)
         while True:
             left = end - time.monotonic()
-            first = g.engine.acquire_slot(timeout=left) if left > 0 else g.engine.acquire_slot(0)
+            first = g.store.acquire_slot(timeout=left) if left > 0 else g.store.acquire_slot(0)
             if first is None:
                 return 0
             slots = [first]
             while len(slots) < want:
-                more = g.engine.acquire_slot(0)
+                more = g.store.acquire_slot(0)
                 if more is None:
                     break
                 slots.append(more)
@@ -173,9 +173,9 @@ class StorePipeline:
                 if g.fixup is not None:
                     g.fixup.after_gather(slot.tensor)  # the GPU sums (if any) are of the unfixed bytes
                 page_sums = sums[j] if sums and g.fixup is None else None
-                store_job = g.engine.submit_store(page.key, slot, page.tokens, sums=page_sums)
+                store_job = g.store.submit_store(page.key, slot, page.tokens, sums=page_sums)
             except Exception as e:  # noqa: BLE001 - one bad page must not take the step down
-                g.engine.release_slot(slot)
+                g.store.release_slot(slot)
                 self.jobs.page_failed(page.job_id, g.index, page.key, "error", f"submit failed: {e!r}")
                 continue
             self._by_store_job[store_job] = page

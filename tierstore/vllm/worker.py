@@ -153,7 +153,7 @@ class TierStoreWorker(OffloadingWorker):
             p.stores.fence(only, self.fence_slot_wait_s)
 
     def engine_stats(self) -> dict[str, Any]:
-        return {f"g{g.index}": g.engine.stats for g in self.groups}
+        return {f"g{g.index}": g.store.stats for g in self.groups}
 
     def flush(self, timeout: float | None) -> bool:
         """Wait until every queued store has reached the disk (or failed) and its job is resolved
@@ -165,7 +165,7 @@ class TierStoreWorker(OffloadingWorker):
             done = p.flush_stores(end) and done
         for g in self.groups:
             left = None if end is None else max(0.0, end - time.monotonic())
-            done = g.engine.flush(left) and done
+            done = g.store.flush(left) and done
         for p in self.pipelines:
             p.route_results()  # the stores waited for resolve their jobs now, not at the next step
         return done
