@@ -70,8 +70,9 @@ class NativeFileCalls:
         self.rank_dir = rank_dir
         self._count = count
         self._nbytes = files.layout.nbytes
-        # (directory, temp file) open flags of a native store: ``odirect`` is fixed at the start
-        self._store_flags = (safefs.DIR_FLAGS, temp_flags(files.odirect))
+        # ``odirect`` is fixed at the start: the store's open flags and write length follow it
+        self._odirect = files.odirect
+        self._store_flags = (safefs.DIR_FLAGS, temp_flags(files.odirect))  # (directory, temp file)
         self._shapes: dict[tuple[int, bool, int], native_page.PageShape] = {}
         self._frames: dict[int, tuple[memoryview, Any]] = {}  # id(slot frame) -> (frame, its array)
         self._slabs: dict[int, tuple[memoryview, Any, int]] = {}  # id(slot frame) -> (frame, slab array, offset)
@@ -117,7 +118,7 @@ class NativeFileCalls:
         shape = self.shape(key_len, True)
         hl = shape.header_len
         geometry = files.geometry
-        length = geometry.padded_nbytes + hl if files.odirect else hl + self._nbytes
+        length = geometry.padded_nbytes + hl if self._odirect else hl + self._nbytes
         return shape, self._store_flags, geometry.header_room - hl, length
 
     def held_rank_fd(self) -> int:
