@@ -94,9 +94,10 @@ class PageUnsafe(PageError):
     """The entry under a page's name is not what tierstore writes there: a symlink, a FIFO or
     other non-regular file, a file with more than one link, or a file larger than any page of
     the expected layout. Never served, never followed, never removed by a load (it may be
-    someone else's file); fsck reports it. A store of the key replaces the entry itself
-    (rename(2): a link's target and a hard link's other names are untouched; a directory is
-    moved aside), so a planted entry cannot block a key."""
+    someone else's file); fsck reports it. A store of the key moves the entry itself aside
+    (rename(2) to ``.<name>.planted-<random>``: a link's target, a hard link's other names and a
+    directory's content are untouched) and publishes the page, so a planted entry cannot block
+    a key."""
 
     kind = "unsafe"
 

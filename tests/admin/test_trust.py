@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -332,8 +333,9 @@ def test_a_store_over_a_planted_entry_replaces_it_and_deletes_nothing(tmp_path: 
     """A FIFO, directory, symlink or hard link under a page's name is not the page (a load
     refuses it as unsafe and never removes it): the store must not report it stored, which
     blocked the key for good, nor stop at it, which blocks it until an operator repairs the
-    root. The page replaces the entry (a directory is moved aside first, its content intact;
-    a link's target and a hard link's other name keep their bytes) and is served after."""
+    root. The entry is moved aside (pages are published create-only, so nothing replaces it:
+    a directory keeps its content, a link its target, a hard link its other name) and the page
+    is stored and served after; fsck reports the moved entry."""
     from tierstore.admin.findings import FOREIGN
 
     root = tmp_path / "root"
@@ -362,13 +364,19 @@ def test_a_store_over_a_planted_entry_replaces_it_and_deletes_nothing(tmp_path: 
         assert eng.stats["planted_replaced"] == 1
         assert outside.read_bytes() == b"someone's data"
         aside = [p for p in path.parent.iterdir() if ".planted-" in p.name]
+        assert len(aside) == 1 and aside[0].name.startswith(f".{path.name}.planted-")
         if plant == "directory":
-            assert len(aside) == 1 and aside[0].name.startswith(f".{path.name}.planted-")
             assert (aside[0] / "inside").read_bytes() == b"kept"
-            rep = run_fsck(FsckOptions(root, progress=False))
-            assert [p.category for p in rep.problems] == [FOREIGN] and rep.pages_ok == 1, rep.format_text()
+        elif plant == "fifo":
+            assert stat.S_ISFIFO(aside[0].lstat().st_mode)
+        elif plant == "symlink":
+            assert os.readlink(aside[0]) == str(outside)
         else:
-            assert aside == []
+            assert os.path.samefile(aside[0], outside)
+        rep = run_fsck(FsckOptions(root, progress=False))
+        assert len(rep.problems) == 1 and rep.pages_ok == 1, rep.format_text()
+        if plant != "symlink":
+            assert [p.category for p in rep.problems] == [FOREIGN], rep.format_text()
     finally:
         eng.close()
 

@@ -345,19 +345,20 @@ def test_page_meta_rejects_bad_values() -> None:
 
 def test_publish_failure_is_typed_and_leaves_no_temp(root: Path, hybrid_ns: Namespace, monkeypatch) -> None:
     import errno
-    import os
 
     from tierstore.errors import PageStoreError
+    from tierstore.rootstore import publish as publish_module
 
     mapper = FileMapper(root, hybrid_ns.digest, 0)
     key = page_key(4)
     layout = hybrid_ns.groups[0].layout
     header, pieces = encode_page(page_meta(hybrid_ns, 0, key), layout, page_bytes(layout, key))
 
-    def no_space(src: object, dst: object) -> None:
+    def no_space(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "replace", no_space)
+    # the step that gives the temp its final name (renameat2 or link: publish.place)
+    monkeypatch.setattr(publish_module, "place", no_space)
     with pytest.raises(PageStoreError) as info:
         publish_page(mapper.path_for(key), mapper.temp_path_for(key), header, pieces)
     assert info.value.kind == "enospc"

@@ -132,9 +132,14 @@ def test_symlinked_and_hard_linked_pages_are_not_served_nor_touched(root: Path, 
     for k in (a, b):
         res, data = load_page(eng, k)
         assert not res.ok and data is None and res.error.kind == "unsafe", res.error
-        # the store replaces the entry itself (rename), never writes through it
+        # the store moves the entry itself aside (rename), never writes through it or deletes it
         assert store(eng, k).stored
-    assert not pa.is_symlink() and pb.stat().st_nlink == 1 and (sentinel / "linked_b").stat().st_nlink == 1
+    assert not pa.is_symlink() and pb.stat().st_nlink == 1
+    aside_a, aside_b = ([q for q in p.parent.iterdir() if q.name.startswith(f".{p.name}.planted-")] for p in (pa, pb))
+    assert len(aside_a) == 1 and os.readlink(aside_a[0]) == str(sentinel / "linked_a")
+    # the hard link kept under its aside name (fsck --repair quarantines it): the outside file's two links
+    assert len(aside_b) == 1 and os.path.samefile(aside_b[0], sentinel / "linked_b")
+    assert (sentinel / "linked_b").stat().st_nlink == 2
     assert snapshot(sentinel) == before
     assert_served(eng, [a, b])
     assert_served(eng, keys)

@@ -22,8 +22,9 @@ import hashlib
 LOAD_OPEN_FAILED, LOAD_NOT_PLAIN, LOAD_COLD, LOAD_READ_FAILED = -2, -3, -4, -5
 # ... and those where the file was read and identified (the caller names the damage).
 LOAD_BAD_HEADER, LOAD_BAD_SUM, LOAD_BAD_GAP = -6, -7, -8
-# store_page: 0 done; STORE_EXISTS the final name exists (stored); the others hand the store
-# to the Python path, which redoes it and names the error.
+# store_page: 0 done; STORE_EXISTS the final name exists (stored), found before writing or by
+# the create-only publish (renameat2 RENAME_NOREPLACE or link(2): EEXIST, the temp removed);
+# the others hand the store to the Python path, which redoes it and names the error.
 STORE_EXISTS, STORE_NO_DIR, STORE_FAILED = 1, -2, -3
 
 # A kernel's per-page scratch row (int64): [0:18] struct stat (x86-64), [18:20] cachestat
@@ -32,6 +33,10 @@ SCRATCH_LEN = 32
 BAD_SECTION = 25  # the first section whose checksum differs
 READ_ODIRECT = 26  # 1 when this load read the file with O_DIRECT (reset by every load)
 VERIFY_TOKENS = 27  # verify_pages: a good page's token count
+# store_page, in and out: 1 publish with link(2) + unlink(2) (this root's file system refuses
+# renameat2's RENAME_NOREPLACE: rootstore.publish.CreateOnly); a store that meets the refusal
+# sets it. Loads leave it alone, so a lane entry's row keeps it.
+PUBLISH_LINK = 28
 
 # ----------------------------------------------------------------- the native lane's arrays
 CTL_STOP, CTL_SLEEPERS, CTL_DONE_WAITER = 0, 1, 2

@@ -126,7 +126,7 @@ def page_kernels_digest() -> str:
 # line too (which renews the cache); until it does, the kernels refuse to load and the Python
 # path serves. Checked only where the kernels are cached: compiled for one process, they are
 # built from what is on disk.
-PAGE_KERNELS_DIGEST = "8fa364cb2861a66e"
+PAGE_KERNELS_DIGEST = "07750958dc8a530c"
 _LANE_CACHE = native_abi.cache_kernels and LANE_FAULTS == 0  # a fault build never meets the production cache
 if _LANE_CACHE and page_kernels_digest() != PAGE_KERNELS_DIGEST:
     raise RuntimeError(f"tierstore/native/page_kernels.py changed (digest {page_kernels_digest()}) since the lane's "

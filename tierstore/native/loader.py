@@ -6,7 +6,7 @@ the GIL idle: 16 sections of a 2 MiB page cost ~23 hand-offs, and 2 MiB pages pe
 threads (docs/measurements/scaling.md). Here the steps run in compiled calls that hold no GIL
 (numba ``nogil=True``), calling the same functions as the Python path: ``XXH3_64bits`` of the
 loaded xxhash extension (checked against ``xxhash.xxh3_64_intdigest`` before use) and libc's
-``openat``/``fstat``/``pread``/``pwrite``/``renameat``:
+``openat``/``fstat``/``pread``/``pwrite``/``renameat2`` (or ``linkat``, create-only):
 - ``native_page.load_page`` / ``store_page`` / ``load_pages`` (compiled in ``native/page_kernels.py``,
   with the others, and cached on disk): a warm load or a store of one page file, header checks
   and header fill included, in one call each, or a batch of loads in one call;

@@ -24,8 +24,10 @@ this module holds what is specific to one page file:
 - ``store_page``: if the final name exists, nothing else (names are content addresses);
   otherwise zero the gaps, create the temp (O_EXCL), hash the sections (or take the caller's
   sums) and write the page, then the header (``HeaderTemplate.fill``'s bytes, right before the
-  page in the frame), cut the O_DIRECT padding, fsync if asked, close and rename over the final
-  name. A page the kernel hashes is written in ``STORE_PIECE_BYTES`` pieces, each
+  page in the frame), cut the O_DIRECT padding, fsync if asked, close and give it the final
+  name create-only (renameat2 ``RENAME_NOREPLACE``, or link + unlink where the caller's
+  ``PublishMemo`` says the file system refuses that flag, and learns it when it does; EEXIST:
+  STORE_EXISTS, the temp removed). A page the kernel hashes is written in ``STORE_PIECE_BYTES`` pieces, each
   piece's sections hashed right before its write (still in the CPU cache), the header last;
   with the caller's sums or O_DIRECT, header and page go in one write.
 
@@ -50,7 +52,7 @@ after construction. Safe from any number of threads at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tierstore.format.header_template import HeaderTemplate
 from tierstore.format.page_layout import PageLayout
@@ -61,6 +63,7 @@ from tierstore.native.abi import (  # noqa: F401  (load_page's damage codes, use
     LOAD_BAD_GAP,
     LOAD_BAD_HEADER,
     LOAD_BAD_SUM,
+    PUBLISH_LINK,
     READ_ODIRECT,
     SCRATCH_LEN,
     VERIFY_TOKENS,
@@ -73,6 +76,15 @@ ST_DEV, ST_INO, ST_NLINK, ST_MODE, ST_SIZE, ST_MTIME, ST_MTIME_NS, ST_CTIME, ST_
 # the piece is written, so the write's copy reads them from the CPU cache (docs/DESIGN.md §6).
 # 0, O_DIRECT, or the caller's sums: the page in one write.
 STORE_PIECE_BYTES = 1 << 20
+
+
+class PublishMemo(Protocol):
+    """A root's create-only publish choice (``rootstore.publish.CreateOnly``): the stores read
+    ``use_link`` and call ``fall_back`` when the kernel met renameat2's refusal."""
+
+    use_link: bool
+
+    def fall_back(self, why: str) -> None: ...
 
 
 class PageShape:
@@ -187,12 +199,14 @@ def load_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, b
 
 def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, final_name: str, key: bytes,
                flags: tuple[int, int], mode: int, frame: Any, file_off: int, length: int, fsync: bool,
-               token_count: int, sums: Sequence[int] | None) -> int | None:
+               token_count: int, sums: Sequence[int] | None, memo: PublishMemo) -> int | None:
     """Store the page in ``frame`` (right after ``file_off + header_len``) under ``final_name``
     (module docstring): one GIL release. ``length``: the bytes written (padded for O_DIRECT;
-    cut back to the exact size). 0 stored, native.STORE_EXISTS the name existed (nothing
-    written), native.STORE_NO_DIR the fan-out directory is missing, another negative code: the
-    Python path redoes the store. None when the native path is not ready."""
+    cut back to the exact size). ``memo``: renameat2 or link (read, and told of a refusal).
+    0 stored, native.STORE_EXISTS the name existed (found first, or a racing writer's page met
+    by the create-only publish; no temp left), native.STORE_NO_DIR the fan-out directory is
+    missing, another negative code: the Python path redoes the store. None when the native
+    path is not ready."""
     kernels = native.page_kernels()
     if kernels is None:
         return None
@@ -201,20 +215,25 @@ def store_page(shape: PageShape, rank_fd: int, fanout_name: str, tmp_name: str, 
     tmp_at = len(fanout_name) + 1
     final_at = tmp_at + len(tmp_name) + 1
     given = np.array(sums if sums is not None else (), dtype=np.uint64)
-    return int(kernels[1](rank_fd, names, tmp_at, final_at, final_at + len(final_name) + 1, flags[0], flags[1],
+    scratch = np.zeros(SCRATCH_LEN, dtype=np.int64)
+    scratch[PUBLISH_LINK] = int(memo.use_link)
+    code = int(kernels[1](rank_fd, names, tmp_at, final_at, final_at + len(final_name) + 1, flags[0], flags[1],
                           mode, frame, file_off, length, shape.size, int(fsync), shape.store_piece, shape.spans,
                           shape.gaps, shape.blank, shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off,
-                          token_count, given, np.empty(shape.sections, dtype=np.uint64),
-                          np.empty(SCRATCH_LEN, dtype=np.int64)))
+                          token_count, given, np.empty(shape.sections, dtype=np.uint64), scratch))
+    if scratch[PUBLISH_LINK] and not memo.use_link:
+        memo.fall_back("seen by the native store")
+    return code
 
 
 def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, str, bytes]], flags: tuple[int, int],
                 mode: int, slab: Any, file_offs: Sequence[int], length: int, fsync: bool, token_counts: Sequence[int],
-                sums: Sequence[Sequence[int] | None]) -> list[int] | None:
+                sums: Sequence[Sequence[int] | None], memo: PublishMemo) -> list[int] | None:
     """``store_page`` of each (fan-out name, temp name, final name, key) of ``files`` from
     ``slab`` at ``file_offs[i]`` (the frame's file start), one after another in ONE GIL
     release; ``store_page``'s code per file. ``sums``: the caller's section sums of every page,
-    or None for every page (the kernel hashes). None when the native path is not ready, or the
+    or None for every page (the kernel hashes); ``memo`` as ``store_page``'s. None when the
+    native path is not ready, or the
     names differ in length, or some pages have sums and others not (the caller stores one by
     one)."""
     kernels = native.page_kernels()
@@ -237,10 +256,14 @@ def store_pages(shape: PageShape, rank_fd: int, files: Sequence[tuple[str, str, 
     tokens = np.array(token_counts, dtype=np.int64)
     tokens.setflags(write=False)
     codes = np.empty(n, dtype=np.int64)
+    scratch = np.zeros((n, SCRATCH_LEN), dtype=np.int64)
+    scratch[0, PUBLISH_LINK] = int(memo.use_link)  # the kernel carries it down the batch
     kernels[4](rank_fd, names, tmp_at, final_at, final_at + len(final) + 1, flags[0], flags[1], mode, slab, offs,
                length, shape.size, int(fsync), shape.store_piece, shape.spans, shape.gaps, shape.blank,
                shape.sum_offsets, shape.key_off, shape.token_off, shape.sum_off, tokens, given, np.empty((n, shape.sections), dtype=np.uint64),
-               np.empty((n, SCRATCH_LEN), dtype=np.int64), codes)
+               scratch, codes)
+    if scratch[n - 1, PUBLISH_LINK] and not memo.use_link:
+        memo.fall_back("seen by the native store")
     return [int(c) for c in codes.tolist()]
 
 

@@ -19,6 +19,11 @@ cannot cache. XXH3 is the loaded xxhash extension's own, ``XXH3_64bits_dispatch`
 exported, else ``XXH3_64bits`` (``_xxh3_symbol``). ``loader._build`` makes its symbols visible with ``llvmlite.binding.load_library_permanently`` first, and checks the
 compiled hash against ``xxhash.xxh3_64_intdigest`` before any use. The declarations match the
 ctypes prototypes used before: ``openat`` always gets its mode argument (0 unless creating).
+Stores publish create-only (``place``, the Python path's ``rootstore.publish.place``):
+``renameat2`` with ``RENAME_NOREPLACE`` (glibc 2.28 or later: without that symbol the kernels
+do not load and the Python path serves), or ``linkat`` + ``unlinkat`` once the file system
+refuses the flag (the scratch row's ``PUBLISH_LINK``, in and out); errno is read through
+``__errno_location`` (``peek_i32``).
 
 numba's cache is keyed on this file (its path, size and time stamp) and the CPU. The constants
 compiled in come from ``native/abi.py`` alone, and ``ABI_DIGEST`` below ties that module to this
@@ -32,6 +37,7 @@ Threading: the kernels hold no GIL (``nogil=True``) and touch only the buffers t
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -51,6 +57,7 @@ from tierstore.native.abi import (
     LOAD_NOT_PLAIN,
     LOAD_OPEN_FAILED,
     LOAD_READ_FAILED,
+    PUBLISH_LINK,
     READ_ODIRECT,
     STORE_EXISTS,
     STORE_FAILED,
@@ -61,7 +68,7 @@ from tierstore.native.abi import (
 # native_abi.digest() of the constants compiled in below. numba keys its cache on this file
 # alone, so a change to native_abi must change this line too (which renews the cache); until it
 # does, the kernels refuse to load and the Python path serves.
-ABI_DIGEST = "b57b8232ac8806db"
+ABI_DIGEST = "55e39b5816cc474e"
 if native_abi.digest() != ABI_DIGEST:
     raise RuntimeError(f"tierstore/native/abi.py changed (digest {native_abi.digest()}) since the native kernels were "
                        f"last built against it ({ABI_DIGEST}): set ABI_DIGEST in tierstore/native/page_kernels.py to the "
@@ -132,10 +139,25 @@ pread = c_function("pread", "i64", ("i32", "i64", "i64", "i64"))
 pwrite = c_function("pwrite", "i64", ("i32", "i64", "i64", "i64"))
 fsync = c_function("fsync", "i32", ("i32",))
 ftruncate = c_function("ftruncate", "i32", ("i32", "i64"))
-renameat = c_function("renameat", "i32", ("i32", "i64", "i32", "i64"))
+renameat2 = c_function("renameat2", "i32", ("i32", "i64", "i32", "i64", "i32"))  # glibc 2.28+
+linkat = c_function("linkat", "i32", ("i32", "i64", "i32", "i64", "i32"))
 unlinkat = c_function("unlinkat", "i32", ("i32", "i64", "i32"))
+errno_location = c_function("__errno_location", "i64", ())  # this thread's errno: its address
 fcntl = c_function("fcntl", "i32", ("i32", "i32", "i64"))
 syscall = c_function("syscall", "i64", ("i64", "i64", "i64", "i64", "i64"))
+
+
+@intrinsic
+def peek_i32(typingctx: Any, addr: Any) -> Any:
+    """The C int at the address ``addr`` (an integer), as an int64: errno, at ``errno_location()``."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, llargs: Any) -> Any:
+        ptr = builder.inttoptr(_fit(builder, llargs[0], _LL["i64"], False), _LL["i32"].as_pointer())
+        return builder.sext(builder.load(ptr), _LL["i64"])
+
+    return types.int64(addr), codegen
 
 
 # Explicit signatures: compiled (or loaded from the cache) at import, once, for exactly the
@@ -200,32 +222,62 @@ def write_hashed_in_pieces(f: int, base: int, hl: int, length: int, piece: int, 
         at = end
     return True
 
-@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, numba.types.boolean), nogil=True, cache=_CACHE)
+row_t = numba.types.Array(numba.types.int64, 1, "C")
+rename_noreplace, at_symlink_nofollow = 1, 0x100  # linux/fs.h, fcntl.h
+e_exist, e_inval, e_nosys, e_opnotsupp = errno.EEXIST, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP
+
+@numba.njit(i64(i64, i64, i64, row_t), nogil=True, cache=_CACHE)
+def place(d: int, tmp: int, final: int, scratch: Any) -> int:
+    # The closed temp gets the final name unless an entry has it (create-only, as
+    # rootstore.publish.place): renameat2 RENAME_NOREPLACE, or link + unlink of the temp where
+    # scratch[PUBLISH_LINK] says the file system refuses that flag (set here at the first
+    # refusal: ENOSYS, EINVAL (NFS), EOPNOTSUPP). 0 placed (the temp name gone), STORE_EXISTS
+    # an entry has the name, STORE_FAILED; the temp stays for the caller on either.
+    if scratch[PUBLISH_LINK] == 0:
+        if renameat2(d, tmp, d, final, rename_noreplace) == 0:
+            return 0
+        err = peek_i32(errno_location())
+        if err == e_exist:
+            return STORE_EXISTS
+        if err != e_inval and err != e_nosys and err != e_opnotsupp:
+            return STORE_FAILED
+        scratch[PUBLISH_LINK] = 1
+    if linkat(d, tmp, d, final, 0) != 0:
+        if peek_i32(errno_location()) != e_exist:
+            return STORE_FAILED
+        # NFS: a LINK the server did but answered twice says EEXIST; the temp's second link
+        # says the final name is ours.
+        if fstatat(d, tmp, scratch.ctypes.data, at_symlink_nofollow) != 0 or scratch[2] < 2:
+            return STORE_EXISTS
+    unlinkat(d, tmp, 0)  # at once: until then the page has two links, and loads refuse it
+    return 0
+
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, numba.types.boolean, row_t), nogil=True, cache=_CACHE)
 def publish_temp(d: int, f: int, tmp: int, final: int, length: int, exact_len: int, do_fsync: int,
-                 ok: bool) -> int:
-    # The written temp ``f``: cut the O_DIRECT padding, fsync if asked, close, rename over the
-    # final name; on any failure (or ``ok`` False) the temp is removed, the final name untouched.
+                 ok: bool, scratch: Any) -> int:
+    # The written temp ``f``: cut the O_DIRECT padding, fsync if asked, close, give it the
+    # final name unless an entry has it (place); on anything but 0 (or ``ok`` False) the temp
+    # is removed, the final name untouched.
     if ok and exact_len < length and ftruncate(f, exact_len) != 0:
         ok = False
     if ok and do_fsync != 0 and fsync(f) != 0:
         ok = False
     if close(f) != 0:
         ok = False
-    if ok and renameat(d, tmp, d, final) != 0:
-        ok = False
-    if not ok:
+    code = place(d, tmp, final, scratch) if ok else STORE_FAILED
+    if code != 0:
         unlinkat(d, tmp, 0)
-    return 0 if ok else STORE_FAILED
+    return code
 
-@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64), nogil=True, cache=_CACHE)
+@numba.njit(i64(i64, i64, i64, i64, i64, i64, i64, i64, i64, row_t), nogil=True, cache=_CACHE)
 def write_file(d: int, tmp: int, final: int, file_flags: int, mode: int, buf: int, length: int, exact_len: int,
-               do_fsync: int) -> int:
+               do_fsync: int, scratch: Any) -> int:
     # In the directory fd ``d``: create the temp (O_EXCL), write, publish (publish_temp).
     # ``tmp``/``final``: addresses of NUL-terminated names.
     f = openat(d, tmp, file_flags, mode)
     if f < 0:
         return STORE_FAILED
-    return publish_temp(d, f, tmp, final, length, exact_len, do_fsync, write_range(f, buf, 0, length))
+    return publish_temp(d, f, tmp, final, length, exact_len, do_fsync, write_range(f, buf, 0, length), scratch)
 
 
 t = numba.types
@@ -385,7 +437,7 @@ def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int
             fill_header(frame, file_off, names, key_at, blank, key_off, token_off, sum_off, sum_offsets, token_count,
                         sums)
             ok = write_range(f, base, 0, hl)
-        code = publish_temp(d, f, tmp, final, length, exact_len, do_fsync, ok)
+        code = publish_temp(d, f, tmp, final, length, exact_len, do_fsync, ok, scratch)
         close(d)
         return code
     if given.shape[0]:
@@ -393,7 +445,7 @@ def store_page(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: int
     else:
         hash_spans(base + hl, spans, 0, spans.shape[0], sums)
     fill_header(frame, file_off, names, key_at, blank, key_off, token_off, sum_off, sum_offsets, token_count, sums)
-    code = write_file(d, tmp, final, file_flags, mode, base, length, exact_len, do_fsync)
+    code = write_file(d, tmp, final, file_flags, mode, base, length, exact_len, do_fsync, scratch)
     close(d)
     return code
 
@@ -453,9 +505,12 @@ def store_pages(rank_fd: int, names: Any, tmp_at: int, final_at: int, key_at: in
                 gaps: Any, blank: Any, sum_offsets: Any, key_off: int, token_off: int, sum_off: int,
                 token_counts: Any, given: Any, sums: Any, scratch: Any, codes: Any) -> int:
     # One store_page per row of ``names``, each from the slab at its own offset (``given``:
-    # n x 0 when the kernel hashes); store_page's return value of each goes to codes[i].
+    # n x 0 when the kernel hashes); store_page's return value of each goes to codes[i]. A
+    # refusal of renameat2's flag (scratch[i, PUBLISH_LINK]) holds for the rest of the batch.
     for i in range(names.shape[0]):
         codes[i] = store_page(rank_fd, names[i], tmp_at, final_at, key_at, dir_flags, file_flags, mode, slab,
                               file_offs[i], length, exact_len, do_fsync, piece, spans, gaps, blank, sum_offsets, key_off,
                               token_off, sum_off, token_counts[i], given[i], sums[i], scratch[i])
+        if scratch[i, PUBLISH_LINK] != 0 and i + 1 < names.shape[0]:
+            scratch[i + 1, PUBLISH_LINK] = 1
     return names.shape[0]

@@ -45,7 +45,7 @@ class EngineCounters:
             "loads_odirect": 0,  # cold loads read with O_DIRECT (the rest came from the page cache)
             "bad_pages_discarded": 0,  # damaged files removed so the key can be stored again
             "rank_dir_reopens": 0,
-            "planted_replaced": 0,  # a FIFO, directory or link under a page's name, replaced by the page  # the rank directory removed or replaced behind us, reopened
+            "planted_replaced": 0,  # a FIFO, directory or link under a page's name, moved aside for the page  # the rank directory removed or replaced behind us, reopened
             "loads_unverified": 0,  # verify=False results handed out; counted ok/failed at settle
         }
 

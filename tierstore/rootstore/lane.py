@@ -26,6 +26,10 @@ Contract:
   never decides a failure itself, and the bytes and checks are the native kernels' (the same as
   ``PageFiles``' native calls, ``page_files_native.NativeFileCalls``, whose page shapes, frame
   arrays and result readings the lane uses: ``tests/native/test_native.py``).
+- Stores publish create-only (``publish.py``): the root's ``PageFiles.create_only`` choice
+  goes into each store entry's scratch row (``PUBLISH_LINK``), and a refusal of renameat2's
+  flag met in the kernel comes back from it at the harvest; a store that loses the race for the
+  name is handed back (STORE_EXISTS) and answered ``stored=False`` by the Python path.
 - Loads go before stores, a store after at most ``MAX_BYPASS`` loads taken past it
   (``ioqueue.QueuePolicy``'s rule).
 - ``stop(timeout)`` stops the threads (each finishes the page it is on) and returns the jobs
@@ -83,6 +87,7 @@ from tierstore.native.abi import (
     LANE_EXPIRED,
     OP_LOAD,
     OP_STORE,
+    PUBLISH_LINK,
     SCRATCH_LEN,
 )
 from tierstore.rootstore.page_io import NATIVE_OPEN_FLAGS
@@ -292,6 +297,8 @@ class NativeLane:
             self._snames_bytes[e * width:(e + 1) * width] = names
             if job.sums is not None:
                 self.given[e] = job.sums
+            if files.create_only.use_link:  # the root refuses renameat2's flag: the entry's row keeps it
+                self.scratch[e, PUBLISH_LINK] = 1
         else:
             width = self.lnames.shape[1]
             self._lnames_bytes[e * width:(e + 1) * width] = names
@@ -335,6 +342,8 @@ class NativeLane:
         if code == LANE_EXPIRED:
             return job.expired_in_queue(), False, 0
         if job.op == "store":
+            if self.scratch[e, PUBLISH_LINK] and not self.files.create_only.use_link:
+                self.files.create_only.fall_back("seen by the native lane")
             done = calls.stored(job.key, code)
             if done is None:
                 return None

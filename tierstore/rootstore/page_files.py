@@ -7,9 +7,13 @@ every page of that shape shares (the header template per key length, the warm re
 runs and what its result means (queue, slots, stats, settle); this module only does it.
 
 - ``store``: an existing final file (regular, one link) counts as stored (``stored=False``)
-  before anything is hashed; anything else under the name (a planted FIFO, directory, link or
-  hard link, which no load serves) is replaced by the page, a directory moved aside first,
-  nothing deleted (``_clear_planted``). Codec none: the header (``HeaderTemplate.fill``, the caller's section sums or ours)
+  before anything is hashed (a file with two links is looked at again first,
+  ``page_io.past_link_window``: another writer's link(2) publish); anything else under the
+  name (a planted FIFO, directory, symlink or hard link, which no load serves) is moved aside
+  and the page stored, nothing deleted (``publish.move_planted_aside``). The page is published
+  create-only (``publish.publish``, with this root's ``create_only`` memo): a writer that loses
+  a race for the name gets ``stored=False``, exactly one gets True, and no published page is
+  ever replaced. Codec none: the header (``HeaderTemplate.fill``, the caller's section sums or ours)
   is written into the slot's frame right before the page, the gaps between sections zeroed
   (``format.zero_gaps``), and the file goes out as one buffer (O_DIRECT: padded to 4096, then
   truncated). Codec zstd: ``format.encode_page``. With a MAC the tag is appended. Failures are
@@ -57,7 +61,7 @@ from typing import Any
 import zstandard
 
 from tierstore.config import TierStoreConfig
-from tierstore.errors import PageError, PageStoreError, PageUnsafe
+from tierstore.errors import PageError, PageStoreError
 from tierstore.format.checksums import section_checksums, section_sums
 from tierstore.format.header import (
     FLAG_MAC,
@@ -87,9 +91,9 @@ from tierstore.index import page_index
 from tierstore.rootstore import own_read
 from tierstore.rootstore.own_read import WARM_PIECE_BYTES, ReadPlan, check_section_sums
 from tierstore.rootstore.page_files_native import NativeFileCalls
-from tierstore.rootstore.page_io import open_page, read_error
+from tierstore.rootstore.page_io import open_page, past_link_window, read_error
 from tierstore.rootstore.page_read import authenticate, read_page_fd
-from tierstore.rootstore.publish import publish
+from tierstore.rootstore.publish import CreateOnly, move_planted_aside, publish
 from tierstore.rootstore.rank_dir import FileIdentity, RankDir, directory_error, file_identity
 from tierstore.rootstore.sealed_pages import SealedPages
 from tierstore.rootstore.staging import StagingSlot
@@ -156,6 +160,19 @@ def settle_format_marker(root: str | os.PathLike[str], timeout: float = MARKER_S
     return True
 
 
+def _entry_at(dir_fd: int, name: str, final: str, key: bytes) -> os.stat_result | None:
+    """The lstat of what has the page's ``name`` in ``dir_fd`` (a file with two links looked at
+    again first, ``past_link_window``: another writer's link(2) publish), or None when nothing
+    has it. Failure policy: any other failed stat is a ``PageStoreError``."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return past_link_window(st, lambda: os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
+
+
 class _ThreadState(threading.local):
     """Per I/O thread: the zstd compressor and cachestat(2) arguments (allocated once)."""
 
@@ -200,6 +217,8 @@ class PageFiles:
         self._dirs = RankDir(mapper.root, mapper.dir_parts, perms, on_reopen=self._reopened)
         # Header room of a staging frame: the longest header of this layout (keys up to MAX_KEY_BYTES).
         self.geometry = FrameGeometry(self.header_len(MAX_KEY_BYTES), self._nbytes)
+        # renameat2 or link(2) under this root (publish.py), shared with the native calls
+        self.create_only = CreateOnly(str(mapper.root))
         self.native = NativeFileCalls(self, self._dirs, count)
 
     @property
@@ -222,7 +241,8 @@ class PageFiles:
     # ----------------------------------------------------------------- store
     def store(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None) -> tuple[bool, int]:
         """Publish ``slot``'s page under ``key``: (stored, payload bytes); ``stored`` is False
-        when a file of that name exists already."""
+        when a page of that name exists already. Failure policy: ``PageStoreError`` (a failed
+        stat, write or publish), ``PageUnsafe`` (a planted entry that cannot be moved aside)."""
         final = self.mapper.final_path(key)
         name = os.path.basename(final)
         done = self.native.store(key, name, final, slot, token_count, sums)
@@ -241,71 +261,21 @@ class PageFiles:
 
     def _store_in(self, dir_fd: int, name: str, final: str, key: bytes, slot: StagingSlot, token_count: int,
                   sums: tuple[int, ...] | None) -> tuple[bool, int]:
-        """``store`` in the checked fan-out directory ``dir_fd``."""
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise PageStoreError(f"cannot stat the page: {exc.strerror}", errno=exc.errno, path=final, key=key) from exc
-        else:
+        """``store`` in the checked fan-out directory ``dir_fd``; stored False: a page has the name
+        (found first, or the create-only publish lost). Failure policy: ``store``'s errors."""
+        st = _entry_at(dir_fd, name, final, key)
+        if st is not None:
             if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                return False, self._nbytes  # before hashing anything: names are content addresses
-            self._clear_planted(dir_fd, name, st, final, key)
+                return False, self._nbytes  # names are content addresses
+            if move_planted_aside(dir_fd, name, st, final, key):
+                self._count("planted_replaced")
         tmp = os.path.basename(self.mapper.temp_path(key, final))
-        mode = self.perms.file_mode
-        if self.sealer is not None:
-            zero_gaps(self.layout, slot.view)  # canonical plaintext
-            header, sealed = self.sealed_pages.seal(self.template(len(key)), key, slot.view, token_count)
-            publish(name, tmp, [header, sealed], key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode,
-                             where=final)
-        elif self.codec == Codec.NONE:
-            tmpl = self.template(len(key))
-            hl = tmpl.header_len
-            zero_gaps(self.layout, slot.view)  # canonical bytes whoever filled the slot (< 64 B a section)
-            file_buf = self.geometry.file_view(slot.frame, hl, padded=self.odirect)
-            tmpl.fill(file_buf[:hl], key, token_count, sums if sums is not None else section_checksums(self.layout, slot.view))
-            pieces: list[Any] = [file_buf]
-            if self.mac is not None:
-                pieces.append(self.mac.tag(file_buf[:hl], slot.view))
-            publish(name, tmp, pieces, key=key, fsync=self.fsync, direct=self.odirect,
-                             exact_len=hl + self._nbytes, dir_fd=dir_fd, mode=mode, where=final)
-        else:
-            st = self._local
-            if st.compressor is None:
-                st.compressor = zstandard.ZstdCompressor(level=self.zstd_level)
-            header, payload = encode_page(self._meta(key, token_count), self.layout, slot.view, Codec.ZSTD,
-                                          st.compressor, self._flags)
-            pieces = [header, *payload]
-            if self.mac is not None:
-                pieces.append(self.mac.tag(header, payload))
-            publish(name, tmp, pieces, key=key, fsync=self.fsync, dir_fd=dir_fd, mode=mode, where=final)
-        return True, self._nbytes
-
-    def _clear_planted(self, dir_fd: int, name: str, st: os.stat_result, final: str, key: bytes) -> None:
-        """Make room for the page under a name that holds something no load serves (``open_page``
-        refuses it as unsafe and never removes it, so counting it stored would block the key for
-        good): a FIFO, socket, device, symlink or hard-linked file is replaced by the page's own
-        rename below (``publish``: rename(2) replaces that directory entry, never what a link
-        points to, and a hard link's other names keep its data); a directory is renamed aside in
-        the same checked directory, to ``.<name>.planted-<random>`` (fsck reports it as foreign
-        and ``--repair`` quarantines it: nothing is deleted). Counted (``planted_replaced``) and
-        logged. Failure policy: a directory that cannot be moved raises ``PageUnsafe`` (not
-        stored, left for fsck --repair)."""
-        what = f"file type {stat.S_IFMT(st.st_mode):#o}" if not stat.S_ISREG(st.st_mode) else f"{st.st_nlink} links"
-        if stat.S_ISDIR(st.st_mode):
-            aside = f".{name}.planted-{os.urandom(6).hex()}"
-            try:
-                os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except OSError as exc:
-                raise PageUnsafe(f"a directory under the page's name could not be moved aside ({exc.strerror}): not "
-                                 "stored, left for fsck --repair", path=final, key=key) from None
-            logger.warning("tierstore: a directory was planted under the page name %s; moved aside to %s (fsck "
-                           "--repair quarantines it) and the page stored", final, aside)
-        else:
-            logger.warning("tierstore: %s under the page name %s is not a page (%s); replaced by the page",
-                           "a link" if stat.S_ISLNK(st.st_mode) else "an entry", final, what)
-        self._count("planted_replaced")
+        direct = self.odirect and self.sealer is None and self.codec == Codec.NONE  # aligned frames only
+        pieces = self.page_pieces(key, slot, token_count, sums, padded=direct)
+        exact = self.header_len(len(key)) + self._nbytes if direct else 0
+        stored = publish(name, tmp, pieces, key=key, fsync=self.fsync, direct=direct, exact_len=exact,
+                         dir_fd=dir_fd, mode=self.perms.file_mode, where=final, memo=self.create_only)
+        return stored, self._nbytes
 
     def note_stored(self, key: bytes) -> None:
         """The one place a store tells the page index (this process's own pages: never a stale
@@ -419,6 +389,45 @@ class PageFiles:
             raise read_error(exc, "read", path, key) from exc
         finally:
             os.close(fd)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether a file is under ``key``'s name (one stat; a hint: a load verifies it)."""
+        try:
+            return self.mapper.path_for(key).exists()
+        except (OSError, ValueError):
+            return False
+
+    def page_pieces(self, key: bytes, slot: StagingSlot, token_count: int, sums: tuple[int, ...] | None,
+                    padded: bool = False) -> list[Any]:
+        """The page file of ``slot``'s page under ``key`` as pieces to write in order: what
+        ``store`` publishes here and the object tier PUTs. The slot's alignment gaps are zeroed
+        (canonical bytes whoever filled the slot); with codec none the header is filled into
+        the slot's frame, so the first piece is a view of the frame (``padded``: up to the next
+        O_DIRECT boundary; valid while the slot is held); sealed pieces are this thread's
+        buffers (valid until its next seal)."""
+        if self.sealer is not None:
+            zero_gaps(self.layout, slot.view)  # canonical plaintext
+            return list(self.sealed_pages.seal(self.template(len(key)), key, slot.view, token_count))
+        if self.codec == Codec.NONE:
+            tmpl = self.template(len(key))
+            hl = tmpl.header_len
+            zero_gaps(self.layout, slot.view)
+            file_buf = self.geometry.file_view(slot.frame, hl, padded=padded)
+            tmpl.fill(file_buf[:hl], key, token_count,
+                      sums if sums is not None else section_checksums(self.layout, slot.view))
+            pieces: list[Any] = [file_buf]
+            if self.mac is not None:
+                pieces.append(self.mac.tag(file_buf[:hl], slot.view))
+            return pieces
+        st = self._local
+        if st.compressor is None:
+            st.compressor = zstandard.ZstdCompressor(level=self.zstd_level)
+        header, payload = encode_page(self._meta(key, token_count), self.layout, slot.view, Codec.ZSTD,
+                                      st.compressor, self._flags)
+        pieces = [header, *payload]
+        if self.mac is not None:
+            pieces.append(self.mac.tag(header, payload))
+        return pieces
 
     # ----------------------------------------------------------------- damaged pages
     def remove_damaged(self, key: bytes, source: FileIdentity | None, error: PageError) -> None:

@@ -33,7 +33,7 @@ from tierstore.native import loader as native
 from tierstore.native import page_calls as native_page
 from tierstore.rootstore.own_read import ReadPlan, check_section_sums
 from tierstore.rootstore.page_io import NATIVE_OPEN_FLAGS
-from tierstore.rootstore.publish import temp_flags
+from tierstore.rootstore.publish import CreateOnly, temp_flags
 from tierstore.rootstore.rank_dir import RankDir
 from tierstore.rootstore.staging import StagingSlot
 
@@ -54,6 +54,7 @@ class NativeFileSettings(Protocol):
     python_only: bool
     direct_loads: bool
     warm_piece_bytes: int
+    create_only: CreateOnly  # renameat2 or link(2) under this root (publish.py), shared with the Python path
 
     def template(self, key_len: int) -> HeaderTemplate: ...
 
@@ -82,7 +83,8 @@ class NativeFileCalls:
     def store(self, key: bytes, name: str, final: str, slot: StagingSlot, token_count: int,
               sums: tuple[int, ...] | None) -> tuple[bool, int] | None:
         """``PageFiles.store``'s codec-none store in one GIL-free call (``native_page.store_page``:
-        exists? else zero the gaps, hash, fill the header, temp, write, rename). None: not
+        exists? else zero the gaps, hash, fill the header, temp, write, create-only publish with
+        the root's ``create_only`` choice). None: not
         applicable here (another codec, a MAC, group-shared modes, not compiled) or something
         failed; the caller's Python path redoes the store and names the error."""
         target = self._store_target(len(key))
@@ -92,7 +94,8 @@ class NativeFileCalls:
         files = self.files
         tmp = os.path.basename(files.mapper.temp_path(key, final))
         code = native_page.store_page(shape, rank_fd, fanout(key), tmp, name, key, flags, files.perms.file_mode,
-                                      self.frame_array(slot), file_off, length, files.fsync, token_count, sums)
+                                      self.frame_array(slot), file_off, length, files.fsync, token_count, sums,
+                                      files.create_only)
         return self.stored(key, code)
 
     def _store_target(self, key_len: int) -> tuple[int, native_page.PageShape, tuple[int, int], int, int] | None:
@@ -127,9 +130,10 @@ class NativeFileCalls:
 
     def stored(self, key: bytes, code: int) -> tuple[bool, int] | None:
         """A native store's code as ``store``'s result (the page noted, ``note_stored``);
-        None: the Python path redoes it, for an existing entry too (``STORE_EXISTS``: one stat
-        there tells a page from a FIFO, directory or link planted under its name, which is
-        refused rather than reported stored)."""
+        None: the Python path redoes it, for an existing entry too (``STORE_EXISTS``, found
+        first or by the create-only publish: one stat there tells a page, ``stored=False``, from
+        a FIFO, directory or link planted under its name, which is moved aside and the page
+        stored rather than reported stored)."""
         if code != 0:
             return None
         self.files.note_stored(key)
@@ -155,7 +159,8 @@ class NativeFileCalls:
             files.append((fanout(key), os.path.basename(mapper.temp_path(key, final)), os.path.basename(final), key))
         codes = native_page.store_pages(shape, rank_fd, files, flags, self.files.perms.file_mode, slab,
                                         [f[1] + file_off for f in frames], length, self.files.fsync,
-                                        [t for _, _, t, _ in items], [s for _, _, _, s in items])
+                                        [t for _, _, t, _ in items], [s for _, _, _, s in items],
+                                        self.files.create_only)
         for i, code in enumerate(codes or ()):
             done = self.stored(items[i][0], code)
             if done is not None:

@@ -10,10 +10,17 @@ Shared rules:
 - A root others can write to (issue 17): page files are opened ``O_NOFOLLOW|O_NONBLOCK``
   (``READ_FLAGS``; the native kernels open with the same flags, ``NATIVE_OPEN_FLAGS``) and
   served only if ``fstat`` says regular file with one link (``open_page``; else ``PageUnsafe``,
-  never removed: a FIFO fails at once instead of blocking an I/O thread).
+  never removed: a FIFO fails at once instead of blocking an I/O thread). A file with exactly
+  two links is looked at again a few times over ``LINK_WINDOW_S`` first (``past_link_window``):
+  it may be a page another writer is publishing with ``link(2)`` (``publish.place``'s fallback
+  where ``renameat2`` has no ``RENAME_NOREPLACE``), between the link and the unlink of its temp.
+  Only the stat is retried; a file still linked twice is refused as before (kind ``unsafe``: a
+  miss, never removed). On NFS another client's window can outlast the retries (attributes
+  cached up to ``acregmin``): that load is one miss.
 - Functions do not log.
 
-Operations: ``open_page`` (the checked open of a page file), ``read_error`` (the typed error
+Operations: ``open_page`` (the checked open of a page file), ``past_link_window`` (a second
+look at a twice-linked file), ``read_error`` (the typed error
 of a failed read step), ``pwritev_all`` / ``preadv_upto`` / ``readinto_exact`` (vectored I/O
 that retries short calls).
 
@@ -26,6 +33,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +49,8 @@ from tierstore.errors import (
 from tierstore.fs import safefs
 
 __all__ = [
-    "CLOEXEC", "NATIVE_OPEN_FLAGS", "READ_FLAGS", "open_page", "preadv_upto", "pwritev_all", "read_error",
-    "readinto_exact",
+    "CLOEXEC", "LINK_WINDOW_S", "NATIVE_OPEN_FLAGS", "READ_FLAGS", "open_page", "past_link_window", "preadv_upto",
+    "pwritev_all", "read_error", "readinto_exact",
 ]
 
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -51,6 +60,24 @@ READ_FLAGS = safefs.FILE_FLAGS
 # (directory, page) flags of the native kernels' opens: the same as the Python path's.
 NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, READ_FLAGS)
 _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
+# The pauses before each second look at a twice-linked file (``past_link_window``): a link(2)
+# publisher drops its temp name right after the link, microseconds on a local file system and
+# one round trip on NFS; ~10 ms in all, paid only by files with two links.
+LINK_WINDOW_S = (0.001, 0.003, 0.006)
+
+
+def past_link_window(st: os.stat_result, restat: Callable[[], os.stat_result]) -> os.stat_result:
+    """``st`` again (``restat()``) while it is a regular file with exactly two links, after each
+    pause of ``LINK_WINDOW_S``: the page a link(2) publisher has linked in and is about to drop
+    its temp name of (module docstring). The last stat; anything else is returned at once.
+
+    Failure policy: ``restat``'s OSError propagates (the caller's mapping applies)."""
+    for pause in LINK_WINDOW_S:
+        if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 2):
+            break
+        time.sleep(pause)
+        st = restat()
+    return st
 
 
 def read_error(exc: OSError, doing: str, path: str | Path, key: bytes | None) -> PageError:
@@ -113,7 +140,7 @@ def open_page(path: str | Path, key: bytes | None, *, dir_fd: int | None = None,
 
     Failure policy: ``read_error``'s mapping; ``PageUnsafe`` (fd closed) for a symlink (not
     followed), a FIFO, device or directory (opened non-blocking, never read) or a file with more
-    than one link.
+    than one link (two links: after ``past_link_window``'s second looks).
     """
     where = str(where if where is not None else path)
     try:
@@ -123,7 +150,7 @@ def open_page(path: str | Path, key: bytes | None, *, dir_fd: int | None = None,
             raise PageUnsafe("a symlink under a page's name: not followed, not served", path=where, key=key) from None
         raise read_error(exc, "open", where, key) from exc
     try:
-        st = os.fstat(fd)
+        st = past_link_window(os.fstat(fd), lambda: os.fstat(fd))
     except OSError as exc:
         os.close(fd)
         raise read_error(exc, "read", where, key) from exc
