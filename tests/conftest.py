@@ -10,6 +10,7 @@ from collections.abc import Generator
 from pathlib import Path
 
 import pytest
+from ceph_fixtures import ceph_data_dir, ceph_lab, ceph_lab_session, s3_bucket, s3_env  # noqa: F401 - Ceph (S3, CephFS)
 from hostile_helpers import sentinel  # noqa: F401 - the hostile-root tests' fixture, defined with its helpers
 
 from tierstore.format.identity import Namespace

@@ -94,7 +94,8 @@ def test_every_setting_has_one_kind_of_rule() -> None:
     map of names to paths:
     exactly one, so a new setting cannot slip past the strict checks."""
     kinds = [set(cfgmod._BOOLS), set(cfgmod._INTEGERS), set(cfgmod._BYTE_SIZES), set(cfgmod._SECONDS),
-             set(cfgmod._PATHS), set(cfgmod._CHOICES), set(cfgmod._NAMES), set(cfgmod._PATH_MAPS)]
+             set(cfgmod._PATHS), set(cfgmod._CHOICES), set(cfgmod._NAMES), set(cfgmod._PATH_MAPS),
+             set(cfgmod._URLS)]
     names = [f.name for f in dataclasses.fields(TierStoreConfig)]
     assert sorted(n for kind in kinds for n in kind) == sorted(names)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "tierstore"
 # Bottom up; an import may go down or sideways within a floor, never up.
 LAYERS = [["errors", "metrics"], ["fs", "config", "store"], ["format"], ["native", "kernels"], ["index"],
-          ["rootstore"], ["tiers"], ["admin", "testing"], ["vllm"], ["bench", "demo", "__main__", "__init__"]]
+          ["rootstore"], ["objstore"], ["tiers"], ["admin", "testing"], ["vllm"], ["bench", "demo", "__main__", "__init__"]]
 TOP_LEVEL = {"__init__.py", "__main__.py", "config.py", "demo.py", "errors.py", "metrics.py", "store.py"}
 
 

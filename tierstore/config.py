@@ -86,9 +86,9 @@ _SIZE_FORMS = ('an integer number of bytes (e.g. 536870912000) or a string as "t
                'takes it: a number with an optional binary unit K, M, G or T (2^10 .. 2^40) and an optional '
                '"B" or "iB", e.g. "512M", "500G", "500GiB", "1.5T"')
 _SECONDS = ("gc_interval_s", "shared_touch_interval_s", "index_refresh_s", "flush_timeout_s", "deadline_s",
-            "shared_deadline_s")
+            "shared_deadline_s", "object_deadline_s")
 # Seconds that must be above 0: a deadline of 0 would fail every operation.
-_POSITIVE_SECONDS = ("deadline_s", "shared_deadline_s")
+_POSITIVE_SECONDS = ("deadline_s", "shared_deadline_s", "object_deadline_s")
 # Settings of 0.3 that were removed: old name -> (the setting to write, old units per second).
 # Durations were milliseconds in these two and seconds everywhere else: one convention now.
 _REMOVED: dict[str, tuple[str, int]] = {
@@ -98,6 +98,7 @@ _REMOVED: dict[str, tuple[str, int]] = {
 _PATHS = ("root", "local_root", "mac_key_file", "encryption_key_file")
 _CHOICES = {"codec": _CODECS, "odirect": _ODIRECT, "io_loop": _IO_LOOPS}
 _NAMES = ("model_id", "namespace_tag")  # free-form strings
+_URLS = ("object_url",)  # s3://BUCKET[/PREFIX]
 _PATH_MAPS = ("tenant_key_files",)  # a name (cache_salt) -> a path, each
 
 
@@ -180,6 +181,42 @@ def _tiers_overlap(root: str | os.PathLike[str], local_root: str | os.PathLike[s
 
 
 @dataclass(frozen=True)
+class ObjectLocation:
+    """Where an object tier's pages are: a bucket and a key prefix (setting ``object_url``,
+    ``s3://BUCKET/PREFIX``). A page's key is ``PREFIX/`` + its path under a file root, so a file
+    root copied into the bucket is a valid object tier and one decoder verifies both."""
+
+    bucket: str
+    prefix: str  # "" or a path without leading or trailing "/"
+
+    @classmethod
+    def parse(cls, url: object, setting: str = "object_url") -> ObjectLocation:
+        """``s3://BUCKET[/PREFIX]``; anything else is a ConfigError naming ``setting``."""
+        form = (f'setting "{setting}" must be "s3://BUCKET/PREFIX" (endpoint and credentials come from '
+                "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP)")
+        if not isinstance(url, str) or not url.startswith("s3://"):
+            raise ConfigError(f"{form}, got {url!r}")
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or "//" in prefix or any(p in (".", "..") for p in prefix.split("/")):
+            raise ConfigError(f"{form}, got {url!r} (a bucket name, then path segments without . or ..)")
+        return cls(bucket, prefix)
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def key(self, relpath: str) -> str:
+        """The object key of a path relative to a file root (``a/b`` -> ``PREFIX/a/b``)."""
+        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+
+
+def is_object_url(target: object) -> bool:
+    """Whether a CLI target or a setting names an object tier rather than a directory."""
+    return isinstance(target, str) and target.startswith("s3://")
+
+
+@dataclass(frozen=True)
 class TierStoreConfig:
     # Where pages live. With only ``root`` set, tierstore is a single tier (local or shared).
     root: str
@@ -190,6 +227,10 @@ class TierStoreConfig:
     max_bytes: int | None = None  # cap of ``root`` kept by gc; None = no cap
     gc_interval_s: float = 0.0  # background gc of ``root`` every N s (needs max_bytes); 0 = off
     shared_touch_interval_s: float = 60.0  # min seconds between LRU touches (utime) of one shared page
+    # An S3 object tier behind the root: "s3://BUCKET/PREFIX"; endpoint and credentials from the
+    # standard AWS_* environment variables (tierstore/objstore).
+    object_url: str | None = None
+    object_deadline_s: float = 10.0  # per request to the object tier (connect and read included)
     # Page encoding.
     codec: str = "none"  # "none" or "zstd"
     zstd_level: int = 1
@@ -309,6 +350,8 @@ class TierStoreConfig:
                     isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.tenant_key_files.items()):
                 raise ConfigError('setting "tenant_key_files" must map each cache_salt (a string) to the path of its '
                                   f"key file (32 random bytes, mode 0600), got {self.tenant_key_files!r}")
+        if self.object_url is not None:
+            ObjectLocation.parse(self.object_url)  # a ConfigError naming the setting
         if self.gc_interval_s and self.max_bytes is None:
             raise ConfigError('setting "gc_interval_s" needs "max_bytes" (the cap that gc keeps "root" under)')
 

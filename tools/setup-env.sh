@@ -56,6 +56,9 @@ setup_venv() {
   else
     [ -x .venv/bin/python ] || { say ".venv/bin/python is missing but $stamp is there: remove .venv and run again"; exit 1; }
     step "refresh the editable tierstore install" "$VPIP" install --no-deps -e .
+    # dependencies added since the venv was made (obstore: the object tier; boto3: its tests)
+    .venv/bin/python -c "import obstore, boto3" 2>/dev/null \
+      || step "install the object tier's S3 client" "$VPIP" install "obstore>=0.12,<0.13" boto3
   fi
 }
 
@@ -93,6 +96,8 @@ setup_venv
 [ -z "${TIERSTORE_SETUP_MINIMAL:-}" ] || exit 0
 setup_sshfs
 # Debian's prometheus (server, promtool) for the metrics tests; a QEMU guest with a kernel NFS
-# server and clients for the real-NFS tests (cached under ~/.cache/tierstore/nfs-guest).
+# server and clients for the real-NFS tests (cached under ~/.cache/tierstore/nfs-guest); Ceph.
 optional "install prometheus" bash tools/prometheus-setup.sh
 optional "build the kernel-NFS guest" bash tools/nfs-guest.sh
+# Debian's Ceph (monitor, manager, OSD, radosgw, MDS, ceph-fuse) for the object tier's tests
+optional "install Ceph" bash tools/ceph-lab.sh

@@ -64,6 +64,7 @@ class Output:
     tokens: list[int]
     cached: int
     prompt_tokens: int
+    first_logprobs: dict[int, float] | None = None  # run_engine(logprobs=k): the first token's top k
 
 
 @dataclass
@@ -99,6 +100,7 @@ def run_engine(
     max_tokens: int = 8,
     extra: dict[str, Any] | None = None,
     shutdown_right_after: bool = False,
+    logprobs: int | None = None,
     **llm_kw: Any,
 ) -> EngineRun:
     """One fresh engine; each request is a vLLM prompt dict (prompt_token_ids, cache_salt)."""
@@ -121,11 +123,14 @@ def run_engine(
     llm = LLM(**kw)
     run = EngineRun(outputs=[])
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
         for req in requests:
             out = llm.generate([req], params, use_tqdm=False)[0]
+            first = None
+            if logprobs is not None and out.outputs[0].logprobs:
+                first = {tok: lp.logprob for tok, lp in out.outputs[0].logprobs[0].items()}
             run.outputs.append(Output(list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0),
-                                      len(out.prompt_token_ids)))
+                                      len(out.prompt_token_ids), first))
         if not shutdown_right_after:
             worker_conn = get_kv_transfer_group()
             sched_conn = llm.llm_engine.engine_core.engine_core.scheduler.connector

@@ -74,6 +74,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "gil": ("tierstore.bench.gil", "engine stores/loads vs raw files, alone and beside a busy Python thread"),
     "sealing": ("tierstore.bench.sealing", "engine stores/loads with encryption_key_file vs without"),
     "restore": ("tierstore.bench.restore", "vLLM prefill of a long prompt: cold vs restored from tierstore pages"),
+    "object": ("tierstore.bench.object", "object tier store/warm load vs the raw S3 client's PUT/GET of the same bytes (obstore, boto3)"),
 }
 
 
@@ -83,7 +84,8 @@ def _para(text: str) -> str:
 
 
 def _add_root(p: argparse.ArgumentParser) -> None:
-    p.add_argument("root", metavar="ROOT", help="the cache directory (a tier root)")
+    p.add_argument("root", metavar="ROOT", help="the cache directory (a tier root), or an object tier's "
+                   "s3://BUCKET/PREFIX (endpoint and credentials from AWS_*)")
     p.add_argument("--namespace", metavar="N", help="only this namespace (its digest or a unique prefix)")
     p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="J",
                    help="threads listing and reading files (default: fsck up to 64, as many at once as pay "
@@ -266,21 +268,35 @@ def refuse_not_a_cache(root: str) -> None:
 
 def _cmd_fsck(args: argparse.Namespace) -> int:
     """fsck reports a directory that is not a cache as foreign entries (exit 4) and refuses
-    to ``--repair`` it (exit 8): it checks a tree, so it does not refuse to look."""
+    to ``--repair`` it (exit 8): it checks a tree, so it does not refuse to look. On an
+    ``s3://`` URL: ``object_fsck`` (its docstring says which flags apply there)."""
     from tierstore.admin.fsck import FsckOptions, run_fsck
+    from tierstore.config import is_object_url
 
-    if args.remove_unverifiable and not (args.repair and args.mac_key_file):
-        message = "--remove-unverifiable needs --repair and --mac-key-file (the key the pages must verify with)"
-        print(f"tierstore fsck: {message}", file=sys.stderr)
-        if args.json:
-            _print_json({"tierstore_fsck": 1, "error": message, "exit_code": EXIT_USAGE})
-        return EXIT_USAGE
-    report = run_fsck(FsckOptions(
+    options = FsckOptions(
         root=args.root, repair=args.repair, namespace=args.namespace, jobs=args.jobs,
         tmp_age=args.tmp_age, quarantine_bad=args.quarantine_bad, progress=args.progress, deep=args.deep,
         group_access=True if args.group_access else None, mac_key_file=args.mac_key_file,
         remove_unverifiable=args.remove_unverifiable, encryption_key_file=args.encryption_key_file,
-    ))
+    )
+    message = None
+    if args.remove_unverifiable and not (args.repair and args.mac_key_file):
+        message = "--remove-unverifiable needs --repair and --mac-key-file (the key the pages must verify with)"
+    elif is_object_url(args.root):
+        from tierstore.admin.object_fsck import refusal
+
+        message = refusal(options)
+    if message is not None:
+        print(f"tierstore fsck: {message}", file=sys.stderr)
+        if args.json:
+            _print_json({"tierstore_fsck": 1, "error": message, "exit_code": EXIT_USAGE})
+        return EXIT_USAGE
+    if is_object_url(args.root):
+        from tierstore.admin.object_fsck import run_object_fsck
+
+        report = run_object_fsck(options)
+    else:
+        report = run_fsck(options)
     if report.error:
         print(f"tierstore fsck: {report.error}", file=sys.stderr)
     if args.json:
@@ -294,15 +310,22 @@ def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
     from tierstore.admin.progress import Progress
     from tierstore.admin.render import format_listing, format_stats
     from tierstore.admin.stats import collect_stats, listing_json
+    from tierstore.config import is_object_url
 
-    refuse_not_a_cache(args.root)
-    progress = Progress("stats" if not listing else "ls", enabled=args.progress)
-    try:
-        stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs or 8,
-                              read_headers=not listing and not args.no_headers, progress=progress,
-                              listing=not args.exact)
-    finally:
-        progress.close()
+    if is_object_url(args.root):  # the listing's exact sizes and times; --exact, --no-headers, --jobs: no effect
+        from tierstore.admin.object_walk import collect_object_stats
+
+        stats = collect_object_stats(args.root, namespace=args.namespace, progress=args.progress,
+                                     label="stats" if not listing else "ls")
+    else:
+        refuse_not_a_cache(args.root)
+        progress = Progress("stats" if not listing else "ls", enabled=args.progress)
+        try:
+            stats = collect_stats(args.root, namespace=args.namespace, jobs=args.jobs or 8,
+                                  read_headers=not listing and not args.no_headers, progress=progress,
+                                  listing=not args.exact)
+        finally:
+            progress.close()
     if args.json:
         doc = listing_json(stats) if listing else stats
         _print_json({**doc, "tierstore_version": package_version()})

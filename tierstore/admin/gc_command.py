@@ -35,6 +35,7 @@ from typing import Any
 from tierstore.admin import metrics_export
 from tierstore.admin.progress import progress_bar
 from tierstore.admin.render import human_bytes
+from tierstore.config import is_object_url
 from tierstore.fs.display import escape, iso_utc, parse_size
 from tierstore.fs.lease import LEASE_NAME, Lease
 from tierstore.fs.mapper import NAMESPACE_DIR_RE
@@ -213,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.low_watermark <= 1:
         print(f"tierstore gc: --low-watermark must be in (0, 1], got {args.low_watermark}", file=sys.stderr)
         return EXIT_USAGE
+    if is_object_url(args.root):  # a bucket prefix: admin/object_gc_command.py, with this module's renderers
+        from tierstore.admin import object_gc_command
+
+        return object_gc_command.run(args, report_json, format_report)
     try:
         is_dir = stat.S_ISDIR(os.stat(root).st_mode)
     except OSError as exc:

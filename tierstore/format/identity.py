@@ -188,6 +188,11 @@ def namespace_dir(root: str | os.PathLike[str], ns: Namespace | str) -> Path:
 MANIFEST_MAX_BYTES = 4 << 20  # real manifests are a few KiB to a few hundred (many layers)
 
 
+def manifest_bytes(ns: Namespace) -> bytes:
+    """The bytes of ``ns``'s ``manifest.json`` (a file root's, and the object tier's object)."""
+    return (json.dumps(ns.manifest(), indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_manifest(root: str | os.PathLike[str], ns: Namespace, *, perms: safefs.Perms = safefs.PRIVATE) -> Path:
     """Create ``ROOT/<digest>/manifest.json`` unless it exists; returns its path.
 
@@ -211,7 +216,7 @@ def write_manifest(root: str | os.PathLike[str], ns: Namespace, *, perms: safefs
             pass
         # Named like a page temp (same host tag), so fsck judges both by the same rule.
         tmp = f".{MANIFEST_NAME}.{host_tag()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        data = (json.dumps(ns.manifest(), indent=2, sort_keys=True) + "\n").encode()
+        data = manifest_bytes(ns)
         fd = safefs.create_file(tmp, ns_fd, perms)
         try:
             try:

@@ -10,6 +10,8 @@ Contract:
   rank's ``(inode, size, mtime_ns)``, the tuple of every rank's, or for a head-sliced group
   the tuple of every slice file found when they cover every current rank; None when the page
   is not (wholly) there. A batch is never lost: an unexpected error answers None for each key.
+- A tier known from listings only (``lister``: the object tier) is answered from its index,
+  never stat'ed; its pages' identity is ``LISTED``.
 - A batch of stats on the shared tier that passes the deadline marks that tier down
   (``IndexedLookup.missed_deadline``); its keys are then answered from the other tiers.
 
@@ -35,6 +37,7 @@ class ProbedTier(Protocol):
 
     up: bool
     health: Any  # tiers' Health, or None for a tier that cannot hang (local)
+    lister: Any  # None: stat its files; else its pages are known from listings only (objects)
     mappers: Sequence[Sequence[Any]]  # [group][rank] -> FileMapper
     indexes: Sequence[Sequence[Any]]  # [group][rank] -> PageIndex
 
@@ -58,6 +61,7 @@ log = logging.getLogger(__name__)
 Identity = tuple[int, int, int]  # (inode, size, mtime_ns) of a page file
 # What a probe reports for a key: one rank's Identity, or one per rank (TP > 1).
 PageIdentity = Identity | tuple[Identity, ...]
+LISTED: Identity = (0, 0, 0)  # the identity of a page known from an object tier's listing only
 ProbeItem = tuple[Any, int, bytes]  # (caller's token, group, page key)
 
 
@@ -121,6 +125,11 @@ class IndexProber:
             if not todo or not tier.up:
                 continue
             paths = [tier.mappers[batch[files[j][0]][1]][files[j][1]].path_for(batch[files[j][0]][2]) for j in todo]
+            if tier.lister is not None:  # no files to stat (objects): its listing is the answer
+                found.update((files[j], LISTED) for j in todo
+                             if tier.indexes[batch[files[j][0]][1]][files[j][1]].contains(batch[files[j][0]][2]))
+                todo = [j for j in todo if files[j] not in found]
+                continue
             if tier.health is None:
                 idents: list[Identity | None] | None = [file_identity(p) for p in paths]
             else:

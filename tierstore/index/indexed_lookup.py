@@ -63,6 +63,7 @@ from tierstore.format.head_slices import HeadRange, cover
 from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import FANOUT_DIRS, FileMapper
 from tierstore.index.index_prober import IndexProber, PageIdentity, ProbeItem
+from tierstore.index.lookup_views import every_view, own_views, plain_views
 from tierstore.index.page_index import PageIndex, contains_any, fingerprints, found_many
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class TierIndexes:
     mappers: list[list[FileMapper]]
     health: Health | None = None
     on_removal: Callable[[int, bytes | None], None] | None = None  # (group, key or None)
+    lister: Callable[[PageIndex], None] | None = None  # ListedTier.lister; None: directories
     indexes: list[list[PageIndex]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -119,13 +121,29 @@ class TierIndexes:
         return [ix for ranks in self.indexes for ix in ranks]
 
 
+@dataclass(frozen=True)
+class ListedTier:
+    """A tier behind the root whose pages are known from listings, not directories (the object
+    tier): ``mappers`` name its indexes (``FileMapper.base`` under a stand-in root, never
+    touched), ``lister(index)`` fills one index from one listing (``PageIndex.begin_listing``,
+    ``publish_listing``; it raises when the tier does not answer), ``probe`` answers or raises
+    (its health's probe, bringing it back)."""
+
+    name: str
+    mappers: Sequence[FileMapper | Sequence[FileMapper]]
+    lister: Callable[[PageIndex], None]
+    probe: Callable[[], object]
+    deadline_s: float
+
+
 class IndexedLookup:
     """Page indexes of the disk tiers plus their background loader and prober (module doc)."""
 
     def __init__(self, shared: Sequence[FileMapper | Sequence[FileMapper]],
                  local: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
-                 list_threads: int = 4, slices: Sequence[SliceGroup | None] | None = None) -> None:
+                 list_threads: int = 4, slices: Sequence[SliceGroup | None] | None = None,
+                 listed: ListedTier | None = None) -> None:
         self.deadline_s = deadline_s
         self.slices = list(slices) if slices is not None else []  # per group; None: one mapper per rank
         self.refresh_s = refresh_s
@@ -142,27 +160,14 @@ class IndexedLookup:
                         deadline_s=deadline_s, on_change=self._health_changed)
         self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None
-        self.tiers = [t for t in (self.local, self.shared) if t is not None]
-        # Per group, when it is one rank and not head slices (the common case, answered by
-        # ``contains_any``): its index on every tier, and on the tiers without health (shared
-        # down); None for the other groups.
-        self._plain: list[tuple[list[PageIndex], list[PageIndex]] | None] = [
-            None if self.slice_group(g) is not None or len(ranks) != 1
-            else ([t.indexes[g][0] for t in self.tiers], [t.indexes[g][0] for t in self.tiers if t.health is None])
-            for g, ranks in enumerate(self.shared.indexes)]
-        # Per head-sliced group: for each rank of the current TP whose own slice is a directory
-        # of the group, that slice's index on every tier (and on the tiers without health);
-        # None when some rank's slice is not one of them. A page every rank finds under its
-        # own slice is a hit without looking at the other slices (the common case: the TP
-        # that wrote the page reads it).
-        self._own: list[tuple[list[list[PageIndex]], list[list[PageIndex]]] | None] = [
-            self._own_slices(g) for g in range(len(self.shared.indexes))]
-        # Per group: every index of it that may hold a page, on every tier (and on the tiers
-        # without health), widest slices first (where another TP's pages most likely are): a key
-        # none of them has (a first sight of a new prompt) is answered in one pass. Rebuilt
-        # after each listing without the slices found empty (most of them: one TP writes a
-        # cache), except the current ranks' own (this process's stores land there at once).
-        self._every: list[tuple[list[PageIndex], list[PageIndex]]] = self._may_hold()
+        self.listed = None
+        if listed is not None:
+            listed_health = Health(f"{listed.name} (scheduler lookups)", probe=listed.probe,
+                                   deadline_s=listed.deadline_s, on_change=self._listed_health_changed)
+            self.listed = TierIndexes(listed.name, per_rank(listed.mappers), listed_health, self._removed,
+                                      listed.lister)
+        self.tiers = [t for t in (self.local, self.shared, self.listed) if t is not None]
+        self._build_views()
         self.counters = {"probed": 0, "probe_timeouts": 0, "list_timeouts": 0, "refreshes": 0}
         self._prober = IndexProber(self, probe_threads)
         self.results = self._prober.results  # the prober's verdicts, one list per batch
@@ -174,6 +179,26 @@ class IndexedLookup:
         # Residency (metrics): index tier name -> page files per group, summed over ranks and
         # slices, as of the last full listing (``_count_resident``); replaced, never mutated.
         self.resident: dict[str, list[int]] = {}
+
+    def _build_views(self) -> None:
+        """The per-group index lists the hot path reads (``lookup_views``): ``_plain``,
+        ``_own`` and ``_every``, each a pair (shared tier up, down). Rebuilt when a listed
+        tier goes down or up, and ``_every`` after each listing; each is one assignment, so the
+        scheduler sees the old list or the new."""
+        slices = [self.slice_group(g) for g in range(len(self.shared.indexes))]
+        self._plain = plain_views(self.tiers, self.shared, slices)
+        self._own = own_views(self.tiers, self.shared, slices)
+        self._every = self._may_hold()
+
+    def _may_hold(self) -> list[tuple[list[PageIndex], list[PageIndex]]]:
+        return every_view(self.tiers, self.shared, [self.slice_group(g) for g in range(len(self.shared.indexes))],
+                          self._own)
+
+    def _listed_health_changed(self, up: bool) -> None:
+        # Down: its index stops answering first, then the cached HITs are dropped.
+        self._build_views()
+        if not up:
+            self._removed(None, None)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, load: bool = True) -> IndexedLookup:
@@ -226,28 +251,6 @@ class IndexedLookup:
     # ------------------------------------------------------------ scheduler-thread API
     def slice_group(self, group: int) -> SliceGroup | None:
         return self.slices[group] if group < len(self.slices) else None
-
-    def _own_slices(self, group: int) -> tuple[list[list[PageIndex]], list[list[PageIndex]]] | None:
-        sg = self.slice_group(group)
-        if sg is None or any(n not in sg.have for n in sg.need):
-            return None
-        at = [sg.have.index(n) for n in sg.need]
-        return ([[t.indexes[group][i] for t in self.tiers] for i in at],
-                [[t.indexes[group][i] for t in self.tiers if t.health is None] for i in at])
-
-    def _may_hold(self) -> list[tuple[list[PageIndex], list[PageIndex]]]:
-        """``_every``: per group, the indexes not listed yet, not empty, or a current rank's own."""
-        out = []
-        for g in range(len(self.shared.indexes)):
-            sg = self.slice_group(g)
-            order = (sorted(range(len(sg.have)), key=lambda i: -sg.have[i].count) if sg is not None
-                     else range(len(self.shared.indexes[g])))
-            own = {id(ix) for ixs in (self._own[g] or ([], []))[0] for ix in ixs}
-            keep = [t.indexes[g][i] for i in order for t in self.tiers
-                    if id(t.indexes[g][i]) in own or not t.indexes[g][i].loaded or len(t.indexes[g][i])]
-            healthy = {id(ix) for t in self.tiers if t.health is None for ix in t.indexes[g]}
-            out.append((keep, [ix for ix in keep if id(ix) in healthy]))
-        return out
 
     def answer(self, group: int, key: bytes) -> bool | None:
         plain = self._plain[group]
@@ -380,7 +383,8 @@ class IndexedLookup:
                 for index in ranks:
                     if self._stop.is_set():
                         return
-                    if self.slice_group(group) is not None and index.loaded and not self._exists(tier, index):
+                    if (self.slice_group(group) is not None and index.loaded and tier.lister is None
+                            and not self._exists(tier, index)):
                         continue  # a slice no TP has written here: one stat, not 256 listings
                     self._list_index(tier, index)
 
@@ -398,8 +402,17 @@ class IndexedLookup:
             return True
 
     def _list_index(self, tier: TierIndexes, index: PageIndex) -> None:
-        """List every fan-out directory of one index (local inline; shared on the pool)."""
-        if tier.health is None:
+        """List every fan-out directory of one index (local inline; shared on the pool; a listed
+        tier's ``lister`` inline, its requests bounded by their own deadlines)."""
+        if tier.lister is not None:
+            if tier.up:
+                try:
+                    tier.lister(index)
+                except Exception as exc:  # noqa: BLE001 - any failure of the endpoint: down, probed back
+                    self.counters["list_timeouts"] += 1
+                    assert tier.health is not None
+                    tier.health.mark_down(f"listing failed: {exc}")
+        elif tier.health is None:
             for d in range(len(FANOUT_DIRS)):
                 try:
                     index.load_dir(d)

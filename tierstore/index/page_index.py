@@ -56,7 +56,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -103,21 +103,27 @@ def list_fingerprints(directory: str | os.PathLike[str], fanout_index: int) -> m
 
 def _list_once(directory: str | os.PathLike[str], fanout_index: int) -> memoryview:
     """``list_fingerprints`` without the rule for a vanished directory (raises its OSError)."""
+    with os.scandir(directory) as entries:
+        return names_fingerprints((entry.name for entry in entries), fanout_index)
+
+
+def names_fingerprints(names: Iterable[str], fanout_index: int) -> memoryview:
+    """Sorted fingerprints of the page file names among ``names`` that belong in fan-out
+    directory ``fanout_index`` (temps, foreign names and misfiled pages skipped): a directory's
+    listing, or an object tier's keys under it."""
     fps: list[int] = []
     append = fps.append
     fromhex = bytes.fromhex
     digest = xxhash.xxh3_64_intdigest
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            name = entry.name
-            if not name.endswith(PAGE_SUFFIX) or name[0] == ".":
-                continue
-            try:
-                fp = digest(fromhex(name[:-_SUFFIX_LEN]))
-            except ValueError:
-                continue
-            if fp >> 56 == fanout_index:
-                append(fp)
+    for name in names:
+        if not name.endswith(PAGE_SUFFIX) or name[0] == ".":
+            continue
+        try:
+            fp = digest(fromhex(name[:-_SUFFIX_LEN]))
+        except ValueError:
+            continue
+        if fp >> 56 == fanout_index:
+            append(fp)
     arr = np.array(fps, dtype=np.uint64)
     arr.sort()
     return memoryview(arr).cast("B").cast("Q")  # keeps the array alive
@@ -229,8 +235,7 @@ class PageIndex:
             self._unchanged[fanout_index] = (signature, skipped + 1)
             self.listings_skipped += 1
             return
-        with self._lock:
-            started = next(self._seq)
+        started = self.begin_listing()
         listed_at = time.time()
         try:
             arr = list_fingerprints(self._dirs[fanout_index], fanout_index)
@@ -239,6 +244,19 @@ class PageIndex:
             raise
         settled = now is not None and listed_at - now[1] / 1e9 >= SETTLED_S
         self._unchanged[fanout_index] = (now if settled else None, 0)
+        self.publish_listing(fanout_index, arr, started)
+
+    def begin_listing(self) -> int:
+        """The mark of a listing about to start (``publish_listing``: changes made after it stay
+        on top of what it finds)."""
+        with self._lock:
+            return next(self._seq)
+
+    def publish_listing(self, fanout_index: int, arr: memoryview, started: int) -> None:
+        """Make ``arr`` (sorted fingerprints, ``names_fingerprints``) the base of directory
+        ``fanout_index``'s answers: the end of ``load_dir``, and of a listing made elsewhere (an
+        object tier lists every directory of a rank in one request stream) begun at
+        ``started`` (``begin_listing``)."""
         search = _buckets(arr)
         with self._publish:
             shard = self._build_shard(fanout_index, arr)

@@ -32,7 +32,7 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   reaches its file through ``PageFiles`` (``rank_dir.RankDir``: directory fds, no symlink followed) and
   opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
   is a ``PageUnsafe`` failure, never served, never followed or removed by a load; a store of the
-  key replaces that entry (a directory is moved aside: ``PageFiles._clear_planted``). With ``mac_key_file`` every page
+  key moves that entry aside and stores the page (``PageFiles._clear_planted``). With ``mac_key_file`` every page
   carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac":
   not verifiable with this key, a miss; the file is left in place, never removed: it may be
   another key's good page during a rotation, ``errors.UNVERIFIABLE_KINDS``); such an engine
@@ -127,6 +127,25 @@ class PageFileOps(Protocol):
                   ) -> list[tuple[int, tuple[int, ...] | None] | PageError]: ...
 
 
+class EngineFiles(PageFileOps, Protocol):
+    """What the engine asks of its files beyond the I/O threads' operations: ``PageFiles``, or
+    another medium's stand-in for it (``files_over``)."""
+
+    geometry: FrameGeometry
+    direct_loads: bool
+    warm_piece_bytes: int
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def remove_damaged(self, key: bytes, source: Any, error: PageError) -> None: ...
+
+    def expectation(self, key: bytes) -> PageExpectation: ...
+
+    def header_len(self, key_len: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
 def frame_geometry(namespace: Namespace, group_index: int, config: TierStoreConfig, *, rank: int = 0,
                    head_start: int = 0, head_count: int = 0, rank_dir: str | None = None,
                    layout: PageLayout | None = None) -> FrameGeometry:
@@ -159,14 +178,19 @@ class IOEngine:
                  staging_slots: int | None = None, pin: bool = False, deadline_s: float | None = None,
                  tier_name: str = "disk", rank_dir: str | None = None, layout: PageLayout | None = None,
                  file_ops: Callable[[PageFiles], PageFileOps] | None = None,
-                 staging: StagingPool | None = None) -> None:
+                 staging: StagingPool | None = None,
+                 files_over: Callable[[PageFiles], EngineFiles] | None = None) -> None:
         """``rank_dir``/``layout``: a head slice's directory (``h<start>-<count>``, header rank
         ``start // count``) and layout, from the caller (docs/DESIGN.md §9); by default
         ``r<rank>`` and the namespace group's layout. ``file_ops``: wraps the engine's
         ``PageFiles`` in the file operations its I/O threads call (a test's recorder, stall or
         fault); with it every job runs on the Python I/O threads (the native lane runs the stock
         file operations in compiled code, so it is not started). ``staging``: the pool made
-        beforehand (``staging_pool``; ``staging_slots`` and ``pin`` are then its own)."""
+        beforehand (``staging_pool``; ``staging_slots`` and ``pin`` are then its own).
+        ``files_over``: the pages live in another medium than files under ``root`` (the object
+        tier: ``objstore.object_files.ObjectFiles``), which stores and loads the very bytes a
+        ``PageFiles`` of these arguments would write (it is given that ``PageFiles``, which never
+        touches ``root``); nothing is made under ``root``, no O_DIRECT, no native lane."""
         self.root = Path(root)
         self.config = config if config is not None else TierStoreConfig(root=str(root))
         if not 0 <= group_index < len(namespace.groups):
@@ -183,45 +207,38 @@ class IOEngine:
         self.mac = PageMac.from_key_file(self.config.mac_key_file) if self.config.mac_key_file else None
         key_file = self.config.encryption_key_file
         self.sealer = KeyRing.from_files(key_file, self.config.tenant_key_files) if key_file else None
-        _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
-        if self.sealer is not None:
-            if self.config.odirect == "on":
-                raise ConfigError('setting "odirect" is "on" but "encryption_key_file" appends a 44-byte trailer to '
-                                  'each page, which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
-            self.odirect, self.odirect_reason = False, "encryption_key_file: pages carry an unaligned trailer"
-        elif self.mac is not None:
-            if self.config.io_loop == "native":
-                say_mac_costs(self.mac.name)
-            if self.config.odirect == "on":
-                raise ConfigError('setting "odirect" is "on" but "mac_key_file" appends a 40-byte tag to each page, '
-                                  'which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
-            self.odirect, self.odirect_reason = False, "mac_key_file: pages carry an unaligned MAC trailer"
-        else:
-            self.odirect, self.odirect_reason = _decide_odirect(self.config.odirect, self.codec, self.root,
-                                                                namespace, self.mapper)
+        if files_over is None:
+            _prepare_root(self.root, namespace, self.mapper, self.config, self.perms)
+        self.odirect, self.odirect_reason = _io_mode(self.config, self.codec, self.root, namespace, self.mapper,
+                                                     mac=self.mac.name if self.mac is not None else None,
+                                                     sealed=self.sealer is not None,
+                                                     objects=files_over is not None)
         native.start()  # one GIL release per page once compiled (native/loader.py), off this thread
         advice = io_threads_advice(self.config.io_threads)
         if advice:
             logger.warning(advice)
         self.counters = EngineCounters()
         self._removals_lock = threading.Lock()
-        self.files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
+        page_files = PageFiles(self.mapper, namespace, group_index, rank, head_start=head_start,
                                head_count=head_count, config=self.config, codec=self.codec, perms=self.perms,
                                mac=self.mac, sealer=self.sealer, odirect=self.odirect,
                                direct_loads=self.odirect and cachestat_available(), count=self.counters.count,
                                layout=self.layout)
+        self.files: EngineFiles = files_over(page_files) if files_over is not None else page_files
         self.geometry: FrameGeometry = self.files.geometry
         # what the Python I/O threads call: the files themselves, or what a caller wrapped them in
-        self.ops: PageFileOps = file_ops(self.files) if file_ops is not None else self.files
-        with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
-            self.files.rank_dir.rank_fd()  # (a missing directory: the first store makes it)
+        self.ops: PageFileOps = file_ops(page_files) if file_ops is not None else self.files
+        if files_over is None:
+            with contextlib.suppress(PageError, OSError):  # the native lane takes jobs once it is open
+                page_files.rank_dir.rank_fd()  # (a missing directory: the first store makes it)
         if staging is not None and staging.geometry != self.geometry:
             raise ValueError(f"the staging pool's frames {staging.geometry} are not this engine's {self.geometry}")
         self._pool = staging if staging is not None else staging_pool(self.geometry, self.config, staging_slots, pin)
         self.pinned = self._pool.pinned
         self._removals: list[threading.Thread] = []  # removals of pages the caller rejected
         lane = None
-        if self.config.io_loop == "native" and native.enabled_by_env() and file_ops is None:
+        if (self.config.io_loop == "native" and native.enabled_by_env() and file_ops is None
+                and isinstance(self.files, PageFiles)):
             lane = NativeLane(self.files, self._pool, threads=self.config.io_threads, name=f"tierstore-io-g{group_index}")
         self._queue = JobQueue(policy=QueuePolicy(), queue_depth=self.config.queue_depth, deadline_s=self.deadline_s,
                                threads=self.config.io_threads, name=f"tierstore-io-g{group_index}", run=self._run,
@@ -300,11 +317,8 @@ class IOEngine:
         return self._queue.wait(job_ids, timeout)
 
     def contains(self, key: bytes) -> bool:
-        """Cheap existence check (one stat); a hit still has to be verified by a load."""
-        try:
-            return self.mapper.path_for(key).exists()
-        except (OSError, ValueError):
-            return False
+        """Cheap existence check (one stat, or the object index); a hit still has to be verified by a load."""
+        return self.files.contains(key)
 
     def settle(self, result: IOResult, ok: bool, reason: str = "") -> None:
         """The caller's verdict on an unverified load result of this engine (PageStore.settle):
@@ -473,6 +487,28 @@ def _prepare_root(root: Path, namespace: Namespace, mapper: FileMapper, config: 
     except OSError as exc:
         logger.warning("cannot write manifest.json under %s (%s); loads still work, stores may fail",
                        namespace_dir(root, namespace), exc.strerror)
+
+
+def _io_mode(config: TierStoreConfig, codec: Codec, root: Path, namespace: Namespace, mapper: FileMapper, *,
+             mac: str | None, sealed: bool, objects: bool) -> tuple[bool, str]:
+    """(O_DIRECT stores, why) for an engine: never for objects, sealed or MAC'd pages (``mac``:
+    the MAC's algorithm; an unaligned trailer, so ``odirect`` "on" is a ConfigError naming the
+    setting), else ``_decide_odirect``'s probe."""
+    if objects:
+        return False, "not a file root (objects)"
+    if sealed:
+        if config.odirect == "on":
+            raise ConfigError('setting "odirect" is "on" but "encryption_key_file" appends a 44-byte trailer to '
+                              'each page, which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
+        return False, "encryption_key_file: pages carry an unaligned trailer"
+    if mac is not None:
+        if config.io_loop == "native":
+            say_mac_costs(mac)
+        if config.odirect == "on":
+            raise ConfigError('setting "odirect" is "on" but "mac_key_file" appends a 40-byte tag to each page, '
+                              'which O_DIRECT cannot write aligned; set "odirect" to "auto" or "off"')
+        return False, "mac_key_file: pages carry an unaligned MAC trailer"
+    return _decide_odirect(config.odirect, codec, root, namespace, mapper)
 
 
 def _decide_odirect(mode: str, codec: Codec, root: Path, namespace: Namespace, mapper: FileMapper) -> tuple[bool, str]:

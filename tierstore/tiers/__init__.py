@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from tierstore.config import TierStoreConfig
     from tierstore.format.identity import Namespace
     from tierstore.fs.mapper import FileMapper
-    from tierstore.index.indexed_lookup import SliceGroup
+    from tierstore.index.indexed_lookup import ListedTier, SliceGroup
     from tierstore.index.local_index import LocalIndex
     from tierstore.store import PageStore
     from tierstore.tiers.chain import TierChain
@@ -186,6 +186,26 @@ def lookup_dirs(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> 
         SliceGroup(tuple(tp_slices(units[i])), tuple(rank_heads(units[i], tp_size, r) for r in range(tp_size)))
         for i in range(n)]
     return mappers, local_mappers, slices
+
+
+def listed_tier(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> ListedTier | None:
+    """The object tier (``object_url``) as the scheduler's lookup sees it: its indexes named as
+    ``lookup_dirs`` names the root's, under the tier's stand-in root, filled by listings of the
+    bucket; None without ``object_url``."""
+    if config.object_url is None:
+        return None
+    from tierstore.config import ObjectLocation
+    from tierstore.index.indexed_lookup import ListedTier
+    from tierstore.objstore.client import ObjectClient
+    from tierstore.objstore.listing import index_lister, stand_in_root
+
+    location = ObjectLocation.parse(config.object_url)
+    client = ObjectClient(location, config.object_deadline_s)
+    mappers, _, _ = lookup_dirs(config.replace(root=str(stand_in_root(location)), local_root=None,
+                                               local_max_bytes=None), namespace, tp_size)
+    health_key = location.key(".tierstore/health")
+    return ListedTier("object", mappers, index_lister(client), lambda: client.head(health_key),
+                      config.object_deadline_s)
 
 
 def close_shared_state() -> None:

@@ -59,6 +59,22 @@ class SharedBacklog:
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def busy(self) -> bool:
+        """Keys are waiting or the uploader is running."""
+        with self._lock:
+            return bool(self._keys) or (self._thread is not None and self._thread.is_alive())
+
+    def flush(self, end: float | None) -> bool:
+        """Wait (until the monotonic time ``end``; None: no bound) for the uploads while the
+        target answers, then for its stores (``TierChain.flush``); False if time ran out. A
+        target that is down is not waited for: its keys stay for when it is up."""
+        while self.busy and self.target.available and (end is None or time.monotonic() < end):
+            time.sleep(0.01)
+        if self.busy and self.target.available:
+            return False
+        return self.target.flush(None if end is None else max(end - time.monotonic(), 0.0))
+
     def add(self, key: bytes, front: bool = False) -> None:
         with self._lock:
             self._keys[key] = None

@@ -76,7 +76,7 @@ class _Job:
     outcome: dict[ChainTier, IOResult] = field(default_factory=dict)  # store: finished sub-jobs
     asked: int = 0  # load: tiers of the list walked so far
     error: PageError | None = None  # load: the last asked tier's failure
-    backlogged: bool = False  # store: handed to the shared backlog
+    backlogged: set[int] = field(default_factory=set)  # store: the backlogs (by index) it was handed to
     done: bool = False
 
 
@@ -96,7 +96,7 @@ class TierChain:
         # chain of one ("root"); ``shared=False`` leaves the root out (tests of the local tier).
         built = build_tiers(tier_specs(config, with_root=shared), config, namespace, group_index, rank, reg,
                             host=host, local_index=local_index, **engine_kwargs)
-        self.host, self.local, self.shared = built.host, built.local, built.root
+        self.host, self.local, self.shared, self.object = built.host, built.local, built.root, built.object
         self._front = built.front
         self.tiers: list[ChainTier] = built.tiers
         self._by_name = {t.name: t for t in self.tiers}
@@ -108,8 +108,10 @@ class TierChain:
         self._results: dict[int, IOResult] = {}
         self._lent: dict[StagingSlot, ChainTier] = {}  # slots of load results -> the tier that owns them
         self._closed = False
-        self.backlog = (SharedBacklog(self.local, self.shared, self._drain_now)
-                        if self.local is not None and self.shared is not None else None)
+        # Pages a tier stored and the tier behind it missed, uploaded later: local to root, root to object.
+        self.backlogs = [SharedBacklog(src, dst, self._drain_now) for src, dst in
+                         ((self.local, self.shared), (self.shared, self.object)) if None not in (src, dst)]
+        self.backlog = self.backlogs[0] if self.local is not None and self.shared is not None else None
 
     # ------------------------------------------------------------------ views
     @property
@@ -275,14 +277,14 @@ class TierChain:
     def _feed_backlog(self, job: _Job) -> None:
         """A page the backlog's source tier stored and its target did not: upload it later
         (only once the source's file exists, so the uploader never races the local write)."""
-        b = self.backlog
-        if b is None or job.backlogged:
-            return
         got = {t.name: r for t, r in job.outcome.items()}
-        src, dst = got.get(b.source.name), got.get(b.target.name)
-        if src is not None and src.ok and dst is not None and not dst.ok:
-            job.backlogged = True
-            b.add(job.key)
+        for i, b in enumerate(self.backlogs):
+            if i in job.backlogged:
+                continue
+            src, dst = got.get(b.source.name), got.get(b.target.name)
+            if src is not None and src.ok and dst is not None and not dst.ok:
+                job.backlogged.add(i)
+                b.add(job.key)
 
     # ------------------------------------------------------------------ results
     def poll(self) -> list[IOResult]:
@@ -341,6 +343,8 @@ class TierChain:
         ok = True
         for tier in self.tiers:
             ok = tier.flush(None if end is None else max(end - time.monotonic(), 0.0)) and ok
+        for b in self.backlogs:  # uploads to a tier that answers are stores too
+            ok = b.flush(end) and ok
         self._drain_now()
         return ok
 
@@ -352,8 +356,8 @@ class TierChain:
                 return
             self._closed = True
         self.flush(timeout)
-        if self.backlog is not None:
-            self.backlog.close(min(timeout, 1.0))
+        for b in self.backlogs:
+            b.close(min(timeout, 1.0))
         for tier in self.tiers:
             tier.close(timeout)
         self._drain_now()

@@ -2,8 +2,8 @@
 
 ``tier_specs(config)`` lists the tiers a configuration asks for, fastest first, as
 ``TierSpec`` values (data, no I/O): ``host`` (``host_bytes`` > 0), ``local`` (``local_root``)
-and the root, named ``shared`` when a faster tier stands in front of it and ``root`` when it is
-alone. ``build_tiers(specs, ...)`` builds them into a ``BuiltTiers``. A lone ``root`` is a list
+the root, named ``shared`` when a faster tier stands in front of it and ``root`` when it is
+alone, and ``object`` (``object_url``) behind the root. ``build_tiers(specs, ...)`` builds them into a ``BuiltTiers``. A lone ``root`` is a list
 of one: a ``SharedTier`` named ``root`` with the lone root's deadline (``deadline_s``), so a
 lone root is counted, reported, health-checked and gc'd by the same code as every chain.
 
@@ -28,6 +28,7 @@ from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry
 from tierstore.tiers.host import HostStore, HostTier
 from tierstore.tiers.local import LocalTier
+from tierstore.tiers.object import ObjectTier
 from tierstore.tiers.shared import SharedTier
 from tierstore.tiers.tier import ChainTier
 
@@ -58,12 +59,14 @@ def tier_specs(config: TierStoreConfig, *, with_host: bool = True, with_root: bo
     if with_root:
         lone = not specs
         specs.append(TierSpec("root" if lone else "shared", config.deadline_s if lone else config.shared_deadline_s))
+    if config.object_url is not None:
+        specs.append(TierSpec("object", config.object_deadline_s))
     return specs
 
 
 def root_tier_name(config: TierStoreConfig) -> str:
     """The metrics name of ``root``'s tier: ``root`` when it is alone, else ``shared``."""
-    return tier_specs(config)[-1].name
+    return next(s.name for s in tier_specs(config) if s.kind in ("root", "shared"))
 
 
 @dataclass
@@ -75,6 +78,7 @@ class BuiltTiers:
     host: HostStore | None
     local: LocalTier | None
     root: SharedTier | None  # the root's tier ("shared" or "root")
+    object: ObjectTier | None = None  # the bucket behind the root (``object_url``)
 
 
 def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Namespace, group_index: int,
@@ -85,7 +89,7 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
     (no host tier without it)."""
     by_kind = {s.kind: s for s in specs}
     tokens = namespace.groups[group_index].tokens_per_chunk
-    local = root = None
+    local = root = obj = None
     try:
         if "local" in by_kind:
             local = LocalTier(config, namespace, group_index, rank, metrics.tier("local"), local_index,
@@ -94,6 +98,8 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
         if spec is not None:
             root = SharedTier(config, namespace, group_index, rank, metrics.tier(spec.name), name=spec.name,
                               deadline_s=spec.deadline_s, **engine_kwargs)
+        if "object" in by_kind:
+            obj = ObjectTier(config, namespace, group_index, rank, metrics.tier("object"), **engine_kwargs)
         front: ChainTier | None = local or root
         if front is None:
             raise ValueError("a chain needs a durable tier: local_root or the root")
@@ -106,7 +112,7 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
                             "every load misses and every store is skipped until it answers (check the mount)",
                             config.root, setting, root.deadline_s)
     except BaseException:
-        for tier in (local, root):
+        for tier in (local, root, obj):
             if tier is not None:
                 with contextlib.suppress(Exception):
                     tier.close(0.1)
@@ -115,5 +121,5 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
     if "host" in by_kind and host is not None:
         # the host tier's keys: the front tier's directory (``r<rank>``, or a slice's ``h<s>-<c>``)
         host_store = HostStore(host, "/".join(front.mapper.dir_parts), front, metrics.tier("host"), tokens)
-    tiers: list[ChainTier] = [t for t in (host_store, local, root) if t is not None]
-    return BuiltTiers(tiers, front, host_store, local, root)
+    tiers: list[ChainTier] = [t for t in (host_store, local, root, obj) if t is not None]
+    return BuiltTiers(tiers, front, host_store, local, root, obj)

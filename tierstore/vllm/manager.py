@@ -79,7 +79,7 @@ from vllm.v1.kv_offload.base import (
 from tierstore.errors import BAD_CONTENT_KINDS, UNVERIFIABLE_KINDS
 from tierstore.fs.mapper import FileMapper
 from tierstore.index.index_prober import PageIdentity
-from tierstore.index.indexed_lookup import IndexedLookup, SliceGroup
+from tierstore.index.indexed_lookup import IndexedLookup, ListedTier, SliceGroup
 from tierstore.native import loader as native
 from tierstore.vllm.page_names import PageNames
 
@@ -120,12 +120,12 @@ class TierStoreManager(OffloadingManager):
                  local_mappers: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
                  load_index: bool = True, slices: Sequence[SliceGroup | None] | None = None,
-                 names: PageNames | None = None) -> None:
+                 names: PageNames | None = None, listed: ListedTier | None = None) -> None:
         self.mappers = list(mappers)
         self.local_mappers = list(local_mappers) if local_mappers else []
         # ``slices``: groups stored as KV-head slices (their mappers: one per slice directory).
         self.pages = IndexedLookup(self.mappers, self.local_mappers or None, refresh_s=index_refresh_s,
-                                   deadline_s=shared_deadline_s, slices=slices)
+                                   deadline_s=shared_deadline_s, slices=slices, listed=listed)
         self.pages.start(load=load_index)  # False: tests of a cold index
         native.start()  # ``lookup_prefix``'s compiled key hashing (``native.record_sums``), compiled off-thread
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index

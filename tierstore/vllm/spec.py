@@ -52,7 +52,7 @@ from tierstore.kernels import GroupCopier
 from tierstore.kernels.scratch import transfer_scratch_pages
 from tierstore.kernels.transfer import PageTransfer
 from tierstore.kernels.views import attention_view, mamba_state_views, mla_view
-from tierstore.tiers import head_sliced, lookup_dirs, open_rank_store
+from tierstore.tiers import head_sliced, listed_tier, lookup_dirs, open_rank_store
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.namespace import (
     CANONICAL_CPU_ISAS,
@@ -168,12 +168,14 @@ class TierStoreOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            mappers, local_mappers, slices = lookup_dirs(self.ts_config, self.namespace, self.config.parallel.tp_size)
+            tp_size = self.config.parallel.tp_size
+            mappers, local_mappers, slices = lookup_dirs(self.ts_config, self.namespace, tp_size)
             self._manager = TierStoreManager(
                 mappers, self.group_of, [g.tokens_per_chunk for g in self.namespace.groups],
                 [g.kind == GroupKind.MAMBA for g in self.namespace.groups], local_mappers=local_mappers,
                 shared_deadline_s=self.ts_config.shared_deadline_s,
                 index_refresh_s=self.ts_config.index_refresh_s, slices=slices,
+                listed=listed_tier(self.ts_config, self.namespace, tp_size),
                 names=PageNames(KeyRing.from_files(self.ts_config.encryption_key_file, self.ts_config.tenant_key_files)
                                 if self.ts_config.encryption_key_file else None, self.ts_config.require_cache_salt),
             )

@@ -1,0 +1,72 @@
+"""The object tier (``object_url``) in a real vLLM engine, against a real Ceph RGW (issue 44).
+
+Node A (its own root, the bucket behind it) stores a prompt's pages; node B, a fresh engine on
+an empty root of its own and the same bucket, finds them through the scheduler's index of the
+bucket (one listing), loads them from the object tier and answers with the cold run's first
+token top-5 logprobs. A damaged object is a miss there, never a wrong answer: the check fails
+on bad KV: with every object rewritten with its values reversed (checksums recomputed, so the
+pages are served), a third fresh node answers with other logprobs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from vllm_helpers import failures, prompt_ids, rewrite_page, run_engine  # noqa: E402
+
+
+def _tier(reported: dict, family: str, tier: str, *labels: str) -> float:
+    return reported.get(f"tierstore_tier_{family}_total:{(tier, *labels)}", 0)
+
+
+def test_a_fresh_node_on_an_empty_root_restores_from_the_bucket(tmp_path: Path, s3_env, s3_bucket) -> None:
+    url = f"s3://{s3_bucket}/fleet"
+    ids = prompt_ids("llama")
+    req = [{"prompt_token_ids": ids}]
+    cold = run_engine("llama", tmp_path / "cold", req, logprobs=5)
+    first = run_engine("llama", tmp_path / "a", req, logprobs=5, extra={"object_url": url, "index_refresh_s": 0})
+    assert first.outputs[0].cached == 0
+    stored_pages = _tier(first.reported, "stores", "object")
+    assert stored_pages > 0, first.reported
+
+    second = run_engine("llama", tmp_path / "b", req, logprobs=5, extra={"object_url": url, "index_refresh_s": 0})
+    r = second.reported
+    hit_pages, hit_tokens = _tier(r, "loads", "object", "hit"), _tier(r, "load_tokens", "object", "hit")
+    print(f"\nobject tier: pages stored by node A {stored_pages:.0f}; node B loaded {hit_pages:.0f} of them "
+          f"({hit_tokens:.0f} tokens); node B's cached prompt tokens {second.outputs[0].cached} of {len(ids)}")
+    assert not failures(second.worker), second.worker
+    assert hit_pages >= 0.95 * stored_pages and hit_tokens > 0, r  # every page is the same size
+    assert second.outputs[0].cached >= hit_tokens
+    assert not list((tmp_path / "b").rglob("*.kvp")) or _tier(r, "loads", "root", "hit") == 0, r
+    assert second.outputs[0].tokens == cold.outputs[0].tokens
+    assert second.outputs[0].first_logprobs == cold.outputs[0].first_logprobs
+
+    # The check can fail: the same pages with their values reversed, checksums valid, are served
+    # by the bucket to a third fresh node, whose answer differs.
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"], region_name=s3_env["AWS_REGION"])
+
+    def scramble(buf: bytearray) -> None:
+        import torch
+
+        t = torch.frombuffer(buf, dtype=torch.bfloat16)
+        t.copy_(t.flip(0))
+
+    work = tmp_path / "rewrite.kvp"
+    names = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="fleet/").get("Contents", [])
+             if o["Key"].endswith(".kvp")]
+    assert names
+    for name in names:
+        work.write_bytes(s3.get_object(Bucket=s3_bucket, Key=name)["Body"].read())
+        rewrite_page(work, scramble)
+        s3.put_object(Bucket=s3_bucket, Key=name, Body=work.read_bytes())
+    third = run_engine("llama", tmp_path / "c", req, logprobs=5, extra={"object_url": url, "index_refresh_s": 0})
+    assert _tier(third.reported, "loads", "object", "hit") > 0 and not failures(third.worker), third.reported
+    assert third.outputs[0].first_logprobs != cold.outputs[0].first_logprobs
