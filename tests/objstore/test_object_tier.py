@@ -295,3 +295,37 @@ def test_a_stalled_osd_costs_no_request_past_its_deadline_and_no_partial_page(
               f"up again {time.monotonic() - back:.2f} s after the OSD restart")
     finally:
         t.close(5)
+
+
+def test_doctor_checks_an_object_tier_and_the_probe_names_a_versioned_bucket(tmp_path, s3_env, s3_bucket,
+                                                                              ceph_lab) -> None:
+    """``tierstore doctor s3://...`` passes on a plain bucket; on a bucket with versioning on, RGW
+    16 stores a second create-only PUT and refuses If-Match even with the current ETag: the
+    tier's start-up probe says the first, doctor both (exit 4: gc's lease cannot work there)."""
+    import json
+    import subprocess
+    import sys
+
+    from tierstore.tiers.object import probe_conditional_put
+
+    run = subprocess.run([sys.executable, "-m", "tierstore", "doctor", f"s3://{s3_bucket}/doc", "--json",
+                          "--pages", "2", "--page-bytes", "64K"], capture_output=True, text=True, timeout=120)
+    doc = json.loads(run.stdout)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert {c["name"]: c["status"] for c in doc["checks"]} == {
+        "endpoint": "ok", "create_only": "ok", "compare_and_swap": "ok", "throughput": "info"}
+    assert not _boto(ceph_lab).list_objects_v2(Bucket=s3_bucket, Prefix="doc/").get("KeyCount")
+
+    versioned = ceph_lab.make_bucket(f"{s3_bucket}-v")
+    _boto(ceph_lab).put_bucket_versioning(Bucket=versioned, VersioningConfiguration={"Status": "Enabled"})
+    t = ObjectTier(cfg(tmp_path / "a", f"s3://{versioned}/p"), NS, 0, 0, MetricsRegistry().tier("object"))
+    try:
+        assert probe_conditional_put(t.client) == "ignored"
+    finally:
+        t.close(5)
+    run = subprocess.run([sys.executable, "-m", "tierstore", "doctor", f"s3://{versioned}/p", "--json",
+                          "--pages", "1", "--page-bytes", "4K"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 4, (run.stdout, run.stderr)  # a check failed: gc's lease cannot work there
+    doc = json.loads(run.stdout)
+    status = {c["name"]: c["status"] for c in doc["checks"]}
+    assert status["create_only"] == "warn" and status["compare_and_swap"] == "fail", status

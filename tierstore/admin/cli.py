@@ -336,7 +336,12 @@ def _cmd_stats(args: argparse.Namespace, *, listing: bool) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from tierstore.admin import doctor
+    from tierstore.config import is_object_url
 
+    if is_object_url(args.root):  # an object tier's bucket
+        from tierstore.admin.object_doctor import run_objects
+
+        return run_objects(args)
     return doctor.run(args)
 
 

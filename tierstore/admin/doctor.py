@@ -453,7 +453,8 @@ def diagnose(opts: DoctorOptions) -> DoctorReport:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", metavar="ROOT", nargs="?", default=None,
-                        help="the directory to check (default: \"root\" of --config)")
+                        help="the directory to check (default: \"root\" of --config), or an object tier's "
+                        "s3://BUCKET/PREFIX")
     parser.add_argument("--config", metavar="FILE",
                         help="tierstore settings as JSON (kv_connector_extra_config, or a whole "
                         "--kv-transfer-config document): max_bytes, trust_shared_root, shared_group_access")
