@@ -218,8 +218,9 @@ def is_object_url(target: object) -> bool:
 
 @dataclass(frozen=True)
 class TierStoreConfig:
-    # Where pages live. With only ``root`` set, tierstore is a single tier (local or shared).
-    root: str
+    # Where pages live. With only ``root`` set, tierstore is a single tier (local or shared);
+    # None only with ``object_url`` (the bucket is then the durable tier behind the faster ones).
+    root: str | None = None
     # Optional faster tiers in front of ``root`` (see tierstore/tiers).
     local_root: str | None = None
     local_max_bytes: int | None = None  # cap of the local tier; None = no cap
@@ -281,19 +282,23 @@ class TierStoreConfig:
             raise ConfigError(
                 f"unknown tierstore setting(s) {unknown}; known settings: {sorted(known)}"
             )
-        if not d.get("root"):
+        if not d.get("root") and not d.get("object_url"):
             raise ConfigError(
-                'tierstore needs a cache directory: set "root" in kv_connector_extra_config '
-                '(for example {"root": "/mnt/kvcache"})'
+                'tierstore needs a cache directory or a bucket: set "root" in kv_connector_extra_config '
+                '(for example {"root": "/mnt/kvcache"}), or "object_url" (for example "s3://bucket/kv")'
             )
         cfg = cls(**_read_sizes(d))
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
+        if self.root is None and self.object_url is None:
+            raise ConfigError('tierstore needs a cache directory or a bucket: set "root" (for example '
+                              '"/mnt/kvcache") or "object_url" (for example "s3://bucket/kv")')
         for name in ("root", "local_root"):
             v = getattr(self, name)
-            if not (v is None and name == "local_root") and not isinstance(v, (str, os.PathLike)):
+            unset_ok = name == "local_root" or self.object_url is not None
+            if not (v is None and unset_ok) and not isinstance(v, (str, os.PathLike)):
                 raise ConfigError(f'setting "{name}" must be a directory path (a string), got {v!r}')
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
@@ -328,7 +333,7 @@ class TierStoreConfig:
                                   f"got {v!r}{_why_not(v) if isinstance(v, (bool, str)) else ''}")
         if self.local_max_bytes is not None and self.local_root is None:
             raise ConfigError('setting "local_max_bytes" needs "local_root" (the local tier\'s directory)')
-        if self.local_root:
+        if self.local_root and self.root:
             overlap = _tiers_overlap(self.root, self.local_root)
             if overlap:
                 raise ConfigError(overlap)
@@ -352,11 +357,16 @@ class TierStoreConfig:
                                   f"key file (32 random bytes, mode 0600), got {self.tenant_key_files!r}")
         if self.object_url is not None:
             ObjectLocation.parse(self.object_url)  # a ConfigError naming the setting
+        if self.root is None and (self.gc_interval_s or self.max_bytes is not None):
+            raise ConfigError('settings "max_bytes" and "gc_interval_s" cap "root", which is unset; cap the bucket '
+                              'with "tierstore gc s3://..." instead, or set "root"')
         if self.gc_interval_s and self.max_bytes is None:
             raise ConfigError('setting "gc_interval_s" needs "max_bytes" (the cap that gc keeps "root" under)')
 
     @property
     def root_path(self) -> Path:
+        if self.root is None:
+            raise ConfigError('setting "root" is unset (only "object_url"): this needs a cache directory')
         return Path(self.root)
 
     def replace(self, **changes: Any) -> TierStoreConfig:

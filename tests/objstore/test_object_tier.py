@@ -329,3 +329,34 @@ def test_doctor_checks_an_object_tier_and_the_probe_names_a_versioned_bucket(tmp
     doc = json.loads(run.stdout)
     status = {c["name"]: c["status"] for c in doc["checks"]}
     assert status["create_only"] == "warn" and status["compare_and_swap"] == "fail", status
+
+
+def test_a_bucket_alone_is_a_chain_and_settings_that_need_a_root_are_refused(tmp_path, s3_env, s3_bucket) -> None:
+    """``{"object_url": ...}`` without ``root``: the object tier is the chain's durable tier (with
+    a local tier in front, pages it missed are uploaded later from the local tier)."""
+    url = f"s3://{s3_bucket}/alone"
+    with pytest.raises(ConfigError, match='"max_bytes" and "gc_interval_s"'):
+        TierStoreConfig.from_dict({"object_url": url, "max_bytes": "1G"})
+    with pytest.raises(ConfigError, match='"root".*"object_url"'):
+        TierStoreConfig.from_dict({"io_threads": 2})
+    keys = [key(i, seed=11) for i in range(12)]
+    a = open_group_store(TierStoreConfig.from_dict({"object_url": url, "io_threads": 2, "index_refresh_s": 0,
+                                                    "local_root": str(tmp_path / "local")}), NS, 0,
+                         metrics=MetricsRegistry())
+    try:
+        assert [t.name for t in a.tiers] == ["local", "object"]
+        for k in keys:
+            assert store(a, k).ok
+        assert a.flush(30)
+    finally:
+        a.close(30)
+    close_shared_state()
+    b = open_group_store(TierStoreConfig.from_dict({"object_url": url, "io_threads": 2, "index_refresh_s": 0}), NS, 0,
+                         metrics=MetricsRegistry())
+    try:
+        assert [t.name for t in b.tiers] == ["object"]
+        for k in keys:
+            r, data = load_page(b, k)
+            assert r.ok and r.tier == "object" and data == expected(b, k), r.error
+    finally:
+        b.close(30)

@@ -120,6 +120,29 @@ def test_stale_store_reopens_and_the_next_store_works(tmp_path: Path, nfs_stale_
     b.close()
 
 
+def test_an_engine_that_keeps_loading_recreates_its_removed_namespace(tmp_path: Path) -> None:
+    """``rm -rf ROOT/<namespace>`` and no other node: the engine misses a page, stores it
+    (recomputed), every 0.2 s, as a serving engine does. A store recreates the directories
+    within seconds. Old code: a load's reopen, which cannot make the removed directory, used up
+    the once-a-second reopen allowance, so every store in that second was "missing": an
+    engine that loads the rank each second never stored again (0 of 15 stores in 6 s)."""
+    root = tmp_path / "root"
+    a = _engine(root)
+    try:
+        assert _store(a, 0).ok
+        shutil.rmtree(a.mapper.base.parent.parent)
+        start, stored = time.monotonic(), None
+        while stored is None and time.monotonic() - start < 6.0:
+            assert _load(a, 1) in ("missing", "ok")
+            if _store(a, 1).ok:
+                stored = time.monotonic() - start
+            time.sleep(0.2)
+        assert stored is not None and stored < 3.0, stored
+        assert _load(a, 1) == "ok"
+    finally:
+        a.close()
+
+
 def test_replaced_directory_is_noticed_at_a_bounded_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The namespace directory renamed away and made again (the held fd still works, on the
     old directory): within one check interval A loads the new directory's pages; a call inside

@@ -70,3 +70,25 @@ def test_a_fresh_node_on_an_empty_root_restores_from_the_bucket(tmp_path: Path, 
     third = run_engine("llama", tmp_path / "c", req, logprobs=5, extra={"object_url": url, "index_refresh_s": 0})
     assert _tier(third.reported, "loads", "object", "hit") > 0 and not failures(third.worker), third.reported
     assert third.outputs[0].first_logprobs != cold.outputs[0].first_logprobs
+
+
+def test_a_connector_with_only_a_bucket_restores_a_fresh_engine(tmp_path: Path, s3_env, s3_bucket) -> None:
+    """``{"object_url": ...}`` and nothing else: the bucket is the one durable tier. A fresh
+    engine hits at least 95% of the pages the first stored, with the cold run's logprobs."""
+    url = f"s3://{s3_bucket}/only"
+    ids = prompt_ids("llama")
+    req = [{"prompt_token_ids": ids}]
+    only = {"object_url": url, "index_refresh_s": 0}
+    cold = run_engine("llama", tmp_path / "cold", req, logprobs=5)
+    first = run_engine("llama", None, req, logprobs=5, extra=only)
+    stored_pages = _tier(first.reported, "stores", "object")
+    assert first.outputs[0].cached == 0 and stored_pages > 0, first.reported
+    second = run_engine("llama", None, req, logprobs=5, extra=only)
+    r = second.reported
+    hit_pages = _tier(r, "loads", "object", "hit")
+    print(f"\nonly object_url: pages stored {stored_pages:.0f}, a fresh engine loaded {hit_pages:.0f}; cached "
+          f"{second.outputs[0].cached} of {len(ids)} prompt tokens")
+    assert not failures(second.worker), second.worker
+    assert hit_pages >= 0.95 * stored_pages, r
+    assert second.outputs[0].tokens == cold.outputs[0].tokens
+    assert second.outputs[0].first_logprobs == cold.outputs[0].first_logprobs

@@ -94,7 +94,7 @@ def prompt_ids(kind: str, n: int | None = None, offset: int = 0) -> list[int]:
 
 def run_engine(
     kind: str,
-    root: Path,
+    root: Path | None,
     requests: list[dict[str, Any]],
     *,
     max_tokens: int = 8,
@@ -103,7 +103,8 @@ def run_engine(
     logprobs: int | None = None,
     **llm_kw: Any,
 ) -> EngineRun:
-    """One fresh engine; each request is a vLLM prompt dict (prompt_token_ids, cache_salt)."""
+    """One fresh engine; each request is a vLLM prompt dict (prompt_token_ids, cache_salt).
+    ``root`` None: no "root" setting (``extra`` names the bucket, "object_url")."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -117,7 +118,7 @@ def run_engine(
     kw.update(llm_kw)
     kw["kv_transfer_config"] = KVTransferConfig(
         kv_connector="TierStoreConnector", kv_connector_module_path="tierstore.vllm", kv_role="kv_both",
-        kv_connector_extra_config={"root": str(root), **(extra or {})},
+        kv_connector_extra_config={**({"root": str(root)} if root is not None else {}), **(extra or {})},
     )
     t0 = time.perf_counter()
     llm = LLM(**kw)

@@ -143,7 +143,7 @@ class IndexedLookup:
                  local: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
                  list_threads: int = 4, slices: Sequence[SliceGroup | None] | None = None,
-                 listed: ListedTier | None = None) -> None:
+                 listed: ListedTier | None = None, listed_only: bool = False) -> None:
         self.deadline_s = deadline_s
         self.slices = list(slices) if slices is not None else []  # per group; None: one mapper per rank
         self.refresh_s = refresh_s
@@ -155,12 +155,17 @@ class IndexedLookup:
         self._removal_listeners: list[Callable[[int | None, bytes | None], None]] = []
         self._shared_live = True  # the hot path's view of the shared health (set first)
         self._shared_up = True  # what ``shared_up`` reports (set last)
-        # the worker's probe (fs.deadline.probe_root): a stat is answered by an NFS client's cache
-        health = Health("shared root (scheduler lookups)", probe=lambda: probe_root(Path(shared_root)),
-                        deadline_s=deadline_s, on_change=self._health_changed)
-        self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None
         self.listed = None
+        if listed is not None and listed_only:  # no root: the listed tier (the bucket) takes its place
+            health = Health(f"{listed.name} (scheduler lookups)", probe=listed.probe, deadline_s=listed.deadline_s,
+                            on_change=self._health_changed)
+            self.shared = TierIndexes(listed.name, shared_mappers, health, self._removed, listed.lister)
+            listed = None
+        else:  # the worker's probe (fs.deadline.probe_root): a stat is answered by an NFS client's cache
+            health = Health("shared root (scheduler lookups)", probe=lambda: probe_root(Path(shared_root)),
+                            deadline_s=deadline_s, on_change=self._health_changed)
+            self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         if listed is not None:
             listed_health = Health(f"{listed.name} (scheduler lookups)", probe=listed.probe,
                                    deadline_s=listed.deadline_s, on_change=self._listed_health_changed)

@@ -57,7 +57,8 @@ class RankDir:
     again by another node), ENOENT in a directory with ``st_nlink`` 0 (the same on a local file
     system), or, checked at most every ``RANK_DIR_CHECK_S`` on a call of ``rank_fd``, a path
     that now names another directory (st_dev/st_ino differ: replaced). A stale fd is reopened at
-    most once per ``RANK_DIR_REOPEN_MIN_S``; the call that found it retries once on the new fd,
+    most once per ``RANK_DIR_REOPEN_MIN_S`` (a store's, which may create it, also right after a
+    load's found it gone); the call that found it retries once on the new fd,
     and where the reopen is not allowed yet (or fails) it is answered ``PageMissing``; the next
     call uses the new fd. ``reopens`` counts reopens (``on_reopen`` is called after each, with
     no lock held). Superseded fds stay open until ``close`` (another thread, or the native
@@ -76,6 +77,7 @@ class RankDir:
         self._on_reopen = on_reopen
         self._next_check = 0.0  # monotonic time of the next identity check of the held fd
         self._reopened_at = -RANK_DIR_REOPEN_MIN_S  # monotonic time of the last reopen of a stale fd
+        self._gone_seen = False  # the last reopen, not creating, found the directory gone
         self.reopens = 0
 
     def _reopen(self, create: bool, stale: int) -> int:
@@ -103,10 +105,18 @@ class RankDir:
             if self._fd != stale:
                 return self._fd
             now = time.monotonic()
-            if now - self._reopened_at < RANK_DIR_REOPEN_MIN_S:
+            # A creating reopen (a store) is not held back by a look that found the directory
+            # gone and could not make it (a load): else an engine that loads the rank every
+            # second never recreates a namespace removed under it (found on CephFS and ext4).
+            if now - self._reopened_at < RANK_DIR_REOPEN_MIN_S and not (create and self._gone_seen):
                 return -1
             self._reopened_at = now
-        fd = self._reopen(create, stale)
+        try:
+            fd = self._reopen(create, stale)
+        except FileNotFoundError:
+            self._gone_seen = not create
+            raise
+        self._gone_seen = False
         if fd != stale:
             self.reopens += 1
             logger.warning("tierstore: the directory %s was removed or replaced (stale handle); reopened it",

@@ -74,7 +74,7 @@ def _host_tier(config: TierStoreConfig, metrics: MetricsRegistry) -> HostTier | 
     from tierstore.tiers.host import HostTier
 
     with _guard:
-        key = (id(metrics), config.root)
+        key = (id(metrics), config.root or config.object_url or "")
         h = _hosts.get(key)
         if h is None or h.cap_bytes != config.host_bytes:
             h = _hosts[key] = HostTier(config.host_bytes, metrics.tier("host"))
@@ -114,7 +114,7 @@ def open_group_store(
     from tierstore.tiers.factory import root_tier_name
 
     reg = metrics if metrics is not None else default_registry()
-    if config.gc_interval_s and config.max_bytes:  # the one place the root's gc daemon starts
+    if config.gc_interval_s and config.max_bytes and config.root:  # the one place the root's gc daemon starts
         from tierstore.tiers.gc_daemon import GcDaemon
 
         GcDaemon.ensure(config.root, config.max_bytes, config.gc_interval_s, reg.tier(root_tier_name(config)))
@@ -155,6 +155,8 @@ def open_rank_store(config: TierStoreConfig, namespace: Namespace, group_index: 
         inner = open_group_store(config, namespace, group_index, rank=mine.start // mine.count,
                                  head_start=mine.start, head_count=mine.count, rank_dir=split_dir_name(mine),
                                  layout=layout, **engine_kwargs)
+    if config.root is None:  # the covering slices are read from a root; a bucket alone serves its own slice
+        return inner
     source = DirectorySlices(group_dir(config.root, namespace.digest, group_index), namespace.digest_bytes,
                              group_index, full_layout, refresh_s=config.index_refresh_s)
     # The covering files are on the root: its tier's deadline (a lone root's deadline_s, else
@@ -174,6 +176,12 @@ def lookup_dirs(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> 
     from tierstore.index.indexed_lookup import SliceGroup
 
     n, digest, local = len(namespace.groups), namespace.digest, config.local_root
+    if config.root is None:  # the object tier is the scheduler's root: its stand-in (listed_tier)
+        from tierstore.config import ObjectLocation
+        from tierstore.objstore.listing import stand_in_root
+
+        assert config.object_url is not None  # TierStoreConfig.validate
+        config = config.replace(root=str(stand_in_root(ObjectLocation.parse(config.object_url))))
     if not head_sliced(namespace):
         ranks = range(namespace.parallel.tp_size)  # 1: a replicated MLA latent's r0
         mappers = [[FileMapper(config.root, digest, i, r) for r in ranks] for i in range(n)]

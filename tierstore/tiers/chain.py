@@ -108,9 +108,10 @@ class TierChain:
         self._results: dict[int, IOResult] = {}
         self._lent: dict[StagingSlot, ChainTier] = {}  # slots of load results -> the tier that owns them
         self._closed = False
-        # Pages a tier stored and the tier behind it missed, uploaded later: local to root, root to object.
+        # Pages a tier stored and the tier behind it missed, uploaded later: local to root, root (or,
+        # without one, local) to object.
         self.backlogs = [SharedBacklog(src, dst, self._drain_now) for src, dst in
-                         ((self.local, self.shared), (self.shared, self.object)) if None not in (src, dst)]
+                         ((self.local, self.shared), (self.shared or self.local, self.object)) if None not in (src, dst)]
         self.backlog = self.backlogs[0] if self.local is not None and self.shared is not None else None
 
     # ------------------------------------------------------------------ views

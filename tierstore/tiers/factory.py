@@ -3,7 +3,7 @@
 ``tier_specs(config)`` lists the tiers a configuration asks for, fastest first, as
 ``TierSpec`` values (data, no I/O): ``host`` (``host_bytes`` > 0), ``local`` (``local_root``)
 the root, named ``shared`` when a faster tier stands in front of it and ``root`` when it is
-alone, and ``object`` (``object_url``) behind the root. ``build_tiers(specs, ...)`` builds them into a ``BuiltTiers``. A lone ``root`` is a list
+alone, and ``object`` (``object_url``) behind the root, or in its place when ``root`` is unset. ``build_tiers(specs, ...)`` builds them into a ``BuiltTiers``. A lone ``root`` is a list
 of one: a ``SharedTier`` named ``root`` with the lone root's deadline (``deadline_s``), so a
 lone root is counted, reported, health-checked and gc'd by the same code as every chain.
 
@@ -56,7 +56,7 @@ def tier_specs(config: TierStoreConfig, *, with_host: bool = True, with_root: bo
         specs.append(TierSpec("host", None))
     if config.local_root:
         specs.append(TierSpec("local", config.deadline_s))
-    if with_root:
+    if with_root and config.root is not None:
         lone = not specs
         specs.append(TierSpec("root" if lone else "shared", config.deadline_s if lone else config.shared_deadline_s))
     if config.object_url is not None:
@@ -65,8 +65,9 @@ def tier_specs(config: TierStoreConfig, *, with_host: bool = True, with_root: bo
 
 
 def root_tier_name(config: TierStoreConfig) -> str:
-    """The metrics name of ``root``'s tier: ``root`` when it is alone, else ``shared``."""
-    return next(s.name for s in tier_specs(config) if s.kind in ("root", "shared"))
+    """The metrics name of ``root``'s tier: ``root`` when it is alone, else ``shared``; the
+    object tier's (``object``) when there is no ``root``."""
+    return next(s.name for s in tier_specs(config) if s.kind in ("root", "shared", "object"))
 
 
 @dataclass
@@ -100,9 +101,9 @@ def build_tiers(specs: list[TierSpec], config: TierStoreConfig, namespace: Names
                               deadline_s=spec.deadline_s, **engine_kwargs)
         if "object" in by_kind:
             obj = ObjectTier(config, namespace, group_index, rank, metrics.tier("object"), **engine_kwargs)
-        front: ChainTier | None = local or root
+        front: ChainTier | None = local or root or obj
         if front is None:
-            raise ValueError("a chain needs a durable tier: local_root or the root")
+            raise ValueError("a chain needs a durable tier: local_root, the root or object_url")
         if front is root and root.engine() is None:
             if root.open_error is not None and not root.open_failed_transiently:
                 raise root.open_error  # it answered, with an error: the user's to fix

@@ -263,18 +263,19 @@ class TierStoreConnector(OffloadingConnector):
         if role == KVConnectorRole.SCHEDULER:
             for warning in stop_warnings(vllm_config, self.ts_config.flush_timeout_s):
                 logger.warning(warning)
-            start_root_chores(self.ts_config.root, self.namespace, self.ts_config.local_root,
-                              self.ts_config.shared_deadline_s)
-            # other namespaces of this model under the root (a fleet whose nodes differ in a
-            # setting shares no pages): said once, from a daemon thread (siblings.py)
-            start_check(self.ts_config.root, self.namespace)
+            if self.ts_config.root is not None:  # (only a bucket: its tier writes the manifest object)
+                start_root_chores(self.ts_config.root, self.namespace, self.ts_config.local_root,
+                                  self.ts_config.shared_deadline_s)
+                # other namespaces of this model under the root (a fleet whose nodes differ in a
+                # setting shares no pages): said once, from a daemon thread (siblings.py)
+                start_check(self.ts_config.root, self.namespace)
             self.connector_scheduler = TierStoreConnectorScheduler(spec, vllm_config, kv_cache_config)
             self._reported_sched: Counter[str] = Counter()
             self._reported_resident: dict[str, list[int]] = {}
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = TierStoreConnectorWorker(spec, vllm_config, kv_cache_config)
         logger.info("tierstore: %s side, namespace %s under %s, %d groups, %d tokens per page",
-                    role.name.lower(), self.namespace.digest, self.ts_config.root,
+                    role.name.lower(), self.namespace.digest, self.ts_config.root or self.ts_config.object_url,
                     len(self.namespace.groups), chunk_tokens)
 
     @staticmethod

@@ -176,6 +176,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 shared_deadline_s=self.ts_config.shared_deadline_s,
                 index_refresh_s=self.ts_config.index_refresh_s, slices=slices,
                 listed=listed_tier(self.ts_config, self.namespace, tp_size),
+                listed_only=self.ts_config.root is None,
                 names=PageNames(KeyRing.from_files(self.ts_config.encryption_key_file, self.ts_config.tenant_key_files)
                                 if self.ts_config.encryption_key_file else None, self.ts_config.require_cache_salt),
             )
@@ -246,7 +247,7 @@ class TierStoreOffloadingSpec(OffloadingSpec):
         logger.info("tierstore: group %d (%s, %d layers, %d-byte pages) -> %s%s, copier=%s, io=%s, "
                     "%d staging slots, %d transfer scratch pages", i, gspec.kind.name.lower(),
                     len(gspec.layer_names),
-                    layout.nbytes, self.ts_config.root,
+                    layout.nbytes, self.ts_config.root or self.ts_config.object_url,
                     f" (local tier {self.ts_config.local_root})" if self.ts_config.local_root else "",
                     copier.backend, engine.stats.get("io_mode"), slots, transfer.capacity)
         return WorkerGroup(
