@@ -159,16 +159,19 @@ def test_damaged_objects_are_never_served_and_are_removed(tmp_path, s3_env, s3_b
 
 def test_a_killed_gateway_ends_every_job_typed_within_its_deadline_and_the_tier_comes_back(
         tmp_path, s3_env, s3_bucket, ceph_lab) -> None:
+    """A chain (root, then the bucket): 200 jobs submitted to the object tier, then radosgw
+    killed with them queued and in flight. Each ends typed within deadline + 1 s, the chain keeps
+    serving from the root, and the object tier hits again within 5 s of a restart."""
     deadline = 2.0
     url = f"s3://{s3_bucket}/outage"
-    t = ObjectTier(cfg(tmp_path / "a", url, object_deadline_s=deadline, staging_slots=256, queue_depth=512),
-                   NS, 0, 0, MetricsRegistry().tier("object"))
+    chain = open_group_store(cfg(tmp_path / "a", url, object_deadline_s=deadline, staging_slots=256,
+                                 queue_depth=512), NS, 0, metrics=MetricsRegistry())
+    t = chain.object
     try:
         stored = [key(i, seed=5) for i in range(40)]
         for k in stored:
-            assert store(t, k).ok
-        ceph_lab.kill_rgw()
-        killed = time.monotonic()
+            assert store(chain, k).ok
+        assert chain.flush(30) and all(t.client.head(t.files.object_key(k)) for k in stored)
         jobs: dict[int, float] = {}
         for i in range(200):
             k = stored[i % len(stored)] if i % 2 else key(1000 + i, seed=5)
@@ -179,6 +182,8 @@ def test_a_killed_gateway_ends_every_job_typed_within_its_deadline_and_the_tier_
                 assert slot is not None
                 slot.view[:] = expected(t, k)
                 jobs[t.submit_store(k, slot, 16)] = time.monotonic()
+        ceph_lab.kill_rgw()
+        killed = time.monotonic()
         results = []
         end = time.monotonic() + deadline + 10
         while len(results) < len(jobs) and time.monotonic() < end:
@@ -187,12 +192,18 @@ def test_a_killed_gateway_ends_every_job_typed_within_its_deadline_and_the_tier_
                 if r.slot is not None:
                     t.release_slot(r.slot)
         assert len(results) == len(jobs)
-        late = [(r.error, at - jobs[r.job_id]) for r, at in results if at - jobs[r.job_id] > deadline + 1]
+        late = [(r.error, at - max(jobs[r.job_id], killed)) for r, at in results
+                if at - max(jobs[r.job_id], killed) > deadline + 1]
         assert late == []
-        kinds = sorted({r.error.kind for r, _ in results if not r.ok and r.error is not None})
-        assert set(kinds) <= {"io", "timeout", "missing", "queue_full"}, kinds
+        failed = [r for r, _ in results if not r.ok]
+        kinds = sorted({r.error.kind for r in failed if r.error is not None})
+        assert failed and set(kinds) <= {"io", "timeout", "queue_full"}, kinds
         assert all(r.ok or r.error is not None for r, _ in results)
+        for r, _ in results:  # what did finish before the kill is right
+            assert not (r.ok and r.op == "load") or r.verified
         assert not t.available
+        served = [load_page(chain, k) for k in stored[:8]]  # the engine goes on from the root
+        assert [(r.ok, r.tier) for r, _ in served] == [(True, "root")] * 8
         ceph_lab.restart_rgw()
         back = time.monotonic()
         while not t.available and time.monotonic() < back + 5:
@@ -201,11 +212,12 @@ def test_a_killed_gateway_ends_every_job_typed_within_its_deadline_and_the_tier_
         up_after = time.monotonic() - back
         r, data = load_page(t, stored[0])
         assert r.ok and data == expected(t, stored[0])
-        slowest = max(at - jobs[r.job_id] for r, at in results)
-        print(f"\nradosgw killed with {len(jobs)} jobs: every job ended, the slowest {slowest:.2f} s after its "
-              f"submit (deadline {deadline:g} s); kinds {kinds}; up and hitting {up_after:.2f} s after the restart")
+        slowest = max(at - max(jobs[r.job_id], killed) for r, at in results)
+        print(f"\nradosgw killed with {len(jobs)} jobs submitted ({len(failed)} of them failed, the rest had finished): "
+              f"each ended at most {slowest:.2f} s after the kill (deadline {deadline:g} s); kinds {kinds}; the root "
+              f"served 8 of 8 meanwhile; the object tier up and hitting {up_after:.2f} s after the restart")
     finally:
-        t.close(5)
+        chain.close(5)
 
 
 @pytest.fixture(autouse=True)
@@ -234,7 +246,7 @@ def test_no_request_without_the_endpoint_variables_hangs(tmp_path, monkeypatch) 
         t.close(1)
 
 
-STALL_S = float(os.environ.get("TIERSTORE_OSD_STALL_S", "20"))  # the measurement run: 60
+STALL_S = float(os.environ.get("TIERSTORE_OSD_STALL_S", "10"))  # the measurement run: 60
 
 
 def test_a_stalled_osd_costs_no_request_past_its_deadline_and_no_partial_page(

@@ -24,11 +24,17 @@ def _tier(reported: dict, family: str, tier: str, *labels: str) -> float:
     return reported.get(f"tierstore_tier_{family}_total:{(tier, *labels)}", 0)
 
 
-def test_a_fresh_node_on_an_empty_root_restores_from_the_bucket(tmp_path: Path, s3_env, s3_bucket) -> None:
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory):
+    """The prompt's cold run (no cache at all): the tokens and logprobs every restore must give."""
+    return run_engine("llama", tmp_path_factory.mktemp("cold"), [{"prompt_token_ids": prompt_ids("llama")}],
+                      logprobs=5)
+
+
+def test_a_fresh_node_on_an_empty_root_restores_from_the_bucket(tmp_path: Path, s3_env, s3_bucket, cold) -> None:
     url = f"s3://{s3_bucket}/fleet"
     ids = prompt_ids("llama")
     req = [{"prompt_token_ids": ids}]
-    cold = run_engine("llama", tmp_path / "cold", req, logprobs=5)
     first = run_engine("llama", tmp_path / "a", req, logprobs=5, extra={"object_url": url, "index_refresh_s": 0})
     assert first.outputs[0].cached == 0
     stored_pages = _tier(first.reported, "stores", "object")
@@ -72,14 +78,13 @@ def test_a_fresh_node_on_an_empty_root_restores_from_the_bucket(tmp_path: Path, 
     assert third.outputs[0].first_logprobs != cold.outputs[0].first_logprobs
 
 
-def test_a_connector_with_only_a_bucket_restores_a_fresh_engine(tmp_path: Path, s3_env, s3_bucket) -> None:
+def test_a_connector_with_only_a_bucket_restores_a_fresh_engine(tmp_path: Path, s3_env, s3_bucket, cold) -> None:
     """``{"object_url": ...}`` and nothing else: the bucket is the one durable tier. A fresh
     engine hits at least 95% of the pages the first stored, with the cold run's logprobs."""
     url = f"s3://{s3_bucket}/only"
     ids = prompt_ids("llama")
     req = [{"prompt_token_ids": ids}]
     only = {"object_url": url, "index_refresh_s": 0}
-    cold = run_engine("llama", tmp_path / "cold", req, logprobs=5)
     first = run_engine("llama", None, req, logprobs=5, extra=only)
     stored_pages = _tier(first.reported, "stores", "object")
     assert first.outputs[0].cached == 0 and stored_pages > 0, first.reported

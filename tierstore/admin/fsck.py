@@ -485,10 +485,16 @@ def root_latency_s(root: str | os.PathLike[str]) -> float:
 def run_fsck(options: FsckOptions) -> FsckReport:
     """Check (and with ``repair``, fix) a root; never raises for problems in the tree. The
     report's times (``seconds``, ``started``, ``finished``) cover the whole run, an error's too."""
+    return timed_report(options, _run_fsck)
+
+
+def timed_report(options: FsckOptions, run: Callable[[FsckOptions, FsckReport], None]) -> FsckReport:
+    """A report of ``run(options, report)`` whose times cover the whole run, an error's too
+    (the directory fsck's and the object fsck's)."""
     start = time.monotonic()
     report = FsckReport(root=str(options.root), repair=options.repair, started=time.time())
     try:
-        _run_fsck(options, report)
+        run(options, report)
     finally:
         report.finished = time.time()
         report.seconds = time.monotonic() - start

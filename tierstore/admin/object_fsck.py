@@ -9,7 +9,7 @@ Contract:
   file (``fsck_read``'s order of checks: the size against the manifest's layout before any
   buffer, the header, ``check_expectation``: namespace digest = its prefix, key = its name,
   group and rank = its prefixes, layout = the manifest's group (a head slice's), group kind;
-  then ``page_read.read_page_fd`` on an in-memory file holding the body, as the object tier
+  then ``page_read.read_page_body`` (``read_page_fd`` on an in-memory file), as the object tier
   reads: checksums, exact size, gaps, zstd, MAC, sealed pages; ``--deep`` as
   ``fsck_read.deep_check_page``). Without a usable manifest a page is checked against what its
   header and its place say. Findings use the directory fsck's categories and kinds
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tierstore.admin.buffer_pool import BufferPool
@@ -63,7 +62,7 @@ from tierstore.admin.findings import (
     UNVERIFIABLE,
     Finding,
 )
-from tierstore.admin.fsck import FsckOptions, FsckReport
+from tierstore.admin.fsck import FsckOptions, FsckReport, timed_report
 from tierstore.admin.fsck_read import MAX_UNMANIFESTED_PAGE_BYTES, deep_check_page
 from tierstore.admin.object_walk import (
     ObjectPage,
@@ -103,7 +102,7 @@ from tierstore.format.mac import PageMac
 from tierstore.format.page import check_stored_gaps
 from tierstore.format.sealing import KeyRing, PageSealer
 from tierstore.objstore.client import DELETE_BATCH, ObjectClient, ObjectInfo
-from tierstore.rootstore.page_read import read_page_fd
+from tierstore.rootstore.page_read import read_page_body
 
 READS_IN_FLIGHT = 32  # default --jobs: GETs in flight (latency-bound; obstore releases the GIL)
 _DELETABLE = frozenset({BAD_PAGE, ORPHAN})
@@ -254,15 +253,8 @@ class ObjectVerifier:
             if not held.ensure(need):
                 return _too_large(page, need, self.budget.budget)
         out = bytearray(nbytes)
-        fd = os.memfd_create("tierstore-fsck", os.MFD_CLOEXEC)
-        try:
-            view = body
-            while view:
-                view = view[os.write(fd, view):]
-            header = read_page_fd(fd, os.fstat(fd), page.path, expect, memoryview(out), mac=self.mac,
-                                  sealer=self.sealer, keyless=self.sealer is None)
-        finally:
-            os.close(fd)
+        header = read_page_body(body, page.path, expect, memoryview(out), mac=self.mac, sealer=self.sealer,
+                                keyless=self.sealer is None)
         if self.deep and not (header.sealed and self.sealer is None):  # ciphertext has no values to check
             bad = deep_check_page(header, memoryview(out))
             if bad is not None:
@@ -389,14 +381,7 @@ def _head(client: ObjectClient, key: str) -> ObjectInfo | None | PageError:
 def run_object_fsck(options: FsckOptions) -> FsckReport:
     """Check (and with ``repair``, fix) an object tier's prefix; never raises for problems in
     it. The report's times cover the whole run, an error's too."""
-    start = time.monotonic()
-    report = FsckReport(root=str(options.root), repair=options.repair, started=time.time())
-    try:
-        _run(options, report)
-    finally:
-        report.finished = time.time()
-        report.seconds = time.monotonic() - start
-    return report
+    return timed_report(options, _run)
 
 
 def _run(options: FsckOptions, report: FsckReport) -> None:

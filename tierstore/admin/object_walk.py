@@ -322,9 +322,7 @@ class ObjectWalk:
             fd = os.open(f"{nsd.name}/{MANIFEST_NAME}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
                          dir_fd=root_fd)
             try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view):]
+                safefs.write_all(fd, body)
             finally:
                 os.close(fd)
         except PageMissing:

@@ -222,9 +222,7 @@ def write_manifest(root: str | os.PathLike[str], ns: Namespace, *, perms: safefs
             try:
                 if perms.file_mode & 0o070:
                     os.fchmod(fd, perms.file_mode)  # a fleet sharing a group: not up to the umask
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                safefs.write_all(fd, data)
             finally:
                 os.close(fd)
             _publish_manifest(tmp, ns_fd)

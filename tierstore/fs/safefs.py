@@ -227,14 +227,19 @@ def create_file(name: str, dir_fd: int, perms: Perms = PRIVATE) -> int:
                    perms.file_mode, dir_fd=dir_fd)
 
 
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (os.write may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_file_atomic(name: str, dir_fd: int, data: bytes, tmp_name: str, perms: Perms = PRIVATE) -> None:
     """Write ``data`` to ``tmp_name`` and rename it over ``name``, both in ``dir_fd``."""
     fd = create_file(tmp_name, dir_fd, perms)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
         finally:
             os.close(fd)
         os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

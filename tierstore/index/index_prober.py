@@ -11,7 +11,8 @@ Contract:
   the tuple of every slice file found when they cover every current rank; None when the page
   is not (wholly) there. A batch is never lost: an unexpected error answers None for each key.
 - A tier known from listings only (``lister``: the object tier) is answered from its index,
-  never stat'ed; its pages' identity is ``LISTED``.
+  never stat'ed, and for a key whose directory it has not listed yet by ``exists`` (a HEAD,
+  bounded by the tier's own deadline); its pages' identity is ``LISTED``.
 - A batch of stats on the shared tier that passes the deadline marks that tier down
   (``IndexedLookup.missed_deadline``); its keys are then answered from the other tiers.
 
@@ -38,6 +39,7 @@ class ProbedTier(Protocol):
     up: bool
     health: Any  # tiers' Health, or None for a tier that cannot hang (local)
     lister: Any  # None: stat its files; else its pages are known from listings only (objects)
+    exists: Any  # with a lister: path -> whether its page is there (a HEAD), or None
     mappers: Sequence[Sequence[Any]]  # [group][rank] -> FileMapper
     indexes: Sequence[Sequence[Any]]  # [group][rank] -> PageIndex
 
@@ -125,9 +127,12 @@ class IndexProber:
             if not todo or not tier.up:
                 continue
             paths = [tier.mappers[batch[files[j][0]][1]][files[j][1]].path_for(batch[files[j][0]][2]) for j in todo]
-            if tier.lister is not None:  # no files to stat (objects): its listing is the answer
-                found.update((files[j], LISTED) for j in todo
-                             if tier.indexes[batch[files[j][0]][1]][files[j][1]].contains(batch[files[j][0]][2]))
+            if tier.lister is not None:  # no files to stat (objects): its listing, else a HEAD
+                for j, path in zip(todo, paths, strict=True):
+                    (i, r), key = files[j], batch[files[j][0]][2]
+                    there = tier.indexes[batch[i][1]][r].contains(key)
+                    if there or (there is None and tier.exists is not None and tier.exists(path)):
+                        found[files[j]] = LISTED
                 todo = [j for j in todo if files[j] not in found]
                 continue
             if tier.health is None:

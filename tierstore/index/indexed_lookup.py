@@ -104,6 +104,7 @@ class TierIndexes:
     health: Health | None = None
     on_removal: Callable[[int, bytes | None], None] | None = None  # (group, key or None)
     lister: Callable[[PageIndex], None] | None = None  # ListedTier.lister; None: directories
+    exists: Callable[[Path], bool] | None = None  # ListedTier.exists
     indexes: list[list[PageIndex]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,13 +128,21 @@ class ListedTier:
     tier): ``mappers`` name its indexes (``FileMapper.base`` under a stand-in root, never
     touched), ``lister(index)`` fills one index from one listing (``PageIndex.begin_listing``,
     ``publish_listing``; it raises when the tier does not answer), ``probe`` answers or raises
-    (its health's probe, bringing it back)."""
+    (its health's probe, bringing it back), ``exists(path)`` answers a key not listed yet."""
 
     name: str
     mappers: Sequence[FileMapper | Sequence[FileMapper]]
     lister: Callable[[PageIndex], None]
     probe: Callable[[], object]
     deadline_s: float
+    exists: Callable[[Path], bool] | None = None  # a page's path -> is it there (a HEAD): unlisted keys
+    replaces_root: bool = False  # no root: the lookup's root tier is this one (object_url alone)
+
+    def tier_indexes(self, mappers: list[list[FileMapper]], on_change: Callable[[bool], None],
+                     on_removal: Callable[[int, bytes | None], None]) -> TierIndexes:
+        health = Health(f"{self.name} (scheduler lookups)", probe=self.probe, deadline_s=self.deadline_s,
+                        on_change=on_change)
+        return TierIndexes(self.name, mappers, health, on_removal, self.lister, self.exists)
 
 
 class IndexedLookup:
@@ -143,7 +152,7 @@ class IndexedLookup:
                  local: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  refresh_s: float = 30.0, deadline_s: float = 5.0, probe_threads: int = 16,
                  list_threads: int = 4, slices: Sequence[SliceGroup | None] | None = None,
-                 listed: ListedTier | None = None, listed_only: bool = False) -> None:
+                 listed: ListedTier | None = None) -> None:
         self.deadline_s = deadline_s
         self.slices = list(slices) if slices is not None else []  # per group; None: one mapper per rank
         self.refresh_s = refresh_s
@@ -157,20 +166,15 @@ class IndexedLookup:
         self._shared_up = True  # what ``shared_up`` reports (set last)
         self.local = TierIndexes("local", per_rank(local), None, self._removed) if local else None
         self.listed = None
-        if listed is not None and listed_only:  # no root: the listed tier (the bucket) takes its place
-            health = Health(f"{listed.name} (scheduler lookups)", probe=listed.probe, deadline_s=listed.deadline_s,
-                            on_change=self._health_changed)
-            self.shared = TierIndexes(listed.name, shared_mappers, health, self._removed, listed.lister)
+        if listed is not None and listed.replaces_root:  # no root: the listed tier (the bucket) takes its place
+            self.shared = listed.tier_indexes(shared_mappers, self._health_changed, self._removed)
             listed = None
         else:  # the worker's probe (fs.deadline.probe_root): a stat is answered by an NFS client's cache
             health = Health("shared root (scheduler lookups)", probe=lambda: probe_root(Path(shared_root)),
                             deadline_s=deadline_s, on_change=self._health_changed)
             self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         if listed is not None:
-            listed_health = Health(f"{listed.name} (scheduler lookups)", probe=listed.probe,
-                                   deadline_s=listed.deadline_s, on_change=self._listed_health_changed)
-            self.listed = TierIndexes(listed.name, per_rank(listed.mappers), listed_health, self._removed,
-                                      listed.lister)
+            self.listed = listed.tier_indexes(per_rank(listed.mappers), self._listed_health_changed, self._removed)
         self.tiers = [t for t in (self.local, self.shared, self.listed) if t is not None]
         self._build_views()
         self.counters = {"probed": 0, "probe_timeouts": 0, "list_timeouts": 0, "refreshes": 0}

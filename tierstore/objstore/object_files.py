@@ -12,7 +12,7 @@ Load path: one GET of the whole object, then the same checks as a file. An objec
 this engine's size whose header is byte for byte this engine's (codec none, no MAC, not
 sealed) is copied into the slot's frame and its sections hashed there (``verify=False``:
 handed to the caller with the header's sums, as a file is); anything else goes through the
-general reader of files, ``page_read.read_page_fd``, on an in-memory file holding the body, so
+general reader of files on an in-memory file holding the body (``page_read.read_page_body``), so
 MAC, sealed pages, zstd and every header check are the one code of the file tiers.
 
 - ``remove_damaged``: deletes the object a load proved bad, unless a HEAD shows another object
@@ -30,7 +30,6 @@ at once, holding no lock; the client is thread-safe.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from tierstore.config import ObjectLocation
@@ -43,7 +42,7 @@ from tierstore.objstore.listing import object_key
 from tierstore.objstore.object_index import ObjectIndex
 from tierstore.rootstore.own_read import WARM_PIECE_BYTES, check_section_sums
 from tierstore.rootstore.page_files import PageFiles
-from tierstore.rootstore.page_read import read_page_fd
+from tierstore.rootstore.page_read import read_page_body
 from tierstore.rootstore.staging import StagingSlot
 
 logger = logging.getLogger(__name__)
@@ -126,14 +125,7 @@ class ObjectFiles:
                     check_section_sums(layout, section_sums(layout.spans, slot.view), sums, 0, path=where, key=key)
                 check_gaps(layout, slot.view, path=where, key=key)
                 return layout.nbytes, (None if verify else tuple(sums))
-        fd = os.memfd_create("tierstore-object", os.MFD_CLOEXEC)
-        try:
-            view = memoryview(body)
-            while view:
-                view = view[os.write(fd, view):]
-            read_page_fd(fd, os.fstat(fd), where, fmt.expectation(key), slot.view, mac=fmt.mac, sealer=fmt.sealer)
-        finally:
-            os.close(fd)
+        read_page_body(body, where, fmt.expectation(key), slot.view, mac=fmt.mac, sealer=fmt.sealer)
         return layout.nbytes, None
 
     def load_many(self, items: list[tuple[bytes, StagingSlot, bool]],

@@ -50,6 +50,7 @@ from tierstore.format.header import (
 from tierstore.format.mac import PageMac, PageUnauthenticated
 from tierstore.format.page import decode_payload
 from tierstore.format.sealing import KeyRing
+from tierstore.fs import safefs
 from tierstore.rootstore.page_io import open_page, read_error, readinto_exact
 from tierstore.rootstore.sealed_pages import read_sealed
 
@@ -159,6 +160,19 @@ def read_page_fd(fd: int, st: os.stat_result, path: str, expect: PageExpectation
     except OSError as exc:
         raise read_error(exc, "read", path, key) from exc
     return header
+
+
+def read_page_body(body: bytes | memoryview, where: str, expect: PageExpectation | None, out: memoryview,
+                   *, mac: PageMac | None = None, sealer: KeyRing | None = None, keyless: bool = False) -> PageHeader:
+    """``read_page_fd`` on a page file held in memory (an object's body): the same checks, in
+    the same order, on an in-memory file (``memfd_create``) holding ``body``; ``where`` names
+    it in errors. Failure policy: ``read_page_fd``'s."""
+    fd = os.memfd_create("tierstore-page", os.MFD_CLOEXEC)
+    try:
+        safefs.write_all(fd, body)
+        return read_page_fd(fd, os.fstat(fd), where, expect, out, mac=mac, sealer=sealer, keyless=keyless)
+    finally:
+        os.close(fd)
 
 
 def in_pieces_applies(st: os.stat_result, header: PageHeader) -> bool:

@@ -205,7 +205,7 @@ def listed_tier(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> 
     from tierstore.config import ObjectLocation
     from tierstore.index.indexed_lookup import ListedTier
     from tierstore.objstore.client import ObjectClient
-    from tierstore.objstore.listing import index_lister, stand_in_root
+    from tierstore.objstore.listing import index_lister, page_exists, stand_in_root
 
     location = ObjectLocation.parse(config.object_url)
     client = ObjectClient(location, config.object_deadline_s)
@@ -213,7 +213,7 @@ def listed_tier(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> 
                                                local_max_bytes=None), namespace, tp_size)
     health_key = location.key(".tierstore/health")
     return ListedTier("object", mappers, index_lister(client), lambda: client.head(health_key),
-                      config.object_deadline_s)
+                      config.object_deadline_s, page_exists(client), replaces_root=config.root is None)
 
 
 def close_shared_state() -> None:

@@ -120,14 +120,12 @@ class TierStoreManager(OffloadingManager):
                  local_mappers: Sequence[FileMapper | Sequence[FileMapper]] | None = None,
                  shared_deadline_s: float = 5.0, index_refresh_s: float = 30.0,
                  load_index: bool = True, slices: Sequence[SliceGroup | None] | None = None,
-                 names: PageNames | None = None, listed: ListedTier | None = None,
-                 listed_only: bool = False) -> None:
+                 names: PageNames | None = None, listed: ListedTier | None = None) -> None:
         self.mappers = list(mappers)
         self.local_mappers = list(local_mappers) if local_mappers else []
         # ``slices``: groups stored as KV-head slices (their mappers: one per slice directory).
         self.pages = IndexedLookup(self.mappers, self.local_mappers or None, refresh_s=index_refresh_s,
-                                   deadline_s=shared_deadline_s, slices=slices, listed=listed,
-                                   listed_only=listed_only)
+                                   deadline_s=shared_deadline_s, slices=slices, listed=listed)
         self.pages.start(load=load_index)  # False: tests of a cold index
         native.start()  # ``lookup_prefix``'s compiled key hashing (``native.record_sums``), compiled off-thread
         self.group_of = dict(group_of)  # vLLM group id -> tierstore group index

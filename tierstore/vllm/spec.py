@@ -176,7 +176,6 @@ class TierStoreOffloadingSpec(OffloadingSpec):
                 shared_deadline_s=self.ts_config.shared_deadline_s,
                 index_refresh_s=self.ts_config.index_refresh_s, slices=slices,
                 listed=listed_tier(self.ts_config, self.namespace, tp_size),
-                listed_only=self.ts_config.root is None,
                 names=PageNames(KeyRing.from_files(self.ts_config.encryption_key_file, self.ts_config.tenant_key_files)
                                 if self.ts_config.encryption_key_file else None, self.ts_config.require_cache_salt),
             )
