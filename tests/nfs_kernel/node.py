@@ -103,7 +103,7 @@ class Node:
         self.metrics = MetricsRegistry()
         started = time.monotonic()
         self.store_ = TierChain(TierStoreConfig.from_dict(cfg), namespace(), 0, metrics=self.metrics)
-        self.open_s = time.monotonic() - started
+        self.opened_at, self.open_s = started, time.monotonic() - started
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()  # "load:kind" / "store:kind"
@@ -750,6 +750,10 @@ def scenario_c(results: Path, outage_s: float) -> dict[str, Any]:
            "threads_stuck": {n: sum(t.is_alive() for t in ts) for n, ts in threads.items()}
            | {"new_engines": int(late_thread.is_alive())},
            "new_engines": late | {"open_s": {n: round(node.open_s, 2) for n, node in new_nodes.items()},
+                                  # what the guest itself lost during each open (as for late calls)
+                                  "open_excuse_s": {n: round(max(oversleep.worst(node.opened_at, node.opened_at + node.open_s),
+                                                                 control.worst(node.opened_at, node.opened_at + node.open_s)), 3)
+                                                    for n, node in new_nodes.items()},
                                   "start_limit_s": DEADLINE_S + 2.0, "late_start_s": LATE_START_S},
            "nodes": {n.name: n.summary() for n in every.values()},
            "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in every.values()},

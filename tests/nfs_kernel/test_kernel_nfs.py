@@ -172,7 +172,9 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     assert all(f.get("timeout", 0) + f.get("down", 0) > 0 for f in shared_failures.values()), shared_failures
     new = c["new_engines"]
     assert set(new["open_s"]) == {"new_chain", "new_root"}, new
-    assert all(s < new["start_limit_s"] for s in new["open_s"].values()), new["open_s"]
+    # within deadline + 2 s, excused (as a late call is) by what the guest lost during the open: a
+    # CI run beside two Ceph labs opened the chain in 4.88 s
+    assert all(s < new["start_limit_s"] + new["open_excuse_s"][n] for n, s in new["open_s"].items()), new
     assert new["outage_loads"]["new_root"] == {"timeout": 5}, new["outage_loads"]  # "root tier is down", at once
     assert new["outage_stores"]["new_root"] == {"timeout": 5}, new["outage_stores"]
     assert new["outage_loads"]["new_chain"] == {"miss": 5}, new["outage_loads"]
