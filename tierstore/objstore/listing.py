@@ -33,6 +33,12 @@ def stand_in_root(location: ObjectLocation) -> Path:
     return Path("/") / "s3:" / location.bucket / location.prefix
 
 
+def health_key(location: ObjectLocation) -> str:
+    """The key every health probe of the tier HEADs (the worker's tier and the scheduler's
+    lookup): never written, so a probe that answers at all (404 included) says the endpoint is up."""
+    return location.key(".tierstore/health")
+
+
 def object_key(location: ObjectLocation, path: str | os.PathLike[str]) -> str:
     """The object key of ``path``, a path under ``stand_in_root(location)``."""
     return location.key(os.path.relpath(path, stand_in_root(location)))

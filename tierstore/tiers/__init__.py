@@ -205,14 +205,14 @@ def listed_tier(config: TierStoreConfig, namespace: Namespace, tp_size: int) -> 
     from tierstore.config import ObjectLocation
     from tierstore.index.indexed_lookup import ListedTier
     from tierstore.objstore.client import ObjectClient
-    from tierstore.objstore.listing import index_lister, page_exists, stand_in_root
+    from tierstore.objstore.listing import health_key, index_lister, page_exists, stand_in_root
 
     location = ObjectLocation.parse(config.object_url)
     client = ObjectClient(location, config.object_deadline_s)
     mappers, _, _ = lookup_dirs(config.replace(root=str(stand_in_root(location)), local_root=None,
                                                local_max_bytes=None), namespace, tp_size)
-    health_key = location.key(".tierstore/health")
-    return ListedTier("object", mappers, index_lister(client), lambda: client.head(health_key),
+    probe_key = health_key(location)
+    return ListedTier("object", mappers, index_lister(client), lambda: client.head(probe_key),
                       config.object_deadline_s, page_exists(client), replaces_root=config.root is None)
 
 

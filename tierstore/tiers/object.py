@@ -42,17 +42,16 @@ from tierstore.fs.deadline import Health
 from tierstore.metrics import TierMetrics
 from tierstore.objstore.access_journal import AccessJournal
 from tierstore.objstore.client import ObjectClient
-from tierstore.objstore.listing import object_key, stand_in_root
+from tierstore.objstore.listing import health_key, object_key, stand_in_root
 from tierstore.objstore.object_files import ObjectFiles
 from tierstore.objstore.object_index import ObjectIndex
 from tierstore.rootstore.engine import IOEngine
 from tierstore.rootstore.page_files import PageFiles
 from tierstore.store import IOResult
-from tierstore.tiers.tier import EngineTier, TierJob
+from tierstore.tiers.tier import ENGINE_KWARGS, EngineTier, TierJob
 
 log = logging.getLogger(__name__)
 
-_ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin", "rank_dir", "layout")
 DOWN_KINDS = frozenset({"timeout", "io"})  # a job failing so says the endpoint is not answering
 
 _PROBED: dict[str, str] = {}  # object_url -> what the start-up probe found
@@ -125,7 +124,7 @@ class ObjectTier(EngineTier):
         self.client = ObjectClient(self.location, self.deadline_s)
         # File paths under a stand-in root name the objects (the mapper never touches it).
         root = stand_in_root(self.location)
-        kwargs = {k: v for k, v in engine_kwargs.items() if k in _ENGINE_KWARGS}
+        kwargs = {k: v for k, v in engine_kwargs.items() if k in ENGINE_KWARGS}
         self.index: ObjectIndex | None = None
         self._up_token = object()
         self._listeners: list[Callable[[bool], None]] = []
@@ -155,7 +154,7 @@ class ObjectTier(EngineTier):
         return self.health.up
 
     def _probe(self) -> None:
-        self.client.head(self.location.key(".tierstore/health"))  # raises while the endpoint does not answer
+        self.client.head(health_key(self.location))  # raises while the endpoint does not answer
 
     def on_health(self, callback: Callable[[bool], None]) -> None:
         """``callback(up)`` at each health change (the backlog's uploader starts on "up")."""

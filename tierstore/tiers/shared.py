@@ -56,13 +56,10 @@ from tierstore.rootstore.page_io import open_page, read_error
 from tierstore.rootstore.rank_dir import RankDir
 from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult
-from tierstore.tiers.tier import EngineTier, TierJob
+from tierstore.tiers.tier import ENGINE_KWARGS, EngineTier, TierJob
 
 log = logging.getLogger(__name__)
 
-# Engine settings a shared engine takes from the chain's (the rest come from the config): a
-# head slice's directory and layout too (every tier of a rank keeps the same slice, DESIGN §9).
-_SHARED_ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin", "rank_dir", "layout")
 _TOUCHED_MAX = 100_000  # pages whose last touch is remembered (then the memory starts over)
 
 
@@ -115,7 +112,7 @@ class SharedTier(EngineTier):
         # engine's directory (a head slice's h<start>-<count>, not r<rank>: FileMapper says which)
         self._mapper = FileMapper(self.root, namespace.digest, group_index, rank, engine_kwargs.get("rank_dir"))
         self._dirs = RankDir(self.root, self._mapper.dir_parts)
-        kwargs = {k: v for k, v in engine_kwargs.items() if k in _SHARED_ENGINE_KWARGS}
+        kwargs = {k: v for k, v in engine_kwargs.items() if k in ENGINE_KWARGS}
         self._layout = kwargs.get("layout") or namespace.groups[group_index].layout
         geometry = frame_geometry(namespace, group_index, config, rank=rank, head_start=kwargs.get("head_start", 0),
                                   head_count=kwargs.get("head_count", 0), rank_dir=kwargs.get("rank_dir"),

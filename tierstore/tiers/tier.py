@@ -47,6 +47,10 @@ from tierstore.rootstore.engine import IOEngine
 from tierstore.rootstore.staging import StagingSlot
 from tierstore.store import IOResult, PageStore
 
+# Engine settings a tier's engine takes from the chain's (the rest come from the config): a head
+# slice's directory and layout too (every tier of a rank keeps the same slice, DESIGN §9).
+ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin", "rank_dir", "layout")
+
 # Load failure kinds that mean "this tier has no page for the key" (a miss, not a fault).
 MISS_KINDS: frozenset[str] = frozenset({"missing", PageUnsafe.kind})
 
