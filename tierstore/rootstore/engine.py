@@ -32,7 +32,7 @@ name) and ``format.HeaderTemplate`` (the exact header of our pages). What the en
   reaches its file through ``PageFiles`` (``rank_dir.RankDir``: directory fds, no symlink followed) and
   opens it ``O_NOFOLLOW|O_NONBLOCK``: a symlink, FIFO or hard-linked file under a page's name
   is a ``PageUnsafe`` failure, never served, never followed or removed by a load; a store of the
-  key moves that entry aside and stores the page (``PageFiles._clear_planted``). With ``mac_key_file`` every page
+  key moves that entry aside and stores the page (``publish.move_planted_aside``). With ``mac_key_file`` every page
   carries a MAC trailer (format.FLAG_MAC) and a load verifies it before serving (kind "mac":
   not verifiable with this key, a miss; the file is left in place, never removed: it may be
   another key's good page during a rotation, ``errors.UNVERIFIABLE_KINDS``); such an engine
