@@ -45,7 +45,7 @@ case "$1" in
         shift
         PY=.venv/bin/python
         [[ -x "$PY" ]] || PY=${PYTHON:-python3}
-        exec "$PY" -m tierstore.testing.ceph_lab start "$@"
+        exec "$PY" -m tierstore.testing.ceph_lab_cli start "$@"
         ;;
     *) die "usage: tools/ceph-lab.sh [start DIR [--cephfs]]" ;;
 esac

@@ -15,7 +15,7 @@ Host side (everything runs on this host and listens on 127.0.0.1 only):
   once a write succeeded and every PG is active+clean).
 - ``lab.stop()`` (idempotent): unmounts, ends every process it started (SIGTERM, SIGKILL after
   ``STOP_GRACE_S``, waited for) and removes ``data_dir``.
-- ``tools/ceph-lab.sh start DIR [--cephfs]`` (``main``): a lab for a shell (one JSON line).
+- ``tools/ceph-lab.sh start DIR [--cephfs]`` (``ceph_lab_cli``): a lab for a shell (one JSON line).
 
 Everything lives under ``data_dir`` (``start`` creates it; it must not exist or be empty): the
 configuration, the stores, logs (``log/``: Ceph's ``<name>.log``, each process's output in
@@ -38,9 +38,9 @@ killed test leaves no daemons): start and restart them from one that outlives th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
+import http.client
 import json
 import os
 import random
@@ -110,7 +110,10 @@ def _free_ports(count: int) -> list[int]:
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     found: list[int] = []
     with contextlib.ExitStack() as stack:  # all stay bound until the last is found: distinct
-        for port in [*random.sample(range(10000, max(10000, low)), min(100, max(0, low - 10000))), *[0] * count]:
+        # SystemRandom: a library seeding ``random`` alike in every pytest-xdist worker made two
+        # labs draw the same ports, and one lab's monitor answered at the other's radosgw port.
+        below = range(10000, max(10000, low))
+        for port in [*random.SystemRandom().sample(below, min(100, len(below))), *[0] * count]:
             sock = stack.enter_context(socket.socket())
             with contextlib.suppress(OSError):  # in use; port 0 (the kernel picks): a fallback
                 sock.bind(("127.0.0.1", port))
@@ -439,6 +442,9 @@ class CephLab:
                 return resp.status < 500
         except urllib.error.HTTPError as exc:
             return exc.code < 500
+        except http.client.HTTPException as exc:  # a program that is not radosgw holds the port
+            raise CephLabError("rgw", f"port {self.rgw_port} answers, but not in HTTP ({exc!r}): another "
+                               "program took it; start the lab again (it picks new ports)") from None
         except OSError:
             return False
 
@@ -557,44 +563,7 @@ class CephLab:
             raise CephLabError("stop", f"{self.data_dir} could not be removed (a mount left in it?)")
 
     def describe(self) -> dict[str, Any]:
-        """What a client needs, as JSON-able values (``main`` prints it)."""
+        """What a client needs, as JSON-able values (``ceph_lab_cli`` prints it)."""
         return {"endpoint": self.endpoint, "access_key": self.access_key, "secret_key": self.secret_key,
                 "region": self.region, "env": self.env(), "fs_name": self.fs_name, "conf": str(self.conf),
                 "data_dir": str(self.data_dir), "pids": self.pids, "phase_s": self.phase_s}
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the stop short
-    raise KeyboardInterrupt
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``start DIR [--cephfs] [--timeout S]``: start a lab, print ``describe()`` as one JSON line,
-    stop it at SIGTERM/SIGINT. Exit status 0, 1 (the lab failed) or 2 (it cannot run here)."""
-    parser = argparse.ArgumentParser(prog="python -m tierstore.testing.ceph_lab", description=(__doc__ or "").split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    start = commands.add_parser("start", help="start a lab in DIR and keep it up until SIGTERM/SIGINT")
-    start.add_argument("data_dir", type=Path, help="the lab's directory (created; removed at the end)")
-    start.add_argument("--cephfs", action="store_true", help="also a CephFS file system and its MDS")
-    start.add_argument("--timeout", type=float, default=120.0, help="seconds the start may take")
-    args = parser.parse_args(argv)
-    if (why := ceph_available(cephfs=args.cephfs)) is not None:
-        print(f"ceph-lab: {why}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    try:
-        with CephLab.start(args.data_dir, cephfs=args.cephfs, timeout=args.timeout) as lab:
-            print(json.dumps(lab.describe()), flush=True)
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        return 0
-    except CephLabError as exc:
-        print(f"ceph-lab: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
