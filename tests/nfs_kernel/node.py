@@ -360,6 +360,7 @@ def scenario_a(results: Path) -> dict[str, Any]:
     page = page_file_size(namespace(), 0)
     n_keys, cap, seconds = 48, 12 * page, 30.0  # the cap: a quarter of the key set
     a, b = nodes["default"]
+    oversleep = Oversleep()  # what excuses a late call: the guest starved (as in scenario c)
     gc = GcProcess(a.root, cap)  # starts while the visibility runs (its import takes a while)
     for k, (variant, (na, nb)) in enumerate(nodes.items()):
         out["visibility"][variant] = visibility(na, nb, seed + 1 + k, 10, 60.0)
@@ -372,6 +373,11 @@ def scenario_a(results: Path) -> dict[str, Any]:
         t.join()
     out["gc"] = gc.stop()
     out["gc"]["cap"] = cap
+    for pair in nodes.values():
+        for n in pair:
+            for call in n.late:
+                call["oversleep_s"] = round(oversleep.worst(call["at"], call["at"] + call["seconds"]), 3)
+    out["oversleep"], out["deadline_s"] = oversleep.close(), LONE_ROOT_DEADLINE_S
     out["nodes"] = {f"{v}_{n.name}": n.summary() for v, pair in nodes.items() for n in pair}
     for pair in nodes.values():
         for n in pair:

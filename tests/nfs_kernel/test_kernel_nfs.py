@@ -81,13 +81,20 @@ def test_concurrent_store_load_with_gc_serves_no_wrong_page(scenarios: dict[str,
     a = _ok(scenarios["a"])
     print(json.dumps({"visibility": a["visibility"], "gc": {k: v for k, v in a["gc"].items() if k != "stderr_tail"},
                       "nodes": _figures(a["nodes"])}, indent=1))
-    allowed_load_failures = {"missing"} | BAD_CONTENT_KINDS
+    # ``unsafe``: a page met inside another node's link(2) publish window (NFS has no
+    # RENAME_NOREPLACE: the page has two links until the writer drops its temp name) past the
+    # reader's second looks; a typed miss, the file kept (rootstore/publish.py, "The link window")
+    allowed_load_failures = {"missing", "unsafe"} | BAD_CONTENT_KINDS
     for name, node in a["nodes"].items():
         assert node["counts"].get("wrong", 0) == 0, name  # never a wrong page
         kinds = {k.split(":", 1)[1] for k in node["failures"] if k.startswith("load:")}
         assert kinds <= allowed_load_failures, (name, node["failures"])
         assert not any(k.startswith("store:") for k in node["failures"]), (name, node["failures"])
-        assert node["late_count"] == 0, (name, node["late"])
+        # deadline + 1 s at most, unless the guest could not run the thread that long (a call is
+        # excused by as much as a sleeping thread overslept during it, as in scenario c)
+        assert node["late_count"] <= len(node["late"]), (name, node)
+        blamed = [call for call in node["late"] if call["seconds"] - (a["deadline_s"] + 1.0) > call["oversleep_s"]]
+        assert not blamed, (name, blamed, a["oversleep"])
     for side in ("default_a", "default_b"):
         assert a["nodes"][side]["counts"].get("cross_node_hits", 0) > 0, side
     for variant, vis in a["visibility"].items():

@@ -62,8 +62,10 @@ NATIVE_OPEN_FLAGS = (safefs.DIR_FLAGS, READ_FLAGS)
 _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 # The pauses before each second look at a twice-linked file (``past_link_window``): a link(2)
 # publisher drops its temp name right after the link, microseconds on a local file system and
-# one round trip on NFS; ~10 ms in all, paid only by files with two links.
-LINK_WINDOW_S = (0.001, 0.003, 0.006)
+# one round trip on NFS; ~60 ms in all, paid only by files with two links (10 ms was too short
+# where the publisher's thread waited its turn for a CPU: a kernel-NFS client in a guest beside
+# a busy CI worker, 1 load of 353 refused).
+LINK_WINDOW_S = (0.001, 0.003, 0.006, 0.02, 0.03)
 
 
 def past_link_window(st: os.stat_result, restat: Callable[[], os.stat_result]) -> os.stat_result:
