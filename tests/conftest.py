@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ceph_fixtures import ceph_data_dir, ceph_lab, ceph_lab_session, s3_bucket, s3_env  # noqa: F401 - Ceph (S3, CephFS)
@@ -61,6 +62,30 @@ def fsck_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 
+# The files of the tests that use the Ceph lab (tests/ceph_fixtures.py): a lab per test process,
+# 25-30 s of a core and 0.5 GiB to start. Under ``--dist loadfile`` they are one unit of work
+# (``pytest_xdist_make_scheduler``), so one worker starts one lab: two labs, one per worker,
+# cost a quick run a minute of its two and ran beside the kernel-NFS guest in a full one.
+CEPH_LAB_FILES = frozenset({
+    "test_object_tier.py", "test_object_fsck.py", "test_object_gc.py", "test_bench_object.py",
+    "test_ceph_lab.py", "test_cephfs_tiers.py", "test_vllm_object_tier.py",
+})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with ``CEPH_LAB_FILES`` as one scope; None (xdist's own) otherwise."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneLabFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # xdist's hook for what makes a unit of work
+            path = nodeid.split("::", 1)[0]
+            return "Ceph lab files" if path.rsplit("/", 1)[-1] in CEPH_LAB_FILES else path
+
+    return OneLabFileScheduling(config, log)
+
+
 # The longest test files, longest first. Under two workers (tools/test.sh: ``-n 2 --dist
 # loadfile``) a file is a unit of work handed to the next free worker in collection order, so the
 # run ends near max(longest file, total / 2) only when the long files start first (longest
@@ -72,6 +97,7 @@ def fsck_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 # in earlier runs), and a variable job must not be the tail. Within a file the order is unchanged.
 SLOW_FILES_FIRST = (
     "test_kernel_nfs.py",  # 827 s: one QEMU TCG guest, every scenario
+    *sorted(CEPH_LAB_FILES),  # one unit of work (pytest_xdist_make_scheduler), ~6 min
     "test_multi_connector_serve_hybrid.py",  # 184 s: 50 clients, two rounds
     "test_multi_connector_serve.py",  # 150 s
     "test_vllm_tp_mamba.py",  # 177 s (130-450 s)
@@ -132,7 +158,8 @@ QUICK_EXCLUDED_FILES = frozenset({
     "test_native_lane_races.py",  # ~90 s of storms (the lane itself: test_native_lane.py)
     "test_install.py", "test_demo.py",  # wheels, venvs, demo processes
     "test_metrics_rules.py",  # promtool
-    "test_bench_gil.py", "test_bench_scale.py", "test_bench_serve.py",  # benchmarks run small
+    "test_ceph_lab.py",  # the lab's own semantics; the object tier's files keep it in the loop
+    "test_bench_gil.py", "test_bench_scale.py", "test_bench_serve.py", "test_bench_object.py",  # benchmarks run small
 })
 QUICK_VLLM_FILES = frozenset({
     "test_vllm_manager.py", "test_vllm_validation.py", "test_vllm_worker_staging.py",

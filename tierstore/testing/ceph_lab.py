@@ -14,7 +14,7 @@ Host side (everything runs on this host and listens on 127.0.0.1 only):
   RGW's too, wait; nothing marks a lone OSD down); ``restart_osd()`` (SIGKILL, start; returns
   once a write succeeded and every PG is active+clean).
 - ``lab.stop()`` (idempotent): unmounts, ends every process it started (SIGTERM, SIGKILL after
-  ``STOP_GRACE_S``, waited for) and removes ``data_dir``.
+  ``STOP_GRACE_S``; the MDS at once; waited for) and removes ``data_dir``.
 - ``tools/ceph-lab.sh start DIR [--cephfs]`` (``ceph_lab_cli``): a lab for a shell (one JSON line).
 
 Everything lives under ``data_dir`` (``start`` creates it; it must not exist or be empty): the
@@ -69,7 +69,7 @@ FS_NAME = "labfs"
 PROBE_POOL = "lab"  # restart_osd and start write a probe object here: the cluster serves I/O
 PG_NUM = 8
 RGW_CONTROL_POOL = "default.rgw.control"  # radosgw watches notify.0-7 there
-STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL: the MDS takes 7-8 s, the others < 1 s (stopped in order)
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL: the daemons take < 1 s (stopped in order; the MDS, 7-8 s, is killed)
 _POLL_S = 0.25
 _TAIL_CHARS = 3000
 _PR_SET_PDEATHSIG = 1
@@ -556,7 +556,9 @@ class CephLab:
             with contextlib.suppress(CephLabError, OSError):
                 self.unmount_cephfs(mp, lazy=True)
         for tier in (["rgw"], ["mds"], ["osd"], None):  # None: the rest (mgr, mon, ceph-fuse)
-            self._procs.end(tier)  # a daemon stops at once while those it reports to still run
+            # a daemon stops at once while those it reports to still run; the MDS only after 7-8 s,
+            # so it is killed at once: its data directory is removed next
+            self._procs.end(tier, grace_s=0.0 if tier == ["mds"] else STOP_GRACE_S)
         self._stopped = True
         shutil.rmtree(self.data_dir, ignore_errors=True)
         if self.data_dir.exists():
