@@ -784,6 +784,7 @@ def test_deep_counts_non_canonical_pages_of_an_older_format_and_leaves_them(root
     assert [p.read_bytes() for p in paths] == before
 
 
+@pytest.mark.slow
 def test_fsck_gates_its_threads_by_what_pays_off(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """By default fsck's 64 threads pass an adaptive gate. Pages that each take a slow mount's
     latency (a 4 ms sleep per page, no CPU) drive the limit up from 4 on a fast root, and keep

@@ -147,6 +147,7 @@ def test_local_index_refuses_a_symlinked_meta_dir_or_database(tmp_path: Path, se
     assert snapshot(sentinel) == before
 
 
+@pytest.mark.slow
 def test_local_index_reconcile_survives_deep_trees_links_and_odd_pids(tmp_path: Path, sentinel: Path) -> None:
     local = tmp_path / "local"
     pages = fill_pages(local, NS, N_PAGES)
@@ -163,6 +164,7 @@ def test_local_index_reconcile_survives_deep_trees_links_and_odd_pids(tmp_path: 
     assert snapshot(sentinel) == before
 
 
+@pytest.mark.slow
 def test_local_index_opens_before_its_reconcile_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     local = tmp_path / "local"
     fill_pages(local, NS, N_PAGES)

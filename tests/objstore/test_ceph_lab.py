@@ -159,6 +159,7 @@ def test_a_stopped_osd_holds_requests_until_it_continues(ceph_lab: CephLab, s3_b
     assert got == [b"held"]
 
 
+@pytest.mark.slow
 def test_restart_osd(ceph_lab: CephLab, s3_bucket: str) -> None:
     s3 = ceph_lab.s3_client()
     s3.put_object(Bucket=s3_bucket, Key="k", Body=b"durable")
@@ -193,6 +194,7 @@ def test_two_cephfs_clients_see_each_others_files(ceph_lab: CephLab) -> None:
     assert not os.path.ismount(one) and not os.path.ismount(two)
 
 
+@pytest.mark.slow
 def test_stop_ends_every_daemon_and_removes_the_directory(ceph_data_dir: Path) -> None:
     if (why := ceph_available()) is not None:
         pytest.skip(why)

@@ -233,6 +233,7 @@ def _intervals_disjoint(spans: list[tuple[object, object, int]]) -> list[tuple]:
     return [(a, b) for a, b in zip(spans, spans[1:], strict=False) if a[1] > b[0]]
 
 
+@pytest.mark.slow
 def test_two_gc_processes_never_hold_the_lease_at_once(tmp_path, s3_env, s3_bucket) -> None:
     url = f"s3://{s3_bucket}/two"
     keys, _ = store_pages(tmp_path, url, 40)
@@ -278,6 +279,7 @@ def test_two_gc_processes_never_hold_the_lease_at_once(tmp_path, s3_env, s3_buck
     assert evicted / must_go <= 1.1
 
 
+@pytest.mark.slow
 def test_a_dead_holders_lease_is_taken_over_after_its_ttl_by_the_servers_clock(s3_env, s3_bucket, monkeypatch,
                                                                                capsys) -> None:
     url = f"s3://{s3_bucket}/dead"
@@ -305,6 +307,7 @@ def test_a_dead_holders_lease_is_taken_over_after_its_ttl_by_the_servers_clock(s
     assert rc == 0 and not rep["busy"] and rep["lease_taken_over"] == "dead-node", rep
 
 
+@pytest.mark.slow
 def test_a_live_lease_is_never_taken_and_one_of_eight_racing_takers_wins(s3_env, s3_bucket, monkeypatch, capsys) -> None:
     url = f"s3://{s3_bucket}/live"
     client = client_of(url)

@@ -249,6 +249,7 @@ def test_no_request_without_the_endpoint_variables_hangs(tmp_path, monkeypatch) 
 STALL_S = float(os.environ.get("TIERSTORE_OSD_STALL_S", "10"))  # the measurement run: 60
 
 
+@pytest.mark.slow
 def test_a_stalled_osd_costs_no_request_past_its_deadline_and_no_partial_page(
         tmp_path, s3_env, s3_bucket, ceph_lab) -> None:
     """The storage daemon behind a live gateway stops (SIGSTOP) for ``STALL_S``: the gateway

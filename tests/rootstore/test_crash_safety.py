@@ -20,6 +20,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tierstore.admin.fsck import FsckOptions, run_fsck
 from tierstore.format.header import PageExpectation
 from tierstore.format.identity import MANIFEST_NAME
@@ -105,6 +107,7 @@ WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkilled_writers_leave_no_torn_page(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()

@@ -167,6 +167,7 @@ def test_eight_writers_of_one_page_store_it_once(tmp_path: Path, loop: str, publ
     _check(root, results, loop)
 
 
+@pytest.mark.slow  # sshfs: a full-run set-up step (tools/test.sh --quick skips it)
 @pytest.mark.parametrize("loop", ["python", "native"])
 def test_eight_writers_on_a_file_system_refusing_noreplace(tmp_path: Path, loop: str) -> None:
     """sshfs (FUSE) answers renameat2's RENAME_NOREPLACE with EINVAL, as NFS does: each writer

@@ -140,6 +140,7 @@ _CHURN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_accounting_after_sigkill(tmp_path: Path) -> None:
     cap = 16 * PAGE_FILE
     script = _CHURN.format(tests=str(Path(__file__).resolve().parents[1]), shared=str(tmp_path / "shared"),

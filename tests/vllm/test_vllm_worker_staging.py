@@ -72,6 +72,7 @@ def _page_of(copier: GroupCopier, layout, block: int) -> bytes:
     return bytes(buf.numpy())
 
 
+@pytest.mark.slow
 def test_more_chunks_per_step_than_slots_never_waits_and_all_are_stored(tmp_path: Path, monkeypatch) -> None:
     worker, copier, engine, layout = _setup(tmp_path / "root", slots=2, store_delay_s=0.1, monkeypatch=monkeypatch)
     steps, per_step = 8, 6
