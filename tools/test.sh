@@ -25,7 +25,8 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # Two pytest workers, one test file each at a time (module fixtures start their engines once):
 # most of the suite's time is engine processes starting, one interpreter importing vLLM on one
 # core, so a second worker fills the other core (docs/TESTING.md, "Two workers").
-# TIERSTORE_TEST_WORKERS=0 runs in one process. -rsfE lists the failures last, after the skips:
-# CI keeps only the tail of what it prints.
+# TIERSTORE_TEST_WORKERS=0 runs in one process. -rsEf lists the failures last, after the skips
+# and the set-up errors: CI keeps only the tail of what it prints (27 errors once pushed two
+# failures' lines out of it).
 WORKERS=${TIERSTORE_TEST_WORKERS:-2}
-exec .venv/bin/python -m pytest -q -rsfE --durations=25 -n "$WORKERS" --dist loadfile "${QUICK[@]}" "$@"
+exec .venv/bin/python -m pytest -q -rsEf --durations=25 -n "$WORKERS" --dist loadfile "${QUICK[@]}" "$@"

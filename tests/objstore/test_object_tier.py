@@ -310,6 +310,7 @@ def test_a_stalled_osd_costs_no_request_past_its_deadline_and_no_partial_page(
         t.close(5)
 
 
+@pytest.mark.slow
 def test_doctor_checks_an_object_tier_and_the_probe_names_a_versioned_bucket(tmp_path, s3_env, s3_bucket,
                                                                               ceph_lab) -> None:
     """``tierstore doctor s3://...`` passes on a plain bucket; on a bucket with versioning on, RGW

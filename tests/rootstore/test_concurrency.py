@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tierstore.rootstore.page_read import inspect_page
 
 SCRIPT = textwrap.dedent(
@@ -138,6 +140,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_writers_one_reader(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
