@@ -47,9 +47,11 @@ Exports (inside the guest): ``EXPORT`` (a tmpfs of ``export_mib``) and ``SMALL_E
 of ``small_export_mib``: a full export gives ENOSPC), and ``QUOTA_EXPORT`` once a job made it
 (``quota_export``). Clients mount them by path over NFSv3, v4.1 or v4.2.
 
-Failure policy: ``run_in_guest`` raises ``GuestError`` (with the console's tail) when the guest
-cannot boot or does not power off within its timeout (the QEMU process it started is killed);
-the job's own exit status is returned, not raised. The guest-side calls raise
+Failure policy: a boot that has not started the job within ``BOOT_DEADLINE_S`` is killed and
+booted again (``BOOT_ATTEMPTS`` in all: under a starved host a TCG guest once stopped taking timer
+interrupts early in boot and never came back). ``run_in_guest`` raises ``GuestError`` (with the
+console's tail) when the guest cannot boot or does not power off within its timeout (the QEMU
+process it started is killed); the job's own exit status is returned, not raised. The guest-side calls raise
 ``subprocess.CalledProcessError`` when a command fails.
 
 Threading: no shared state; each ``run_in_guest`` boots its own guest (blocking the caller).
@@ -69,6 +71,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GUEST_DIR_ENV = "TIERSTORE_NFS_GUEST_DIR"
+QEMU_ENV = "TIERSTORE_NFS_GUEST_QEMU"  # the QEMU binary (default: qemu-system-x86_64 on the PATH)
+# host seconds from QEMU's start to the job's start before a boot counts as hung and is tried
+# again: a boot takes about 3 s alone; under a busy CI worker a TCG guest once stopped taking
+# timer interrupts at 1.7 s of uptime and never reached its job (RCU stalls on the console)
+BOOT_DEADLINE_S = 60.0
+BOOT_ATTEMPTS = 3
 SETUP_HINT = "run tools/nfs-guest.sh (installs the packages and builds the guest)"
 # inside the guest (tmpfs mounts of the job prologue)
 V4_ROOT = "/mnt"  # the NFSv4 pseudo root (fsid=0; a tmpfs): v4 paths are relative to it
@@ -96,7 +104,8 @@ class GuestRun:
     log: str  # the job's stdout and stderr
     console: str  # the guest's serial console (kernel messages)
     boot_s: float  # guest uptime when the job began
-    wall_s: float  # QEMU start to power-off
+    wall_s: float  # QEMU start to power-off (of the boot that ran the job)
+    boot_attempts: int = 1  # boots started: more than 1 when a boot hung (BOOT_DEADLINE_S)
 
 
 def guest_dir() -> Path:
@@ -117,10 +126,14 @@ def _which(program: str) -> str | None:
     return shutil.which(program, path="/usr/sbin:/usr/bin:/sbin:/bin:" + os.environ.get("PATH", ""))
 
 
+def _qemu() -> str | None:
+    return os.environ.get(QEMU_ENV) or _which("qemu-system-x86_64")
+
+
 def guest_available() -> str | None:
     """None if the guest can boot here, else the reason (what is missing and what to run)."""
-    if _which("qemu-system-x86_64") is None:
-        return f"qemu-system-x86_64 not installed: {SETUP_HINT}"
+    if _qemu() is None:
+        return f"qemu-system-x86_64 not installed ({QEMU_ENV} names another): {SETUP_HINT}"
     cache = guest_dir()
     version = _kernel_version(cache)
     if version is None:
@@ -227,42 +240,66 @@ exit $rc
 
 def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memory_mib: int = 2048,
                  cpus: int = 2, export_mib: int = 512, small_export_mib: int = 24, cwd: Path | None = None,
-                 visible: tuple[Path, ...] = ()) -> GuestRun:
+                 visible: tuple[Path, ...] = (), boot_deadline_s: float = BOOT_DEADLINE_S) -> GuestRun:
     """Boot the guest, start the NFS server, run ``command`` (shell) and wait for power-off.
 
     ``results`` (a host directory, created if needed) is writable inside the guest at the same
     path; the job script, ``guest.log`` (the job's output) and ``console.log`` live there. The
     working directory inside is ``cwd`` (default: the caller's); it, the interpreter and
-    ``visible`` are shown at their host paths (``guest_paths``). Raises ``GuestError`` when the
-    guest is not there (``guest_available()``), fails to boot, cannot show a needed host path
-    (the message names it), or runs past ``timeout_s`` (QEMU is killed).
+    ``visible`` are shown at their host paths (``guest_paths``). A boot that has not started the
+    job within ``boot_deadline_s`` is killed and started again, ``BOOT_ATTEMPTS`` boots at most;
+    ``timeout_s`` bounds them all together. Raises ``GuestError`` when the guest is not there
+    (``guest_available()``), fails to boot, cannot show a needed host path (the message names
+    it), or runs past ``timeout_s`` (QEMU is killed).
     """
     reason = guest_available()
     if reason:
         raise GuestError(reason)
     results = Path(results).resolve()
     results.mkdir(parents=True, exist_ok=True)
-    for stale in ("rc", "guest.log", "booted_s", "server_up", "console.log", UNSEEN_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            (results / stale).unlink()
     cwd = Path(cwd or os.getcwd()).resolve()
     needed = guest_paths(cwd, tuple(visible))
     binds = guest_binds(needed)
     for path in (results, *binds):
         if "\n" in str(path):
             raise GuestError(f"the host path {path!r} has a line break: the guest's init reads paths a line each")
-    (results / "guest.paths").write_text("".join(f"{p}\n" for p in (results, *binds)))
-    (results / "job.sh").write_text(_job_script(command, results, export_mib, small_export_mib, cwd, needed))
+    job = _job_script(command, results, export_mib, small_export_mib, cwd, needed)
+    argv = _qemu_argv(results, memory_mib, cpus)
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, BOOT_ATTEMPTS + 1):
+        _clear_results(results, binds, job)
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            qemu_out = _wait_for_power_off(proc, results, deadline, boot_deadline_s)
+        except _BootHung:
+            if attempt < BOOT_ATTEMPTS and time.monotonic() < deadline:
+                continue
+            raise GuestError(f"{attempt} boots of the guest did not start the job within {boot_deadline_s:.0f} s "
+                             f"each; console tail:\n{_tail(results / 'console.log')}") from None
+        except subprocess.TimeoutExpired:
+            raise GuestError(f"the guest ran past {timeout_s:.0f} s; job log tail:\n"
+                             f"{_tail(results / 'guest.log')}\nconsole tail:\n"
+                             f"{_tail(results / 'console.log')}") from None
+        return _finished_run(proc, qemu_out, results, time.monotonic() - started, attempt)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+class _BootHung(Exception):
+    """The guest did not start its job within the boot deadline (its QEMU was killed)."""
+
+
+def _qemu_argv(results: Path, memory_mib: int, cpus: int) -> list[str]:
     cache = guest_dir()
     version = _kernel_version(cache)
-    console = results / "console.log"
-    argv = [
-        _which("qemu-system-x86_64") or "qemu-system-x86_64",
+    return [
+        _qemu() or "qemu-system-x86_64",
         # KVM hangs nested guests on the machines this was built on: TCG unless asked
         "-accel", os.environ.get("TIERSTORE_NFS_GUEST_ACCEL", "tcg"),
         "-cpu", "max", "-m", str(memory_mib), "-smp", str(cpus),
         "-nic", "none", "-display", "none", "-monitor", "none", "-no-reboot",
-        "-serial", f"file:{console}",
+        "-serial", f"file:{results / 'console.log'}",
         "-kernel", str(cache / "kernel" / "boot" / f"vmlinuz-{version}"),
         "-initrd", str(cache / "initramfs.cpio.gz"),
         "-append", "console=ttyS0 quiet loglevel=4 panic=-1 tierstore.job=job.sh",
@@ -270,17 +307,41 @@ def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memor
         "-virtfs", f"local,path={_qemu_option(str(results))},mount_tag=results,security_model=passthrough,"
                    "multidevs=remap",
     ]
-    started = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        qemu_out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # the QEMU this call started
-        proc.communicate()
-        raise GuestError(f"the guest ran past {timeout_s:.0f} s; job log tail:\n"
-                         f"{_tail(results / 'guest.log')}\nconsole tail:\n{_tail(console)}") from None
-    wall = time.monotonic() - started
+
+
+def _clear_results(results: Path, binds: list[Path], job: str) -> None:
+    """The results directory as a boot expects it: no files of an earlier boot, the paths for
+    the init to bind and the job script."""
+    for stale in ("rc", "guest.log", "booted_s", "server_up", "console.log", UNSEEN_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            (results / stale).unlink()
+    (results / "guest.paths").write_text("".join(f"{p}\n" for p in (results, *binds)))
+    (results / "job.sh").write_text(job)
+
+
+def _wait_for_power_off(proc: subprocess.Popen[str], results: Path, deadline: float, boot_deadline_s: float) -> str:
+    """QEMU's output once it exits. Kills it and raises ``_BootHung`` when the init has not
+    written ``booted_s`` within ``boot_deadline_s``, ``subprocess.TimeoutExpired`` at ``deadline``."""
+    boot_by = time.monotonic() + boot_deadline_s
+    booted = False
+    while True:
+        booted = booted or (results / "booted_s").exists()
+        now = time.monotonic()
+        if now >= deadline or (not booted and now >= boot_by):
+            proc.kill()  # the QEMU this call started
+            proc.communicate()
+            if now >= deadline:
+                raise subprocess.TimeoutExpired(proc.args, deadline - now)
+            raise _BootHung()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            # communicate may be called again after a timeout without losing output
+            out, _ = proc.communicate(timeout=min(0.25 if not booted else 1.0, deadline - now))
+            return out
+
+
+def _finished_run(proc: subprocess.Popen[str], qemu_out: str, results: Path, wall: float, attempts: int) -> GuestRun:
+    """The ``GuestRun`` of a guest that powered off, or ``GuestError`` when its job did not run."""
+    console = results / "console.log"
     rc_text = _read(results / "rc").strip()
     unseen = _read(results / UNSEEN_FILE).strip()
     if unseen:
@@ -294,7 +355,7 @@ def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memor
                          f"{_tail(results / 'guest.log')}")
     booted = _read(results / "booted_s").strip()
     return GuestRun(rc=int(rc_text), log=_read(results / "guest.log"), console=_read(console),
-                    boot_s=float(booted) if booted else float("nan"), wall_s=wall)
+                    boot_s=float(booted) if booted else float("nan"), wall_s=wall, boot_attempts=attempts)
 
 
 def _qemu_option(value: str) -> str:
