@@ -72,6 +72,7 @@ CEPH_LAB_FILES = frozenset({
 })
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: ``-p no:xdist`` runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` with ``CEPH_LAB_FILES`` as one scope; None (xdist's own) otherwise."""
     if config.getvalue("dist") != "loadfile":

@@ -16,6 +16,13 @@ Who owns what:
   caller's check passed. The store that served the page (``IOResult.tier``) counts the hit or
   removes the damaged file: nobody else does.
 
+One job id for a page: the outermost store a page's job is submitted to makes its
+``JobTicket`` (a process-wide id and the submit time) and passes it down with ``ticket=`` to
+every store under it that works on that page (a chain's tiers, a tier's engine, a wrapper's
+inner store). Each files the job under the ticket's id, so the id the caller got is the id of
+the job in every layer, and the ``IOResult`` is made once, where the work finishes (an engine's
+I/O thread, or a layer that completes the job itself), and handed up unchanged.
+
 Threading: every method may be called from any thread unless an implementation says otherwise.
 No method blocks on file-system I/O except ``wait``, ``flush`` and ``close`` (bounded by their
 timeouts) and ``acquire_slot`` with a timeout.
@@ -23,6 +30,8 @@ timeouts) and ``acquire_slot`` with a timeout.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -39,11 +48,33 @@ class StagingSlot(Protocol):
     view: memoryview  # the same memory, writable
 
 
+_JOB_IDS = itertools.count(1)  # one counter for every store of the process: ids never collide
+
+
+@dataclass(frozen=True)
+class JobTicket:
+    """A page job's identity: its id and when the caller submitted it (``time.monotonic()``).
+    A store given one files the job under ``id``; its result carries that id and counts
+    ``seconds`` from ``submitted``."""
+
+    id: int
+    submitted: float
+
+    @classmethod
+    def new(cls) -> JobTicket:
+        return cls(next(_JOB_IDS), time.monotonic())
+
+    @classmethod
+    def given(cls, ticket: JobTicket | None) -> JobTicket:
+        """``ticket``, or a new one for a job submitted here first."""
+        return ticket if ticket is not None else cls.new()
+
+
 @dataclass
 class IOResult:
     """How one job ended: exactly one per job id, success or a typed ``PageError``."""
 
-    job_id: int
+    job_id: int  # the job's ``JobTicket`` id
     op: str  # "load" | "store"
     key: bytes
     ok: bool
@@ -51,7 +82,7 @@ class IOResult:
     slot: StagingSlot | None  # load OK: the page; the caller releases it with ``release_slot``
     stored: bool  # store OK: False if an identical page already existed
     nbytes: int
-    seconds: float  # submit to completion
+    seconds: float  # the caller's submit (the ticket's ``submitted``) to completion
     # Load OK: True when the store checked the section checksums. False only for a load
     # submitted with ``verify=False``; then ``sums`` holds the header's section checksums and
     # the caller must check the bytes against them before using them, then call ``settle``.
@@ -92,8 +123,9 @@ class PageStore(Protocol):
         ...
 
     def submit_store(self, key: bytes, slot: StagingSlot, token_count: int,
-                     sums: Sequence[int] | None = None) -> int:
-        """Queue a store of the page in ``slot`` under ``key``; never blocks, returns a job id.
+                     sums: Sequence[int] | None = None, *, ticket: JobTicket | None = None) -> int:
+        """Queue a store of the page in ``slot`` under ``key``; never blocks, returns the job
+        id (``ticket``'s when given: see the module docstring).
 
         The store owns the slot from here. ``sums`` (the caller's xxh3-64 of each section, e.g.
         computed on the GPU) are written to the header instead of hashing again; a wrong sum is
@@ -102,9 +134,10 @@ class PageStore(Protocol):
         whole page or none."""
         ...
 
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
-        """Queue a load of ``key``; never blocks, returns a job id. On success the result's
-        ``slot`` holds the page (the caller releases it). ``verify=False``: see ``IOResult``."""
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
+        """Queue a load of ``key``; never blocks, returns the job id (``ticket``'s when given).
+        On success the result's ``slot`` holds the page (the caller releases it).
+        ``verify=False``: see ``IOResult``."""
         ...
 
     def poll(self) -> list[IOResult]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 from tierstore.errors import PageError
-from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy
+from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy, new_job
+from tierstore.store import JobTicket
 
 
 def _queue(policy: QueuePolicy, ran: list[str], gate: threading.Event, started: threading.Event) -> JobQueue:
@@ -28,10 +29,10 @@ def _run_stream(policy: QueuePolicy, loads: int) -> list[str]:
     ran: list[str] = []
     gate, started = threading.Event(), threading.Event()
     q = _queue(policy, ran, gate, started)
-    ids = [q.submit(q.new_job("store", bytes([0])))]
+    ids = [q.submit(new_job("store", bytes([0]), JobTicket.new(), q.deadline_s))]
     assert started.wait(5)
-    ids.append(q.submit(q.new_job("store", bytes([1]))))
-    ids += [q.submit(q.new_job("load", bytes([i]))) for i in range(loads)]
+    ids.append(q.submit(new_job("store", bytes([1]), JobTicket.new(), q.deadline_s)))
+    ids += [q.submit(new_job("load", bytes([i]), JobTicket.new(), q.deadline_s)) for i in range(loads)]
     gate.set()
     assert all(ok for _, ok in q.wait(ids, timeout=10))
     q.close(5)
@@ -77,10 +78,10 @@ def test_batches_keep_the_policy_and_give_each_job_its_result() -> None:
     q = JobQueue(policy=QueuePolicy(order=("load", "store"), max_bypass=4), queue_depth=100, deadline_s=30.0,
                  threads=1, name="test-io", run=run, finish=finish, after_run=lambda job, accepted, error: None,
                  where=lambda key: key.hex(), run_batch=run_batch, max_batch=3)
-    ids = [q.submit(q.new_job("store", bytes([0])))]
+    ids = [q.submit(new_job("store", bytes([0]), JobTicket.new(), q.deadline_s))]
     assert started.wait(5)
-    ids.append(q.submit(q.new_job("store", bytes([1]))))
-    ids += [q.submit(q.new_job("load", bytes([i]))) for i in range(10)]
+    ids.append(q.submit(new_job("store", bytes([1]), JobTicket.new(), q.deadline_s)))
+    ids += [q.submit(new_job("load", bytes([i]), JobTicket.new(), q.deadline_s)) for i in range(10)]
     gate.set()
     results = dict(q.wait(ids, timeout=10))
     q.close(5)

@@ -84,14 +84,14 @@ from tierstore.fs.mapper import FileMapper, check_key
 from tierstore.fs.trust import check_root_trust
 from tierstore.native import loader as native
 from tierstore.rootstore.counters import EngineCounters, Served
-from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy
+from tierstore.rootstore.ioqueue import Job, JobQueue, QueuePolicy, new_job
 from tierstore.rootstore.lane import NativeLane
 from tierstore.rootstore.own_read import WARM_PIECE_BYTES
 from tierstore.rootstore.page_files import PageFiles
 from tierstore.rootstore.publish import probe_odirect
 from tierstore.rootstore.rank_dir import FileIdentity
 from tierstore.rootstore.staging import StagingPool, StagingSlot
-from tierstore.store import IOResult
+from tierstore.store import IOResult, JobTicket
 
 __all__ = ["ALIGN", "WARM_PIECE_BYTES", "IOEngine", "IOResult", "StagingSlot", "probe_odirect"]
 
@@ -281,7 +281,8 @@ class IOEngine:
     def free_slots(self) -> int:
         return self._pool.free_count
 
-    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: Sequence[int] | None = None) -> int:
+    def submit_store(self, key: bytes, slot: StagingSlot, token_count: int, sums: Sequence[int] | None = None, *,
+                     ticket: JobTicket | None = None) -> int:
         """Queue a store of ``slot`` under ``key`` (PageStore.submit_store); the engine releases
         the slot when done. ``sums`` (the caller's, e.g. the GPU's) go into the header unhashed:
         a wrong one is caught by every later read (the page is then reported corrupt and
@@ -292,17 +293,22 @@ class IOEngine:
             raise ValueError(f"submit_store: {len(sums)} checksums for {len(self.layout.sections)} sections")
         key = bytes(key)
         check_key(key)
+        ticket = JobTicket.given(ticket)
+        self._queue.check_free(ticket.id)
         self._pool.claim(slot, "submit_store")
         sums_t = tuple(int(c) for c in sums) if sums is not None else None
-        return self._queue.submit(self._queue.new_job("store", key, slot=slot, token_count=token_count, sums=sums_t))
+        return self._queue.submit(new_job("store", key, ticket, self._queue.deadline_s, slot=slot,
+                                          token_count=token_count, sums=sums_t))
 
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
         """Queue a load of ``key`` (PageStore.submit_load); it takes a slot of its own at once
         (none free: the job fails with ``queue_full``)."""
         key = bytes(key)
         check_key(key)
+        ticket = JobTicket.given(ticket)
+        self._queue.check_free(ticket.id)
         slot = self._pool.take(busy=True)
-        job = self._queue.new_job("load", key, slot=slot, verify=verify)
+        job = new_job("load", key, ticket, self._queue.deadline_s, slot=slot, verify=verify)
         reject = None if slot is not None else PageQueueFull(
             f"no free staging slot (all {len(self._pool)} in use); release the slots "
             "of finished loads or give the engine more staging_slots", key=key)
@@ -404,7 +410,9 @@ class IOEngine:
         return results
 
     def _finish(self, job: Job, error: PageError | None, stored: bool, nbytes: int, seconds: float) -> IOResult:
-        """Under the queue's lock, once per job: the slot's next owner, the stats, the result."""
+        """Under the queue's lock, once per job: the slot's next owner, the stats (``seconds``:
+        the engine's own, from when it accepted the job), the result (the one made for this
+        job in any layer: its ``seconds`` from the caller's submit)."""
         ok = error is None
         result_slot = None
         if job.slot is not None and not job.started:
@@ -415,8 +423,8 @@ class IOEngine:
         unverified = ok and job.op == "load" and job.sums is not None
         self.counters.finished(job.id, job.op, None if error is None else error.kind, stored, nbytes, seconds,
                                Served(job.key, job.slot.source, nbytes, seconds) if unverified else None)
-        return IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes, seconds,
-                        verified=not unverified, sums=job.sums if unverified else None, tier=self.tier_name,
+        return IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes,
+                        seconds + (job.accepted - job.submitted), verified=not unverified, sums=job.sums if unverified else None, tier=self.tier_name,
                         io_seconds=job.io_seconds)
 
     def _after_run(self, job: Job, accepted: bool, error: PageError | None) -> None:

@@ -42,7 +42,6 @@ when no job of the flushed class is left.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import queue
@@ -55,6 +54,7 @@ from typing import Any, Protocol
 
 from tierstore.errors import PageCancelled, PageError, PageQueueFull, PageTimeout
 from tierstore.native.abi import MAX_BYPASS
+from tierstore.store import JobTicket
 
 logger = logging.getLogger("tierstore.engine")
 LONGEST_WAIT_S = 3600.0  # one wait on the queue's conditions (_next_wake)
@@ -75,19 +75,21 @@ class QueuePolicy:
 class Job:
     """One queued page operation; fields after ``deadline`` belong to the queue."""
 
-    __slots__ = ("id", "op", "key", "slot", "token_count", "sums", "verify", "submitted", "deadline",
+    __slots__ = ("id", "op", "key", "slot", "token_count", "sums", "verify", "submitted", "accepted", "deadline",
                  "queued", "started", "done", "io_seconds")
 
     def __init__(self, job_id: int, op: str, key: bytes, *, slot: Any = None, token_count: int = 0,
-                 sums: tuple[int, ...] | None = None, verify: bool = True, submitted: float, deadline: float) -> None:
-        self.id = job_id
+                 sums: tuple[int, ...] | None = None, verify: bool = True, submitted: float, accepted: float,
+                 deadline: float) -> None:
+        self.id = job_id  # the caller's ``JobTicket`` id
         self.op = op
         self.key = key
         self.slot = slot  # the staging slot the job reads from (store) or into (load)
         self.token_count = token_count
         self.sums = sums  # store: the caller's section checksums; load (verify=False): the header's
         self.verify = verify  # load: check the section checksums in the I/O thread
-        self.submitted = submitted
+        self.submitted = submitted  # the ticket's: when the caller submitted the job (IOResult.seconds)
+        self.accepted = accepted  # when this queue took it (its deadline and its own counters run from here)
         self.deadline = deadline
         self.queued = False  # counted in ClassQueues.waiting
         self.started = False  # a thread owns the job's resources from here until it returns
@@ -97,11 +99,17 @@ class Job:
     def expired_in_queue(self) -> PageTimeout:
         """The error of a job found past its deadline before any thread started it (the queue's
         Python threads and the native lane both report it so)."""
-        return PageTimeout(f"{self.op} waited in the queue past its {self.deadline - self.submitted:.3f} s deadline "
+        return PageTimeout(f"{self.op} waited in the queue past its {self.deadline - self.accepted:.3f} s deadline "
                            f"({DEADLINE_SETTINGS})", key=self.key)
 
 
 Outcome = tuple["PageError | None", bool, int]  # (error, stored, bytes) of one run job
+
+
+def new_job(op: str, key: bytes, ticket: JobTicket, deadline_s: float, **fields: Any) -> Job:
+    """A job under ``ticket``'s id, its deadline ``deadline_s`` from now (not yet submitted)."""
+    now = time.monotonic()
+    return Job(ticket.id, op, key, submitted=ticket.submitted, accepted=now, deadline=now + deadline_s, **fields)
 
 
 class _Waiter:
@@ -255,7 +263,6 @@ class JobQueue:
         self._pending: dict[int, Job] = {}  # not done, in submission order (= deadline order)
         self._pending_ops = dict.fromkeys(policy.order, 0)
         self._results: dict[int, Any] = {}
-        self._ids = itertools.count(1)
         self._closed = self._stop = False
         self._pid = os.getpid()  # a forked child's copy refuses work (submit)
         # For benches (``counts``): jobs run, of them the batches of more than one job and their
@@ -281,10 +288,11 @@ class JobQueue:
             t.start()  # waits for the thread to boot, which takes no lock of ours
 
     # ----------------------------------------------------------------- submit
-    def new_job(self, op: str, key: bytes, **fields: Any) -> Job:
-        """A job with a fresh id and its deadline (not yet submitted)."""
-        now = time.monotonic()
-        return Job(next(self._ids), op, key, submitted=now, deadline=now + self.deadline_s, **fields)
+    def check_free(self, job_id: int) -> None:
+        """``ValueError`` when a job under ``job_id`` is in flight or its result not handed out."""
+        with self._lock:
+            if job_id in self._pending or job_id in self._results:
+                raise ValueError(f"job id {job_id} is in use in this engine already: a ticket is for one job")
 
     def submit(self, job: Job, reject: PageError | None = None) -> int:
         """Queue ``job``, or complete it at once: with ``reject`` if given, else when the queue
@@ -481,7 +489,7 @@ class JobQueue:
         if self._pending_ops[job.op] == 0:
             self._drained.notify_all()
         self._watch.done(job.id)
-        self._results[job.id] = self._finish(job, error, stored, nbytes, time.monotonic() - job.submitted)
+        self._results[job.id] = self._finish(job, error, stored, nbytes, time.monotonic() - job.accepted)
         return True
 
     def _take_locked(self) -> list[Job]:

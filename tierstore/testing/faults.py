@@ -23,7 +23,6 @@ Threading: thread-safe (one condition guards the held results and the counters).
 from __future__ import annotations
 
 import errno as _errno
-import itertools
 import random
 import threading
 import time
@@ -33,9 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tierstore import errors
-from tierstore.store import IOResult
+from tierstore.store import IOResult, JobTicket
 
-_INJECTED_IDS = 1 << 48  # ids of jobs completed by the wrapper (never an inner store's)
 _STORE_ERRNOS = {"enospc": _errno.ENOSPC, "readonly": _errno.EROFS, "permission": _errno.EACCES, "io": _errno.EIO}
 
 
@@ -77,7 +75,7 @@ class FaultInjectingStore:
         self.settled: list[tuple[bytes, bool]] = []
         self._rng = random.Random(seed)
         self._cond = threading.Condition(threading.Lock())
-        self._ids = itertools.count(_INJECTED_IDS)
+        self._injected: set[int] = set()  # ids of jobs the wrapper completed (the inner store never saw them)
         self._due: dict[int, tuple[float, Fault]] = {}  # job id -> (hand out at, fault) of held jobs
         self._held: dict[int, IOResult] = {}  # results waiting for their time (or an injected one)
 
@@ -104,14 +102,16 @@ class FaultInjectingStore:
             self._due = {i: (min(at, now), f) for i, (at, f) in self._due.items()}
             self._cond.notify_all()
 
-    def _fail_now(self, op: str, key: bytes, kind: str) -> int:
+    def _fail_now(self, op: str, key: bytes, kind: str, ticket: JobTicket | None) -> int:
+        ticket = JobTicket.given(ticket)
+        tier = getattr(self.inner, "name", None) or getattr(self.inner, "tier_name", "disk")
         with self._cond:
-            jid = next(self._ids)
-            self._held[jid] = IOResult(jid, op, key, False, make_error(kind, key, op), None, False, 0, 0.0,
-                                       tier=getattr(self.inner, "name", "disk"))
+            self._injected.add(ticket.id)
+            self._held[ticket.id] = IOResult(ticket.id, op, key, False, make_error(kind, key, op), None, False, 0,
+                                             time.monotonic() - ticket.submitted, tier=tier)
             self.injected[(op, kind)] += 1
             self._cond.notify_all()
-        return jid
+        return ticket.id
 
     def _hold(self, jid: int, fault: Fault) -> int:
         with self._cond:
@@ -119,28 +119,29 @@ class FaultInjectingStore:
         return jid
 
     # ------------------------------------------------------------------ PageStore
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
         fault = self._match("load", bytes(key))
         if fault is not None and fault.kind:
-            return self._fail_now("load", bytes(key), fault.kind)
-        jid = self.inner.submit_load(key, verify)
+            return self._fail_now("load", bytes(key), fault.kind, ticket)
+        jid = self.inner.submit_load(key, verify, ticket=ticket)
         return self._hold(jid, fault) if fault is not None else jid
 
-    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None) -> int:
+    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None, *,
+                     ticket: JobTicket | None = None) -> int:
         fault = self._match("store", bytes(key))
         if fault is not None and fault.kind:
             self.inner.release_slot(slot)
-            return self._fail_now("store", bytes(key), fault.kind)
-        jid = self.inner.submit_store(key, slot, token_count, sums)
+            return self._fail_now("store", bytes(key), fault.kind, ticket)
+        jid = self.inner.submit_store(key, slot, token_count, sums, ticket=ticket)
         return self._hold(jid, fault) if fault is not None else jid
 
-    def store_copy(self, key: bytes, page: Any, token_count: int, sums: Sequence[int] | None = None,
-                   **kw: Any) -> int:
+    def store_copy(self, key: bytes, page: Any, token_count: int, sums: Sequence[int] | None = None, *,
+                   ticket: JobTicket | None = None, **kw: Any) -> int:
         """A chain tier's copy-store (``ChainTier.store_copy``), with the store faults."""
         fault = self._match("store", bytes(key))
         if fault is not None and fault.kind:
-            return self._fail_now("store", bytes(key), fault.kind)
-        jid = self.inner.store_copy(key, page, token_count, sums, **kw)
+            return self._fail_now("store", bytes(key), fault.kind, ticket)
+        jid = self.inner.store_copy(key, page, token_count, sums, ticket=ticket, **kw)
         return self._hold(jid, fault) if fault is not None else jid
 
     def _admit(self, results: Iterable[IOResult]) -> None:
@@ -163,6 +164,7 @@ class FaultInjectingStore:
         for i in list(self._held) if ids is None else ids:
             if i in self._held and self._due.get(i, (0.0, None))[0] <= now:
                 self._due.pop(i, None)
+                self._injected.discard(i)
                 out.append(self._held.pop(i))
         return out
 
@@ -175,7 +177,8 @@ class FaultInjectingStore:
     def wait(self, job_ids: Iterable[int], timeout: float | None) -> list[IOResult]:
         ids = list(job_ids)
         end = None if timeout is None else time.monotonic() + timeout
-        inner_ids = [i for i in ids if i < _INJECTED_IDS]
+        with self._cond:
+            inner_ids = [i for i in ids if i not in self._injected]
         fresh = self.inner.wait(inner_ids, timeout) if inner_ids else []
         with self._cond:
             self._admit(fresh)

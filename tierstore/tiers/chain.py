@@ -15,6 +15,11 @@ Contract (``tierstore/store.py``; one chain per (namespace, KV-cache group, rank
   store does not wait for the shared copy). The result's ``tier`` names that tier.
 - ``settle`` is routed by ``result.tier`` to the tier that served the page: it counts the hit
   or the checksum failure and removes a damaged file once (``EngineTier``).
+- One job id: a chain job's ``JobTicket`` goes to every tier that works on its page (the tiers
+  a load asks, the copies of a store, a load's promotions), so one table (``_jobs``) routes
+  every tier result, and the result handed out is the tier's own, unchanged: the serving or
+  storing tier's, else the last asked tier's failure. Only a job no tier took (every tier
+  skipped, the chain closed, no durable tier answered) gets a result made here.
 - A failing tier is skipped and counted in its metrics, never fatal. The tiers own their
   policies: local capacity (``LocalTier`` + ``LocalAdmission``), shared deadlines, health,
   background open and touch-on-hit (``SharedTier``). A page the shared tier did not take is
@@ -22,7 +27,7 @@ Contract (``tierstore/store.py``; one chain per (namespace, KV-cache group, rank
 
 Threading: public methods may be called from any thread. Locks (a thread holding one may take
 those after it, never one before it):
-1. the chain's lock: job table, routes, lent slots; held while the chain submits to and polls
+1. the chain's lock: job table, lent slots; held while the chain submits to and polls
    its tiers (so their result hooks run under it), never while it blocks;
 2. a tier's condition lock (its job maps), then 3. that tier's engine lock;
 4. the shared tier's health lock (a hook marking it down), then 5. the backlog's lock (the
@@ -39,7 +44,6 @@ bookkeeping thread, and the process's gc daemon for the root when ``gc_interval_
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -52,7 +56,7 @@ from tierstore.format.identity import Namespace
 from tierstore.index.local_index import LocalIndex
 from tierstore.metrics import MetricsRegistry, TierMetrics, default_registry
 from tierstore.rootstore.staging import StagingSlot
-from tierstore.store import IOResult
+from tierstore.store import IOResult, JobTicket
 from tierstore.tiers.backlog import SHARED_BACKLOG_MAX, SharedBacklog
 from tierstore.tiers.factory import build_tiers, tier_specs
 from tierstore.tiers.host import HostTier
@@ -65,19 +69,23 @@ __all__ = ["TierChain", "SHARED_BACKLOG_MAX"]
 
 @dataclass(eq=False)
 class _Job:
-    """A chain job: its live sub-jobs (tier -> the tier's job id) and what they returned."""
+    """A chain job: the tiers working on it under its ticket now, and what they returned."""
 
-    id: int
+    ticket: JobTicket
     op: str
     key: bytes
-    submitted: float
     verify: bool = True
-    subs: dict[ChainTier, int] = field(default_factory=dict)
+    subs: set[ChainTier] = field(default_factory=set)  # tiers with the job in flight (a promotion's too)
     outcome: dict[ChainTier, IOResult] = field(default_factory=dict)  # store: finished sub-jobs
     asked: int = 0  # load: tiers of the list walked so far
-    error: PageError | None = None  # load: the last asked tier's failure
+    failed: IOResult | None = None  # load: the last asked tier's failed result
+    refused: PageError | None = None  # load: the first skipped tier's error, while none was asked
     backlogged: set[int] = field(default_factory=set)  # store: the backlogs (by index) it was handed to
-    done: bool = False
+    done: bool = False  # its result is out (write-behind copies and promotions may still run)
+
+    @property
+    def id(self) -> int:
+        return self.ticket.id
 
 
 class TierChain:
@@ -102,9 +110,7 @@ class TierChain:
         self._by_name = {t.name: t for t in self.tiers}
         self.promotion = Promotion()
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._jobs: dict[int, _Job] = {}
-        self._routes: dict[tuple[ChainTier, int], Callable[[IOResult], None]] = {}
+        self._jobs: dict[int, _Job] = {}  # job id -> job some tier still works on, or whose result is not out
         self._results: dict[int, IOResult] = {}
         self._lent: dict[StagingSlot, ChainTier] = {}  # slots of load results -> the tier that owns them
         self._closed = False
@@ -159,34 +165,40 @@ class TierChain:
         owner.release_slot(slot)
 
     # ------------------------------------------------------------------ jobs and routes
-    def _new_job(self, op: str, key: bytes, verify: bool = True) -> _Job:
-        job = _Job(next(self._ids), op, key, time.monotonic(), verify)
+    def _new_job(self, op: str, key: bytes, ticket: JobTicket | None, verify: bool = True) -> _Job:
+        job = _Job(JobTicket.given(ticket), op, key, verify)
+        if job.id in self._jobs:
+            raise ValueError(f"job id {job.id} is in use in this chain already: a ticket is for one job")
         self._jobs[job.id] = job
         return job
 
-    def _track(self, tier: ChainTier, sub: int, on_result: Callable[[IOResult], None],
-               job: _Job | None = None) -> None:
-        self._routes[(tier, sub)] = on_result
-        if job is not None:
-            job.subs[tier] = sub
-
-    def _finish(self, job: _Job, error: PageError | None, r: IOResult | None = None) -> None:
+    def _finish(self, job: _Job, r: IOResult | None, error: PageError | None = None) -> None:
+        """Hand out ``r`` (a tier's result, as it is), else a result made here with ``error``."""
         job.done = True
-        self._jobs.pop(job.id, None)
-        ok = error is None
-        res = IOResult(job.id, job.op, job.key, ok, error, r.slot if r and ok else None,
-                       bool(r and r.stored), r.nbytes if r else 0, time.monotonic() - job.submitted,
-                       r.verified if r else True, r.sums if r else None, tier=r.tier if r else self._front.name)
-        if res.slot is not None:
-            self._lent[res.slot] = self._by_name[res.tier]
-        self._results[job.id] = res
+        if r is None:
+            r = IOResult(job.id, job.op, job.key, False, error or PageError("no tier took the job", key=job.key),
+                         None, False, 0, time.monotonic() - job.ticket.submitted, tier=self._front.name)
+        if r.slot is not None:
+            self._lent[r.slot] = self._by_name[r.tier]
+        self._results[job.id] = r
+        if not job.subs:  # else retired by ``_route`` when the last tier answers
+            self._jobs.pop(job.id, None)
 
     def _route(self, tier: ChainTier, r: IOResult) -> None:
-        on_result = self._routes.pop((tier, r.job_id), None)
-        if on_result is not None:
-            on_result(r)
-        elif r.slot is not None:  # nobody waits for it (cannot happen for loads): never leak a slot
-            tier.release_slot(r.slot)
+        job = self._jobs.get(r.job_id)
+        if job is None or tier not in job.subs:  # no chain job (a backlog upload's): never leak a slot
+            if r.slot is not None:
+                tier.release_slot(r.slot)
+            return
+        job.subs.discard(tier)
+        if job.op == "store":
+            self._on_store(job, tier, r)
+        elif r.op == "store":  # a promotion of the page the job loaded
+            self.promotion.stored(tier, r)
+        else:
+            self._on_load(job, tier, r)
+        if job.done and not job.subs:
+            self._jobs.pop(job.id, None)
 
     def _drain(self) -> None:
         """Route every finished sub-job (call with the chain's lock held)."""
@@ -199,13 +211,13 @@ class TierChain:
             self._drain()
 
     # ------------------------------------------------------------------ loads
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
         """``verify=False`` is passed on only to a tier whose page is copied nowhere else."""
         key = bytes(key)
         with self._lock:
-            job = self._new_job("load", key, verify)
+            job = self._new_job("load", key, ticket, verify)
             if self._closed:
-                self._finish(job, PageMissing("the tier chain is closed", key=key))
+                self._finish(job, None, PageMissing("the tier chain is closed", key=key))
             else:
                 self._ask_next(job)
                 self._drain()
@@ -217,46 +229,44 @@ class TierChain:
             tier = self.tiers[served]
             job.asked += 1
             if not tier.available:
-                job.error = job.error or tier.refuse(job.key)
+                if job.failed is None and job.refused is None:
+                    job.refused = tier.refuse(job.key)
                 continue
             verify = job.verify or self.promotion.needs_verify(self.tiers, served)
-            self._track(tier, tier.submit_load(job.key, verify),
-                        lambda r, j=job, t=tier: self._on_load(j, t, r), job)
+            job.subs.add(tier)
+            tier.submit_load(job.key, verify, ticket=job.ticket)
             return
-        self._finish(job, job.error or PageMissing("not in any tier", key=job.key))
+        self._finish(job, job.failed, job.refused or PageMissing("not in any tier", key=job.key))
 
     def _on_load(self, job: _Job, tier: ChainTier, r: IOResult) -> None:
-        job.subs.pop(tier, None)
         if not r.ok:
-            job.error = r.error
+            job.failed = r
             self._ask_next(job)
             return
         assert r.slot is not None
         if self.shared is not None and tier is not self.shared:
             self.shared.stamp_hit(r.key)  # gc's LRU lives on the export: a local hit is a fleet hit
         for faster in self.promotion.targets(self.tiers, self.tiers.index(tier)):
-            sub = faster.store_copy(r.key, r.slot.view, self.tokens_per_page, no_slot=NO_SLOT_KIND)
-            self._track(faster, sub, lambda p, t=faster: self.promotion.stored(t, p))
-        self._finish(job, None, r)
+            job.subs.add(faster)
+            faster.store_copy(r.key, r.slot.view, self.tokens_per_page, no_slot=NO_SLOT_KIND, ticket=job.ticket)
+        self._finish(job, r)
 
     # ------------------------------------------------------------------ stores
     def submit_store(self, key: bytes, slot: StagingSlot, token_count: int,
-                     sums: Sequence[int] | None = None) -> int:
+                     sums: Sequence[int] | None = None, *, ticket: JobTicket | None = None) -> int:
         """``sums``: the caller's section checksums of the slot (``PageStore.submit_store``)."""
         key = bytes(key)
         with self._lock:
-            job = self._new_job("store", key)
+            job = self._new_job("store", key, ticket)
+            job.subs.update(self.tiers)
             for tier in self.tiers:  # copies first: the front tier owns ``slot`` once submitted
                 if tier is not self._front:
-                    self._track(tier, tier.store_copy(key, slot.view, token_count, sums),
-                                lambda r, j=job, t=tier: self._on_store(j, t, r), job)
-            self._track(self._front, self._front.submit_store(key, slot, token_count, sums),
-                        lambda r, j=job, t=self._front: self._on_store(j, t, r), job)
+                    tier.store_copy(key, slot.view, token_count, sums, ticket=job.ticket)
+            self._front.submit_store(key, slot, token_count, sums, ticket=job.ticket)
             self._drain()
             return job.id
 
     def _on_store(self, job: _Job, tier: ChainTier, r: IOResult) -> None:
-        job.subs.pop(tier, None)
         job.outcome[tier] = r
         self._feed_backlog(job)
         if job.done:  # decided by an earlier tier; this was a write-behind copy
@@ -269,11 +279,10 @@ class TierChain:
                 return  # an earlier durable tier has not answered yet
             out = job.outcome.get(t)
             if out is not None and out.ok:
-                self._finish(job, None, out)
+                self._finish(job, out)
                 return
             failed = failed or out
-        self._finish(job, (failed.error if failed else None) or PageError("no tier stored the page", key=job.key),
-                     failed)
+        self._finish(job, failed, PageError("no tier stored the page", key=job.key))
 
     def _feed_backlog(self, job: _Job) -> None:
         """A page the backlog's source tier stored and its target did not: upload it later
@@ -300,11 +309,11 @@ class TierChain:
         waits: dict[ChainTier, list[int]] = {}
         for i in ids:
             job = self._jobs.get(i)
-            if job is None:
+            if job is None or job.done:
                 continue
             for tier in self.tiers:  # a store waits on its first undecided durable tier
                 if tier in job.subs and (job.op == "load" or tier.durable):
-                    waits.setdefault(tier, []).append(job.subs[tier])
+                    waits.setdefault(tier, []).append(job.id)
                     break
         return next(((t, waits[t]) for t in self.tiers if t in waits), None)
 
@@ -340,8 +349,7 @@ class TierChain:
 
     # ------------------------------------------------------------------ lifetime
     def flush(self, timeout: float | None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        ok = True
+        end, ok = None if timeout is None else time.monotonic() + timeout, True
         for tier in self.tiers:
             ok = tier.flush(None if end is None else max(end - time.monotonic(), 0.0)) and ok
         for b in self.backlogs:  # uploads to a tier that answers are stores too
@@ -350,8 +358,7 @@ class TierChain:
         return ok
 
     def close(self, timeout: float | None = None) -> None:
-        if timeout is None:
-            timeout = self.config.flush_timeout_s
+        timeout = self.config.flush_timeout_s if timeout is None else timeout
         with self._lock:
             if self._closed:
                 return

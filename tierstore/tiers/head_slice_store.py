@@ -77,7 +77,7 @@ from tierstore.fs.deadline import Health, probe_root
 from tierstore.fs.mapper import PAGE_SUFFIX, fanout
 from tierstore.index import page_index
 from tierstore.rootstore.rank_dir import RankDir
-from tierstore.store import IOResult, PageStore
+from tierstore.store import IOResult, JobTicket, PageStore
 from tierstore.tiers.assembly import assemble
 
 logger = logging.getLogger("tierstore.slices")
@@ -214,7 +214,6 @@ class HeadSliceStore:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierstore-slices")
         self.health = Health("head-slices", self._probe, self.deadline_s)
         self._lock = threading.Lock()
-        self._loads: set[int] = set()  # inner load job ids not finished yet
         self._fallbacks: dict[int, _Fallback] = {}
         self._unfinished = 0  # fallbacks submitted whose thread has not returned (abandoned ones too)
         self._own_stores: set[int] = set()  # store-backs: their results are not the caller's
@@ -234,8 +233,9 @@ class HeadSliceStore:
     def release_slot(self, slot: Any) -> None:
         self.inner.release_slot(slot)
 
-    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None) -> int:
-        return self.inner.submit_store(key, slot, token_count, sums)
+    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None, *,
+                     ticket: JobTicket | None = None) -> int:
+        return self.inner.submit_store(key, slot, token_count, sums, ticket=ticket)
 
     def contains(self, key: bytes) -> bool:
         return self.inner.contains(key)
@@ -264,11 +264,8 @@ class HeadSliceStore:
             return {**self.inner.stats, **self._counters}
 
     # ------------------------------------------------------------ loads
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
-        job_id = self.inner.submit_load(key, verify)
-        with self._lock:
-            self._loads.add(job_id)
-        return job_id
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
+        return self.inner.submit_load(key, verify, ticket=ticket)
 
     def _route(self, results: Iterable[IOResult]) -> list[IOResult]:
         """Results to hand out now; a missing own page starts a fallback instead."""
@@ -280,9 +277,8 @@ class HeadSliceStore:
                     if not r.ok:
                         self._counters["slice_store_back_failures"] += 1
                     continue
-                ours = r.job_id in self._loads
-                self._loads.discard(r.job_id)
-                if ours and not r.ok and r.error is not None and r.error.kind == "missing":
+                # every load is the caller's (a store-back is a store): one job id from the caller down
+                if r.op == "load" and not r.ok and r.error is not None and r.error.kind == "missing":
                     if self.health.up and not self._stalled_locked():
                         deadline = time.monotonic() + self.deadline_s
                         self._unfinished += 1

@@ -15,7 +15,6 @@ Threading: thread-safe (one lock); copies happen outside the lock.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -24,7 +23,7 @@ from typing import Any
 
 from tierstore.errors import PageError, PageMissing, PageQueueFull
 from tierstore.metrics import TierMetrics
-from tierstore.store import IOResult
+from tierstore.store import IOResult, JobTicket
 
 
 class HostTier:
@@ -117,17 +116,20 @@ class HostStore:
         self.metrics = metrics
         self.tokens_per_page = tokens_per_page
         self._slots = slots
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: dict[int, IOResult] = {}
 
-    def _complete(self, op: str, key: bytes, started: float, error: PageError | None = None,
+    def _complete(self, ticket: JobTicket | None, op: str, key: bytes, error: PageError | None = None,
                   slot: Any = None, nbytes: int = 0) -> int:
+        """The job's result, made here (every host job finishes in its submit)."""
+        ticket = JobTicket.given(ticket)
         with self._lock:
-            jid = next(self._ids)
-            self._done[jid] = IOResult(jid, op, key, error is None, error, slot, op == "store" and error is None,
-                                       nbytes, time.monotonic() - started, tier=self.name)
-        return jid
+            if ticket.id in self._done:
+                raise ValueError(f"job id {ticket.id} is in use in the host tier already: a ticket is for one job")
+            self._done[ticket.id] = IOResult(ticket.id, op, key, error is None, error, slot,
+                                             op == "store" and error is None, nbytes,
+                                             time.monotonic() - ticket.submitted, tier=self.name)
+        return ticket.id
 
     @property
     def layout(self) -> Any:
@@ -146,31 +148,31 @@ class HostStore:
     def refuse(self, key: bytes) -> PageError:
         raise AssertionError("the host tier is always available")
 
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
         t0 = time.monotonic()
         data = self.host.get(self.scope, key)
         if data is None:
             self.metrics.miss(self.tokens_per_page)
-            return self._complete("load", key, t0, PageMissing("not in host memory", key=key))
+            return self._complete(ticket, "load", key, PageMissing("not in host memory", key=key))
         slot = self._slots.acquire_slot(0)
         if slot is None:
             self.metrics.failure("queue_full")
-            return self._complete("load", key, t0, PageQueueFull(
+            return self._complete(ticket, "load", key, PageQueueFull(
                 "no free staging slot for a host-tier hit; release the slots of finished loads", key=key))
         slot.view[:] = data
         self.metrics.hit(self.tokens_per_page, len(data), time.monotonic() - t0)
-        return self._complete("load", key, t0, slot=slot, nbytes=len(data))
+        return self._complete(ticket, "load", key, slot=slot, nbytes=len(data))
 
     def store_copy(self, key: bytes, page: memoryview | bytes, token_count: int,
-                   sums: Sequence[int] | None = None, *, no_slot: str = "") -> int:
-        t0 = time.monotonic()
+                   sums: Sequence[int] | None = None, *, no_slot: str = "", ticket: JobTicket | None = None) -> int:
         kept = self.host.put(self.scope, key, page)
-        return self._complete("store", key, t0, None if kept else PageQueueFull("larger than host_bytes", key=key),
-                              nbytes=len(page))
+        return self._complete(ticket, "store", key,
+                              None if kept else PageQueueFull("larger than host_bytes", key=key), nbytes=len(page))
 
-    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None) -> int:
+    def submit_store(self, key: bytes, slot: Any, token_count: int, sums: Sequence[int] | None = None, *,
+                     ticket: JobTicket | None = None) -> int:
         try:
-            return self.store_copy(key, slot.view, token_count, sums)
+            return self.store_copy(key, slot.view, token_count, sums, ticket=ticket)
         finally:
             self._slots.release_slot(slot)
 

@@ -62,7 +62,8 @@ class LocalTier(EngineTier):
                  metrics: TierMetrics, index: LocalIndex | None = None, **engine_kwargs: Any) -> None:
         assert config.local_root
         refuse_network_local_root(config.local_root)
-        engine = IOEngine(config.local_root, namespace, group_index, rank=rank, config=config, **engine_kwargs)
+        engine = IOEngine(config.local_root, namespace, group_index, rank=rank, config=config, tier_name="local",
+                          **engine_kwargs)
         super().__init__("local", engine, metrics, namespace.groups[group_index].tokens_per_chunk)
         self.config = config
         try:

@@ -138,7 +138,7 @@ class SharedTier(EngineTier):
         answers; any other error is the user's to fix (``open_error``: a lone root raises it)."""
         try:
             self._engine = IOEngine(config.root, namespace, group_index, rank=rank, config=config,
-                                    deadline_s=self.deadline_s, **kwargs)
+                                    deadline_s=self.deadline_s, tier_name=self.name, **kwargs)
             self.open_error = None
             _root_answered(self.root)
         except Exception as exc:

@@ -1,9 +1,10 @@
 """EngineTier: one tier of a ``TierChain`` over one ``IOEngine`` (local disk, shared export).
 
 Contract: a ``PageStore`` (``tierstore/store.py``) whose results carry ``tier=self.name``.
-- Job ids are the tier's own (its counter, mapped to the engine's), so a subclass may hold a
-  job back before the engine sees it (the local tier's admission) and may complete a job
-  without the engine (``complete_now``: the tier is down, no slot is free).
+- A job is filed under its ticket's id, and the engine gets the same ticket: the engine's
+  result is handed up as it is. A subclass may hold a store back before the engine sees it
+  (the local tier's admission) and may complete a job without the engine (``complete_now``:
+  the tier is down, no slot is free); the tier makes that result itself.
 - The tier counts its own metrics as results pass through it: a verified hit, a miss, a
   failure by kind, stored bytes. Unverified hits are counted by ``settle``.
 - Damaged pages have one owner: a load whose failure kind is in ``errors.BAD_CONTENT_KINDS``
@@ -31,7 +32,6 @@ outside it. Metrics and subclass hooks run outside it. Lock order: tier, then en
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import threading
 import time
@@ -45,7 +45,7 @@ from tierstore.fs.deadline import SpaceBackoff
 from tierstore.metrics import TierMetrics
 from tierstore.rootstore.engine import IOEngine
 from tierstore.rootstore.staging import StagingSlot
-from tierstore.store import IOResult, PageStore
+from tierstore.store import IOResult, JobTicket, PageStore
 
 # Engine settings a tier's engine takes from the chain's (the rest come from the config): a head
 # slice's directory and layout too (every tier of a rank keeps the same slice, DESIGN §9).
@@ -55,17 +55,19 @@ ENGINE_KWARGS = ("head_start", "head_count", "staging_slots", "pin", "rank_dir",
 MISS_KINDS: frozenset[str] = frozenset({"missing", PageUnsafe.kind})
 
 
-def count_result(metrics: TierMetrics, r: IOResult, tokens: int) -> None:
+def count_result(metrics: TierMetrics, r: IOResult, tokens: int, seconds: float | None = None) -> None:
     """The one rule for counting a page result in a tier's metrics: a verified load is a hit
     (an unverified one is counted at ``settle``), a load failure in ``MISS_KINDS`` a miss (and,
     unless ``missing``, a failure of its kind too; a ``missing`` from ESTALE also a failure
     ``estale``), any other failure a failure; a store that
-    wrote a page counts its bytes."""
+    wrote a page counts its bytes. ``seconds``: the tier's own time for the job (default the
+    result's, which counts from the caller's submit)."""
     kind = r.error.kind if r.error is not None else "error"
+    seconds = r.seconds if seconds is None else seconds
     if r.op == "load":
         if r.ok:
             if r.verified:
-                metrics.hit(tokens, r.nbytes, r.seconds, r.io_seconds if r.io_seconds > 0 else None)
+                metrics.hit(tokens, r.nbytes, seconds, r.io_seconds if r.io_seconds > 0 else None)
         elif kind in MISS_KINDS:
             metrics.miss(tokens)
             if kind != "missing":
@@ -76,7 +78,7 @@ def count_result(metrics: TierMetrics, r: IOResult, tokens: int) -> None:
             metrics.failure(kind)
     elif r.ok:
         if r.stored:
-            metrics.stored(r.nbytes, r.seconds)
+            metrics.stored(r.nbytes, seconds)
     else:
         metrics.failure(kind)
 _UNVERIFIED_MAX = 4096  # unsettled unverified results remembered per tier (a caller that never settles)
@@ -97,7 +99,8 @@ class ChainTier(PageStore, Protocol):
         ...
 
     def store_copy(self, key: bytes, page: memoryview | bytes, token_count: int,
-                   sums: Sequence[int] | None = None, *, no_slot: str = "queue_full") -> int:
+                   sums: Sequence[int] | None = None, *, no_slot: str = "queue_full",
+                   ticket: JobTicket | None = None) -> int:
         """Store a copy of ``page`` into the tier's own slot (the caller keeps its buffer)."""
         ...
 
@@ -106,13 +109,17 @@ class ChainTier(PageStore, Protocol):
 class TierJob:
     """One job of a tier, from submit until its result is handed out."""
 
-    id: int
+    ticket: JobTicket  # its id is the job's in the tier, its engine and the result
     op: str  # "load" | "store"
     key: bytes
     tokens: int
-    submitted: float
-    engine_id: int | None = None  # None: not (yet) handed to the engine
+    accepted: float  # when the tier took it: the tier's metrics count from here
+    at_engine: bool = False  # handed to the engine (a store may wait in admission first)
     reservation: int | None = None  # local tier: the LocalIndex reservation of a store
+
+    @property
+    def id(self) -> int:
+        return self.ticket.id
 
 
 class EngineTier:
@@ -126,9 +133,7 @@ class EngineTier:
         self.tokens_per_page = tokens_per_page
         self._engine = engine
         self._cond = threading.Condition(threading.Lock())
-        self._ids = itertools.count(1)
-        self._jobs: dict[int, TierJob] = {}  # own id -> job whose result is not out yet
-        self._by_engine: dict[int, TierJob] = {}  # engine job id -> job
+        self._jobs: dict[int, TierJob] = {}  # job id -> job whose result is not out yet
         # page key -> the engine's unverified result (its job id is what the engine settles by)
         self._unverified: OrderedDict[bytes, IOResult] = OrderedDict()
         self._done: dict[int, IOResult] = {}  # results completed without the engine
@@ -205,26 +210,28 @@ class EngineTier:
         return eng is not None and self.available and eng.contains(key)
 
     # ------------------------------------------------------------------ submit
-    def _new_job(self, op: str, key: bytes, tokens: int) -> TierJob:
+    def _new_job(self, op: str, key: bytes, tokens: int, ticket: JobTicket | None) -> TierJob:
         with self._cond:
-            job = TierJob(next(self._ids), op, key, tokens, time.monotonic())
+            job = TierJob(JobTicket.given(ticket), op, key, tokens, time.monotonic())
+            if job.id in self._jobs:
+                raise ValueError(f"job id {job.id} is in use in the {self.name} tier already: a ticket is for one job")
             self._jobs[job.id] = job
             return job
 
-    def submit_load(self, key: bytes, verify: bool = True) -> int:
-        job = self._new_job("load", key, self.tokens_per_page)
+    def submit_load(self, key: bytes, verify: bool = True, *, ticket: JobTicket | None = None) -> int:
+        job = self._new_job("load", key, self.tokens_per_page, ticket)
         eng = self.engine() if self.available else None
         if eng is None:
             self.complete_now(job, self.refuse(key), count=False)
             return job.id
         with self._cond:
-            job.engine_id = eng.submit_load(key, verify)
-            self._by_engine[job.engine_id] = job
+            job.at_engine = True
+            eng.submit_load(key, verify, ticket=job.ticket)
         return job.id
 
     def submit_store(self, key: bytes, slot: StagingSlot, token_count: int,
-                     sums: Sequence[int] | None = None) -> int:
-        job = self._new_job("store", key, token_count)
+                     sums: Sequence[int] | None = None, *, ticket: JobTicket | None = None) -> int:
+        job = self._new_job("store", key, token_count, ticket)
         if not self.available:
             self.release_slot(slot)
             self.complete_now(job, self.refuse(key), count=False)
@@ -236,23 +243,24 @@ class EngineTier:
         return job.id
 
     def store_copy(self, key: bytes, page: memoryview | bytes, token_count: int,
-                   sums: Sequence[int] | None = None, *, no_slot: str = "queue_full") -> int:
+                   sums: Sequence[int] | None = None, *, no_slot: str = "queue_full",
+                   ticket: JobTicket | None = None) -> int:
         """Store a copy of ``page`` (the caller keeps its buffer): a write-through or a
         promotion. No free slot right now completes the job with ``queue_full``, counted as
         ``no_slot``."""
         if not self.available or self._full:
-            job = self._new_job("store", key, token_count)
+            job = self._new_job("store", key, token_count, ticket)
             self.complete_now(job, self.refuse(key) if not self.available else self._skip_full(key), count=False)
             return job.id
         slot = self.acquire_slot(0)
         if slot is None:
-            job = self._new_job("store", key, token_count)
+            job = self._new_job("store", key, token_count, ticket)
             self.metrics.failure(no_slot)
             self.complete_now(job, PageQueueFull(f"no free staging slot in the {self.name} tier", key=key),
                               count=False)
             return job.id
         slot.view[:] = page
-        return self.submit_store(key, slot, token_count, sums)
+        return self.submit_store(key, slot, token_count, sums, ticket=ticket)
 
     @property
     def _full(self) -> bool:
@@ -286,15 +294,15 @@ class EngineTier:
         """Submit a store held back by ``admit`` (any thread)."""
         eng = self._front_engine()
         with self._cond:
-            job.engine_id = eng.submit_store(job.key, slot, job.tokens, sums=sums)
-            self._by_engine[job.engine_id] = job
+            job.at_engine = True
+            eng.submit_store(job.key, slot, job.tokens, sums=sums, ticket=job.ticket)
             self._cond.notify_all()
 
     def complete_now(self, job: TierJob, error: PageError, count: bool = True) -> None:
         """Complete ``job`` with ``error`` without the engine (any thread); ``count=False``:
         the caller counted the failure under its own name."""
         res = IOResult(job.id, job.op, job.key, False, error, None, False, 0,
-                       time.monotonic() - job.submitted, tier=self.name)
+                       time.monotonic() - job.ticket.submitted, tier=self.name)
         if count:
             self._count(res, job)
         with self._cond:
@@ -303,25 +311,24 @@ class EngineTier:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ results
-    def _take(self, raw: Iterable[Any]) -> list[tuple[TierJob, IOResult]]:
-        """Map engine results to this tier's jobs (call with the condition held)."""
+    def _take(self, raw: Iterable[IOResult]) -> list[tuple[TierJob, IOResult]]:
+        """This tier's jobs of the engine's results, which go up as they are (call with the
+        condition held)."""
         out = []
         for r in raw:
-            job = self._by_engine.pop(r.job_id, None)
-            if job is None:
+            job = self._jobs.get(r.job_id)
+            if job is None or not job.at_engine:
                 continue
-            self._jobs.pop(job.id, None)
-            if r.ok and not r.verified:  # the engine's own result, for ``settle``
+            del self._jobs[r.job_id]
+            if r.ok and not r.verified:  # for ``settle``
                 self._unverified[bytes(r.key)] = r
                 while len(self._unverified) > _UNVERIFIED_MAX:  # a caller that never settles
                     self._unverified.popitem(last=False)
-            out.append((job, IOResult(job.id, r.op, r.key, r.ok, r.error, r.slot, r.stored, r.nbytes,
-                                      time.monotonic() - job.submitted, r.verified, r.sums, tier=self.name,
-                                      io_seconds=r.io_seconds)))
+            out.append((job, r))
         return out
 
     def _count(self, r: IOResult, job: TierJob) -> None:
-        count_result(self.metrics, r, job.tokens)
+        count_result(self.metrics, r, job.tokens, time.monotonic() - job.accepted)
 
     def _finish(self, taken: list[tuple[TierJob, IOResult]]) -> list[IOResult]:
         for job, r in taken:
@@ -360,10 +367,9 @@ class EngineTier:
         ids = list(job_ids)
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:  # stores in admission get an engine id (or a result) soon
-            self._cond.wait_for(lambda: all(self._jobs[i].engine_id is not None for i in ids if i in self._jobs),
-                                timeout)
+            self._cond.wait_for(lambda: all(self._jobs[i].at_engine for i in ids if i in self._jobs), timeout)
             done = [self._done.pop(i) for i in ids if i in self._done]
-            eids = [j.engine_id for i in ids if (j := self._jobs.get(i)) is not None and j.engine_id is not None]
+            eids = [i for i in ids if (j := self._jobs.get(i)) is not None and j.at_engine]
         eng = self.engine()
         if not eids or eng is None:
             return done
