@@ -221,10 +221,27 @@ def test_dry_run_sends_no_mutating_request(tmp_path, s3_env, s3_bucket, ceph_lab
     assert dry["journals"] == real["journals"] == 1
 
 
-def _gc_process(url: str, cap: int, env: dict[str, str]) -> subprocess.Popen[str]:
+def _gc_process(url: str, cap: int, env: dict[str, str], out: Path) -> subprocess.Popen[str]:
+    """A ``gc --loop`` process whose stdout and stderr go to ``out``.stdout/.stderr: files, so
+    a loop never blocks on a full pipe while the test is busy storing."""
     return subprocess.Popen([sys.executable, "-m", "tierstore", "gc", url, "--max-bytes", str(cap), "--low-watermark",
-                             "1", "--loop", "0.1", "--json"], cwd=REPO, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "1", "--loop", "0.1", "--json"], cwd=REPO, env={**os.environ, **env, "PYTHONFAULTHANDLER": "1"},
+                            stdout=out.with_suffix(".stdout").open("w"), stderr=out.with_suffix(".stderr").open("w"),
+                            text=True)
+
+
+def _stopped(proc: subprocess.Popen[str], out: Path) -> tuple[str, str]:
+    """A gc loop's (stdout, stderr) once it exited after its SIGINT (the pass in progress ends
+    first: admin/loop_stop.py). One that has not within 60 s is aborted, and the failure shows
+    its threads' stacks (faulthandler): a loop once did not exit, cause unknown."""
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=30)
+        pytest.fail(f"a gc loop did not exit within 60 s of SIGINT; its stacks:\n"
+                    f"{out.with_suffix('.stderr').read_text()[-8000:]}")
+    return out.with_suffix(".stdout").read_text(), out.with_suffix(".stderr").read_text()
 
 
 def _intervals_disjoint(spans: list[tuple[object, object, int]]) -> list[tuple]:
@@ -240,7 +257,7 @@ def test_two_gc_processes_never_hold_the_lease_at_once(tmp_path, s3_env, s3_buck
     sizes = pages_of(url)
     page = max(sizes.values())
     cap = sum(sizes.values()) // 2 + page // 3
-    procs = [_gc_process(url, cap, s3_env) for _ in range(2)]
+    procs = [_gc_process(url, cap, s3_env, tmp_path / f"gc{n}") for n in range(2)]
     writer = tier(tmp_path, "writer-late", url)
     added = 0
     try:  # more pages while both loop: each pass that holds the lease has something to evict
@@ -254,7 +271,7 @@ def test_two_gc_processes_never_hold_the_lease_at_once(tmp_path, s3_env, s3_buck
         writer.close(10)
         for p in procs:
             p.send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=60) for p in procs]
+        outs = [_stopped(p, tmp_path / f"gc{n}") for n, p in enumerate(procs)]
     docs = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outs]
     held = [[d for d in ds if not d.get("busy") and "error" not in d] for ds in docs]
     assert all(held), f"a process never held the lease: {[len(h) for h in held]}; stderr {[e[-500:] for _, e in outs]}"

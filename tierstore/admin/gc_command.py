@@ -27,12 +27,12 @@ import json
 import os
 import stat
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tierstore.admin import metrics_export
+from tierstore.admin.loop_stop import LoopStop
 from tierstore.admin.progress import progress_bar
 from tierstore.admin.render import human_bytes
 from tierstore.config import is_object_url
@@ -228,6 +228,12 @@ def run(args: argparse.Namespace) -> int:
         return _error(args, f"ROOT {escape(root)} is not accessible: {why} (pass the cache root given as \"root\")")
     lease = Lease(root, ttl_s=args.lease_ttl)
     exporter = metrics_export.start(args, root, args.max_bytes)
+    with LoopStop("gc") as stop:
+        return _loop(args, root, lease, exporter, stop)
+
+
+def _loop(args: argparse.Namespace, root: Path, lease: Lease, exporter: Any, stop: LoopStop) -> int:
+    """One pass, or passes every ``args.loop`` seconds until a stop signal (``LoopStop``)."""
     while True:
         try:
             rep = one_pass(args, root, lease)
@@ -235,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
             if args.loop <= 0:
                 raise
             _pass_failed(args, exc, exporter)
-            time.sleep(args.loop)
+            if stop.wait(args.loop):
+                return stop.exit_status()
             continue
         if exporter is not None:
             exporter.update(rep)
@@ -251,4 +258,5 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(format_report(rep, args, root)), flush=True)
         if args.loop <= 0:
             return EXIT_OPERATIONAL if rep.lease_problem else 0
-        time.sleep(args.loop)
+        if stop.wait(args.loop):
+            return stop.exit_status()

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tierstore.admin import metrics_export
 from tierstore.admin.cli import EXIT_OPERATIONAL, EXIT_USAGE, SCHEMAS
+from tierstore.admin.loop_stop import LoopStop
 from tierstore.admin.progress import progress_bar
 from tierstore.config import ObjectLocation
 from tierstore.errors import ConfigError, PageError
@@ -112,6 +112,13 @@ def run(args: argparse.Namespace, render_json: RenderJson, render_text: RenderTe
         print(f"tierstore gc: {exc}", file=sys.stderr)
         return EXIT_USAGE
     exporter = metrics_export.start(args, loc.url, args.max_bytes)  # type: ignore[arg-type]  # a label
+    with LoopStop("gc") as stop:
+        return _loop(args, loc, client, lease, exporter, stop, render_json, render_text)
+
+
+def _loop(args: argparse.Namespace, loc: ObjectLocation, client: ObjectClient, lease: ObjectLease, exporter: Any,
+          stop: LoopStop, render_json: RenderJson, render_text: RenderText) -> int:
+    """One pass, or passes every ``args.loop`` seconds until a stop signal (``LoopStop``)."""
     while True:
         try:
             rep = one_pass(args, loc, client, lease)
@@ -122,7 +129,8 @@ def run(args: argparse.Namespace, render_json: RenderJson, render_text: RenderTe
                  retry_in_s=args.loop)
             if exporter is not None:
                 exporter.failed()
-            time.sleep(args.loop)
+            if stop.wait(args.loop):
+                return stop.exit_status()
             continue
         if exporter is not None:
             exporter.update(rep)
@@ -135,4 +143,5 @@ def run(args: argparse.Namespace, render_json: RenderJson, render_text: RenderTe
             print("\n".join(text_lines(rep, args, loc.url, render_text)), flush=True)
         if args.loop <= 0:
             return 0
-        time.sleep(args.loop)
+        if stop.wait(args.loop):
+            return stop.exit_status()
