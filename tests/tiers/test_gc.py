@@ -115,6 +115,25 @@ def test_trash_grace_and_stale_temps(tmp_path: Path) -> None:
     assert list((tmp_path / TRASH_DIR).iterdir()) == []
 
 
+def test_trash_grace_is_judged_by_the_servers_clock_not_the_evictors(tmp_path: Path) -> None:
+    """A trash entry's name starts with its eviction time by the evicting node's clock; a node
+    whose clock lagged by a day named it a day old. The sweep judges the grace by the time the
+    server gave the rename (the entry's ctime) against the server's now: kept for the grace,
+    swept after it (the old code swept it at once)."""
+    paths = fill(tmp_path, 6)
+    size = paths[0].stat().st_size
+    gc.collect(tmp_path, 3 * size + 2000, low_watermark=1.0, trash_grace_s=30)
+    trash = tmp_path / TRASH_DIR
+    day_ago = time.time_ns() - 86400 * 10**9
+    for entry in sorted(trash.iterdir()):
+        entry.rename(trash / f"{day_ago}.{entry.name.split('.', 1)[1]}")  # as the lagging evictor named it
+    rep = gc.collect(tmp_path, 10 * size, low_watermark=1.0, trash_grace_s=1.5)
+    assert rep.trash_removed == 0 and len(list(trash.iterdir())) == 3
+    time.sleep(1.6)
+    rep = gc.collect(tmp_path, 10 * size, low_watermark=1.0, trash_grace_s=1.5)
+    assert rep.trash_removed == 3 and list(trash.iterdir()) == []
+
+
 def test_open_reader_keeps_whole_page_while_evicted(tmp_path: Path) -> None:
     paths = fill(tmp_path, 2)
     data = paths[0].read_bytes()
@@ -432,7 +451,7 @@ def test_probe_and_lease_files_left_behind_are_removed_once_old(tmp_path: Path,
             assert lease_mod.server_now(root_fd) is not None
         finally:
             os.close(root_fd)
-    left = sorted(set(tmp_path.rglob(".tierstore*")) - before)
+    left = sorted(set(tmp_path.rglob(".tierstore*")) - before - {tmp_path / lease_mod.CLOCK_NAME})  # kept: not a leftover
     assert len(left) == 4, left
     fresh, *old = left
     for path in old:
@@ -440,6 +459,7 @@ def test_probe_and_lease_files_left_behind_are_removed_once_old(tmp_path: Path,
     rep = gc.collect(tmp_path, max_bytes=1 << 40, temp_max_age_s=3600)
     assert not any(p.exists() for p in old) and fresh.exists()
     assert rep.temps_removed == len(old) and rep.other_bytes == 0, rep
+    assert (tmp_path / lease_mod.CLOCK_NAME).exists()  # the clock file is not swept
 
 
 def test_a_silly_renamed_file_at_the_root_does_not_make_it_foreign(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from tiers_helpers import key, store
 
 from tierstore.config import TierStoreConfig
 from tierstore.fs import deadline
-from tierstore.fs.lease import LEASE_NAME
+from tierstore.fs.lease import CLOCK_NAME, LEASE_NAME, server_now
 from tierstore.metrics import MetricsRegistry
 from tierstore.rootstore.engine import IOEngine
 from tierstore.testing.pages import simple_namespace
@@ -40,7 +40,8 @@ def full_export(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a size-capped tmpfs needs root")
     export = tmp_path / "export"
     export.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={EXPORT_BYTES}", "tmpfs", str(export)],
+    # a few inodes too, so a test can use the last of them up quickly
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={EXPORT_BYTES},nr_inodes=2048", "tmpfs", str(export)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
@@ -112,3 +113,29 @@ def test_gc_heals_a_full_export_and_stores_resume_within_one_probe(full_export: 
         assert resumed - gc_done <= PROBE_S + 1.0, resumed - gc_done
     finally:
         tier.close()
+
+
+def test_the_servers_clock_is_read_on_a_full_export(full_export: Path) -> None:
+    """A lease is judged by the server's clock; on a full export no probe byte fits, and the
+    old code fell back to this node's clock exactly there. Now a file's times are set to the
+    server's now (no space needed): the probe file itself when it could be created, else the
+    kept clock file, which an earlier call on a healthy export created."""
+    root = full_export / "root"
+    root.mkdir()
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert server_now(root_fd) is not None  # healthy: the probe; the clock file kept
+        assert (root / CLOCK_NAME).exists()
+        _fill(full_export / "filler")
+        before = time.time()
+        now = server_now(root_fd)
+        assert now is not None and before - 2 <= now <= time.time() + 2  # tmpfs: the server is this host
+        assert [p.name for p in root.iterdir()] == [CLOCK_NAME]  # no probe file left behind
+        while True:  # and with no inode left either: only the kept clock file answers
+            try:
+                (full_export / f"inode{time.monotonic_ns()}").touch()
+            except OSError:
+                break
+        assert server_now(root_fd) is not None
+    finally:
+        os.close(root_fd)

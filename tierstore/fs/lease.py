@@ -11,8 +11,9 @@ Expiry is judged by the server's clock, never a client's: a lease lives until it
 (set by the file server when the holder published or renewed it) plus its ``ttl`` plus
 ``skew_s`` (mtime granularity, a slow rename), compared with the server's "now": the mtime of a
 file this node has just written under the root (``server_now``: a probe file, created, written,
-fstat'ed and removed). A node whose clock lags or runs ahead therefore neither takes a live
-lease nor keeps a dead one. ``expires`` (the writer's clock) is still written for older
+fstat'ed and removed; on a full or over-quota export, where no byte fits, a file's times set to
+the server's own now, which needs no space). A node whose clock lags or runs ahead therefore
+neither takes a live lease nor keeps a dead one. ``expires`` (the writer's clock) is still written for older
 tierstore versions; a lease without ``ttl`` (written by one of them) is judged by it against
 this node's clock, as they judge it.
 
@@ -38,6 +39,7 @@ Threading: a ``Lease`` object belongs to one thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -55,26 +57,57 @@ LEASE_NAME = ".tierstore-gc.lease"
 MAX_LEASE_BYTES = 4096
 MAX_TTL_S = 86400.0  # a lease claiming longer is garbage (a holder renews every ttl/3)
 _CLOCK_PREFIX = f"{LEASE_NAME}.clock."  # the server-clock probe files (reserved names: walks skip them)
+# a file kept under the root whose times are set to the server's now where no byte fits (server_now);
+# a reserved name outside the probes' prefix, which gc sweeps once old
+CLOCK_NAME = ".tierstore-gc.clock"
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def server_now(root_fd: int) -> float | None:
     """The file server's clock now: the mtime of a probe file just created and written under
-    the root (the server sets it), which is then removed. None when no file can be written
-    there (the caller falls back to this node's clock; it cannot publish a lease either)."""
+    the root (the server sets it), which is then removed. Where the export is full or over a
+    quota (ENOSPC, EDQUOT: gc needs the server's clock most there), a file's times are set to
+    the server's own now instead (``_touched``): the probe file when it could be created, else
+    ``CLOCK_NAME``, kept under the root for this. None when neither works (a read-only export:
+    the caller falls back to this node's clock; it cannot publish a lease either)."""
     name = f"{_CLOCK_PREFIX}{uuid.uuid4().hex[:12]}.tmp"
     try:
         fd = safefs.create_file(name, root_fd)
-    except OSError:
-        return None
+    except OSError as exc:
+        return _touched(CLOCK_NAME, root_fd) if exc.errno in _NO_SPACE else None
     try:
         os.write(fd, b"t")
-        return os.fstat(fd).st_mtime_ns / 1e9  # NFS flushes the write first: the server's mtime
-    except OSError:
-        return None
+        now: float | None = os.fstat(fd).st_mtime_ns / 1e9  # NFS flushes the write first: the server's mtime
+    except OSError as exc:
+        now = _touched(fd, root_fd) if exc.errno in _NO_SPACE else None
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=root_fd)
+    if now is not None:
+        _touched(CLOCK_NAME, root_fd, create_only=True)  # kept for the day the export is full
+    return now
+
+
+def _touched(target: int | str, root_fd: int, *, create_only: bool = False) -> float | None:
+    """Set ``target``'s times (an open fd, or a name under the root, created empty if missing:
+    no data block needed) to the server's now and return it: ``futimens`` with no times, which an
+    NFS client sends as "set to the server's time". None on any error. ``create_only``: only
+    make sure the named file exists."""
+    fd = target if isinstance(target, int) else None
+    try:
+        if fd is None:
+            fd = os.open(str(target), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
+                         dir_fd=root_fd)  # O_NONBLOCK: a FIFO planted there never blocks the open
+            if create_only:
+                return None
+        os.utime(fd)
+        return os.fstat(fd).st_mtime_ns / 1e9
+    except OSError:
+        return None
+    finally:
+        if fd is not None and fd != target:
+            os.close(fd)
 
 
 def _reject_constant(name: str) -> float:

@@ -52,7 +52,7 @@ from tierstore.errors import SPACE_ERRNOS
 from tierstore.fs import safefs
 from tierstore.fs.deadline import note_space_freed
 from tierstore.fs.display import escape
-from tierstore.fs.lease import Lease
+from tierstore.fs.lease import Lease, server_now
 from tierstore.fs.mapper import (
     NAMESPACE_DIR_RE,
     RESERVED_PREFIX,
@@ -208,7 +208,7 @@ def _collect_locked(root_fd: int, max_bytes: int, low_watermark: float, grace_s:
         return
     try:
         if trash_fd >= 0:
-            sweep_trash(trash_fd, grace_s, rep)
+            sweep_trash(trash_fd, grace_s, rep, server_now(root_fd) if grace_s > 0 and not rep.dry_run else None)
         pages = scan(root_fd, temp_max_age_s, rep, lease)
         # Only what gc can free counts; evicted pages wait in the trash for the grace period and
         # are counted again by the next pass until they are unlinked.

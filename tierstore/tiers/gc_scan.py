@@ -113,17 +113,23 @@ def _page_key(parts: tuple[str, ...], name: str) -> bytes | None:
     return None
 
 
-def sweep_trash(trash_fd: int, grace_s: float, rep: GcReport) -> None:
-    """Unlink the trash entries evicted at least ``grace_s`` ago (their names start with the
-    eviction time in ns); count the others' bytes in ``rep.trash_bytes``."""
+def sweep_trash(trash_fd: int, grace_s: float, rep: GcReport, server_now: float | None = None) -> None:
+    """Unlink the trash entries evicted at least ``grace_s`` ago; count the others' bytes in
+    ``rep.trash_bytes``. With the file server's clock (``server_now``, ``fs.lease.server_now``)
+    an entry's eviction time is its ctime, which the server set when the page was renamed into
+    the trash: one clock, whoever evicted it. Without it, the time its name starts with (the
+    evicting node's clock, in ns) against this node's: a node whose clock lags another's by more
+    than the grace would sweep the other's fresh evictions at once."""
     dry = rep.dry_run
-    now = time.time_ns()
+    now = time.time_ns() if server_now is None else int(server_now * 1e9)
     for name, st in safefs.list_dir(trash_fd):
         if not stat.S_ISREG(st.st_mode):
             note_unsafe(rep, f"{TRASH_DIR}/{name}", "not a regular file in the trash")
             continue
         born_text = name.split(".", 1)[0]  # names start with the eviction time in ns
         born = int(born_text) if born_text.isascii() and born_text.isdigit() and len(born_text) <= 20 else 0
+        if server_now is not None:
+            born = st.st_ctime_ns
         size = _file_bytes(st)
         if now - born >= grace_s * 1e9:
             try:
