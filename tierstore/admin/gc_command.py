@@ -3,8 +3,8 @@
 Contract: ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status of the shared
 table in cli.py: 0 done, also when another node holds the lease; 2 a bad value; 8 ROOT
 missing, not a cache directory, or a bad lease path). One pass by default; ``--loop SECONDS``
-runs a pass every SECONDS until interrupted (``one_pass`` is the unit a metrics exporter hooks
-into). Output: text on stdout, sizes human-readable; ``--json`` prints one JSON document per
+runs a pass every SECONDS until SIGTERM (exit 0) or SIGINT (32), which stop it after the pass
+in progress (admin/loop_stop.py; ``one_pass`` is the unit a metrics exporter hooks into). Output: text on stdout, sizes human-readable; ``--json`` prints one JSON document per
 pass (JSON lines with ``--loop``) with the schema key ``tierstore_gc``, exact bytes (file
 bytes, ``st_size``, the same meaning as ``tierstore stats``), times as ISO 8601 UTC
 (``started_at``, ``finished_at``) and durations in seconds. Errors go to stderr and say what to

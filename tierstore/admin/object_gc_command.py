@@ -5,7 +5,8 @@ ROOT to ``run`` here with its two renderers, so the JSON document and the text l
 directory command's): exit 0 done (also when another node holds the lease), 2 a bad value or
 a flag with no meaning on an object tier, 8 an operational error (the endpoint failed, a
 prefix that is not a cache). ``--loop``, ``--json``, ``--dry-run``, ``--progress``,
-``--lease-ttl`` and ``--metrics-*`` work as on a directory; ``--trash-grace`` (a delete is
+``--lease-ttl`` and ``--metrics-*`` work as on a directory (a loop stops after the pass in
+progress on SIGTERM or SIGINT: admin/loop_stop.py); ``--trash-grace`` (a delete is
 immediate: no trash) and ``--temp-max-age`` (an object store has no temps) are refused when
 given other values than their defaults; ``--evict-threads`` is ignored (one ``DeleteObjects``
 of up to 1,000 keys at a time). The JSON document carries the object pass's fields too
