@@ -276,8 +276,9 @@ def run_in_guest(command: str, results: Path, *, timeout_s: float = 420.0, memor
         except _BootHung:
             if attempt < BOOT_ATTEMPTS and time.monotonic() < deadline:
                 continue
-            raise GuestError(f"{attempt} boots of the guest did not start the job within {boot_deadline_s:.0f} s "
-                             f"each; console tail:\n{_tail(results / 'console.log')}") from None
+            raise GuestError(f"the guest did not start the job within {boot_deadline_s:g} s of a boot, in any of "
+                             f"{attempt} boots (a starved host, or a broken guest: run tools/nfs-guest.sh); "
+                             f"console tail:\n{_tail(results / 'console.log')}") from None
         except subprocess.TimeoutExpired:
             raise GuestError(f"the guest ran past {timeout_s:.0f} s; job log tail:\n"
                              f"{_tail(results / 'guest.log')}\nconsole tail:\n"
