@@ -14,7 +14,11 @@ Contract:
   runs ``probe()`` every ``interval_s`` under the deadline until it succeeds, then marks the
   tier up again: a mount that comes back brings its tier back without a restart. ``changes``
   keeps the last 64 changes as (monotonic time, up) for whoever reports them (``transitions``
-  counts them all).
+  counts them all). A ``Health`` made with ``root=`` is one of that root's healths in this
+  process (the shared tier of each group and rank, the scheduler index's): when one goes down
+  it marks the others down at once, so an outage costs one deadline per root and process, not
+  one per group and rank, and the index stops promising hits from the root as soon as a worker
+  in its process finds it down. Each comes back up by its own probe.
 - ``SpaceBackoff`` is a tier's "full" state: after ENOSPC/EDQUOT (``note_full``) stores to the
   tier are skipped (``skip_store``) instead of each failing on the file system, except one
   trial store every ``probe_s`` (5 s): its success ends the episode, so stores resume within
@@ -91,12 +95,21 @@ class DeadlineRunner:
         return True
 
 
+# root (an absolute path, not resolved: a resolve would block on a hung mount) -> its healths here
+_ROOT_HEALTHS: dict[str, weakref.WeakSet[Health]] = {}
+_ROOT_HEALTHS_LOCK = threading.Lock()
+
+
 class Health:
     """Up/down state of a tier with a self-healing probe (see the module docstring)."""
 
     def __init__(self, name: str, probe: Callable[[], object], deadline_s: float, interval_s: float = 1.0,
-                 on_change: Callable[[bool], None] | None = None) -> None:
+                 on_change: Callable[[bool], None] | None = None, root: str | os.PathLike[str] | None = None) -> None:
         self.name = name
+        self._root = os.path.abspath(root) if root is not None else None
+        if self._root is not None:
+            with _ROOT_HEALTHS_LOCK:
+                _ROOT_HEALTHS.setdefault(self._root, weakref.WeakSet()).add(self)
         self._probe = probe
         self.deadline_s = deadline_s
         self.interval_s = interval_s
@@ -114,9 +127,13 @@ class Health:
     def up(self) -> bool:
         return self._up
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, *, from_peer: bool = False) -> None:
+        """Down (the probe thread brings it back); ``from_peer``: another health of this root
+        went down (module docstring), which is not passed on again."""
+        went_down = False
         with self._lock:
             if self._up:
+                went_down = True
                 self._up = False
                 self.down_since = time.monotonic()
                 self.transitions += 1
@@ -128,6 +145,11 @@ class Health:
             if self._prober is None or not self._prober.is_alive():
                 self._prober = threading.Thread(target=self._probe_loop, name=f"tierstore-health:{self.name}", daemon=True)
                 self._prober.start()
+        if went_down and not from_peer and self._root is not None:
+            with _ROOT_HEALTHS_LOCK:
+                peers = [h for h in _ROOT_HEALTHS.get(self._root, ()) if h is not self]
+            for peer in peers:  # outside our lock: a peer's hooks take their own tier's locks
+                peer.mark_down(f"{reason} (found by {self.name} on the same root)", from_peer=True)
 
     def mark_up(self) -> None:
         with self._lock:

@@ -171,7 +171,7 @@ class IndexedLookup:
             listed = None
         else:  # the worker's probe (fs.deadline.probe_root): a stat is answered by an NFS client's cache
             health = Health("shared root (scheduler lookups)", probe=lambda: probe_root(Path(shared_root)),
-                            deadline_s=deadline_s, on_change=self._health_changed)
+                            deadline_s=deadline_s, on_change=self._health_changed, root=shared_root)
             self.shared = TierIndexes("shared", shared_mappers, health, self._removed)
         if listed is not None:
             self.listed = listed.tier_indexes(per_rank(listed.mappers), self._listed_health_changed, self._removed)

@@ -100,7 +100,8 @@ class SharedTier(EngineTier):
         self._up_token = object()  # this tier's entry in metrics' up gauge
         self._up_lock = threading.Lock()  # read the state and publish it as one step
         self._up_closed = False  # closed: the gauge entry is withdrawn for good
-        self.health = Health(name, self._probe, self.deadline_s, on_change=self._health_changed)
+        # one of the root's healths in this process: the first to find it down marks the others
+        self.health = Health(name, self._probe, self.deadline_s, on_change=self._health_changed, root=self.root)
         self._stat_runner = DeadlineRunner("shared-stat", max_inflight=4)
         self._touch_runner = DeadlineRunner("shared-touch", max_inflight=2)
         self._touched: dict[bytes, float] = {}
