@@ -67,47 +67,51 @@ def server_now(root_fd: int) -> float | None:
     """The file server's clock now: the mtime of a probe file just created and written under
     the root (the server sets it), which is then removed. Where the export is full or over a
     quota (ENOSPC, EDQUOT: gc needs the server's clock most there), a file's times are set to
-    the server's own now instead (``_touched``): the probe file when it could be created, else
-    ``CLOCK_NAME``, kept under the root for this. None when neither works (a read-only export:
-    the caller falls back to this node's clock; it cannot publish a lease either)."""
+    the server's own now instead (``_server_time_of``): the probe file when it could be created,
+    else ``CLOCK_NAME``, kept under the root for this. None when neither works (a read-only
+    export: the caller falls back to this node's clock; it cannot publish a lease either)."""
     name = f"{_CLOCK_PREFIX}{uuid.uuid4().hex[:12]}.tmp"
     try:
         fd = safefs.create_file(name, root_fd)
     except OSError as exc:
-        return _touched(CLOCK_NAME, root_fd) if exc.errno in _NO_SPACE else None
+        if exc.errno not in _NO_SPACE or (clock_fd := _open_clock_file(root_fd)) is None:
+            return None
+        try:
+            return _server_time_of(clock_fd)
+        finally:
+            os.close(clock_fd)
     try:
         os.write(fd, b"t")
         now: float | None = os.fstat(fd).st_mtime_ns / 1e9  # NFS flushes the write first: the server's mtime
     except OSError as exc:
-        now = _touched(fd, root_fd) if exc.errno in _NO_SPACE else None
+        now = _server_time_of(fd) if exc.errno in _NO_SPACE else None
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=root_fd)
-    if now is not None:
-        _touched(CLOCK_NAME, root_fd, create_only=True)  # kept for the day the export is full
+    if now is not None and (clock_fd := _open_clock_file(root_fd)) is not None:
+        os.close(clock_fd)  # the clock file kept for the day the export is full
     return now
 
 
-def _touched(target: int | str, root_fd: int, *, create_only: bool = False) -> float | None:
-    """Set ``target``'s times (an open fd, or a name under the root, created empty if missing:
-    no data block needed) to the server's now and return it: ``futimens`` with no times, which an
-    NFS client sends as "set to the server's time". None on any error. ``create_only``: only
-    make sure the named file exists."""
-    fd = target if isinstance(target, int) else None
+def _open_clock_file(root_fd: int) -> int | None:
+    """``CLOCK_NAME`` under the root, created empty if missing (no data block needed); None on
+    any error. O_NONBLOCK: a FIFO planted there never blocks the open."""
     try:
-        if fd is None:
-            fd = os.open(str(target), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
-                         dir_fd=root_fd)  # O_NONBLOCK: a FIFO planted there never blocks the open
-            if create_only:
-                return None
+        return os.open(CLOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
+                       dir_fd=root_fd)
+    except OSError:
+        return None
+
+
+def _server_time_of(fd: int) -> float | None:
+    """Set ``fd``'s times to the server's now and return it: ``futimens`` with no times, which
+    an NFS client sends as "set to the server's time"; no space needed. None on any error."""
+    try:
         os.utime(fd)
         return os.fstat(fd).st_mtime_ns / 1e9
     except OSError:
         return None
-    finally:
-        if fd is not None and fd != target:
-            os.close(fd)
 
 
 def _reject_constant(name: str) -> float:

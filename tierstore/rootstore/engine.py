@@ -424,8 +424,8 @@ class IOEngine:
         self.counters.finished(job.id, job.op, None if error is None else error.kind, stored, nbytes, seconds,
                                Served(job.key, job.slot.source, nbytes, seconds) if unverified else None)
         return IOResult(job.id, job.op, job.key, ok, error, result_slot, stored, nbytes,
-                        seconds + (job.accepted - job.submitted), verified=not unverified, sums=job.sums if unverified else None, tier=self.tier_name,
-                        io_seconds=job.io_seconds)
+                        seconds + (job.accepted - job.submitted), verified=not unverified,
+                        sums=job.sums if unverified else None, tier=self.tier_name, io_seconds=job.io_seconds)
 
     def _after_run(self, job: Job, accepted: bool, error: PageError | None) -> None:
         """The I/O thread owned the slot: back to the pool unless the caller got it with a page."""

@@ -113,6 +113,13 @@ def _page_key(parts: tuple[str, ...], name: str) -> bytes | None:
     return None
 
 
+def _named_eviction_ns(name: str) -> int:
+    """The eviction time a trash entry's name starts with (the evicting node's clock, ns); 0
+    for a name that does not start with one."""
+    born_text = name.split(".", 1)[0]
+    return int(born_text) if born_text.isascii() and born_text.isdigit() and len(born_text) <= 20 else 0
+
+
 def sweep_trash(trash_fd: int, grace_s: float, rep: GcReport, server_now: float | None = None) -> None:
     """Unlink the trash entries evicted at least ``grace_s`` ago; count the others' bytes in
     ``rep.trash_bytes``. With the file server's clock (``server_now``, ``fs.lease.server_now``)
@@ -126,10 +133,7 @@ def sweep_trash(trash_fd: int, grace_s: float, rep: GcReport, server_now: float 
         if not stat.S_ISREG(st.st_mode):
             note_unsafe(rep, f"{TRASH_DIR}/{name}", "not a regular file in the trash")
             continue
-        born_text = name.split(".", 1)[0]  # names start with the eviction time in ns
-        born = int(born_text) if born_text.isascii() and born_text.isdigit() and len(born_text) <= 20 else 0
-        if server_now is not None:
-            born = st.st_ctime_ns
+        born = st.st_ctime_ns if server_now is not None else _named_eviction_ns(name)
         size = _file_bytes(st)
         if now - born >= grace_s * 1e9:
             try:
