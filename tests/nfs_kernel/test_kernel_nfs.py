@@ -28,7 +28,7 @@ REPO = HERE.parents[1]
 # a normal run takes 6-7 minutes alone; beside a busy CI worker 9.5-11.7 minutes were measured
 GUEST_TIMEOUT_S = 1200.0
 OUTAGE_S = 120.0
-SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h")
+SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j")
 # the guest's boot and scenarios run in the first test's setup: past pytest's 600 s default on a
 # busy CI worker (one more worker runs the rest of the suite beside it)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(GUEST_TIMEOUT_S + 120)]
@@ -41,7 +41,10 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     if reason:
         pytest.skip(f"kernel-NFS guest unavailable: {reason}")
     results = tmp_path_factory.mktemp("nfs_kernel")
-    command = (f"TIERSTORE_NATIVE=0 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH={shlex.quote(str(REPO))} "
+    # the host's checkout is read-only in the guest: numba's cache of the native kernels (compiled
+    # there for the guest's CPU, ~80 s under emulation) goes to the results share
+    command = (f"NUMBA_CACHE_DIR={shlex.quote(str(results / 'numba'))} PYTHONDONTWRITEBYTECODE=1 "
+               f"PYTHONPATH={shlex.quote(str(REPO))} "
                f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'node.py'))} "
                f"--results {shlex.quote(str(results))} --only {','.join(SCENARIOS)} --outage {OUTAGE_S} "
                f"2> {shlex.quote(str(results / 'node.stderr'))}")
@@ -52,15 +55,17 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
         pytest.fail(f"the kernel-NFS guest failed: {exc}")
     stderr = (results / "node.stderr").read_text(errors="replace")
     assert run.rc == 0, f"node.py exited {run.rc}:\n{run.log[-3000:]}\n{stderr[-3000:]}"
-    out = {}
+    native = json.loads((results / "native.json").read_text()) if (results / "native.json").exists() else None
+    assert native and native["ready"], f"the native kernels did not load in the guest: {native}\n{stderr[-3000:]}"
+    out = {"native": native}
     for name in SCENARIOS:
         path = results / f"{name}.json"
         assert path.exists(), f"scenario {name} wrote no result:\n{run.log[-3000:]}\n{stderr[-3000:]}"
         out[name] = json.loads(path.read_text())
-    print(json.dumps({"guest_wall_s": round(run.wall_s, 1), "boot_s": run.boot_s,
+    print(json.dumps({"guest_wall_s": round(run.wall_s, 1), "boot_s": run.boot_s, "native": native,
                       "host_wall_s": round(time.monotonic() - started, 1),
                       "imports_done_at_uptime_s": (results / "imported_s").read_text().strip(),
-                      "scenario_s": {k: v.get("seconds") for k, v in out.items()}}))
+                      "scenario_s": {k: v.get("seconds") for k, v in out.items() if k in SCENARIOS}}))
     return out
 
 
@@ -106,6 +111,37 @@ def test_concurrent_store_load_with_gc_serves_no_wrong_page(scenarios: dict[str,
     assert a["gc"]["evicted"] > 0, a["gc"]  # gc did evict while the nodes worked
 
 
+# the scenarios whose nodes run page I/O, and so both I/O loops (node.py's ``io_loop``)
+LOOP_SCENARIOS = ("a", "b", "c", "d", "f", "h", "i", "j")
+
+
+def test_every_scenario_runs_both_io_loops(scenarios: dict[str, dict[str, Any]]) -> None:
+    """The engine's two I/O loops on real NFS: in every scenario with page I/O, nodes alternate
+    ``io_loop`` native (the default: the compiled lane, its held directory fd and its own error
+    paths) and python, so each scenario's assertions hold for both. Here: a native node's NFS
+    tier really ran jobs in the lane (it starts only once the kernels are compiled, and steps
+    aside for jobs it cannot take), a python node's none."""
+    ran: dict[str, dict[str, dict[str, int]]] = {}
+    for letter in LOOP_SCENARIOS:
+        result = _ok(scenarios[letter])
+        if "skipped" in result:
+            continue
+        loops = set()
+        for name, node in result["nodes"].items():
+            if "jobs" not in node:
+                continue
+            tier = "shared" if "shared" in node["jobs"] else "root"
+            jobs = node["jobs"][tier]
+            ran[f"{letter}:{name}"] = {"io_loop": node["io_loop"], **jobs}
+            loops.add(node["io_loop"])
+            if node["io_loop"] == "native":
+                assert jobs["native_loop"] > 0, (letter, name, node["jobs"])
+            else:
+                assert jobs["native_loop"] == 0 and jobs["run"] > 0, (letter, name, node["jobs"])
+        assert loops == {"native", "python"}, (letter, loops)
+    print(json.dumps(ran, indent=1))
+
+
 def test_rm_rf_namespace_every_open_engine_hits_again(scenarios: dict[str, dict[str, Any]]) -> None:
     """Defect 3: after `rm -rf ROOT/<namespace>` by node B's client and a new engine on B
     storing the pages again, node A's and node B's still-open engines hit every page again
@@ -124,17 +160,19 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     """The server stopped for 2 minutes under load, four nodes on the four kinds of mount (A
     soft v3, B hard v4.2, C hard v3, D soft v4.2): no load or store returns later than
     deadline + 1 s (plus the guest's own delay at that moment: emulated vCPUs beside a busy CI
-    worker fall behind. It is measured twice: a thread that sleeps 50 ms at a time, and a
-    control node in the same process, a fleet chain whose shared root is on the guest's tmpfs,
-    making the nodes' calls through the same threads with no NFS under them), failures are
+    worker fall behind, as measured by a control process beside the nodes': a fleet chain whose
+    shared root is on the guest's tmpfs, making the nodes' calls with no NFS under them, and a
+    thread that sleeps 50 ms at a time; not by the nodes' own process), failures are
     typed (EIO only on a soft mount), no thread stays blocked, the shared tier never comes up
     while the server is stopped, and every node hits and stores on the shared tier again once
-    the server is back. Two engines started 10 s into the outage (a fleet chain on the hard
-    v4.2 mount, a lone root on the hard v3 one) start within
+    the server is back. Three engines started 10 s into the outage (fleet chains on the hard
+    v4.2 and soft v4.2 mounts, one per I/O loop, a lone root on the hard v3 one) start within
     deadline + 2 s, answer every call within deadline + 1 s (the lone root: ``timeout``, "tier is
-    down"; the chain: misses, stores to its local tier) and serve within 150 s of the restart
-    (a hard mount retries its RPCs a minute apart).
-    The scheduler side's lookups (node A's index, a step every 0.1 s) never wait on the mount."""
+    down"; the chains: misses, stores to its local tier) and serve within 150 s of the restart
+    (a hard mount retries its RPCs a minute apart); the pages the chains stored locally during
+    the outage reach the export afterwards (the shared backlog).
+    The scheduler side's lookups (node A's index, a step every 0.1 s) never wait on the mount:
+    no step over 0.5 s that the control process does not excuse."""
     c = _ok(scenarios["c"])
     print(json.dumps({k: v for k, v in c.items() if k != "nodes"} | {"nodes": _figures(c["nodes"])}, indent=1))
     typed = {"missing", "timeout", "down", "queue_full"}
@@ -148,12 +186,11 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     assert outcomes["hit"] >= 0.9 * outcomes["loads"] and outcomes["stores_ok"] == outcomes["stores"], control
     for name, node in c["nodes"].items():
         # deadline + 1 s at most, unless the guest itself could not run the threads that long:
-        # a call is excused only by as much as a sleeping thread overslept, or a call of the
-        # tmpfs control node took, during it (a call that waited on its mount is still blamed)
+        # a call is excused only by as much as the control process was slow during it (a call of
+        # its tmpfs node, or its sleeping thread's oversleep): a call that waited on its mount, or
+        # on a stall of the nodes' own process, is still blamed
         assert node["late_count"] <= len(node["late"]), (name, node)
-        blamed = [call for call in node["late"]
-                  if call["seconds"] - (c["deadline_s"] + 1.0) > max(call.get("oversleep_s", 0.0),
-                                                                      call.get("control_s", 0.0))]
+        blamed = [call for call in node["late"] if call["seconds"] - (c["deadline_s"] + 1.0) > call.get("control_s", 0.0)]
         assert not blamed, (name, blamed, c["oversleep"], c.get("control_calls"), node.get("late_stacks"))
         assert node["counts"].get("wrong", 0) == 0, name
         kinds = {k.split(":", 1)[1] for k in node["failures"]}
@@ -179,26 +216,31 @@ def test_server_stopped_no_call_past_its_deadline(scenarios: dict[str, dict[str,
     shared_failures = {name: c["nodes"][name]["tiers"]["shared"]["failures"] for name in c["recovered_after_restart_s"]}
     assert all(f.get("timeout", 0) + f.get("down", 0) > 0 for f in shared_failures.values()), shared_failures
     new = c["new_engines"]
-    assert set(new["open_s"]) == {"new_chain", "new_root"}, new
+    assert set(new["open_s"]) == {"new_chain", "new_root", "new_chain_py"}, new
     # within deadline + 2 s, excused (as a late call is) by what the guest lost during the open: a
     # CI run beside two Ceph labs opened the chain in 4.88 s
     assert all(s < new["start_limit_s"] + new["open_excuse_s"][n] for n, s in new["open_s"].items()), new
     assert new["outage_loads"]["new_root"] == {"timeout": 5}, new["outage_loads"]  # "root tier is down", at once
     assert new["outage_stores"]["new_root"] == {"timeout": 5}, new["outage_stores"]
-    assert new["outage_loads"]["new_chain"] == {"miss": 5}, new["outage_loads"]
-    assert new["outage_stores"]["new_chain"] == {"ok": 5}, new["outage_stores"]
-    assert new["outage_stored_on"]["new_chain"] == {"stored_on:local": 5}, new["outage_stored_on"]
+    for chain in ("new_chain", "new_chain_py"):
+        assert new["outage_loads"][chain] == {"miss": 5}, new["outage_loads"]
+        assert new["outage_stores"][chain] == {"ok": 5}, new["outage_stores"]
+        assert new["outage_stored_on"][chain] == {"stored_on:local": 5}, new["outage_stored_on"]
     assert all(s is not None for s in new["serve_after_restart_s"].values()), new["serve_after_restart_s"]
+    # the pages the chains stored locally while the export was down reach it afterwards (their
+    # backlogs), with nobody storing them again
+    backlog = new["backlog"]
+    assert backlog["on_export"] == {"new_chain": 5, "new_chain_py": 5}, backlog
+    assert all(s is not None for s in backlog["on_export_after_restart_s"].values()), backlog
     # the scheduler thread's lookups never wait on the hung mount (a wait would last the
-    # deadline, or the whole outage): a step longer than the 2 s deadline is excused only by as
-    # much as the guest delayed its other threads during it (a CI run: a 3.98 s step while a
-    # sleeping thread overslept 2.65 s and a tmpfs control call took 7.8 s), as the calls are
+    # deadline, or the whole outage): a step longer than its bound (0.5 s; steps measure 50-90 ms
+    # under emulation) is excused only by as much as the control process was slowed at the same
+    # time (a CI run: a 3.98 s step while a tmpfs control call took 7.8 s), as the calls are
     steps = c["scheduler_steps"]
     assert steps["steps_during_outage"] > 100 and not steps["thread_stuck"], steps
-    blamed = [s for s in steps["steps_over_deadline"]
-              if s["seconds"] - c["deadline_s"] > max(s["oversleep_s"], s["control_s"])]
-    assert not blamed, (blamed, steps, c["oversleep"])
-    assert steps["p99_step_ms"] < 1000 * c["deadline_s"], steps
+    blamed = [s for s in steps["steps_over_bound"] if s["seconds"] - steps["bound_s"] > s["control_s"]]
+    assert not blamed, (blamed, steps, c["control_calls"])
+    assert steps["p99_step_ms"] < 1000 * steps["bound_s"], steps
 
 
 def test_full_export_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[str, Any]]) -> None:
@@ -295,7 +337,9 @@ def test_page_index_refresh_server_operations(scenarios: dict[str, dict[str, Any
 def test_quota_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[str, Any]]) -> None:
     """A user quota on the export (ext4 with quota in the guest; every request squashed to one
     user): stores past it fail as `enospc` with errno EDQUOT on both nodes (v3, v4.2), and the
-    pages stored before it still verify."""
+    pages stored before it still verify; `tierstore gc` over the quota, nobody deleting a file,
+    exits 0 having evicted to its cap, and both nodes store again within one trial-store
+    interval plus the guest's slack."""
     h = _ok(scenarios["h"])
     if "skipped" in h:
         pytest.skip(h["skipped"])
@@ -309,3 +353,50 @@ def test_quota_stores_fail_typed_loads_still_verify(scenarios: dict[str, dict[st
         # skipped by the tier's "full" back-off, whose error names the same cause
         assert node["errnos"] == {"EDQUOT": 4}, node["errnos"]
         assert node["tiers"]["root"]["failures"].get("full", 0) == 3, node["tiers"]["root"]["failures"]
+        # gc over the quota (as the quota's user) made room; the node stored again at its tier's
+        # next trial store (every 5 s)
+        again = h["stores_again_after_freeing_s"][name]
+        assert again is not None and again <= 5.0 + 5.0, (again, h["stores_after_freeing"])
+    gc_pass = h["gc"]
+    assert gc_pass["rc"] == 0 and gc_pass["report"] and gc_pass["report"]["evicted"] >= 1, gc_pass
+    assert gc_pass["report"]["total_after"] <= gc_pass["cap"], gc_pass
+    # not one block was left: the lease could not be written, so gc made room without it first
+    assert gc_pass["report"]["room_evicted"] >= 1, gc_pass
+
+
+def test_reader_side_estale_is_a_typed_miss_and_counted(scenarios: dict[str, dict[str, Any]]) -> None:
+    """Reader-side ESTALE from a third client: nodes load two 16 MiB pages over and over (v3:
+    one node per I/O loop; v4.2: native) while another client replaces the page files (a rename
+    over each, several times a second) and now and then removes one. Every load is the right
+    page or a typed miss; the python loop's v3 node meets ESTALE (a read on a handle whose file
+    the server no longer has) and counts it, in its tier's ``estale`` failures as in the errnos
+    of its misses. The native lane hands a failed read to the Python path, which opens the name
+    again: a replaced page is then served, and only a stale read of that second try is counted
+    (the lane's own is not: printed). v4.2's open state keeps a replaced file readable."""
+    i = _ok(scenarios["i"])
+    print(json.dumps({k: v for k, v in i.items() if k != "nodes"} | {"nodes": _figures(i["nodes"])}
+                     | {"errnos": {n: v["errnos"] for n, v in i["nodes"].items()}}, indent=1))
+    assert i["stored"] == i["pages"] and i["churn"].get("replaced", 0) > 50, i["churn"]
+    for name, node in i["nodes"].items():
+        assert node["counts"].get("wrong", 0) == 0, name
+        assert node["counts"].get("hit", 0) > 0, (name, node["counts"])
+        kinds = {k.split(":", 1)[1] for k in node["failures"]}
+        assert kinds <= {"missing", "unsafe"}, (name, node["failures"])  # "unsafe": scenario a's link window
+        assert i["estale_metric"][name] == node["estale"], (name, node["errnos"], i["estale_metric"])
+    assert i["nodes"]["a"]["estale"] > 0, i["nodes"]["a"]["errnos"]
+
+
+def test_the_hot_set_survives_gc_on_a_long_lived_client(scenarios: dict[str, dict[str, Any]]) -> None:
+    """A long-lived node (v3, default caching) hits a hot set of 10 of its 40 pages from its
+    local tier, round after round, after every page was made an hour old on the server; gc to
+    half the bytes, run by another long-lived client (v4.2, default caching) that had read every
+    page's old attributes, keeps at least 95 % of the hot set, and a fresh node hits it. The hot
+    set's hits came from the local tier, so the shared copies' stamps are the chain's touches."""
+    j = _ok(scenarios["j"])
+    print(json.dumps({k: v for k, v in j.items() if k != "nodes"} | {"nodes": _figures(j["nodes"])}, indent=1))
+    assert j["stored"] == j["pages"] and j["cached_old_on_gc_client"] == j["pages"], j
+    assert j["hot_loads"] == {"hit": 4 * j["hot"]} and j["local_hits"] >= 4 * j["hot"], j
+    assert j["stamped"] == j["hot"], j
+    assert j["gc"]["rc"] == 0 and j["gc"]["evicted"] >= j["pages"] // 2 - 1, j["gc"]
+    assert j["hot_on_export_after_gc"] >= 0.95 * j["hot"], j
+    assert j["fresh_node_loads"].get("hit", 0) >= 0.95 * j["hot"], j["fresh_node_loads"]
