@@ -11,7 +11,8 @@ asserts on them). Scenarios: a concurrent store/load with gc, b ``rm -rf`` of a 
 server stopped (2 minutes), d a full export, e two gc nodes with skewed clocks, f head-sliced
 pages' LRU stamp and an old tool on a newer root, g the page index's server operations, h a
 user quota, i reader-side ESTALE (a third client removing and replacing pages being read), j a
-hot set that survives gc run by a long-lived client.
+hot set that survives gc run by a long-lived client, k a writer and toucher whose clock is a day
+behind (a process of its own under faketime).
 
     python tests/nfs_kernel/node.py --results DIR [--only a,b,c,...] [--outage SECONDS]
 """
@@ -50,8 +51,8 @@ from tierstore.fs.mapper import PAGE_SUFFIX, FileMapper, fanout  # noqa: E402
 from tierstore.index import page_index  # noqa: E402
 from tierstore.metrics import MetricsRegistry  # noqa: E402
 from tierstore.testing import nfs_guest  # noqa: E402
-from tierstore.testing.pages import page_bytes, page_key, simple_namespace  # noqa: E402
-from tierstore.tiers import TierChain  # noqa: E402
+from tierstore.testing.pages import hybrid_namespace, page_bytes, page_key, simple_namespace  # noqa: E402
+from tierstore.tiers import TierChain, open_group_store  # noqa: E402
 from tierstore.tiers.head_slice_store import DirectorySlices, HeadSliceStore  # noqa: E402
 
 V3 = "vers=3,nosharecache,nolock"
@@ -66,7 +67,7 @@ LONE_ROOT_DEADLINE_S = 10.0
 WAIT_S = 120.0  # how long a caller waits for one result: far past any deadline, to see overruns
 GC_LEASE_TTL_S = 5.0  # the gc processes' --lease-ttl
 RECOVERY_LIMIT_S = 45.0  # scenario d: how long stores may stay off once the export has space again
-PAGE_SEEDS = {"a": 10, "b": 20, "c": 30, "d": 40, "e": 50, "f": 60, "g": 70, "h": 80, "i": 90, "j": 100}
+PAGE_SEEDS = {"a": 10, "b": 20, "c": 30, "d": 40, "e": 50, "f": 60, "g": 70, "h": 80, "i": 90, "j": 100, "k": 110}
 E_PAGES, E_SKEW_S, E_SECONDS = 48, 30.0, 30.0  # scenario e: pages first stored, clock skew, storing time
 F_PAGES = 16  # scenario f: head-sliced pages stored (half of them loaded again)
 G_PAGES = 10_000  # scenario g: page files of the index (10^5 takes minutes to create under emulation)
@@ -419,9 +420,26 @@ def scenario_b(results: Path) -> dict[str, Any]:
     b = Node("b", mb / "b_root", deadline_s=LONE_ROOT_DEADLINE_S, io_loop=io_loop(1))
     stored = sum(a.store(i, seed)[0] for i in range(pages))
     before_ok, before = _all_hit(b, pages, seed)
-    removed = [p.name for p in b.root.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    for name in removed:
-        shutil.rmtree(b.root / name)  # node B's client: the operator's rm -rf
+    server_root = _server_path(b.root, mb)
+    top_before = sorted(os.listdir(server_root))  # the namespace's directory, its manifest, the format marker
+    removed = sorted(os.listdir(b.root))
+    for name in removed:  # node B's client: the operator's rm -rf ROOT/* (dot files too)
+        path = b.root / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    # no engine restarts: the open engines store again, and put the root's metadata back
+    removed_at = time.monotonic()
+    store_back_s, j = None, 0
+    while store_back_s is None and time.monotonic() - removed_at < 30:
+        if a.store(1000 + j, seed)[0]:
+            store_back_s = round(time.monotonic() - removed_at, 2)
+        j += 1
+    while time.monotonic() - removed_at < 60 and sorted(os.listdir(server_root)) != top_before:
+        time.sleep(0.5)
+    metadata_back_s = round(time.monotonic() - removed_at, 2) if sorted(os.listdir(server_root)) == top_before else None
+    fsck_rc, fsck_out, fsck_err = _tool("fsck", str(ma / "b_root"))
+    no_restart = {"top_before": top_before, "store_back_s": store_back_s, "metadata_back_s": metadata_back_s,
+                  "top_after": sorted(os.listdir(server_root)), "fsck_rc": fsck_rc,
+                  "fsck_tail": (fsck_out + fsck_err)[-400:]}
     b_new = Node("b_new", mb / "b_root", deadline_s=LONE_ROOT_DEADLINE_S, io_loop=io_loop(0))
     restored = sum(b_new.store(i, seed)[0] for i in range(pages))
     started = time.monotonic()
@@ -450,6 +468,7 @@ def scenario_b(results: Path) -> dict[str, Any]:
            "removed": removed, "restored_by_b_new": restored, "window_s": window_s,
            "first_full_hit_s": first_full_hit, "outcomes_while_waiting": {k: dict(v) for k, v in seen.items()},
            "a_store_then_b_new_hit_s": a_store_visible_s, "a_store_results": dict(a_store_kinds),
+           "no_restart": no_restart,
            "nodes": {n.name: n.summary() for n in (a, b, b_new)}}
     for n in (a, b, b_new):
         n.close()
@@ -465,6 +484,7 @@ C_MOUNTS = {"a": ("a3_soft", f"{V3},soft,timeo=10,retrans=1"), "b": ("b42_hard",
 C_LOOPS = {"a": IO_LOOPS[0], "b": IO_LOOPS[0], "c": IO_LOOPS[1], "d": IO_LOOPS[1]}
 LATE_START_S = 10.0  # scenario c: new engines start this long into the outage
 LATE_CALLS = 5  # ... and each makes this many loads and this many stores while it lasts
+GROUPS_ROOT = "c_groups_root"  # the late multi-group engine's root (hard v3)
 LATE_LOCAL_PAGES = 64  # the late chains' local tiers: room for every page they store in the scenario
 BACKLOG_LIMIT_S = 60.0  # how long after serving again a chain's backlog may take to reach the export
 # How long a node (and a new engine) may take to serve again once the server is back. A hard
@@ -493,6 +513,15 @@ def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, sta
              "new_chain_py": Node("new_chain_py", mounts["d"] / "c_root", local / "new_chain_py", make_root=False,
                                   io_loop=io_loop(1), local_pages=LATE_LOCAL_PAGES)}
     out["nodes"] = nodes
+    # a hybrid model's engine opens one tier per KV-cache group, one after another: on the hung
+    # export all of them within one deadline (one health per root), not one deadline per group;
+    # on a root no other engine of this process uses (whose outage it would already know)
+    ns = hybrid_namespace()
+    opened = time.monotonic()
+    groups = [open_group_store(TierStoreConfig.from_dict({"root": str(mounts["c"] / GROUPS_ROOT), "deadline_s": DEADLINE_S}),
+                               ns, g, metrics=MetricsRegistry()) for g in range(len(ns.groups))]
+    out["groups_open"] = {"groups": len(groups), "seconds": round(time.monotonic() - opened, 2), "at": opened,
+                          "up": sum(g.tiers[-1].available for g in groups)}
     out["started_at_s"] = round(time.monotonic() - t0, 2)
     for k, (name, node) in enumerate(nodes.items()):
         base = 5000 + 1000 * k
@@ -519,6 +548,13 @@ def _late_engines(seed: int, own: int, mounts: dict[str, Path], local: Path, sta
         attempt += 1
         time.sleep(1.0)
     out["serve_after_restart_s"] = serve
+    back_up = time.monotonic()
+    while time.monotonic() - back_up < SERVE_LIMIT_S and not all(g.tiers[-1].available for g in groups):
+        time.sleep(0.5)
+    out["groups_open"]["up_after_restart_s"] = (round(time.monotonic() - back, 2)
+                                                if all(g.tiers[-1].available for g in groups) else None)
+    for g in groups:
+        g.close(10)
     # the chains' backlogs: every page stored on the local tier during the outage reaches the
     # export (seen on the server's own tmpfs) with nobody storing it again
     chains = {name: k for k, name in enumerate(nodes) if nodes[name].store_.local is not None}
@@ -790,6 +826,7 @@ def scenario_c(results: Path, outage_s: float, control: ControlProcess) -> dict[
     mounts = {n: mounted(nfs_guest.EXPORT, name, options) for n, (name, options) in C_MOUNTS.items()}
     local = Path("/var/tmp/nfs_kernel_local")
     nodes = {n: Node(n, mounts[n] / "c_root", local / n, io_loop=C_LOOPS[n]) for n in C_MOUNTS}
+    (mounts["c"] / GROUPS_ROOT).mkdir(exist_ok=True)  # before the outage: a mkdir on the hung mount blocks
     for k, node in enumerate(nodes.values()):
         for i in range(own):
             node.store(k * own + i, seed)
@@ -875,6 +912,9 @@ def scenario_c(results: Path, outage_s: float, control: ControlProcess) -> dict[
                                   # what the guest itself lost during each open (as for late calls)
                                   "open_excuse_s": {n: round(control.worst(node.opened_at, node.opened_at + node.open_s), 3)
                                                     for n, node in new_nodes.items()},
+                                  "groups_open_excuse_s": round(control.worst(
+                                      late["groups_open"]["at"], late["groups_open"]["at"] + late["groups_open"]["seconds"]), 3)
+                                  if "groups_open" in late else None,
                                   "start_limit_s": DEADLINE_S + 2.0, "late_start_s": LATE_START_S},
            "nodes": {n.name: n.summary() for n in every.values()},
            "shared_up_at_end": {n.name: n.store_.stats.get("shared_up") for n in every.values()},
@@ -1229,6 +1269,7 @@ def _index_refreshes(mount: Path, version: str) -> dict[str, Any]:
 # replaces and removes them
 I_NS = simple_namespace("float16", tokens_per_chunk=64, num_layers=256, num_kv_heads=4, head_size=64)
 I_PAGES, I_SECONDS = 2, 25.0  # two pages: each replaced several times a second
+I_ESTALE, I_MAX_SECONDS = 3, 90.0
 
 
 def _server_copy(src: str, dst: str) -> None:
@@ -1292,11 +1333,17 @@ def scenario_i(results: Path) -> dict[str, Any]:
     threads.append(threading.Thread(target=replace))
     for t in threads:
         t.start()
-    time.sleep(I_SECONDS)
+    # at least I_SECONDS; then until the v3 python node met ESTALE I_ESTALE times (a starved CI
+    # guest runs fewer loads, and each meets ESTALE by chance), I_MAX_SECONDS at most
+    began = time.monotonic()
+    while time.monotonic() - began < I_MAX_SECONDS and (
+            time.monotonic() - began < I_SECONDS or readers[0].errnos.get("ESTALE", 0) < I_ESTALE):
+        time.sleep(0.5)
     stop.set()
+    ran_s = round(time.monotonic() - began, 1)
     for t in threads:
         t.join(WAIT_S)
-    out = {"pages": I_PAGES, "page_bytes": page_file_size(I_NS, 0), "stored": stored, "seconds_run": I_SECONDS,
+    out = {"pages": I_PAGES, "page_bytes": page_file_size(I_NS, 0), "stored": stored, "seconds_run": ran_s,
            "churn": dict(churn), "nodes": {n.name: n.summary() for n in readers},
            "estale_metric": {n.name: n.summary()["tiers"].get("root", {}).get("failures", {}).get("estale", 0)
                              for n in readers}}
@@ -1357,6 +1404,96 @@ def scenario_j(results: Path) -> dict[str, Any]:
     for n in (hot_node, fresh):
         n.close()
     return out
+
+
+K_PAGES, K_HOT, K_SKEW_S = 20, 5, -86400.0  # scenario k: pages, the hot set, the node's clock (a day behind)
+K_DIR = Path("/var/tmp/nfs_kernel_skewed")  # go/done files and the skewed node's report
+
+
+class SkewedProcess:
+    """Scenario k's node, in a process whose wall clock is ``K_SKEW_S`` off (``faketime``:
+    every clock call of the process, monotonic ones excepted): ``node.py --skewed SEED``.
+    Started with the control process (its imports overlap the first scenarios); ``run`` lets
+    it store and touch, and returns its report."""
+
+    def __init__(self, seed: int, stderr: Path) -> None:
+        shutil.rmtree(K_DIR, ignore_errors=True)
+        K_DIR.mkdir(parents=True)
+        argv = [sys.executable, str(Path(__file__).resolve()), "--results", str(K_DIR), "--skewed", str(seed)]
+        with open(stderr, "ab") as err:
+            self.proc = subprocess.Popen(nfs_guest.clock_offset_command(K_SKEW_S, argv), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=err)
+
+    def run(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        (K_DIR / "go").touch()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        return json.loads((K_DIR / "report.json").read_text()) | {"rc": self.proc.returncode}
+
+
+def skewed_main(seed: int) -> int:
+    """The skewed node (``SkewedProcess``): a fleet chain on the v3 mount whose local tier holds
+    every page; on ``go`` it stores ``K_PAGES`` pages, then hits the last ``K_HOT`` from its
+    local tier, round after round (each hit stamps the shared copy); its report says what its
+    own clock read."""
+    import select
+
+    # libfaketime 0.9.10 turns Python 3.11's time.sleep (an absolute clock_nanosleep on the
+    # monotonic clock) into EINVAL: sleeps wait in select instead; every clock stays faketime's
+    time.sleep = lambda seconds: select.select([], [], [], max(0.0, seconds)) and None
+    deadline = time.monotonic() + 3600
+    while not (K_DIR / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ma = mounted(nfs_guest.EXPORT, "a3_default", V3)
+    node = Node("skewed", ma / "k_root", Path("/var/tmp/nfs_kernel_local/k_skewed"), local_pages=K_PAGES + 2,
+                io_loop=io_loop(0))
+    clock_at_start = time.time()
+    stored = sum(node.store(i, seed)[0] for i in range(K_PAGES))
+    node.store_.flush(60)
+    time.sleep(1.5)  # the hot pages' stamps come later than every store, by the server's clock too
+    hits: Counter[str] = Counter()
+    for _ in range(3):
+        for i in range(K_PAGES - K_HOT, K_PAGES):
+            hits[node.load(i, seed)] += 1
+        time.sleep(0.6)  # past the touch interval (0.5 s)
+    time.sleep(3.0)  # the stamps are background utimes
+    summary = node.summary()
+    node.close()
+    (K_DIR / "report.json").write_text(json.dumps({"stored": stored, "hot_loads": dict(hits),
+                                                   "own_clock_at_start": clock_at_start,
+                                                   "local_hits": summary["tiers"].get("local", {}).get("hits", 0),
+                                                   "node": summary}))
+    return 0
+
+
+def scenario_k(results: Path, skewed: SkewedProcess) -> dict[str, Any]:
+    """A writer and a toucher whose clock is a day behind (one process under faketime): the
+    page files' times are the server's (a store's file time and each hit's stamp), so gc, on a
+    node with the right clock, evicts the cold pages and keeps the ones the skewed node hit."""
+    started = time.time()  # this process's clock is the guest's, the server's
+    report = skewed.run()
+    ma = mounted(nfs_guest.EXPORT, "a3_default", V3)
+    mapper = FileMapper(_server_path(ma / "k_root", ma), namespace().digest, 0, 0)
+    seed = PAGE_SEEDS["k"]
+    mtimes = [os.stat(mapper.final_path(key(i, seed))).st_mtime for i in range(K_PAGES)]
+    hot, cold = mtimes[K_PAGES - K_HOT:], mtimes[:K_PAGES - K_HOT]
+    now = time.time()
+    paths = [Path(mapper.final_path(key(i, seed))) for i in range(K_PAGES)]
+    cap = sum(p.stat().st_size for p in paths) // 2
+    rc, gc_out, gc_err = _tool("gc", str(ma / "k_root"), "--max-bytes", str(cap), "--low-watermark", "1", "--json")
+    gc_report = json.loads(gc_out) if gc_out.startswith("{") else {}
+    return {"pages": K_PAGES, "hot": K_HOT, "skew_s": K_SKEW_S,
+            "skewed": {k: v for k, v in report.items() if k != "node"},
+            "skewed_clock_behind_s": round(started - report["own_clock_at_start"], 1),
+            "mtimes_within_run": sum(started - 5 <= t <= now + 5 for t in mtimes),
+            "hot_newer_than_every_cold": min(hot) > max(cold),
+            "gc": {"rc": rc, "cap": cap, "evicted": gc_report.get("evicted"), "tail": (gc_out + gc_err)[-300:]},
+            "survived_gc": {"hot": sum(paths[i].exists() for i in range(K_PAGES - K_HOT, K_PAGES)),
+                            "cold": sum(paths[i].exists() for i in range(K_PAGES - K_HOT))},
+            "nodes": {"skewed": report["node"]}}
 
 
 def scenario_g(results: Path) -> dict[str, Any]:
@@ -1430,18 +1567,22 @@ def scenario_h(results: Path) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True, type=Path)
-    ap.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j", help="comma-separated scenario letters")
+    ap.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j,k", help="comma-separated scenario letters")
     ap.add_argument("--outage", type=float, default=120.0, help="seconds the server stays stopped (c)")
     ap.add_argument("--control", type=int, default=None, help="run scenario c's control process (its seed)")
+    ap.add_argument("--skewed", type=int, default=None, help="run scenario k's skewed node (its seed)")
     args = ap.parse_args()
     if args.control is not None:
         return control_main(args.control)
+    if args.skewed is not None:
+        return skewed_main(args.skewed)
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
         "a": lambda: scenario_a(args.results), "b": lambda: scenario_b(args.results),
         "c": lambda: scenario_c(args.results, args.outage, control), "d": lambda: scenario_d(args.results),
         "e": lambda: scenario_e(args.results), "f": lambda: scenario_f(args.results),
         "g": lambda: scenario_g(args.results), "h": lambda: scenario_h(args.results),
-        "i": lambda: scenario_i(args.results), "j": lambda: scenario_j(args.results)}
+        "i": lambda: scenario_i(args.results), "j": lambda: scenario_j(args.results),
+        "k": lambda: scenario_k(args.results, skewed)}
     (args.results / "imported_s").write_text(f"{time.monotonic():.2f}\n")
     # the native lane's kernels, compiled here before any node starts: an engine made while they
     # compile runs its first jobs on the Python threads (the lane starts at a job once they are)
@@ -1453,6 +1594,7 @@ def main() -> int:
         {"ready": ready, "failure": native.failure(), "compile_s": round(time.monotonic() - started, 1)}))
     # scenario c's control: started now, so its imports overlap the scenarios before c
     control = ControlProcess(PAGE_SEEDS["c"], args.results / "control.stderr") if "c" in args.only else None
+    skewed = SkewedProcess(PAGE_SEEDS["k"], args.results / "skewed.stderr") if "k" in args.only else None
     for name in args.only.split(","):
         started = time.monotonic()
         capture = LogCapture()

@@ -413,8 +413,12 @@ def server_start(threads: int = NFSD_THREADS) -> None:
 
 def clock_offset_command(offset_s: float, argv: list[str]) -> list[str]:
     """``argv`` under faketime with its wall clock ``offset_s`` seconds off (monotonic clocks and
-    file times from the server untouched); needs the Debian package faketime."""
-    env = ["env", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+    file times from the server untouched); needs the Debian package faketime. ``FAKE_UTIME=1``
+    passes ``utime(path, None)`` through as it is (libfaketime 0.9.10 otherwise rewrites it into
+    an explicit faked "now", where a real client with a wrong clock asks the NFS server for its
+    own time). Python's ``time.sleep`` fails EINVAL under libfaketime 0.9.10 (its absolute
+    monotonic ``clock_nanosleep``): a Python program run this way sleeps another way."""
+    env = ["env", "FAKETIME_DONT_FAKE_MONOTONIC=1", "FAKE_UTIME=1"]
     return [*env, "faketime", "-f", f"{offset_s:+.0f}s", *argv]
 
 
