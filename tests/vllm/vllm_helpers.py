@@ -48,15 +48,46 @@ def run_engine_script(script: str, args: list[str], phases: int,
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on vLLM-CPU binds one core per rank: needs 2 cores")
     here = Path(__file__).parent
+    # PYTHONFAULTHANDLER: a script that hangs is stopped with SIGABRT first, so that it and its
+    # engine processes print their threads' stacks into the output the failure shows
     env = dict(os.environ, PYTHONPATH=str(here.parents[1]), VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60", **(extra_env or {}))
-    proc = subprocess.run([sys.executable, str(here / script), *args], capture_output=True, text=True, env=env,
-                          timeout=900)
-    results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines()
+               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60", PYTHONFAULTHANDLER="1",
+               **(extra_env or {}))
+    proc = subprocess.Popen([sys.executable, str(here / script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=ENGINE_SCRIPT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop_hung_script(proc)
+        pytest.fail(f"{script} {args} did not finish within {ENGINE_SCRIPT_TIMEOUT_S:.0f} s (a TP engine "
+                    f"that took 45-90 s); its output, stacks last:\n{stdout[-2000:]}\n{stderr[-12000:]}")
+    results = {r["phase"]: r for r in (json.loads(ln[len("RESULT "):]) for ln in stdout.splitlines()
                                          if ln.startswith("RESULT "))}
-    assert proc.returncode == 0 and len(results) == phases, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode == 0 and len(results) == phases, (stdout[-2000:], stderr[-4000:])
     print("engine seconds:", {p: r["seconds"] for p, r in results.items()})  # the cost of the test (-s)
-    return results, proc.stdout + proc.stderr
+    return results, stdout + stderr
+
+
+# below pytest's own 600 s per test, so a hung script fails with its output instead of pytest's
+# timeout (which showed only the test's own wait, and left the engine's processes running)
+ENGINE_SCRIPT_TIMEOUT_S = 480.0
+
+
+def _stop_hung_script(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGABRT to the script's whole process group (its engine core and TP workers dump their
+    stacks), SIGKILL 10 s later; (stdout, stderr) as far as they got."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGABRT, 10.0), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.communicate()
 
 
 @dataclass
